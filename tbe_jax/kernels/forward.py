@@ -1,0 +1,297 @@
+"""Pooled TBE forward as one Pallas-Triton launch over every feature.
+
+Work decomposition ("bag-parallel"): a program owns `G` consecutive bags of one
+feature. Step k gathers the k-th row of each of its bags, a `[G, Dp]` tile
+(`Dp = next_pow2(D)`), scales it by the per-sample weights and adds it to a
+`[G, Dp]` fp32 accumulator. `U` steps are unrolled so `U * G` row loads are in
+flight before the first add. The accumulation is element-wise and sequential in
+k, so fp32 weights get a compensated (TwoSum) accumulation that matches fp64
+accumulation to about an ulp, at no extra memory traffic.
+
+Specialisation: each storage buffer (one per distinct D) gets its own branch of
+the kernel, compiled with its D as a constant (row stride known: 16-byte loads),
+its own tile width `Dp` and bags per program, selected by program id. Programs
+are ordered buffer by buffer, feature by feature, bag by bag, so neighbours read
+the same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax._pallas import pl, plgpu, quiet_triton_deprecation
+from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
+
+# Columns of the per-feature metadata table handed to the kernel.
+_BAG_BASE, _BATCH, _NUM_ROWS, _ROW_OFFSET, _OUT_BASE, _OUT_STRIDE = range(6)
+_META_COLS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Block sizes and launch knobs of the pooled forward kernel.
+
+    Attributes:
+      tile_elems: elements of the `[G, Dp]` tile gathered per step; `G` (bags per
+        program) is `tile_elems // Dp`, clipped to `[1, max_bags]` and to the batch.
+      max_bags: upper bound on bags per program.
+      unroll: steps (rows per bag) whose loads are issued together.
+      num_warps: warps per program.
+      num_stages: Triton software-pipelining depth.
+      compensated_fp32: TwoSum accumulation for fp32 weights (FBGEMM accumulates
+        fp32 in fp64). Off gives plain fp32 sums; kept for the accuracy test.
+    """
+
+    tile_elems: int = 2048
+    max_bags: int = 64
+    unroll: int = 4
+    num_warps: int = 4
+    num_stages: int = 1
+    compensated_fp32: bool = True
+
+    def __post_init__(self):
+        for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
+
+    @staticmethod
+    def get_default() -> "ForwardConfig":
+        return ForwardConfig()
+
+    def bags_per_program(self, dim: int, max_batch: int) -> int:
+        g = max(1, min(self.max_bags, self.tile_elems // next_pow2(dim)))
+        g = min(g, next_pow2(max(max_batch, 1)))
+        return 1 << (g.bit_length() - 1)  # a power of 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Branch:
+    buffer: int  # position of the buffer among the kernel's weight refs
+    prog_start: int
+    prog_end: int
+    dim: int
+    block_dim: int
+    bags: int
+
+
+def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig):
+    """Static program table: per program (feature, first bag); per buffer a branch."""
+    progs, branches = [], []
+    used = sorted({plan.group[f] for f in range(plan.num_features)})
+    for pos, g in enumerate(used):
+        feats = [f for f in range(plan.num_features) if plan.group[f] == g]
+        d = layout.dims[g]
+        bags = cfg.bags_per_program(d, max(plan.batch[f] for f in feats))
+        start = len(progs)
+        for f in feats:
+            progs.extend((f, b0) for b0 in range(0, plan.batch[f], bags))
+        if len(progs) > start:
+            branches.append(_Branch(pos, start, len(progs), d, next_pow2(d), bags))
+    prog_meta = np.asarray(progs, np.int32).reshape(-1, 2)
+    feat_meta = np.stack(
+        [plan.bag_base, plan.batch, plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride],
+        axis=1,
+    ).astype(np.int32)
+    return used, tuple(branches), prog_meta, feat_meta
+
+
+def _two_sum(s, c, x):
+    t = s + x
+    z = t - s
+    return t, c + ((s - (t - z)) + (x - z))
+
+
+def _pool_branch(
+    pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref,
+    *, br: _Branch, unroll: int, pooling: str, check_upper: bool, compensated: bool,
+):
+    # Metadata tables are flat (row-major) so every index is a traced int32:
+    # interpret mode rejects Python ints as ref indices.
+    f = plgpu.load(prog_ref.at[2 * pid])
+    b0 = plgpu.load(prog_ref.at[2 * pid + 1])
+
+    def feat_meta(col):
+        return plgpu.load(feat_ref.at[_META_COLS * f + col])
+
+    bag_base = feat_meta(_BAG_BASE)
+    batch = feat_meta(_BATCH)
+    num_rows = feat_meta(_NUM_ROWS)
+    row_offset = feat_meta(_ROW_OFFSET)
+    out_base = feat_meta(_OUT_BASE)
+    out_stride = feat_meta(_OUT_STRIDE)
+
+    g = jnp.arange(br.bags, dtype=jnp.int32)
+    bag = b0 + g
+    bag_ok = bag < batch
+    start = plgpu.load(offsets_ref.at[bag_base + bag], mask=bag_ok, other=0)
+    end = plgpu.load(offsets_ref.at[bag_base + bag + 1], mask=bag_ok, other=0)
+    length = end - start
+    n_iter = (jnp.max(length) + unroll - 1) // unroll
+
+    cols = jnp.arange(br.block_dim, dtype=jnp.int32)
+    col_ok = cols < br.dim
+    shape = (br.bags, br.block_dim)
+
+    def row_mask(ok):
+        if br.block_dim == br.dim:
+            return jnp.broadcast_to(ok[:, None], shape)
+        return ok[:, None] & col_ok[None, :]
+
+    def body(it, carry):
+        k0 = it * unroll
+        idxs, lives = [], []
+        for u in range(unroll):
+            live = (k0 + u) < length
+            idxs.append(plgpu.load(indices_ref.at[start + (k0 + u)], mask=live, other=-1))
+            lives.append(live)
+        tiles = []
+        for u in range(unroll):
+            idx = idxs[u]
+            ok = idx >= 0
+            if check_upper:
+                ok = ok & (idx < num_rows)
+            rows = row_offset + idx
+            x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0)
+            tiles.append(x)
+        ws = []
+        if psw_ref is not None:
+            for u in range(unroll):
+                ws.append(plgpu.load(psw_ref.at[start + (k0 + u)], mask=lives[u], other=0.0))
+        s, c = carry
+        for u in range(unroll):
+            x = tiles[u].astype(jnp.float32)
+            if ws:
+                x = x * ws[u][:, None]
+            if compensated:
+                s, c = _two_sum(s, c, x)
+            else:
+                s = s + x
+        return s, c
+
+    zeros = jnp.zeros(shape, jnp.float32)
+    s, c = jax.lax.fori_loop(0, n_iter, body, (zeros, zeros))
+    acc = s + c if compensated else s
+    if pooling == "mean":
+        acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
+    ptr = (out_base + bag * out_stride)[:, None] + cols[None, :]
+    plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
+
+
+def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, pooling, check_upper, compensated):
+    prog_ref, feat_ref, offsets_ref, indices_ref = refs[:4]
+    rest = refs[4:]
+    psw_ref = rest[0] if weighted else None
+    w_refs = rest[int(weighted) : int(weighted) + n_buffers]
+    out_ref = rest[-1]
+    pid = pl.program_id(0)
+    for br in branches:
+        @pl.when((pid >= br.prog_start) & (pid < br.prog_end))
+        def _(br=br):
+            _pool_branch(
+                pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref,
+                br=br, unroll=unroll, pooling=pooling, check_upper=check_upper, compensated=compensated,
+            )
+
+
+def pooled_forward(
+    buffers: dict,
+    layout: StorageLayout,
+    plan: FeaturePlan,
+    indices: jax.Array,  # [N] int32
+    offsets: jax.Array,  # [num_bags + 1] int32
+    per_sample_weights: jax.Array | None,  # [N] float32
+    *,
+    pooling: str,
+    output_dtype,
+    check_upper: bool,
+    config: ForwardConfig,
+    interpret: bool,
+) -> jax.Array:
+    """Flat pooled output of `plan.out_size` elements (reshape is the caller's)."""
+    used, branches, prog_meta, feat_meta = _schedule(layout, plan, config)
+    if not branches or plan.out_size == 0:
+        return jnp.zeros((plan.out_size,), output_dtype)
+    compensated = config.compensated_fp32 and all(
+        buffers[layout.key(g)].dtype == jnp.float32 for g in used
+    )
+    kernel = functools.partial(
+        _pooled_kernel,
+        branches=branches,
+        n_buffers=len(used),
+        weighted=per_sample_weights is not None,
+        unroll=config.unroll,
+        pooling=pooling,
+        check_upper=check_upper,
+        compensated=compensated,
+    )
+    args = [jnp.asarray(prog_meta.reshape(-1)), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
+    if per_sample_weights is not None:
+        args.append(per_sample_weights)
+    args.extend(buffers[layout.key(g)] for g in used)
+    with quiet_triton_deprecation():
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((plan.out_size,), output_dtype),
+            grid=(prog_meta.shape[0],),
+            compiler_params=plgpu.CompilerParams(
+                num_warps=config.num_warps, num_stages=config.num_stages
+            ),
+            interpret=interpret,
+            name="tbe_pooled_forward",
+        )(*args)
+
+
+def _sequence_kernel(rows_ref, *refs, weighted, dim, block_dim, block_rows, n):
+    psw_ref = refs[0] if weighted else None
+    w_ref, out_ref = refs[-2], refs[-1]
+    pos = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    in_range = pos < n
+    rows = plgpu.load(rows_ref.at[pos], mask=in_range, other=-1)
+    cols = jnp.arange(block_dim, dtype=jnp.int32)
+    col_ok = cols < dim
+    ok = rows >= 0
+    x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & col_ok[None, :], other=0)
+    x = x.astype(jnp.float32)
+    if psw_ref is not None:
+        x = x * plgpu.load(psw_ref.at[pos], mask=in_range, other=0.0)[:, None]
+    plgpu.store(out_ref.at[pos[:, None], cols[None, :]], x.astype(out_ref.dtype),
+                mask=in_range[:, None] & col_ok[None, :])
+
+
+def sequence_forward(
+    weights: jax.Array,  # [R, D] the one storage buffer
+    rows: jax.Array,  # [N] int32 buffer row per position, -1 for "contributes zeros"
+    per_sample_weights: jax.Array | None,
+    *,
+    output_dtype,
+    config: ForwardConfig,
+    interpret: bool,
+) -> jax.Array:
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    if n == 0:
+        return jnp.zeros((0, dim), output_dtype)
+    block_dim = next_pow2(dim)
+    block_rows = max(1, min(256, config.tile_elems // block_dim))
+    kernel = functools.partial(
+        _sequence_kernel, weighted=per_sample_weights is not None, dim=dim,
+        block_dim=block_dim, block_rows=block_rows, n=n,
+    )
+    args = [rows] + ([per_sample_weights] if per_sample_weights is not None else []) + [weights]
+    with quiet_triton_deprecation():
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((n, dim), output_dtype),
+            grid=(pl.cdiv(n, block_rows),),
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+            interpret=interpret,
+            name="tbe_sequence_forward",
+        )(*args)

@@ -1,0 +1,103 @@
+"""Pure-`jnp` reference of the TBE forward: the semantics every kernel must match.
+
+It is also the `impl="xla"` path (the CPU default), so it is written to be
+reasonably fast under XLA: one gather and one sorted segment-sum per storage
+buffer. Inputs reaching these functions are already validated (see `bounds.py`):
+`offsets` is non-decreasing, starts at 0 and ends at most at `len(indices)`.
+Ids outside `[0, E)` contribute nothing here (the semantics of the checked modes;
+with `bounds_check="none"` the kernels leave such ids undefined).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax.specs import FeaturePlan, StorageLayout
+
+
+def position_features(plan: FeaturePlan, offsets: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """For each position of `indices`: its bag and its feature (clipped to range)."""
+    pos = jnp.arange(n, dtype=offsets.dtype)
+    bag = jnp.searchsorted(offsets, pos, side="right").astype(jnp.int32) - 1
+    bag = jnp.clip(bag, 0, max(plan.num_bags - 1, 0))
+    bag_base = jnp.asarray(np.asarray(plan.bag_base, np.int32))
+    feat = jnp.searchsorted(bag_base, bag, side="right").astype(jnp.int32) - 1
+    return bag, feat
+
+
+def _valid_rows(plan: FeaturePlan, indices, offsets, feat):
+    n = indices.shape[0]
+    pos = jnp.arange(n, dtype=offsets.dtype)
+    num_rows = jnp.asarray(np.asarray(plan.num_rows, np.int64 if indices.dtype == jnp.int64 else np.int32))
+    in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
+    return in_bag & (indices >= 0) & (indices < num_rows[feat])
+
+
+def pooled_forward(
+    buffers: dict,
+    layout: StorageLayout,
+    plan: FeaturePlan,
+    indices: jax.Array,
+    offsets: jax.Array,
+    per_sample_weights: jax.Array | None,
+    *,
+    pooling: str,
+    output_dtype,
+) -> jax.Array:
+    """Pooled ("sum" or "mean") lookup; `[B, sum D]` or, with VBE, flat."""
+    n = indices.shape[0]
+    nbags = plan.num_bags
+    bag, feat = position_features(plan, offsets, n)
+    valid = _valid_rows(plan, indices, offsets, feat)
+    scale = valid.astype(jnp.float32)
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights.astype(jnp.float32)
+    lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+    row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
+    feat_group = np.asarray(plan.group)
+    blocks = [None] * plan.num_features
+    for g, d in enumerate(layout.dims):
+        feats = [f for f in range(plan.num_features) if plan.group[f] == g]
+        if not feats:
+            continue
+        w = buffers[layout.key(g)]
+        in_group = jnp.asarray(feat_group == g)[feat]
+        rows = jnp.where(valid & in_group, row_offset[feat] + indices.astype(jnp.int32), 0)
+        x = jnp.take(w, rows, axis=0).astype(jnp.float32)
+        x = x * jnp.where(in_group, scale, 0.0)[:, None]
+        pooled = jax.ops.segment_sum(x, bag, num_segments=nbags, indices_are_sorted=True)
+        if pooling == "mean":
+            pooled = pooled / jnp.maximum(lengths, 1.0)[:, None]
+        for f in feats:
+            blocks[f] = pooled[plan.bag_base[f] : plan.bag_base[f] + plan.batch[f]]
+    if plan.vbe:
+        out = jnp.concatenate([b.reshape(-1) for b in blocks]) if blocks else jnp.zeros((0,))
+    else:
+        out = jnp.concatenate(blocks, axis=1)
+    return out.astype(output_dtype)
+
+
+def sequence_forward(
+    buffers: dict,
+    layout: StorageLayout,
+    plan: FeaturePlan,
+    indices: jax.Array,
+    offsets: jax.Array,
+    per_sample_weights: jax.Array | None,
+    *,
+    output_dtype,
+) -> jax.Array:
+    """`pooling="none"`: one row per index, `[len(indices), D]` (all tables one D)."""
+    n = indices.shape[0]
+    _, feat = position_features(plan, offsets, n)
+    valid = _valid_rows(plan, indices, offsets, feat)
+    row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
+    rows = jnp.where(valid, row_offset[feat] + indices.astype(jnp.int32), 0)
+    w = buffers[layout.key(0)]
+    x = jnp.take(w, rows, axis=0).astype(jnp.float32)
+    scale = valid.astype(jnp.float32)
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights.astype(jnp.float32)
+    return (x * scale[:, None]).astype(output_dtype)

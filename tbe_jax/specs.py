@@ -1,0 +1,156 @@
+"""Static descriptions of tables and of how they are stored.
+
+Everything here is hashable and built from Python ints, so a
+`TableBatchedEmbedding` can be a static argument of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """One embedding table: `num_embeddings` rows of `embedding_dim` values.
+
+    Args:
+      num_embeddings: rows in the table (E), at least 1.
+      embedding_dim: values per row (D), at least 1.
+      name: optional label, used in error messages.
+      bag_size_hint: optional typical bag length of the features reading this
+        table; a static hint for kernel selection (never needed for correctness).
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str | None = None
+    bag_size_hint: int | None = None
+
+    def __post_init__(self):
+        for field in ("num_embeddings", "embedding_dim"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"TableSpec.{field} must be a positive int, got {v!r}")
+            object.__setattr__(self, field, int(v))
+        if self.bag_size_hint is not None and (
+            not isinstance(self.bag_size_hint, (int, np.integer)) or self.bag_size_hint < 0
+        ):
+            raise ValueError(
+                f"TableSpec.bag_size_hint must be None or an int >= 0, got {self.bag_size_hint!r}"
+            )
+
+    def label(self, t: int) -> str:
+        return f"table {t}" + (f" ({self.name!r})" if self.name else "")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageLayout:
+    """Where each table lives in the parameter pytree.
+
+    Tables of equal `embedding_dim` are stacked row-wise into one 2-D buffer
+    `[sum of their E, D]` (no row padding), so a kernel specialised for that D
+    reads rows at `buffer[row_offset[t] + id]` with a compile-time row stride
+    (16-byte vector loads). One buffer per distinct D, named `"d{D}"`.
+    """
+
+    dims: tuple[int, ...]  # distinct D, in order of first appearance
+    group_rows: tuple[int, ...]  # rows in each buffer
+    table_group: tuple[int, ...]  # per table: its buffer
+    table_row_offset: tuple[int, ...]  # per table: first row in its buffer
+
+    @staticmethod
+    def build(tables: Sequence[TableSpec]) -> "StorageLayout":
+        dims: list[int] = []
+        rows: list[int] = []
+        tgroup, toff = [], []
+        for t in tables:
+            if t.embedding_dim not in dims:
+                dims.append(t.embedding_dim)
+                rows.append(0)
+            g = dims.index(t.embedding_dim)
+            tgroup.append(g)
+            toff.append(rows[g])
+            rows[g] += t.num_embeddings
+        for g, r in enumerate(rows):
+            if r >= 2**31:
+                raise ValueError(
+                    f"tables of embedding_dim={dims[g]} hold {r} rows together; the int32 "
+                    "row index of one storage buffer must stay below 2**31"
+                )
+        return StorageLayout(tuple(dims), tuple(rows), tuple(tgroup), tuple(toff))
+
+    def key(self, g: int) -> str:
+        return f"d{self.dims[g]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturePlan:
+    """Static per-feature facts for one batch shape (fixed B, or VBE sizes).
+
+    Feature f reads table `table[f]` (dim `dim[f]`, stored in buffer `group[f]`
+    from row `row_offset[f]`); its bags are `offsets[bag_base[f] : bag_base[f] +
+    batch[f] + 1]`; its pooled row for bag b starts at flat output element
+    `out_base[f] + b * out_stride[f]`.
+    """
+
+    table: tuple[int, ...]
+    dim: tuple[int, ...]
+    group: tuple[int, ...]
+    row_offset: tuple[int, ...]
+    num_rows: tuple[int, ...]
+    batch: tuple[int, ...]
+    bag_base: tuple[int, ...]
+    out_base: tuple[int, ...]
+    out_stride: tuple[int, ...]
+    vbe: bool
+    out_size: int
+
+    @property
+    def num_features(self) -> int:
+        return len(self.table)
+
+    @property
+    def num_bags(self) -> int:
+        return sum(self.batch)
+
+    @staticmethod
+    def build(
+        tables: Sequence[TableSpec],
+        layout: StorageLayout,
+        feature_table_map: Sequence[int],
+        batch: Sequence[int],
+        vbe: bool,
+    ) -> "FeaturePlan":
+        dim = [tables[t].embedding_dim for t in feature_table_map]
+        bag_base = np.concatenate([[0], np.cumsum(batch)[:-1]]).astype(int).tolist()
+        if vbe:
+            sizes = [b * d for b, d in zip(batch, dim)]
+            out_base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+            out_stride = list(dim)
+            out_size = int(sum(sizes))
+        else:
+            out_base = np.concatenate([[0], np.cumsum(dim)[:-1]]).astype(int).tolist()
+            out_stride = [int(sum(dim))] * len(dim)
+            out_size = int(batch[0] * sum(dim)) if batch else 0
+        if out_size >= 2**31:
+            raise ValueError(f"pooled output of {out_size} elements must stay below 2**31")
+        return FeaturePlan(
+            table=tuple(int(t) for t in feature_table_map),
+            dim=tuple(dim),
+            group=tuple(layout.table_group[t] for t in feature_table_map),
+            row_offset=tuple(layout.table_row_offset[t] for t in feature_table_map),
+            num_rows=tuple(tables[t].num_embeddings for t in feature_table_map),
+            batch=tuple(int(b) for b in batch),
+            bag_base=tuple(int(b) for b in bag_base),
+            out_base=tuple(int(b) for b in out_base),
+            out_stride=tuple(int(s) for s in out_stride),
+            vbe=bool(vbe),
+            out_size=out_size,
+        )

@@ -1,0 +1,323 @@
+"""`TableBatchedEmbedding`: many tables, one lookup-and-pool call."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax import bounds, reference
+from tbe_jax.kernels import forward as fwd_kernels
+from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec
+
+_POOLINGS = ("sum", "mean", "none")
+_BOUNDS = ("none", "warning", "fatal")
+_IMPLS = ("auto", "pallas", "xla")
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def _float_dtype(name: str, value) -> jnp.dtype:
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        dt = None
+    if dt not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {value!r}")
+    return dt
+
+
+def _is_concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+class TableBatchedEmbedding:
+    """Table-batched embedding bags: every feature's lookup and pooling in one call.
+
+    Args:
+      tables: the `TableSpec`s.
+      feature_table_map: feature f looks up table `feature_table_map[f]`;
+        default: feature f reads table f. Several features may share a table.
+      pooling: "sum", "mean" (an empty bag gives zeros) or "none" (one row per
+        index, in index order; all tables must have one embedding_dim).
+      weights_dtype: storage dtype of the tables (float32, float16, bfloat16).
+      output_dtype: dtype of the result (float32, float16, bfloat16).
+      bounds_check: "none", "warning" or "fatal"; see `tbe_jax.bounds`.
+      impl: "pallas" (the Triton kernels), "xla" (the pure-jnp reference) or
+        "auto": the kernels on GPU (or when `interpret=True`), XLA elsewhere.
+      interpret: run the Pallas kernels in interpret mode (CPU tests).
+      kernel_config: `tbe_jax.ForwardConfig` block sizes; None for defaults.
+
+    The object is immutable and hashable: pass it as a static argument to `jit`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, tbe_jax
+      >>> emb = tbe_jax.TableBatchedEmbedding(
+      ...     [tbe_jax.TableSpec(100, 8), tbe_jax.TableSpec(50, 4)], impl="xla")
+      >>> params = emb.init(jax.random.key(0))
+      >>> indices = jnp.array([1, 2, 3, 7, 7], jnp.int32)   # 2 features x B=2 bags
+      >>> offsets = jnp.array([0, 2, 3, 3, 5], jnp.int32)
+      >>> emb(params, indices, offsets).shape
+      (2, 12)
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        *,
+        feature_table_map: Sequence[int] | None = None,
+        pooling: str = "sum",
+        weights_dtype=jnp.float32,
+        output_dtype=jnp.float32,
+        bounds_check: str = "none",
+        impl: str = "auto",
+        interpret: bool = False,
+        kernel_config: fwd_kernels.ForwardConfig | None = None,
+    ):
+        tables = tuple(tables)
+        if not tables:
+            raise ValueError("tables must name at least one TableSpec")
+        for i, t in enumerate(tables):
+            if not isinstance(t, TableSpec):
+                raise TypeError(f"tables[{i}] must be a TableSpec, got {type(t).__name__}")
+        if feature_table_map is None:
+            feature_table_map = tuple(range(len(tables)))
+        feature_table_map = tuple(int(t) for t in feature_table_map)
+        if not feature_table_map:
+            raise ValueError("feature_table_map must name at least one table")
+        for f, t in enumerate(feature_table_map):
+            if not 0 <= t < len(tables):
+                raise ValueError(f"feature_table_map[{f}]={t} is not a table index in [0, {len(tables)})")
+        if pooling not in _POOLINGS:
+            raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+        if bounds_check not in _BOUNDS:
+            raise ValueError(f"bounds_check must be one of {_BOUNDS}, got {bounds_check!r}")
+        if impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+        if pooling == "none" and len({tables[t].embedding_dim for t in feature_table_map}) != 1:
+            raise ValueError('pooling="none" needs every looked-up table to have one embedding_dim')
+        if kernel_config is not None and not isinstance(kernel_config, fwd_kernels.ForwardConfig):
+            raise TypeError("kernel_config must be a tbe_jax.ForwardConfig")
+        self.tables = tables
+        self.feature_table_map = feature_table_map
+        self.pooling = pooling
+        self.weights_dtype = _float_dtype("weights_dtype", weights_dtype)
+        self.output_dtype = _float_dtype("output_dtype", output_dtype)
+        self.bounds_check = bounds_check
+        self.impl = impl
+        self.interpret = bool(interpret)
+        self.kernel_config = kernel_config or fwd_kernels.ForwardConfig.get_default()
+        self.layout = StorageLayout.build(tables)
+
+    # -- identity: hashable, usable as a static jit argument -------------------
+    def _key(self):
+        return (
+            self.tables, self.feature_table_map, self.pooling, self.weights_dtype.name,
+            self.output_dtype.name, self.bounds_check, self.impl, self.interpret, self.kernel_config,
+        )
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, TableBatchedEmbedding) and self._key() == other._key()
+
+    def __repr__(self):
+        dims = sorted({t.embedding_dim for t in self.tables})
+        return (
+            f"TableBatchedEmbedding({len(self.tables)} tables, {self.num_features} features, "
+            f"dims={dims}, pooling={self.pooling!r}, weights_dtype={self.weights_dtype.name}, "
+            f"impl={self.impl!r})"
+        )
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_table_map)
+
+    @property
+    def feature_dims(self) -> tuple[int, ...]:
+        return tuple(self.tables[t].embedding_dim for t in self.feature_table_map)
+
+    # -- parameters -------------------------------------------------------------
+    def init(self, key: jax.Array) -> dict:
+        """Tables drawn uniform in `[-1/sqrt(E), 1/sqrt(E)]` (FBGEMM's default)."""
+        per_table = []
+        for t, spec in enumerate(self.tables):
+            bound = 1.0 / np.sqrt(spec.num_embeddings)
+            per_table.append(
+                jax.random.uniform(
+                    jax.random.fold_in(key, t), (spec.num_embeddings, spec.embedding_dim),
+                    jnp.float32, -bound, bound,
+                ).astype(self.weights_dtype)
+            )
+        return self.set_tables(None, per_table)
+
+    def get_tables(self, params: dict) -> list[jax.Array]:
+        """Per table, its `[E_t, D_t]` array in `weights_dtype`."""
+        out = []
+        for t, spec in enumerate(self.tables):
+            buf = params[self.layout.key(self.layout.table_group[t])]
+            r0 = self.layout.table_row_offset[t]
+            out.append(buf[r0 : r0 + spec.num_embeddings])
+        return out
+
+    def set_tables(self, params: dict | None, tables: Sequence[jax.Array]) -> dict:
+        """Params holding `tables` (one `[E_t, D_t]` array per table), cast to weights_dtype."""
+        if len(tables) != len(self.tables):
+            raise ValueError(f"expected {len(self.tables)} tables, got {len(tables)}")
+        groups: list[list] = [[] for _ in self.layout.dims]
+        for t, (spec, arr) in enumerate(zip(self.tables, tables)):
+            shape = (spec.num_embeddings, spec.embedding_dim)
+            if tuple(arr.shape) != shape:
+                raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
+            groups[self.layout.table_group[t]].append(jnp.asarray(arr, self.weights_dtype))
+        return {
+            self.layout.key(g): (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
+            for g, parts in enumerate(groups)
+        }
+
+    # -- forward -----------------------------------------------------------------
+    def plan_for(self, num_offsets: int, batch_size_per_feature=None) -> FeaturePlan:
+        """The static feature plan for an `offsets` of `num_offsets` entries."""
+        nf = self.num_features
+        if batch_size_per_feature is None:
+            if (num_offsets - 1) % nf or num_offsets < 1:
+                raise ValueError(
+                    f"offsets has {num_offsets} entries; expected F*B+1 with F={nf} features"
+                )
+            batch = [(num_offsets - 1) // nf] * nf
+            vbe = False
+        else:
+            batch = [int(b) for b in batch_size_per_feature]
+            if len(batch) != nf or any(b < 0 for b in batch):
+                raise ValueError(
+                    f"batch_size_per_feature must give {nf} non-negative sizes, got {tuple(batch_size_per_feature)}"
+                )
+            if num_offsets != sum(batch) + 1:
+                raise ValueError(
+                    f"offsets has {num_offsets} entries; batch_size_per_feature needs sum(B_f)+1={sum(batch) + 1}"
+                )
+            vbe = True
+        return FeaturePlan.build(self.tables, self.layout, self.feature_table_map, batch, vbe)
+
+    def _use_kernel(self) -> bool:
+        if self.impl == "auto":
+            return self.interpret or jax.default_backend() == "gpu"
+        return self.impl == "pallas"
+
+    def _check_inputs(self, params, indices, offsets, per_sample_weights):
+        for name, x in (("indices", indices), ("offsets", offsets)):
+            if getattr(x, "ndim", None) != 1:
+                raise ValueError(f"{name} must be a 1-D array, got shape {getattr(x, 'shape', None)}")
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"{name} must hold integers (int32, or int64 with x64), got {x.dtype}")
+        if per_sample_weights is not None:
+            if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
+                raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+            if per_sample_weights.shape != indices.shape:
+                raise ValueError(
+                    f"per_sample_weights has shape {per_sample_weights.shape}; it must match indices {indices.shape}"
+                )
+        for g, d in enumerate(self.layout.dims):
+            key = self.layout.key(g)
+            if key not in params:
+                raise ValueError(f"params lack buffer {key!r}; build them with emb.init or emb.set_tables")
+            shape = (self.layout.group_rows[g], d)
+            if params[key].shape != shape or params[key].dtype != self.weights_dtype:
+                raise ValueError(
+                    f"params[{key!r}] must be {self.weights_dtype.name}{list(shape)}, "
+                    f"got {params[key].dtype}{list(params[key].shape)}"
+                )
+
+    def bounds_report(self, indices, offsets, *, batch_size_per_feature=None) -> bounds.BoundsReport:
+        """Counts of what `bounds_check="warning"` would repair (jittable, device values)."""
+        plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
+        return bounds.report(plan, indices, offsets)[1]
+
+    def __call__(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
+        """Look up and pool.
+
+        Args:
+          params: from `init` / `set_tables`.
+          indices: `[N]` int32 ids (int64 accepted with jax x64 enabled).
+          offsets: `[F*B+1]` bag boundaries, feature-major (bag b of feature f is
+            `indices[offsets[f*B+b]:offsets[f*B+b+1]]`); with VBE, `[sum B_f + 1]`.
+          per_sample_weights: optional `[N]` float weights, one per index.
+          batch_size_per_feature: static tuple of B_f (variable batch size).
+
+        Returns:
+          `[B, sum_f D_f]` (feature f's columns contiguous, in feature order); with
+          VBE a flat array holding each feature's `[B_f, D_f]` block row-major;
+          with `pooling="none"`, `[N, D]`.
+        """
+        indices = jnp.asarray(indices)
+        offsets = jnp.asarray(offsets)
+        if per_sample_weights is not None:
+            per_sample_weights = jnp.asarray(per_sample_weights)
+        self._check_inputs(params, indices, offsets, per_sample_weights)
+        plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
+        n = indices.shape[0]
+        if n >= 2**31:
+            raise ValueError(f"len(indices)={n} must stay below 2**31")
+
+        check_upper = self.bounds_check != "none"
+        if self.bounds_check == "warning":
+            offsets, rep = bounds.report(plan, indices, offsets)
+            bounds.warn_if_repaired(rep)
+        elif self.bounds_check == "fatal":
+            if _is_concrete(indices, offsets):
+                bounds.check_concrete(
+                    plan, np.asarray(indices), np.asarray(offsets),
+                    [t.label(i) for i, t in enumerate(self.tables)],
+                )
+            else:
+                bounds.check_traced(plan, indices, offsets)
+        if indices.dtype != jnp.int32:
+            # Narrow int64 ids without letting an out-of-range id wrap into a valid one.
+            if check_upper:
+                indices = jnp.where((indices < 0) | (indices >= 2**31), bounds.PRUNED, indices)
+            indices = indices.astype(jnp.int32)
+        offsets = offsets.astype(jnp.int32)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.astype(jnp.float32)
+
+        if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
+            if self.pooling == "none":
+                return jnp.zeros((0, self.feature_dims[0]), self.output_dtype)
+            shape = (plan.out_size,) if plan.vbe else (plan.batch[0], sum(self.feature_dims))
+            return jnp.zeros(shape, self.output_dtype)
+        if self.pooling == "none":
+            return self._sequence(params, plan, indices, offsets, per_sample_weights)
+        if self._use_kernel():
+            flat = fwd_kernels.pooled_forward(
+                params, self.layout, plan, indices, offsets, per_sample_weights,
+                pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
+                config=self.kernel_config, interpret=self.interpret,
+            )
+            if plan.vbe:
+                return flat
+            return flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
+        return reference.pooled_forward(
+            params, self.layout, plan, indices, offsets, per_sample_weights,
+            pooling=self.pooling, output_dtype=self.output_dtype,
+        )
+
+    def _sequence(self, params, plan, indices, offsets, per_sample_weights):
+        if not self._use_kernel():
+            return reference.sequence_forward(
+                params, self.layout, plan, indices, offsets, per_sample_weights,
+                output_dtype=self.output_dtype,
+            )
+        n = indices.shape[0]
+        _, feat = reference.position_features(plan, offsets, n)
+        pos = jnp.arange(n, dtype=jnp.int32)
+        row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
+        ok = (pos >= offsets[0]) & (pos < offsets[-1]) & (indices >= 0)
+        if self.bounds_check != "none":
+            ok = ok & (indices < jnp.asarray(np.asarray(plan.num_rows, np.int32))[feat])
+        rows = jnp.where(ok, row_offset[feat] + indices, -1)
+        return fwd_kernels.sequence_forward(
+            params[self.layout.key(0)], rows, per_sample_weights,
+            output_dtype=self.output_dtype, config=self.kernel_config, interpret=self.interpret,
+        )

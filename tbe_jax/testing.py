@@ -1,0 +1,121 @@
+"""Workloads and a float64 NumPy model, shared by tests, benchmarks and the demo.
+
+Workloads follow the anchors' recipe (FBGEMM's benchmark knobs): `T` tables of
+`E` rows and dim `D`, batch `B`, bag size `L`; ids uniform when `alpha <= 1`,
+else Zipf(alpha) ranks mapped through a fixed random permutation of the rows;
+per-sample weights uniform in [0.5, 1.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    T: int
+    E: int
+    D: int
+    B: int
+    L: int
+    alpha: float = 1.0
+    weighted: bool = False
+    weights_dtype: str = "float16"
+    output_dtype: str = "float32"
+
+    def bytes_moved(self) -> int:
+        """FBGEMM's forward bandwidth formula: output writes plus row reads."""
+        wbytes = np.dtype(self.weights_dtype).itemsize if self.weights_dtype != "bfloat16" else 2
+        sum_d = self.T * self.D
+        return 4 * self.B * sum_d + wbytes * self.B * sum_d * self.L
+
+
+# The anchors' six configurations (../shared/anchors/README.md).
+PRESETS = {
+    "base": Workload("base", 32, 100_000, 128, 4096, 20, 1.0),
+    "zipf": Workload("zipf", 32, 100_000, 128, 4096, 20, 1.15),
+    "weighted": Workload("weighted", 32, 100_000, 128, 4096, 20, 1.15, weighted=True),
+    "large": Workload("large", 8, 4_000_000, 128, 65536, 20, 1.0),
+    "fp32": Workload("fp32", 32, 100_000, 128, 4096, 20, 1.15, weights_dtype="float32"),
+    "smalltable": Workload("smalltable", 1, 64, 128, 65536, 128, 1.0),
+}
+
+
+def sample_ids(rng: np.random.Generator, num_rows: int, n: int, alpha: float, perm=None) -> np.ndarray:
+    """`n` ids in `[0, num_rows)`: uniform for alpha <= 1, else permuted Zipf ranks."""
+    if alpha <= 1.0:
+        return rng.integers(0, num_rows, size=n, dtype=np.int64).astype(np.int32)
+    ranks = np.arange(1, num_rows + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** (-alpha))
+    cdf /= cdf[-1]
+    r = np.minimum(np.searchsorted(cdf, rng.random(n)), num_rows - 1)
+    if perm is None:
+        perm = np.random.default_rng(num_rows).permutation(num_rows)
+    return perm[r].astype(np.int32)
+
+
+def make_batch(
+    rng: np.random.Generator,
+    num_rows: Sequence[int],  # per feature: E of its table
+    batch: Sequence[int],  # per feature: B_f
+    bag_len,  # int (fixed L) or (lo, hi) for uniform lengths in [lo, hi]
+    *,
+    alpha: float = 1.0,
+    weighted: bool = False,
+    perms: Sequence[np.ndarray] | None = None,
+):
+    """FBGEMM-format inputs: (indices int32 [N], offsets int32 [sum B_f + 1], weights or None)."""
+    lengths, ids = [], []
+    for f, (e, b) in enumerate(zip(num_rows, batch)):
+        if isinstance(bag_len, tuple):
+            ln = rng.integers(bag_len[0], bag_len[1] + 1, size=b)
+        else:
+            ln = np.full(b, bag_len)
+        lengths.append(ln)
+        ids.append(sample_ids(rng, e, int(ln.sum()), alpha, None if perms is None else perms[f]))
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    indices = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
+    psw = rng.uniform(0.5, 1.5, size=indices.shape).astype(np.float32) if weighted else None
+    return indices, offsets, psw
+
+
+def numpy_pooled(
+    tables: Sequence[np.ndarray],
+    feature_table_map: Sequence[int],
+    batch: Sequence[int],
+    indices: np.ndarray,
+    offsets: np.ndarray,
+    per_sample_weights: np.ndarray | None,
+    pooling: str,
+    vbe: bool,
+) -> np.ndarray:
+    """Float64 model of the pooled forward (ids outside [0, E) contribute nothing)."""
+    indices = np.asarray(indices, np.int64)
+    offsets = np.asarray(offsets, np.int64)
+    bag_of_pos = np.searchsorted(offsets, np.arange(len(indices)), side="right") - 1
+    scale = np.ones(len(indices)) if per_sample_weights is None else np.asarray(
+        per_sample_weights, np.float32).astype(np.float64)
+    blocks = []
+    base = 0
+    for f, t in enumerate(feature_table_map):
+        w = np.asarray(tables[t], np.float64)
+        lo, hi = offsets[base], offsets[base + batch[f]]
+        pos = np.arange(lo, hi)
+        ids = indices[pos]
+        ok = (ids >= 0) & (ids < w.shape[0])
+        pos, ids = pos[ok], ids[ok]
+        out = np.zeros((batch[f], w.shape[1]), np.float64)
+        np.add.at(out, bag_of_pos[pos] - base, scale[pos, None] * w[ids])
+        if pooling == "mean":
+            lengths = np.diff(offsets[base : base + batch[f] + 1])
+            out /= np.maximum(lengths, 1)[:, None]
+        blocks.append(out)
+        base += batch[f]
+    if vbe:
+        return np.concatenate([b.reshape(-1) for b in blocks])
+    return np.concatenate(blocks, axis=1)

@@ -1,0 +1,44 @@
+"""Shared test helpers.
+
+Kernel tests run compiled when a GPU is present and in Pallas interpret mode
+otherwise (CPU), with the same test code: `KERNEL_KW` carries the flag.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import tbe_jax
+
+ON_GPU = jax.default_backend() == "gpu"
+KERNEL_KW = dict(impl="pallas", interpret=not ON_GPU)
+
+
+def tolerance(dtype: str, bag_len: int) -> float:
+    """Relative tolerance (to max |ref|) by storage dtype and reduction length."""
+    base = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    return base * max(1.0, np.sqrt(bag_len) / 4)
+
+
+def assert_close(out, ref, rtol):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.all(np.isfinite(out))
+    scale = max(np.abs(ref).max(), 1e-30)
+    err = np.abs(out - ref).max() / scale
+    assert err <= rtol, f"max error {err:.3g} relative to max |ref| exceeds {rtol:.3g}"
+
+
+def tables_f64(emb, params):
+    return [np.asarray(t, np.float64) for t in emb.get_tables(params)]
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh, but reproducible per test: seeded from the test's name.
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+
+
+def specs(rows, dims, hint=None):
+    return [tbe_jax.TableSpec(e, d, name=f"t{i}") for i, (e, d) in enumerate(zip(rows, dims))]

@@ -1,0 +1,132 @@
+"""The Pallas forward kernels against the reference and the float64 model.
+
+Runs compiled on a GPU and in interpret mode on CPU (see conftest.KERNEL_KW).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tbe_jax
+from tbe_jax import testing
+from conftest import KERNEL_KW, assert_close, specs, tables_f64, tolerance
+
+MIXED_DIMS = [1, 3, 17, 100, 128, 257]
+
+
+def _run(rng, tables, fmap, batch, bag_len, *, pooling="sum", wdtype="float32", odtype="float32",
+         weighted=False, vbe=False, alpha=1.0, config=None):
+    kw = dict(feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype, output_dtype=odtype)
+    emb = tbe_jax.TableBatchedEmbedding(tables, kernel_config=config, **kw, **KERNEL_KW)
+    ref_emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla", **kw)
+    params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
+    idx, off, psw = testing.make_batch(
+        rng, [tables[t].num_embeddings for t in fmap], batch, bag_len, weighted=weighted, alpha=alpha)
+    bpf = tuple(batch) if vbe else None
+    out = emb(params, idx, off, psw, batch_size_per_feature=bpf)
+    ref = ref_emb(params, idx, off, psw, batch_size_per_feature=bpf)
+    model = testing.numpy_pooled(tables_f64(emb, params), fmap, batch, idx, off, psw, pooling, vbe)
+    assert out.dtype == jnp.dtype(odtype)
+    max_len = int(np.diff(off).max()) if len(off) > 1 else 0
+    tol = max(tolerance(wdtype, max_len), {"float32": 0, "float16": 1e-3, "bfloat16": 8e-3}[odtype])
+    assert_close(out, model, tol)
+    assert_close(out, ref, tol)
+    return out, model
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("wdtype", ["float32", "float16", "bfloat16"])
+def test_mixed_dims_shared_tables_empty_bags(rng, wdtype, pooling, weighted):
+    tables = specs([23, 5, 64, 31, 50, 17], MIXED_DIMS)  # table 1 (E=5): heavy duplicates
+    fmap = [0, 1, 2, 3, 4, 5, 1]
+    _run(rng, tables, fmap, [6] * len(fmap), (0, 24), pooling=pooling, wdtype=wdtype, weighted=weighted)
+
+
+@pytest.mark.parametrize("odtype", ["float16", "bfloat16"])
+def test_low_precision_output(rng, odtype):
+    tables = specs([40, 40], [16, 48])
+    _run(rng, tables, [0, 1], [5, 5], (1, 12), wdtype="float16", odtype=odtype)
+
+
+@pytest.mark.parametrize("wdtype", ["float32", "float16"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_variable_batch_size(rng, wdtype, weighted):
+    tables = specs([30, 20, 25], [8, 17, 8])
+    _run(rng, tables, [0, 1, 2, 0], [7, 0, 3, 12], (0, 9), wdtype=wdtype, weighted=weighted, vbe=True)
+
+
+@pytest.mark.parametrize("wdtype", ["float32", "float16"])
+def test_long_bags(rng, wdtype):
+    # One feature, bag lengths from 0 to 5000 (crossing every unroll boundary).
+    tables = specs([1000], [64])
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=wdtype, **KERNEL_KW)
+    params = emb.init(jax.random.key(3))
+    lengths = np.array([5000, 0, 1, 257, 4096, 3])
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    idx = testing.sample_ids(rng, 1000, int(off[-1]), 1.2)
+    out = emb(params, idx, off)
+    model = testing.numpy_pooled(tables_f64(emb, params), [0], [6], idx, off, None, "sum", False)
+    assert_close(out, model, tolerance(wdtype, 5000))
+    assert np.all(np.asarray(out[1]) == 0)
+
+
+def test_many_features(rng):
+    tables = specs([50, 80, 33, 12, 70], [16, 32, 16, 8, 32])
+    fmap = [f % 5 for f in range(40)]
+    _run(rng, tables, fmap, [3] * 40, (0, 10), wdtype="float16", weighted=True)
+
+
+def test_single_feature_uniform_and_zipf(rng):
+    tables = specs([300], [128])
+    _run(rng, tables, [0], [33], 20, wdtype="float16")
+    _run(rng, tables, [0], [33], 20, wdtype="float16", alpha=1.15)
+
+
+def test_row_id_tables_exact(rng):
+    # Row r of every table holds r (and its column number in the fraction), so any
+    # indexing or column bug shows as a wrong integer.
+    dims = [3, 16, 33]
+    tables = specs([40, 20, 10], dims)
+    emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW)
+    vals = [np.arange(t.num_embeddings)[:, None] + np.arange(t.embedding_dim)[None, :] / 64.0
+            for t in tables]
+    params = emb.set_tables(None, [jnp.asarray(v, jnp.float32) for v in vals])
+    idx, off, _ = testing.make_batch(rng, [40, 20, 10], [4, 4, 4], (0, 7))
+    out = np.asarray(emb(params, idx, off))
+    model = testing.numpy_pooled(vals, [0, 1, 2], [4] * 3, idx, off, None, "sum", False)
+    np.testing.assert_array_equal(out, model)
+
+
+@pytest.mark.parametrize("wdtype", ["float32", "float16"])
+def test_pooling_none(rng, wdtype):
+    tables = specs([30, 40], [24, 24])
+    kw = dict(pooling="none", weights_dtype=wdtype)
+    emb = tbe_jax.TableBatchedEmbedding(tables, **kw, **KERNEL_KW)
+    params = emb.init(jax.random.key(5))
+    idx, off, psw = testing.make_batch(rng, [30, 40], [5, 5], (0, 6), weighted=True)
+    out = emb(params, idx, off, psw)
+    ref = tbe_jax.TableBatchedEmbedding(tables, impl="xla", **kw)(params, idx, off, psw)
+    assert out.shape == (len(idx), 24)
+    assert_close(out, ref, 1e-6)
+
+
+def test_no_indices_and_zero_batch():
+    tables = specs([10, 10], [4, 8])
+    emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW)
+    params = emb.init(jax.random.key(0))
+    out = emb(params, np.zeros(0, np.int32), np.zeros(7, np.int32))
+    assert out.shape == (3, 12) and not np.any(np.asarray(out))
+    out = emb(params, np.zeros(0, np.int32), np.zeros(1, np.int32))
+    assert out.shape == (0, 12)
+
+
+def test_under_jit_with_static_module(rng):
+    tables = specs([30, 30], [8, 8])
+    emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW)
+    params = emb.init(jax.random.key(0))
+    idx, off, _ = testing.make_batch(rng, [30, 30], [4, 4], (0, 5))
+    f = jax.jit(lambda e, p, i, o: e(p, i, o), static_argnums=0)
+    np.testing.assert_allclose(np.asarray(f(emb, params, idx, off)), np.asarray(emb(params, idx, off)),
+                               rtol=1e-6, atol=1e-6)
