@@ -202,8 +202,14 @@ class TableBatchedEmbedding:
         return FeaturePlan.build(self.tables, self.layout, self.feature_table_map, batch, vbe)
 
     def _use_kernel(self) -> bool:
+        on_gpu = jax.default_backend() == "gpu"
         if self.impl == "auto":
-            return self.interpret or jax.default_backend() == "gpu"
+            return self.interpret or on_gpu
+        if self.impl == "pallas" and not (on_gpu or self.interpret):
+            raise ValueError(
+                f"impl='pallas' compiles Triton kernels, which needs a GPU (backend is "
+                f"{jax.default_backend()!r}); pass interpret=True to run them on the CPU, or impl='auto'"
+            )
         return self.impl == "pallas"
 
     def _check_inputs(self, params, indices, offsets, per_sample_weights):

@@ -1,0 +1,241 @@
+"""TBE forward benchmark: our kernel vs the XLA baseline, torch and FBGEMM's anchors.
+
+Workloads are the anchors' (tbe_jax.testing.PRESETS) or built from FBGEMM's
+knobs (-T -E -D -B -L --alpha --weighted --weights-dtype --output-dtype).
+
+Timing (launch overhead excluded, as the anchors' "kernels" column): after
+warm-up, enqueue `--iters` calls rotating among `--sets` input sets, block once,
+and divide; repeat `--reps` times and take the median. The XLA baseline and
+torch's embedding_bag are timed the same way in the same process.
+
+Bandwidth is FBGEMM's formula: 4*B*sum(D) + weight_bytes*B*sum(D)*L bytes.
+Results go to benchmarks/results/forward-<date>-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import tbe_jax  # noqa: E402
+from tbe_jax import testing  # noqa: E402
+
+# FBGEMM CUDA TBE forward kernel time (ms) on the H200, ../shared/anchors/README.md.
+FBGEMM_FWD_KERNEL_MS = {
+    "base": 0.187, "zipf": 0.125, "weighted": 0.157, "large": 0.849, "fp32": 0.146, "smalltable": 0.218,
+}
+
+
+def time_calls(fn, arg_sets, iters, reps):
+    """Median ms per call with `iters` calls enqueued back to back, blocked once."""
+    for a in arg_sets:  # warm-up / compile
+        jax.block_until_ready(fn(*a))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def xla_baseline(w, table_offsets, indices, offsets, psw, num_features, batch):
+    """What a JAX user writes today: one take over stacked tables + sorted segment_sum."""
+    n = indices.shape[0]
+    bag = jnp.searchsorted(offsets, jnp.arange(n, dtype=offsets.dtype), side="right") - 1
+    feat = bag // batch
+    rows = jnp.take(w, indices + table_offsets[feat], axis=0).astype(jnp.float32)
+    if psw is not None:
+        rows = rows * psw[:, None]
+    pooled = jax.ops.segment_sum(rows, bag, num_segments=num_features * batch, indices_are_sorted=True)
+    return pooled.reshape(num_features, batch, -1).transpose(1, 0, 2).reshape(batch, -1)
+
+
+def torch_time(wl, sets, iters, reps):
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dt = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[wl.weights_dtype]
+    weight = torch.randn(wl.T * wl.E, wl.D, device="cuda", dtype=dt)
+    targs = []
+    for idx, off, psw in sets:
+        nbag = wl.T * wl.B
+        feat = np.repeat(np.arange(wl.T), wl.B * wl.L) if len(idx) == nbag * wl.L else None
+        shifted = idx.astype(np.int64) + (feat * wl.E if feat is not None else 0)
+        targs.append((
+            torch.from_numpy(shifted).cuda(),
+            torch.from_numpy(off[:-1].astype(np.int64)).cuda(),
+            torch.from_numpy(psw).cuda() if psw is not None else None,
+        ))
+
+    def call(i, o, p):
+        return torch.nn.functional.embedding_bag(i, weight, o, mode="sum", per_sample_weights=p)
+
+    for a in targs:
+        call(*a)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for k in range(iters):
+            call(*targs[k % len(targs)])
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    del weight
+    return statistics.median(samples)
+
+
+def run_workload(wl, args, configs):
+    rng = np.random.default_rng(0)
+    perms = [np.random.default_rng(1000 + t).permutation(wl.E) for t in range(wl.T)] if wl.alpha > 1 else None
+    sets = [
+        testing.make_batch(rng, [wl.E] * wl.T, [wl.B] * wl.T, wl.L, alpha=wl.alpha,
+                           weighted=wl.weighted, perms=perms)
+        for _ in range(args.sets)
+    ]
+    tables = [tbe_jax.TableSpec(wl.E, wl.D) for _ in range(wl.T)]
+    dev_sets = [tuple(None if x is None else jnp.asarray(x) for x in s) for s in sets]
+    row = {"workload": dataclasses.asdict(wl), "bytes": wl.bytes_moved(), "variants": {}}
+
+    base_emb = tbe_jax.TableBatchedEmbedding(
+        tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype, impl="xla")
+    params = base_emb.init(jax.random.key(0))
+    w = params[base_emb.layout.key(0)]
+    table_offsets = jnp.asarray(np.arange(wl.T, dtype=np.int32) * wl.E)
+
+    # Correctness of every variant on the first set, against the XLA reference path.
+    idx0, off0, psw0 = dev_sets[0]
+    ref = np.asarray(jax.jit(lambda p, i, o, s: base_emb(p, i, o, s))(params, idx0, off0, psw0), np.float64)
+
+    xla_fn = jax.jit(lambda w, i, o, s: xla_baseline(w, table_offsets, i, o, s, wl.T, wl.B))
+    xla_out = np.asarray(xla_fn(w, idx0, off0, psw0), np.float64)
+    row["xla_max_rel_err"] = float(np.abs(xla_out - ref).max() / np.abs(ref).max())
+    row["xla_ms"] = time_calls(xla_fn, [(w,) + s for s in dev_sets], args.iters, args.reps)
+
+    for name, cfg in configs.items():
+        emb = tbe_jax.TableBatchedEmbedding(
+            tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype, impl="pallas",
+            kernel_config=cfg, interpret=jax.default_backend() != "gpu")  # CPU: smoke test only
+        fn = jax.jit(lambda p, i, o, s, emb=emb: emb(p, i, o, s))
+        out = np.asarray(fn(params, idx0, off0, psw0), np.float64)
+        err = float(np.abs(out - ref).max() / np.abs(ref).max())
+        ms = time_calls(fn, [(params,) + s for s in dev_sets], args.iters, args.reps)
+        row["variants"][name] = {"config": dataclasses.asdict(cfg), "ms": ms, "max_rel_err": err,
+                                 "GBps": wl.bytes_moved() / ms / 1e6}
+    best = min(row["variants"], key=lambda k: row["variants"][k]["ms"])
+    row["best"] = best
+    row["ms"] = row["variants"][best]["ms"]
+    row["GBps"] = wl.bytes_moved() / row["ms"] / 1e6
+    row["vs_xla"] = row["xla_ms"] / row["ms"]
+    fb = FBGEMM_FWD_KERNEL_MS.get(wl.name)
+    row["fbgemm_kernel_ms"] = fb
+    row["vs_fbgemm"] = fb / row["ms"] if fb else None
+    if not args.no_torch:
+        tms = torch_time(wl, sets, args.iters, args.reps)
+        row["torch_ms"] = tms
+        row["vs_torch"] = tms / row["ms"] if tms else None
+    del params, w, dev_sets
+    return row
+
+
+def parse_configs(spec: str | None):
+    if not spec:
+        return {"default": tbe_jax.ForwardConfig()}
+    out = {}
+    for item in spec.split(";"):
+        kv = dict(p.split("=") for p in item.split(",") if p)
+        cfg = tbe_jax.ForwardConfig(**{k: int(v) for k, v in kv.items()})
+        out[item] = cfg
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default=",".join(testing.PRESETS), help="comma-separated preset names, or 'custom'")
+    ap.add_argument("-T", type=int, default=32)
+    ap.add_argument("-E", type=int, default=100_000)
+    ap.add_argument("-D", type=int, default=128)
+    ap.add_argument("-B", type=int, default=4096)
+    ap.add_argument("-L", type=int, default=20)
+    ap.add_argument("--alpha", type=float, default=1.0)
+    ap.add_argument("--weighted", action="store_true")
+    ap.add_argument("--weights-dtype", default="float16")
+    ap.add_argument("--output-dtype", default="float32")
+    ap.add_argument("--configs", default=None,
+                    help="';'-separated ForwardConfig overrides, e.g. 'unroll=2;unroll=4,tile_elems=4096'")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sets", type=int, default=4)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+
+    if args.presets == "custom":
+        wls = [testing.Workload("custom", args.T, args.E, args.D, args.B, args.L, args.alpha, args.weighted,
+                                args.weights_dtype, args.output_dtype)]
+    else:
+        wls = [testing.PRESETS[p] for p in args.presets.split(",")]
+    configs = parse_configs(args.configs)
+    dev = jax.devices()[0]
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
+        "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+        "python": platform.python_version(),
+        "timing": "enqueue --iters calls rotating over --sets input sets, block once, median of --reps",
+        "iters": args.iters, "reps": args.reps, "sets": args.sets,
+    }
+    try:
+        import torch
+        meta["torch"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows = []
+    for wl in wls:
+        rows.append(run_workload(wl, args, configs))
+        r = rows[-1]
+        print(f"{wl.name:11s} ours {r['ms']:.4f} ms ({r['GBps']:.0f} GB/s, {r['best']}) "
+              f"xla {r['xla_ms']:.4f} torch {r.get('torch_ms') or float('nan'):.4f} "
+              f"fbgemm {r['fbgemm_kernel_ms'] or float('nan'):.3f} | "
+              + " ".join(f"{k}:{v['ms']:.4f}" for k, v in r["variants"].items()), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    kind = meta["device"].replace(" ", "_")
+    path = os.path.join(args.out, f"forward-{stamp}-{kind}.json")
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "results": rows}, fh, indent=1)
+    print("\n| preset | ours ms | GB/s | XLA ms | torch ms | FBGEMM kernel ms | vs XLA | vs FBGEMM |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']['name']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['xla_ms']:.3f} | "
+              f"{(r.get('torch_ms') or float('nan')):.3f} | {r['fbgemm_kernel_ms'] or float('nan'):.3f} | "
+              f"{r['vs_xla']:.2f}x | {(r['vs_fbgemm'] or float('nan')):.2f}x |")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

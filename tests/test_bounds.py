@@ -1,0 +1,138 @@
+"""Bad input: every bounds_check mode, wrong dtypes, wrong offsets length."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import tbe_jax
+from tbe_jax import testing
+from conftest import KERNEL_KW, assert_close, specs, tables_f64
+
+TABLES = specs([10, 20], [8, 16])
+
+
+def _emb(mode, **kw):
+    return tbe_jax.TableBatchedEmbedding(TABLES, bounds_check=mode, **kw)
+
+
+def _bad_batch():
+    # feature 0 (E=10): bag 0 = [1, 12(bad), -1(pruned)], bag 1 = [3]
+    # feature 1 (E=20): bag 0 = [19, -5(bad)], bag 1 = [20(bad), 0]
+    idx = np.array([1, 12, -1, 3, 19, -5, 20, 0], np.int32)
+    off = np.array([0, 3, 4, 6, 8], np.int32)
+    return idx, off
+
+
+def _clean(idx, f_rows):
+    keep = idx.copy()
+    for p, e in f_rows:
+        keep[p] = -1
+    return keep
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_warning_skips_invalid_ids_and_reports(impl):
+    kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
+    emb = _emb("warning", **kw)
+    params = emb.init(jax.random.key(0))
+    idx, off = _bad_batch()
+    with pytest.warns(RuntimeWarning, match="3 index"):
+        out = emb(params, idx, off)
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, off, None, "sum", False)
+    assert_close(out, model, 1e-6)
+    rep = emb.bounds_report(idx, off)
+    assert int(rep.invalid_indices) == 3 and int(rep.repaired_offsets) == 0
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_warning_repairs_offsets_by_clamping(impl):
+    kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
+    emb = _emb("warning", **kw)
+    params = emb.init(jax.random.key(0))
+    idx = np.array([1, 2, 3, 4, 5, 6], np.int32)
+    off = np.array([2, 4, 3, 9, 5], np.int32)  # first not 0, decreasing, past len(indices)
+    fixed = np.array([0, 4, 4, 6, 6], np.int32)
+    with pytest.warns(RuntimeWarning, match="4 offsets"):
+        out = emb(params, idx, off)
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, fixed, None, "sum", False)
+    assert_close(out, model, 1e-6)
+    assert int(emb.bounds_report(idx, off).repaired_offsets) == 4
+
+
+def test_warning_clean_input_is_silent():
+    emb = _emb("warning", impl="xla")
+    params = emb.init(jax.random.key(0))
+    idx = np.array([1, -1, 3, 19, 0], np.int32)  # -1 is a pruned row: skipped, not reported
+    off = np.array([0, 2, 3, 4, 5], np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.block_until_ready(emb(params, idx, off))
+        jax.effects_barrier()
+
+
+def test_fatal_eager_names_feature_bag_and_value():
+    emb = _emb("fatal", impl="xla")
+    params = emb.init(jax.random.key(0))
+    idx, off = _bad_batch()
+    with pytest.raises(ValueError, match=r"feature 0 \(table 0 \('t0'\)\), bag 0: index 12"):
+        emb(params, idx, off)
+    idx2 = np.array([1, 2, 3, 4, 5, 6], np.int32)
+    with pytest.raises(ValueError, match=r"offsets\[2\]=3 .*feature 0.*bag 1"):
+        emb(params, idx2, np.array([0, 4, 3, 5, 6], np.int32))
+
+
+def test_fatal_under_jit_through_checkify():
+    emb = _emb("fatal", **KERNEL_KW)
+    params = emb.init(jax.random.key(0))
+    idx, off = _bad_batch()
+    f = jax.jit(checkify.checkify(lambda p, i, o: emb(p, i, o)))
+    err, _ = f(params, idx, off)
+    with pytest.raises(Exception, match=r"feature 0, bag 0: index 12"):
+        err.throw()
+    good = np.where(idx >= 10, 0, np.abs(idx)).astype(np.int32)
+    err, out = f(params, good, off)
+    err.throw()  # clean input: no error
+    with pytest.raises(ValueError, match="checkify"):
+        jax.jit(lambda p, i, o: emb(p, i, o))(params, idx, off)
+
+
+def test_none_mode_skips_pruned_rows():
+    emb = _emb("none", **KERNEL_KW)
+    params = emb.init(jax.random.key(0))
+    idx = np.array([1, -1, 3, 19, 0], np.int32)
+    off = np.array([0, 2, 3, 4, 5], np.int32)
+    model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, off, None, "sum", False)
+    assert_close(emb(params, idx, off), model, 1e-6)
+
+
+def test_wrong_dtypes_and_shapes():
+    emb = _emb("none", impl="xla")
+    params = emb.init(jax.random.key(0))
+    idx = np.array([1, 2], np.int32)
+    off = np.array([0, 1, 1, 2, 2], np.int32)
+    with pytest.raises(TypeError, match="indices must hold integers"):
+        emb(params, idx.astype(np.float32), off)
+    with pytest.raises(TypeError, match="offsets must hold integers"):
+        emb(params, idx, off.astype(np.float32))
+    with pytest.raises(ValueError, match="expected F\\*B\\+1"):
+        emb(params, idx, off[:-1])
+    with pytest.raises(ValueError, match="1-D"):
+        emb(params, idx.reshape(1, 2), off)
+    with pytest.raises(ValueError, match="per_sample_weights has shape"):
+        emb(params, idx, off, np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="per_sample_weights must be floating"):
+        emb(params, idx, off, np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="batch_size_per_feature"):
+        emb(params, idx, off, batch_size_per_feature=(1, 1))
+    bad = dict(params)
+    bad["d8"] = bad["d8"].astype(jnp.float16)
+    with pytest.raises(ValueError, match="params\\['d8'\\] must be float32"):
+        emb(params=bad, indices=idx, offsets=off)
