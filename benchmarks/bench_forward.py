@@ -82,7 +82,7 @@ def torch_time(wl, sets, iters, reps):
         targs.append((
             torch.from_numpy(shifted).cuda(),
             torch.from_numpy(off[:-1].astype(np.int64)).cuda(),
-            torch.from_numpy(psw).cuda() if psw is not None else None,
+            torch.from_numpy(psw).to(dt).cuda() if psw is not None else None,
         ))
 
     def call(i, o, p):
@@ -163,7 +163,8 @@ def parse_configs(spec: str | None):
     out = {}
     for item in spec.split(";"):
         kv = dict(p.split("=") for p in item.split(",") if p)
-        cfg = tbe_jax.ForwardConfig(**{k: int(v) for k, v in kv.items()})
+        bools = {"prefetch", "compensated_fp32"}
+        cfg = tbe_jax.ForwardConfig(**{k: bool(int(v)) if k in bools else int(v) for k, v in kv.items()})
         out[item] = cfg
     return out
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu, quiet_triton_deprecation
+from tbe_jax._pallas import pl, plgpu
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
 # Columns of the per-feature metadata table handed to the kernel.
@@ -42,16 +42,18 @@ class ForwardConfig:
       max_bags: upper bound on bags per program.
       unroll: steps (rows per bag) whose loads are issued together.
       num_warps: warps per program.
+      prefetch: load the next step's ids while this step's rows are in flight.
       num_stages: Triton software-pipelining depth.
       compensated_fp32: TwoSum accumulation for fp32 weights (FBGEMM accumulates
         fp32 in fp64). Off gives plain fp32 sums; kept for the accuracy test.
     """
 
-    tile_elems: int = 2048
+    tile_elems: int = 512
     max_bags: int = 64
     unroll: int = 4
-    num_warps: int = 4
+    num_warps: int = 1
     num_stages: int = 1
+    prefetch: bool = True
     compensated_fp32: bool = True
 
     def __post_init__(self):
@@ -111,7 +113,7 @@ def _two_sum(s, c, x):
 
 def _pool_branch(
     pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref,
-    *, br: _Branch, unroll: int, pooling: str, check_upper: bool, compensated: bool,
+    *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, compensated: bool,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices.
@@ -145,29 +147,30 @@ def _pool_branch(
             return jnp.broadcast_to(ok[:, None], shape)
         return ok[:, None] & col_ok[None, :]
 
-    def body(it, carry):
-        k0 = it * unroll
-        idxs, lives = [], []
+    def fetch(k0):
+        """Ids (and per-sample weights) of steps k0 .. k0+unroll-1; -1 past a bag's end."""
+        ids, ws = [], []
         for u in range(unroll):
             live = (k0 + u) < length
-            idxs.append(plgpu.load(indices_ref.at[start + (k0 + u)], mask=live, other=-1))
-            lives.append(live)
+            pos = start + (k0 + u)
+            ids.append(plgpu.load(indices_ref.at[pos], mask=live, other=-1))
+            if psw_ref is not None:
+                ws.append(plgpu.load(psw_ref.at[pos], mask=live, other=0.0))
+        return tuple(ids), tuple(ws)
+
+    def gather(ids):
         tiles = []
-        for u in range(unroll):
-            idx = idxs[u]
+        for idx in ids:
             ok = idx >= 0
             if check_upper:
                 ok = ok & (idx < num_rows)
             rows = row_offset + idx
-            x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0)
-            tiles.append(x)
-        ws = []
-        if psw_ref is not None:
-            for u in range(unroll):
-                ws.append(plgpu.load(psw_ref.at[start + (k0 + u)], mask=lives[u], other=0.0))
-        s, c = carry
-        for u in range(unroll):
-            x = tiles[u].astype(jnp.float32)
+            tiles.append(plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0))
+        return tiles
+
+    def accumulate(s, c, tiles, ws):
+        for u, x in enumerate(tiles):
+            x = x.astype(jnp.float32)
             if ws:
                 x = x * ws[u][:, None]
             if compensated:
@@ -177,7 +180,23 @@ def _pool_branch(
         return s, c
 
     zeros = jnp.zeros(shape, jnp.float32)
-    s, c = jax.lax.fori_loop(0, n_iter, body, (zeros, zeros))
+    if prefetch:
+        # Software pipelining by hand: the ids of step it+1 are loaded while the
+        # rows of step it are in flight, so each iteration waits on one latency.
+        def body(it, carry):
+            s, c, ids, ws = carry
+            tiles = gather(ids)
+            nxt_ids, nxt_ws = fetch((it + 1) * unroll)
+            s, c = accumulate(s, c, tiles, ws)
+            return s, c, nxt_ids, nxt_ws
+
+        s, c, _, _ = jax.lax.fori_loop(0, n_iter, body, (zeros, zeros) + fetch(jnp.int32(0)))
+    else:
+        def body(it, carry):
+            ids, ws = fetch(it * unroll)
+            return accumulate(*carry, gather(ids), ws)
+
+        s, c = jax.lax.fori_loop(0, n_iter, body, (zeros, zeros))
     acc = s + c if compensated else s
     if pooling == "mean":
         acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
@@ -185,7 +204,7 @@ def _pool_branch(
     plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
 
 
-def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, pooling, check_upper, compensated):
+def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper, compensated):
     prog_ref, feat_ref, offsets_ref, indices_ref = refs[:4]
     rest = refs[4:]
     psw_ref = rest[0] if weighted else None
@@ -197,7 +216,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, pooling, check_
         def _(br=br):
             _pool_branch(
                 pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref,
-                br=br, unroll=unroll, pooling=pooling, check_upper=check_upper, compensated=compensated,
+                br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, compensated=compensated,
             )
 
 
@@ -228,6 +247,7 @@ def pooled_forward(
         n_buffers=len(used),
         weighted=per_sample_weights is not None,
         unroll=config.unroll,
+        prefetch=config.prefetch,
         pooling=pooling,
         check_upper=check_upper,
         compensated=compensated,
@@ -236,17 +256,14 @@ def pooled_forward(
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)
-    with quiet_triton_deprecation():
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((plan.out_size,), output_dtype),
-            grid=(prog_meta.shape[0],),
-            compiler_params=plgpu.CompilerParams(
-                num_warps=config.num_warps, num_stages=config.num_stages
-            ),
-            interpret=interpret,
-            name="tbe_pooled_forward",
-        )(*args)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((plan.out_size,), output_dtype),
+        grid=(prog_meta.shape[0],),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="tbe_pooled_forward",
+    )(*args)
 
 
 def _sequence_kernel(rows_ref, *refs, weighted, dim, block_dim, block_rows, n):
@@ -286,12 +303,11 @@ def sequence_forward(
         block_dim=block_dim, block_rows=block_rows, n=n,
     )
     args = [rows] + ([per_sample_weights] if per_sample_weights is not None else []) + [weights]
-    with quiet_triton_deprecation():
-        return pl.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((n, dim), output_dtype),
-            grid=(pl.cdiv(n, block_rows),),
-            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
-            interpret=interpret,
-            name="tbe_sequence_forward",
-        )(*args)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, dim), output_dtype),
+        grid=(pl.cdiv(n, block_rows),),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret,
+        name="tbe_sequence_forward",
+    )(*args)
