@@ -28,8 +28,12 @@ from tbe_jax._pallas import pl, plgpu
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
 # Columns of the per-feature metadata table handed to the kernel.
-_BAG_BASE, _BATCH, _NUM_ROWS, _ROW_OFFSET, _OUT_BASE, _OUT_STRIDE = range(6)
-_META_COLS = 6
+_NUM_ROWS, _ROW_OFFSET, _OUT_BASE, _OUT_STRIDE = range(4)
+_META_COLS = 4
+# Columns of the per-program table: feature, its first bag's entry in offsets,
+# how many of the program's bags exist, the first bag's index within the feature.
+_P_FEATURE, _P_FIRST, _P_COUNT, _P_BAG = range(4)
+_PROG_COLS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +52,7 @@ class ForwardConfig:
         fp32 in fp64). Off gives plain fp32 sums; kept for the accuracy test.
     """
 
-    tile_elems: int = 512
+    tile_elems: int = 256
     max_bags: int = 64
     unroll: int = 4
     num_warps: int = 1
@@ -94,13 +98,15 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig):
         bags = cfg.bags_per_program(d, max(plan.batch[f] for f in feats))
         start = len(progs)
         for f in feats:
-            progs.extend((f, b0) for b0 in range(0, plan.batch[f], bags))
+            progs.extend(
+                (f, plan.bag_base[f] + b0, min(bags, plan.batch[f] - b0), b0)
+                for b0 in range(0, plan.batch[f], bags)
+            )
         if len(progs) > start:
             branches.append(_Branch(pos, start, len(progs), d, next_pow2(d), bags))
-    prog_meta = np.asarray(progs, np.int32).reshape(-1, 2)
+    prog_meta = np.asarray(progs, np.int32).reshape(-1, _PROG_COLS)
     feat_meta = np.stack(
-        [plan.bag_base, plan.batch, plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride],
-        axis=1,
+        [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride], axis=1
     ).astype(np.int32)
     return used, tuple(branches), prog_meta, feat_meta
 
@@ -116,25 +122,27 @@ def _pool_branch(
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, compensated: bool,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
-    # interpret mode rejects Python ints as ref indices.
-    f = plgpu.load(prog_ref.at[2 * pid])
-    b0 = plgpu.load(prog_ref.at[2 * pid + 1])
+    # interpret mode rejects Python ints as ref indices. The program's row names
+    # its first bag in `offsets` directly, so the offsets load does not wait for
+    # the feature's row (each dependent load costs a full memory latency).
+    f = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_FEATURE])
+    first = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_FIRST])
+    nbags = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_COUNT])
+    b0 = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_BAG])
+
+    g = jnp.arange(br.bags, dtype=jnp.int32)
+    bag_ok = g < nbags
+    start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
+    end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
 
     def feat_meta(col):
         return plgpu.load(feat_ref.at[_META_COLS * f + col])
 
-    bag_base = feat_meta(_BAG_BASE)
-    batch = feat_meta(_BATCH)
     num_rows = feat_meta(_NUM_ROWS)
     row_offset = feat_meta(_ROW_OFFSET)
     out_base = feat_meta(_OUT_BASE)
     out_stride = feat_meta(_OUT_STRIDE)
-
-    g = jnp.arange(br.bags, dtype=jnp.int32)
     bag = b0 + g
-    bag_ok = bag < batch
-    start = plgpu.load(offsets_ref.at[bag_base + bag], mask=bag_ok, other=0)
-    end = plgpu.load(offsets_ref.at[bag_base + bag + 1], mask=bag_ok, other=0)
     length = end - start
     n_iter = (jnp.max(length) + unroll - 1) // unroll
 
