@@ -139,6 +139,7 @@ def run_workload(wl, args, configs):
     for name, cfg in configs.items():
         emb = tbe_jax.TableBatchedEmbedding(
             tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype, impl="pallas",
+            bounds_check=args.bounds_check,
             kernel_config=cfg, interpret=jax.default_backend() != "gpu")  # CPU: smoke test only
         fn = jax.jit(lambda p, i, o, s, emb=emb: emb(p, i, o, s))
         out = np.asarray(fn(params, idx0, off0, psw0), np.float64)
@@ -169,8 +170,8 @@ def parse_configs(spec: str | None):
     out = {}
     for item in spec.split(";"):
         kv = dict(p.split("=") for p in item.split(",") if p)
-        bools = {"prefetch", "compensated_fp32"}
-        cfg = tbe_jax.ForwardConfig(**{k: bool(int(v)) if k in bools else int(v) for k, v in kv.items()})
+        conv = {"prefetch": lambda v: bool(int(v)), "fp32_accumulation": str}
+        cfg = tbe_jax.ForwardConfig(**{k: conv.get(k, int)(v) for k, v in kv.items()})
         out[item] = cfg
     return out
 
@@ -189,6 +190,7 @@ def main():
     ap.add_argument("--output-dtype", default="float32")
     ap.add_argument("--configs", default=None,
                     help="';'-separated ForwardConfig overrides, e.g. 'unroll=2;unroll=4,tile_elems=4096'")
+    ap.add_argument("--bounds-check", default="none", choices=["none", "warning", "fatal"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sets", type=int, default=4)
@@ -209,7 +211,7 @@ def main():
         "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
         "python": platform.python_version(),
         "timing": "enqueue --iters calls rotating over --sets input sets, block once, median of --reps",
-        "iters": args.iters, "reps": args.reps, "sets": args.sets,
+        "iters": args.iters, "reps": args.reps, "sets": args.sets, "bounds_check": args.bounds_check,
     }
     try:
         import torch

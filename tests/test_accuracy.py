@@ -2,12 +2,13 @@
 
 A bag of L=4096 terms of mixed magnitude (and sign, so the sum cancels) must be
 within 2 ulp of the float64 result. The kernel accumulates with TwoSum; the
-same kernel with plain fp32 sums (ForwardConfig(compensated_fp32=False)) fails.
+same kernel with plain fp32 sums (ForwardConfig(fp32_accumulation="naive")) fails.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import tbe_jax
 from conftest import KERNEL_KW
@@ -35,16 +36,21 @@ def _pool(vals, config):
     return emb(params, idx, np.array([0, L], np.int32))[0]
 
 
-def test_compensated_fp32_within_2ulp():
+@pytest.mark.parametrize("mode", ["fp64", "twosum"])
+def test_fp32_within_2ulp(mode):
     rng = np.random.default_rng(0)
     for _ in range(3):
         vals = _bag(rng)
-        err = _ulp_error(_pool(vals, None), vals)
+        err = _ulp_error(_pool(vals, tbe_jax.ForwardConfig(fp32_accumulation=mode)), vals)
         assert err.max() <= 2.0, err.max()
+
+
+def test_default_is_accurate():
+    assert tbe_jax.ForwardConfig().fp32_accumulation in ("fp64", "twosum")
 
 
 def test_naive_fp32_fails_the_same_check():
     rng = np.random.default_rng(0)
     vals = _bag(rng)
-    err = _ulp_error(_pool(vals, tbe_jax.ForwardConfig(compensated_fp32=False)), vals)
+    err = _ulp_error(_pool(vals, tbe_jax.ForwardConfig(fp32_accumulation="naive")), vals)
     assert err.max() > 2.0, err.max()

@@ -5,8 +5,8 @@ feature. Step k gathers the k-th row of each of its bags, a `[G, Dp]` tile
 (`Dp = next_pow2(D)`), scales it by the per-sample weights and adds it to a
 `[G, Dp]` fp32 accumulator. `U` steps are unrolled so `U * G` row loads are in
 flight before the first add. The accumulation is element-wise and sequential in
-k, so fp32 weights get a compensated (TwoSum) accumulation that matches fp64
-accumulation to about an ulp, at no extra memory traffic.
+k, so fp32 weights can get an accumulation as accurate as FBGEMM's fp64 one
+at no extra memory traffic: fp64 accumulators, or TwoSum-compensated fp32 pairs.
 
 Specialisation: each storage buffer (one per distinct D) gets its own branch of
 the kernel, compiled with its D as a constant (row stride known: 16-byte loads),
@@ -34,6 +34,7 @@ _META_COLS = 4
 # how many of the program's bags exist, the first bag's index within the feature.
 _P_FEATURE, _P_FIRST, _P_COUNT, _P_BAG = range(4)
 _PROG_COLS = 4
+_FP32_ACCUMULATION = ("fp64", "twosum", "naive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,10 @@ class ForwardConfig:
       num_warps: warps per program.
       prefetch: load the next step's ids while this step's rows are in flight.
       num_stages: Triton software-pipelining depth.
-      compensated_fp32: TwoSum accumulation for fp32 weights (FBGEMM accumulates
-        fp32 in fp64). Off gives plain fp32 sums; kept for the accuracy test.
+      fp32_accumulation: how fp32 weights are summed. "fp64": fp64 accumulators
+        (FBGEMM's choice); "twosum": an fp32 sum and its TwoSum error term;
+        "naive": plain fp32 sums (fails the 2-ulp accuracy contract; kept to
+        demonstrate that in the tests). fp16/bf16 weights always sum in fp32.
     """
 
     tile_elems: int = 256
@@ -58,13 +61,18 @@ class ForwardConfig:
     num_warps: int = 1
     num_stages: int = 1
     prefetch: bool = True
-    compensated_fp32: bool = True
+    fp32_accumulation: str = "fp64"
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
+        if self.fp32_accumulation not in _FP32_ACCUMULATION:
+            raise ValueError(
+                f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
+                f"got {self.fp32_accumulation!r}"
+            )
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
 
@@ -119,7 +127,7 @@ def _two_sum(s, c, x):
 
 def _pool_branch(
     pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref,
-    *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, compensated: bool,
+    *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's row names
@@ -181,13 +189,14 @@ def _pool_branch(
             x = x.astype(jnp.float32)
             if ws:
                 x = x * ws[u][:, None]
-            if compensated:
+            if accumulation == "twosum":
                 s, c = _two_sum(s, c, x)
             else:
-                s = s + x
+                s = s + x.astype(s.dtype)
         return s, c
 
     zeros = jnp.zeros(shape, jnp.float32)
+    acc0 = jnp.zeros(shape, jnp.float64) if accumulation == "fp64" else zeros
     if prefetch:
         # Software pipelining by hand: the ids of step it+1 are loaded while the
         # rows of step it are in flight, so each iteration waits on one latency.
@@ -198,21 +207,21 @@ def _pool_branch(
             s, c = accumulate(s, c, tiles, ws)
             return s, c, nxt_ids, nxt_ws
 
-        s, c, _, _ = jax.lax.fori_loop(0, n_iter, body, (zeros, zeros) + fetch(jnp.int32(0)))
+        s, c, _, _ = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros) + fetch(jnp.int32(0)))
     else:
         def body(it, carry):
             ids, ws = fetch(it * unroll)
             return accumulate(*carry, gather(ids), ws)
 
-        s, c = jax.lax.fori_loop(0, n_iter, body, (zeros, zeros))
-    acc = s + c if compensated else s
+        s, c = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros))
+    acc = s + c if accumulation == "twosum" else s
     if pooling == "mean":
-        acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
+        acc = acc / jnp.maximum(length, 1).astype(acc.dtype)[:, None]
     ptr = (out_base + bag * out_stride)[:, None] + cols[None, :]
     plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
 
 
-def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper, compensated):
+def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper, accumulation):
     prog_ref, feat_ref, offsets_ref, indices_ref = refs[:4]
     rest = refs[4:]
     psw_ref = rest[0] if weighted else None
@@ -224,7 +233,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
         def _(br=br):
             _pool_branch(
                 pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref,
-                br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, compensated=compensated,
+                br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
             )
 
 
@@ -246,9 +255,9 @@ def pooled_forward(
     used, branches, prog_meta, feat_meta = _schedule(layout, plan, config)
     if not branches or plan.out_size == 0:
         return jnp.zeros((plan.out_size,), output_dtype)
-    compensated = config.compensated_fp32 and all(
-        buffers[layout.key(g)].dtype == jnp.float32 for g in used
-    )
+    all_fp32 = all(buffers[layout.key(g)].dtype == jnp.float32 for g in used)
+    accumulation = config.fp32_accumulation if all_fp32 else "naive"
+
     kernel = functools.partial(
         _pooled_kernel,
         branches=branches,
@@ -258,20 +267,27 @@ def pooled_forward(
         prefetch=config.prefetch,
         pooling=pooling,
         check_upper=check_upper,
-        compensated=compensated,
+        accumulation=accumulation,
     )
     args = [jnp.asarray(prog_meta.reshape(-1)), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)
-    return pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((plan.out_size,), output_dtype),
         grid=(prog_meta.shape[0],),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tbe_pooled_forward",
-    )(*args)
+    )
+    if accumulation != "fp64":
+        return call(*args)
+    # fp64 accumulators exist only inside the kernel: its body is traced with x64
+    # on (else jnp would canonicalise float64 to float32); every operand and the
+    # result keep their explicit 32-bit dtypes, so the caller's mode is untouched.
+    with jax.enable_x64(True):
+        return call(*args)
 
 
 def _sequence_kernel(rows_ref, *refs, weighted, dim, block_dim, block_rows, n):
