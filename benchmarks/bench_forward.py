@@ -169,7 +169,7 @@ def parse_configs(spec: str | None):
         return {"default": tbe_jax.ForwardConfig()}
     out = {}
     for item in spec.split(";"):
-        kv = dict(p.split("=") for p in item.split(",") if p)
+        kv = {} if item == "default" else dict(p.split("=") for p in item.split(",") if p)
         conv = {"prefetch": lambda v: bool(int(v)), "fp32_accumulation": str}
         cfg = tbe_jax.ForwardConfig(**{k: conv.get(k, int)(v) for k, v in kv.items()})
         out[item] = cfg
