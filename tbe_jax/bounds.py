@@ -43,7 +43,8 @@ def repair_offsets(offsets: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """Clamp offsets to a valid partition of `[0, n)`: returns (repaired, count)."""
     first = jnp.zeros((1,), offsets.dtype)
     fixed = jnp.concatenate([first, jnp.maximum(offsets[1:], 0)])
-    fixed = jnp.minimum(jax.lax.cummax(fixed), n).astype(offsets.dtype)
+    # An explicit parallel scan: O(log n) fused steps on every backend.
+    fixed = jnp.minimum(jax.lax.associative_scan(jnp.maximum, fixed), n).astype(offsets.dtype)
     return fixed, jnp.sum(fixed != offsets).astype(jnp.int32)
 
 

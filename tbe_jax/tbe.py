@@ -268,9 +268,14 @@ class TableBatchedEmbedding:
             raise ValueError(f"len(indices)={n} must stay below 2**31")
 
         check_upper = self.bounds_check != "none"
+        use_kernel = self.pooling != "none" and self._use_kernel()
+        n_fixed = None
         if self.bounds_check == "warning":
-            offsets, rep = bounds.report(plan, indices, offsets)
-            bounds.warn_if_repaired(rep)
+            if use_kernel:  # the kernel counts bad ids itself; only offsets need a pass
+                offsets, n_fixed = bounds.repair_offsets(offsets, n)
+            else:
+                offsets, rep = bounds.report(plan, indices, offsets)
+                bounds.warn_if_repaired(rep)
         elif self.bounds_check == "fatal":
             if _is_concrete(indices, offsets):
                 bounds.check_concrete(
@@ -282,25 +287,31 @@ class TableBatchedEmbedding:
         if indices.dtype != jnp.int32:
             # Narrow int64 ids without letting an out-of-range id wrap into a valid one.
             if check_upper:
-                indices = jnp.where((indices < 0) | (indices >= 2**31), bounds.PRUNED, indices)
+                indices = jnp.where((indices < -1) | (indices >= 2**31), -2, indices)  # -2: counted as bad
             indices = indices.astype(jnp.int32)
         offsets = offsets.astype(jnp.int32)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.astype(jnp.float32)
 
         if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
+            if n_fixed is not None:
+                bounds.warn_if_repaired(bounds.BoundsReport(jnp.int32(0), n_fixed))
             if self.pooling == "none":
                 return jnp.zeros((0, self.feature_dims[0]), self.output_dtype)
             shape = (plan.out_size,) if plan.vbe else (plan.batch[0], sum(self.feature_dims))
             return jnp.zeros(shape, self.output_dtype)
         if self.pooling == "none":
             return self._sequence(params, plan, indices, offsets, per_sample_weights)
-        if self._use_kernel():
+        if use_kernel:
             flat = fwd_kernels.pooled_forward(
                 params, self.layout, plan, indices, offsets, per_sample_weights,
                 pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
                 config=self.kernel_config, interpret=self.interpret,
+                count_invalid=n_fixed is not None,
             )
+            if n_fixed is not None:
+                flat, n_bad = flat
+                bounds.warn_if_repaired(bounds.BoundsReport(n_bad, n_fixed))
             if plan.vbe:
                 return flat
             return flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))

@@ -126,7 +126,7 @@ def _two_sum(s, c, x):
 
 
 def _pool_branch(
-    pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref,
+    pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
@@ -174,6 +174,14 @@ def _pool_branch(
                 ws.append(plgpu.load(psw_ref.at[pos], mask=live, other=0.0))
         return tuple(ids), tuple(ws)
 
+    def count_bad(ids):
+        """Ids outside [0, E) other than the pruned marker -1 (-1 also pads past a bag's end)."""
+        n = jnp.int32(0)
+        if bad_ref is not None:
+            for idx in ids:
+                n += jnp.sum((idx != -1) & ((idx < 0) | (idx >= num_rows)), dtype=jnp.int32)
+        return n
+
     def gather(ids):
         tiles = []
         for idx in ids:
@@ -201,19 +209,24 @@ def _pool_branch(
         # Software pipelining by hand: the ids of step it+1 are loaded while the
         # rows of step it are in flight, so each iteration waits on one latency.
         def body(it, carry):
-            s, c, ids, ws = carry
+            s, c, nbad, ids, ws = carry
             tiles = gather(ids)
             nxt_ids, nxt_ws = fetch((it + 1) * unroll)
             s, c = accumulate(s, c, tiles, ws)
-            return s, c, nxt_ids, nxt_ws
+            return s, c, nbad + count_bad(ids), nxt_ids, nxt_ws
 
-        s, c, _, _ = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros) + fetch(jnp.int32(0)))
+        init = (acc0, zeros, jnp.int32(0)) + fetch(jnp.int32(0))
+        s, c, nbad, _, _ = jax.lax.fori_loop(0, n_iter, body, init)
     else:
         def body(it, carry):
+            s, c, nbad = carry
             ids, ws = fetch(it * unroll)
-            return accumulate(*carry, gather(ids), ws)
+            s, c = accumulate(s, c, gather(ids), ws)
+            return s, c, nbad + count_bad(ids)
 
-        s, c = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros))
+        s, c, nbad = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros, jnp.int32(0)))
+    if bad_ref is not None:  # one slot per program: no atomics, summed by the caller
+        plgpu.store(bad_ref.at[pid], nbad)
     acc = s + c if accumulation == "twosum" else s
     if pooling == "mean":
         acc = acc / jnp.maximum(length, 1).astype(acc.dtype)[:, None]
@@ -221,18 +234,19 @@ def _pool_branch(
     plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
 
 
-def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper, accumulation):
+def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
+                   accumulation, count_invalid):
     prog_ref, feat_ref, offsets_ref, indices_ref = refs[:4]
     rest = refs[4:]
     psw_ref = rest[0] if weighted else None
     w_refs = rest[int(weighted) : int(weighted) + n_buffers]
-    out_ref = rest[-1]
+    out_ref, bad_ref = (rest[-2], rest[-1]) if count_invalid else (rest[-1], None)
     pid = pl.program_id(0)
     for br in branches:
         @pl.when((pid >= br.prog_start) & (pid < br.prog_end))
         def _(br=br):
             _pool_branch(
-                pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref,
+                pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
             )
 
@@ -250,11 +264,17 @@ def pooled_forward(
     check_upper: bool,
     config: ForwardConfig,
     interpret: bool,
-) -> jax.Array:
-    """Flat pooled output of `plan.out_size` elements (reshape is the caller's)."""
+    count_invalid: bool = False,
+):
+    """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
+
+    With `count_invalid`, also returns how many ids outside `[0, E)` (other than
+    -1) were skipped, counted by the kernel itself (int32 scalar).
+    """
     used, branches, prog_meta, feat_meta = _schedule(layout, plan, config)
     if not branches or plan.out_size == 0:
-        return jnp.zeros((plan.out_size,), output_dtype)
+        out = jnp.zeros((plan.out_size,), output_dtype)
+        return (out, jnp.int32(0)) if count_invalid else out
     all_fp32 = all(buffers[layout.key(g)].dtype == jnp.float32 for g in used)
     accumulation = config.fp32_accumulation if all_fp32 else "naive"
 
@@ -268,26 +288,34 @@ def pooled_forward(
         pooling=pooling,
         check_upper=check_upper,
         accumulation=accumulation,
+        count_invalid=count_invalid,
     )
     args = [jnp.asarray(prog_meta.reshape(-1)), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)
+    out_shape = jax.ShapeDtypeStruct((plan.out_size,), output_dtype)
+    if count_invalid:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((prog_meta.shape[0],), jnp.int32))
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((plan.out_size,), output_dtype),
+        out_shape=out_shape,
         grid=(prog_meta.shape[0],),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tbe_pooled_forward",
     )
     if accumulation != "fp64":
-        return call(*args)
-    # fp64 accumulators exist only inside the kernel: its body is traced with x64
-    # on (else jnp would canonicalise float64 to float32); every operand and the
-    # result keep their explicit 32-bit dtypes, so the caller's mode is untouched.
-    with jax.enable_x64(True):
-        return call(*args)
+        res = call(*args)
+    else:
+        # fp64 accumulators exist only inside the kernel: its body is traced with x64
+        # on (else jnp would canonicalise float64 to float32); every operand and the
+        # result keep their explicit 32-bit dtypes, so the caller's mode is untouched.
+        with jax.enable_x64(True):
+            res = call(*args)
+    if count_invalid:
+        return res[0], jnp.sum(res[1])
+    return res
 
 
 def _sequence_kernel(rows_ref, *refs, weighted, dim, block_dim, block_rows, n):
