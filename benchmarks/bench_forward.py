@@ -77,13 +77,14 @@ def torch_time(wl, sets, iters, reps):
         return None
     if not torch.cuda.is_available():
         return None
+    feats = wl.features()
     dt = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[wl.weights_dtype]
-    weight = torch.randn(wl.T * wl.E, wl.D, device="cuda", dtype=dt)
+    weight = torch.randn(sum(e for e, _, _ in feats), wl.D, device="cuda", dtype=dt)
+    table_off = np.concatenate([[0], np.cumsum([e for e, _, _ in feats])[:-1]])
     targs = []
     for idx, off, psw in sets:
-        nbag = wl.T * wl.B
-        feat = np.repeat(np.arange(wl.T), wl.B * wl.L) if len(idx) == nbag * wl.L else None
-        shifted = idx.astype(np.int64) + (feat * wl.E if feat is not None else 0)
+        per_feature = np.diff(off[:: wl.B])  # ids per feature
+        shifted = idx.astype(np.int64) + np.repeat(table_off, per_feature)
         targs.append((
             torch.from_numpy(shifted).cuda(),
             torch.from_numpy(off[:-1].astype(np.int64)).cuda(),
@@ -109,15 +110,19 @@ def torch_time(wl, sets, iters, reps):
     return statistics.median(samples)
 
 
-def run_workload(wl, args, configs):
+def run_workload(wl, args, configs, hist_configs):
     rng = np.random.default_rng(0)
-    perms = [np.random.default_rng(1000 + t).permutation(wl.E) for t in range(wl.T)] if wl.alpha > 1 else None
+    feats = wl.features()
+    nf = len(feats)
+    perms = [np.random.default_rng(1000 + t).permutation(e) for t, (e, _, _) in enumerate(feats)] \
+        if wl.alpha > 1 else None
     sets = [
-        testing.make_batch(rng, [wl.E] * wl.T, [wl.B] * wl.T, wl.L, alpha=wl.alpha,
-                           weighted=wl.weighted, perms=perms)
+        testing.make_batch(rng, [e for e, _, _ in feats], [wl.B] * nf, [l for _, _, l in feats],
+                           alpha=wl.alpha, weighted=wl.weighted, perms=perms)
         for _ in range(args.sets)
     ]
-    tables = [tbe_jax.TableSpec(wl.E, wl.D) for _ in range(wl.T)]
+    # The bag-size hint is the workload's L: it lets small tables take the histogram path.
+    tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
     dev_sets = [tuple(None if x is None else jnp.asarray(x) for x in s) for s in sets]
     row = {"workload": dataclasses.asdict(wl), "bytes": wl.bytes_moved(), "variants": {}}
 
@@ -125,33 +130,42 @@ def run_workload(wl, args, configs):
         tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype, impl="xla")
     params = base_emb.init(jax.random.key(0))
     w = params[base_emb.layout.key(0)]
-    table_offsets = jnp.asarray(np.arange(wl.T, dtype=np.int32) * wl.E)
+    table_offsets = jnp.asarray(np.asarray(base_emb.layout.table_row_offset, np.int32))
 
     # Correctness of every variant on the first set, against the XLA reference path.
     idx0, off0, psw0 = dev_sets[0]
     ref = np.asarray(jax.jit(lambda p, i, o, s: base_emb(p, i, o, s))(params, idx0, off0, psw0), np.float64)
 
-    xla_fn = jax.jit(lambda w, i, o, s: xla_baseline(w, table_offsets, i, o, s, wl.T, wl.B))
+    xla_fn = jax.jit(lambda w, i, o, s: xla_baseline(w, table_offsets, i, o, s, nf, wl.B))
     xla_out = np.asarray(xla_fn(w, idx0, off0, psw0), np.float64)
     row["xla_max_rel_err"] = float(np.abs(xla_out - ref).max() / np.abs(ref).max())
     row["xla_ms"] = time_calls(xla_fn, [(w,) + s for s in dev_sets], args.iters, args.reps)
 
-    for name, cfg in configs.items():
+    variants = {name: (cfg, True, None) for name, cfg in configs.items()}
+    probe = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype)
+    row["plan"] = sorted(set(probe.plan(weighted=wl.weighted)))
+    if "histogram" in row["plan"]:  # the generic kernel alone, in the same run, for the ratio
+        variants["generic-only"] = (tbe_jax.ForwardConfig(), False, None)
+        for name, hcfg in hist_configs.items():
+            variants["hist:" + name] = (tbe_jax.ForwardConfig(), True, hcfg)
+    for name, (cfg, use_hist, hcfg) in variants.items():
         emb = tbe_jax.TableBatchedEmbedding(
             tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype, impl="pallas",
-            bounds_check=args.bounds_check,
-            kernel_config=cfg, interpret=jax.default_backend() != "gpu")  # CPU: smoke test only
+            bounds_check=args.bounds_check, kernel_config=cfg, use_histogram=use_hist, histogram_config=hcfg,
+            interpret=jax.default_backend() != "gpu")  # CPU: smoke test only
         fn = jax.jit(lambda p, i, o, s, emb=emb: emb(p, i, o, s))
         out = np.asarray(fn(params, idx0, off0, psw0), np.float64)
         err = float(np.abs(out - ref).max() / np.abs(ref).max())
         ms = time_calls(fn, [(params,) + s for s in dev_sets], args.iters, args.reps)
-        row["variants"][name] = {"config": dataclasses.asdict(cfg), "ms": ms, "max_rel_err": err,
-                                 "GBps": wl.bytes_moved() / ms / 1e6}
-    best = min(row["variants"], key=lambda k: row["variants"][k]["ms"])
+        row["variants"][name] = {"config": dataclasses.asdict(cfg), "use_histogram": use_hist, "ms": ms,
+                                 "max_rel_err": err, "GBps": wl.bytes_moved() / ms / 1e6}
+    best = min((k for k in row["variants"] if k != "generic-only"), key=lambda k: row["variants"][k]["ms"])
     row["best"] = best
     row["ms"] = row["variants"][best]["ms"]
     row["GBps"] = wl.bytes_moved() / row["ms"] / 1e6
     row["vs_xla"] = row["xla_ms"] / row["ms"]
+    if "generic-only" in row["variants"]:
+        row["vs_generic"] = row["variants"]["generic-only"]["ms"] / row["ms"]
     fb = FBGEMM_FWD_KERNEL_MS.get(wl.name)
     row["fbgemm_kernel_ms"] = fb
     row["anchor_xla_ms"] = ANCHOR_XLA_FWD_MS.get(wl.name)
@@ -164,15 +178,15 @@ def run_workload(wl, args, configs):
     return row
 
 
-def parse_configs(spec: str | None):
+def parse_configs(spec: str | None, cls=tbe_jax.ForwardConfig):
+    """'k=v,k=v;k=v' -> {item: cls(...)}; 'default' is cls()."""
     if not spec:
-        return {"default": tbe_jax.ForwardConfig()}
+        return {} if cls is not tbe_jax.ForwardConfig else {"default": cls()}
     out = {}
     for item in spec.split(";"):
         kv = {} if item == "default" else dict(p.split("=") for p in item.split(",") if p)
         conv = {"prefetch": lambda v: bool(int(v)), "fp32_accumulation": str}
-        cfg = tbe_jax.ForwardConfig(**{k: conv.get(k, int)(v) for k, v in kv.items()})
-        out[item] = cfg
+        out[item] = cls(**{k: conv.get(k, int)(v) for k, v in kv.items()})
     return out
 
 
@@ -190,6 +204,8 @@ def main():
     ap.add_argument("--output-dtype", default="float32")
     ap.add_argument("--configs", default=None,
                     help="';'-separated ForwardConfig overrides, e.g. 'unroll=2;unroll=4,tile_elems=4096'")
+    ap.add_argument("--hist-configs", default=None,
+                    help="extra ';'-separated HistogramConfig variants for presets with histogram features")
     ap.add_argument("--bounds-check", default="none", choices=["none", "warning", "fatal"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--reps", type=int, default=5)
@@ -225,7 +241,7 @@ def main():
         pass
     rows = []
     for wl in wls:
-        rows.append(run_workload(wl, args, configs))
+        rows.append(run_workload(wl, args, configs, parse_configs(args.hist_configs, tbe_jax.HistogramConfig)))
         r = rows[-1]
         print(f"{wl.name:11s} ours {r['ms']:.4f} ms ({r['GBps']:.0f} GB/s, {r['best']}) "
               f"xla {r['xla_ms']:.4f} torch {r.get('torch_ms') or float('nan'):.4f} "
@@ -237,12 +253,15 @@ def main():
     path = os.path.join(args.out, f"forward-{stamp}-{kind}.json")
     with open(path, "w") as fh:
         json.dump({"meta": meta, "results": rows}, fh, indent=1)
-    print("\n| preset | ours ms | GB/s | XLA ms | torch ms | FBGEMM kernel ms | vs XLA | vs FBGEMM |")
-    print("|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    print("\n| preset | path | ours ms | GB/s | XLA ms | torch ms | FBGEMM kernel ms | vs XLA | vs FBGEMM "
+          "| generic-only ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']['name']} | {r['ms']:.3f} | {r['GBps']:.0f} | {r['xla_ms']:.3f} | "
-              f"{(r.get('torch_ms') or float('nan')):.3f} | {r['fbgemm_kernel_ms'] or float('nan'):.3f} | "
-              f"{r['vs_xla']:.2f}x | {(r['vs_fbgemm'] or float('nan')):.2f}x |")
+        gen = r["variants"].get("generic-only", {}).get("ms", nan)
+        print(f"| {r['workload']['name']} | {'+'.join(r['plan'])} | {r['ms']:.3f} | {r['GBps']:.0f} | "
+              f"{r['xla_ms']:.3f} | {(r.get('torch_ms') or nan):.3f} | {r['fbgemm_kernel_ms'] or nan:.3f} | "
+              f"{r['vs_xla']:.2f}x | {(r['vs_fbgemm'] or nan):.2f}x | {gen:.3f} |")
     print(f"saved {path}")
 
 

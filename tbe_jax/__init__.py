@@ -3,8 +3,9 @@
 from tbe_jax import _pallas  # noqa: F401  (installs the Triton deprecation filter once)
 from tbe_jax.bounds import BoundsReport
 from tbe_jax.kernels.forward import ForwardConfig
+from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
-__all__ = ["BoundsReport", "ForwardConfig", "TableBatchedEmbedding", "TableSpec"]
+__all__ = ["BoundsReport", "ForwardConfig", "HistogramConfig", "TableBatchedEmbedding", "TableSpec"]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ import numpy as np
 
 from tbe_jax import bounds, reference
 from tbe_jax.kernels import forward as fwd_kernels
+from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec
 
 _POOLINGS = ("sum", "mean", "none")
@@ -48,6 +49,9 @@ class TableBatchedEmbedding:
         "auto": the kernels on GPU (or when `interpret=True`), XLA elsewhere.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       kernel_config: `tbe_jax.ForwardConfig` block sizes; None for defaults.
+      use_histogram: let eligible small tables take the histogram path (counts x
+        table on tensor cores); see `plan()`. False forces the generic kernel.
+      histogram_config: `tbe_jax.HistogramConfig`; None for defaults.
 
     The object is immutable and hashable: pass it as a static argument to `jit`.
 
@@ -74,6 +78,8 @@ class TableBatchedEmbedding:
         impl: str = "auto",
         interpret: bool = False,
         kernel_config: fwd_kernels.ForwardConfig | None = None,
+        use_histogram: bool = True,
+        histogram_config: hist_kernels.HistogramConfig | None = None,
     ):
         tables = tuple(tables)
         if not tables:
@@ -108,6 +114,10 @@ class TableBatchedEmbedding:
         self.impl = impl
         self.interpret = bool(interpret)
         self.kernel_config = kernel_config or fwd_kernels.ForwardConfig.get_default()
+        if histogram_config is not None and not isinstance(histogram_config, hist_kernels.HistogramConfig):
+            raise TypeError("histogram_config must be a tbe_jax.HistogramConfig")
+        self.use_histogram = bool(use_histogram)
+        self.histogram_config = histogram_config or hist_kernels.HistogramConfig()
         self.layout = StorageLayout.build(tables)
 
     # -- identity: hashable, usable as a static jit argument -------------------
@@ -115,6 +125,7 @@ class TableBatchedEmbedding:
         return (
             self.tables, self.feature_table_map, self.pooling, self.weights_dtype.name,
             self.output_dtype.name, self.bounds_check, self.impl, self.interpret, self.kernel_config,
+            self.use_histogram, self.histogram_config,
         )
 
     def __hash__(self):
@@ -138,6 +149,24 @@ class TableBatchedEmbedding:
     @property
     def feature_dims(self) -> tuple[int, ...]:
         return tuple(self.tables[t].embedding_dim for t in self.feature_table_map)
+
+    def plan(self, *, weighted: bool = False, vbe: bool = False) -> tuple[str, ...]:
+        """Per feature, the kernel path it takes: "histogram" or "generic".
+
+        Decided statically: a feature takes the small-table histogram path when
+        its table has E <= 64, 64 <= D <= 128 and `bag_size_hint >= 64`, weights
+        are fp16, output fp32, pooling is sum or mean, and the call is unweighted
+        and without VBE (pass `weighted=` / `vbe=` to see the plan for such calls).
+        On the XLA path (`impl="xla"`, or "auto" on CPU) no kernel runs, but the
+        plan still says what the kernels would do.
+        """
+        ok = self.use_histogram and self.pooling != "none" and not weighted and not vbe
+        return tuple(
+            "histogram"
+            if ok and hist_kernels.eligible(self.tables[t], self.weights_dtype, self.output_dtype)
+            else "generic"
+            for t in self.feature_table_map
+        )
 
     # -- parameters -------------------------------------------------------------
     def init(self, key: jax.Array) -> dict:
@@ -303,14 +332,31 @@ class TableBatchedEmbedding:
         if self.pooling == "none":
             return self._sequence(params, plan, indices, offsets, per_sample_weights)
         if use_kernel:
-            flat = fwd_kernels.pooled_forward(
-                params, self.layout, plan, indices, offsets, per_sample_weights,
-                pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
-                config=self.kernel_config, interpret=self.interpret,
-                count_invalid=n_fixed is not None,
-            )
-            if n_fixed is not None:
-                flat, n_bad = flat
+            paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
+            generic = [f for f, p in enumerate(paths) if p == "generic"]
+            hist = [f for f, p in enumerate(paths) if p == "histogram"]
+            count = n_fixed is not None
+            n_bad = jnp.int32(0)
+            flat = None
+            if generic:
+                flat = fwd_kernels.pooled_forward(
+                    params, self.layout, plan, indices, offsets, per_sample_weights,
+                    pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
+                    config=self.kernel_config, interpret=self.interpret,
+                    count_invalid=count, features=generic,
+                )
+                if count:
+                    flat, n_bad = flat
+            if hist:  # a second launch fills the histogram features' columns in place
+                flat = hist_kernels.histogram_forward(
+                    flat, params, self.layout, plan, hist, indices, offsets,
+                    pooling=self.pooling, check_upper=check_upper, interpret=self.interpret,
+                    config=self.histogram_config, count_invalid=count,
+                )
+                if count:
+                    flat, hist_bad = flat
+                    n_bad = n_bad + hist_bad
+            if count:
                 bounds.warn_if_repaired(bounds.BoundsReport(n_bad, n_fixed))
             if plan.vbe:
                 return flat

@@ -26,12 +26,20 @@ class Workload:
     weighted: bool = False
     weights_dtype: str = "float16"
     output_dtype: str = "float32"
+    # Extra (count, E, D, L) table groups after the T uniform ones (mixed workloads).
+    extra: tuple = ()
+
+    def features(self) -> list[tuple[int, int, int]]:
+        """Per feature (one table each): (E, D, L)."""
+        out = [(self.E, self.D, self.L)] * self.T
+        for count, e, d, l in self.extra:
+            out += [(e, d, l)] * count
+        return out
 
     def bytes_moved(self) -> int:
         """FBGEMM's forward bandwidth formula: output writes plus row reads."""
-        wbytes = np.dtype(self.weights_dtype).itemsize if self.weights_dtype != "bfloat16" else 2
-        sum_d = self.T * self.D
-        return 4 * self.B * sum_d + wbytes * self.B * sum_d * self.L
+        wbytes = 4 if self.weights_dtype == "float32" else 2
+        return sum(4 * self.B * d + wbytes * self.B * d * l for _, d, l in self.features())
 
 
 # The anchors' six configurations (../shared/anchors/README.md).
@@ -42,6 +50,8 @@ PRESETS = {
     "large": Workload("large", 8, 4_000_000, 128, 65536, 20, 1.0),
     "fp32": Workload("fp32", 32, 100_000, 128, 4096, 20, 1.15, weights_dtype="float32"),
     "smalltable": Workload("smalltable", 1, 64, 128, 65536, 128, 1.0),
+    # Not an anchor: the smalltable feature among the 32 base tables (one batch size).
+    "mixed": Workload("mixed", 32, 100_000, 128, 4096, 20, 1.0, extra=((1, 64, 128, 128),)),
 }
 
 
@@ -62,7 +72,7 @@ def make_batch(
     rng: np.random.Generator,
     num_rows: Sequence[int],  # per feature: E of its table
     batch: Sequence[int],  # per feature: B_f
-    bag_len,  # int (fixed L) or (lo, hi) for uniform lengths in [lo, hi]
+    bag_len,  # int (fixed L), (lo, hi) for uniform lengths in [lo, hi], or a list per feature
     *,
     alpha: float = 1.0,
     weighted: bool = False,
@@ -71,10 +81,11 @@ def make_batch(
     """FBGEMM-format inputs: (indices int32 [N], offsets int32 [sum B_f + 1], weights or None)."""
     lengths, ids = [], []
     for f, (e, b) in enumerate(zip(num_rows, batch)):
-        if isinstance(bag_len, tuple):
-            ln = rng.integers(bag_len[0], bag_len[1] + 1, size=b)
+        bl = bag_len[f] if isinstance(bag_len, list) else bag_len
+        if isinstance(bl, tuple):
+            ln = rng.integers(bl[0], bl[1] + 1, size=b)
         else:
-            ln = np.full(b, bag_len)
+            ln = np.full(b, bl)
         lengths.append(ln)
         ids.append(sample_ids(rng, e, int(ln.sum()), alpha, None if perms is None else perms[f]))
     lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)

@@ -96,12 +96,12 @@ class _Branch:
     bags: int
 
 
-def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig):
+def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features):
     """Static program table: per program (feature, first bag); per buffer a branch."""
     progs, branches = [], []
-    used = sorted({plan.group[f] for f in range(plan.num_features)})
+    used = sorted({plan.group[f] for f in features})
     for pos, g in enumerate(used):
-        feats = [f for f in range(plan.num_features) if plan.group[f] == g]
+        feats = [f for f in features if plan.group[f] == g]
         d = layout.dims[g]
         bags = cfg.bags_per_program(d, max(plan.batch[f] for f in feats))
         start = len(progs)
@@ -265,13 +265,19 @@ def pooled_forward(
     config: ForwardConfig,
     interpret: bool,
     count_invalid: bool = False,
+    features=None,
 ):
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
+
+    Only `features` (default: all) are computed; other features' columns are
+    left for another kernel to write (see `histogram.histogram_forward`).
 
     With `count_invalid`, also returns how many ids outside `[0, E)` (other than
     -1) were skipped, counted by the kernel itself (int32 scalar).
     """
-    used, branches, prog_meta, feat_meta = _schedule(layout, plan, config)
+    if features is None:
+        features = range(plan.num_features)
+    used, branches, prog_meta, feat_meta = _schedule(layout, plan, config, tuple(features))
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype)
         return (out, jnp.int32(0)) if count_invalid else out
