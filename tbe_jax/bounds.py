@@ -75,7 +75,17 @@ def _warn(invalid_indices, repaired_offsets):
 
 
 def warn_if_repaired(rep: BoundsReport) -> None:
-    jax.debug.callback(_warn, rep.invalid_indices, rep.repaired_offsets)
+    """Warn from the host, only when something was repaired.
+
+    The callback sits behind a `lax.cond`, so a clean batch costs a predicate
+    read, not a host callback.
+    """
+    jax.lax.cond(
+        (rep.invalid_indices > 0) | (rep.repaired_offsets > 0),
+        lambda r: jax.debug.callback(_warn, r.invalid_indices, r.repaired_offsets),
+        lambda r: None,
+        rep,
+    )
 
 
 def _describe_feature(plan: FeaturePlan, f: int, table_labels) -> str:

@@ -47,11 +47,14 @@ class HistogramConfig:
         (C ids per bag per step).
       tail_unroll: ids per bag loaded together on the gather path (ids >= 256).
       num_warps: warps per program.
+      deferred_reduce: keep the `[16, C, E]` hits accumulating across steps and
+        reduce over C once at the end, instead of reducing every step.
     """
 
     hit_elems: int = 8192
     tail_unroll: int = 4
     num_warps: int = 4
+    deferred_reduce: bool = False
 
     def ids_per_step(self, rows_padded: int) -> int:
         c = max(1, self.hit_elems // (BAGS * rows_padded))
@@ -140,12 +143,16 @@ def _hist_branch(
         k = i * c + j
         live = k[None, :] < head[:, None]
         ids = plgpu.load(indices_ref.at[start[:, None] + k[None, :]], mask=live, other=-1)
-        hit = ids[:, :, None] == e[None, None, :]
-        return counts + jnp.sum(hit.astype(jnp.int32), axis=1), bad + n_bad(ids)
+        hit = (ids[:, :, None] == e[None, None, :]).astype(jnp.int32)
+        if not cfg.deferred_reduce:
+            hit = jnp.sum(hit, axis=1)
+        return counts + hit, bad + n_bad(ids)
 
-    zeros = jnp.zeros((BAGS, br.rows_padded), jnp.int32)
+    shape = (BAGS, c, br.rows_padded) if cfg.deferred_reduce else (BAGS, br.rows_padded)
     n_steps = (jnp.max(head) + c - 1) // c
-    counts, bad = jax.lax.fori_loop(0, n_steps, count, (zeros, jnp.int32(0)))
+    counts, bad = jax.lax.fori_loop(0, n_steps, count, (jnp.zeros(shape, jnp.int32), jnp.int32(0)))
+    if cfg.deferred_reduce:
+        counts = jnp.sum(counts, axis=1)
 
     # 2. counts @ table on tensor cores (rows past the table's E are zero).
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
