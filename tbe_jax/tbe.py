@@ -286,6 +286,20 @@ class TableBatchedEmbedding:
           VBE a flat array holding each feature's `[B_f, D_f]` block row-major;
           with `pooling="none"`, `[N, D]`.
         """
+        return self._forward(params, indices, offsets, per_sample_weights, batch_size_per_feature, warn=True)[0]
+
+    def forward_with_report(self, params, indices, offsets, per_sample_weights=None, *,
+                            batch_size_per_feature=None):
+        """`(out, BoundsReport)`: the lookup and what `bounds_check="warning"` repaired.
+
+        Unlike `emb(...)` in warning mode, this issues no host callback (no
+        synchronisation inside a jitted step): the counts stay on the device until
+        you read them. With `bounds_check="none"` or `"fatal"` the report is zeros.
+        """
+        return self._forward(params, indices, offsets, per_sample_weights, batch_size_per_feature, warn=False)
+
+    def _forward(self, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
+        """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
         indices = jnp.asarray(indices)
         offsets = jnp.asarray(offsets)
         if per_sample_weights is not None:
@@ -299,12 +313,23 @@ class TableBatchedEmbedding:
         check_upper = self.bounds_check != "none"
         use_kernel = self.pooling != "none" and self._use_kernel()
         n_fixed = None
+        zero = jnp.int32(0)
+        report = bounds.BoundsReport(zero, zero)
+
+        def finish(out, rep=None):
+            if rep is None:
+                return out, report
+            if warn:
+                bounds.warn_if_repaired(rep)
+            return out, rep
+
         if self.bounds_check == "warning":
             if use_kernel:  # the kernel counts bad ids itself; only offsets need a pass
                 offsets, n_fixed = bounds.repair_offsets(offsets, n)
             else:
-                offsets, rep = bounds.report(plan, indices, offsets)
-                bounds.warn_if_repaired(rep)
+                offsets, report = bounds.report(plan, indices, offsets)
+                if warn:
+                    bounds.warn_if_repaired(report)
         elif self.bounds_check == "fatal":
             if _is_concrete(indices, offsets):
                 bounds.check_concrete(
@@ -323,14 +348,13 @@ class TableBatchedEmbedding:
             per_sample_weights = per_sample_weights.astype(jnp.float32)
 
         if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
-            if n_fixed is not None:
-                bounds.warn_if_repaired(bounds.BoundsReport(jnp.int32(0), n_fixed))
+            rep = None if n_fixed is None else bounds.BoundsReport(zero, n_fixed)
             if self.pooling == "none":
-                return jnp.zeros((0, self.feature_dims[0]), self.output_dtype)
+                return finish(jnp.zeros((0, self.feature_dims[0]), self.output_dtype), rep)
             shape = (plan.out_size,) if plan.vbe else (plan.batch[0], sum(self.feature_dims))
-            return jnp.zeros(shape, self.output_dtype)
+            return finish(jnp.zeros(shape, self.output_dtype), rep)
         if self.pooling == "none":
-            return self._sequence(params, plan, indices, offsets, per_sample_weights)
+            return finish(self._sequence(params, plan, indices, offsets, per_sample_weights))
         if use_kernel:
             paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
             generic = [f for f, p in enumerate(paths) if p == "generic"]
@@ -356,15 +380,14 @@ class TableBatchedEmbedding:
                 if count:
                     flat, hist_bad = flat
                     n_bad = n_bad + hist_bad
-            if count:
-                bounds.warn_if_repaired(bounds.BoundsReport(n_bad, n_fixed))
-            if plan.vbe:
-                return flat
-            return flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
-        return reference.pooled_forward(
+            rep = bounds.BoundsReport(n_bad, n_fixed) if count else None
+            if not plan.vbe:
+                flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
+            return finish(flat, rep)
+        return finish(reference.pooled_forward(
             params, self.layout, plan, indices, offsets, per_sample_weights,
             pooling=self.pooling, output_dtype=self.output_dtype,
-        )
+        ))
 
     def _sequence(self, params, plan, indices, offsets, per_sample_weights):
         if not self._use_kernel():

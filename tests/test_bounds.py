@@ -136,3 +136,21 @@ def test_wrong_dtypes_and_shapes():
     bad["d8"] = bad["d8"].astype(jnp.float16)
     with pytest.raises(ValueError, match="params\\['d8'\\] must be float32"):
         emb(params=bad, indices=idx, offsets=off)
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_forward_with_report_is_silent_and_counts(impl):
+    kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
+    emb = _emb("warning", **kw)
+    params = emb.init(jax.random.key(0))
+    idx, off = _bad_batch()
+    off = off.copy()
+    off[0] = 1  # one repaired offset too
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, rep = jax.jit(lambda p, i, o: emb.forward_with_report(p, i, o))(params, idx, off)
+        jax.effects_barrier()
+    assert int(rep.invalid_indices) == 3 and int(rep.repaired_offsets) == 1
+    np.testing.assert_allclose(np.asarray(out), np.asarray(emb(params, idx, off)), rtol=1e-6)
+    _, rep = _emb("none", **kw).forward_with_report(params, idx, off)
+    assert int(rep.invalid_indices) == 0

@@ -54,7 +54,7 @@ class HistogramConfig:
     hit_elems: int = 8192
     tail_unroll: int = 4
     num_warps: int = 4
-    deferred_reduce: bool = False
+    deferred_reduce: bool = True
 
     def ids_per_step(self, rows_padded: int) -> int:
         c = max(1, self.hit_elems // (BAGS * rows_padded))
