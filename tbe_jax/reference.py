@@ -101,3 +101,60 @@ def sequence_forward(
     if per_sample_weights is not None:
         scale = scale * per_sample_weights.astype(jnp.float32)
     return (x * scale[:, None]).astype(output_dtype)
+
+
+def _output_rows(plan: FeaturePlan, bag, feat):
+    """Flat output element of column 0 of each position's pooled row."""
+    bag_base = jnp.asarray(np.asarray(plan.bag_base, np.int32))
+    out_base = jnp.asarray(np.asarray(plan.out_base, np.int32))
+    out_stride = jnp.asarray(np.asarray(plan.out_stride, np.int32))
+    return out_base[feat] + (bag - bag_base[feat]) * out_stride[feat]
+
+
+def pooled_backward(
+    buffers: dict,
+    layout: StorageLayout,
+    plan: FeaturePlan,
+    indices: jax.Array,
+    offsets: jax.Array,
+    per_sample_weights: jax.Array | None,
+    g_out: jax.Array,
+    *,
+    pooling: str,
+):
+    """VJP of `pooled_forward` (or, with pooling="none", of `sequence_forward`).
+
+    Returns `(d_buffers, d_per_sample_weights)`: the dense table gradient
+    `dW[row] = sum over the row's lookups of scale * g[bag, feature's columns]`
+    (scale: the per-sample weight, and 1/len for mean pooling), accumulated in fp32
+    and cast to each buffer's dtype; and `d w_p = scale_p/w_p * <W[row_p], g[bag_p]>`.
+    """
+    n = indices.shape[0]
+    bag, feat = position_features(plan, offsets, n)
+    valid = _valid_rows(plan, indices, offsets, feat)
+    coef = valid.astype(jnp.float32)
+    if pooling == "mean":
+        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+        coef = coef / jnp.maximum(lengths, 1.0)[bag]
+    scale = coef if per_sample_weights is None else coef * per_sample_weights
+    g_flat = g_out.reshape(-1).astype(jnp.float32)
+    if pooling == "none":
+        first = jnp.arange(n, dtype=jnp.int32) * layout.dims[0]
+    else:
+        first = _output_rows(plan, bag, feat)
+    row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
+    feat_group = jnp.asarray(np.asarray(plan.group, np.int32))
+    d_buffers = {}
+    d_psw = jnp.zeros((n,), jnp.float32)
+    for g, d in enumerate(layout.dims):
+        w = buffers[layout.key(g)]
+        m = valid & (feat_group[feat] == g)
+        cols = jnp.where(m[:, None], first[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :], 0)
+        grad_rows = jnp.take(g_flat, cols) * m[:, None]  # [N, d]: g of each lookup's pooled row
+        rows = jnp.where(m, row_offset[feat] + indices.astype(jnp.int32), 0)
+        dw = jnp.zeros(w.shape, jnp.float32).at[rows].add(grad_rows * scale[:, None])
+        d_buffers[layout.key(g)] = dw.astype(w.dtype)
+        if per_sample_weights is not None:
+            x = jnp.take(w, rows, axis=0).astype(jnp.float32)
+            d_psw = d_psw + jnp.sum(x * grad_rows, axis=1) * coef
+    return d_buffers, (None if per_sample_weights is None else d_psw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -312,7 +313,7 @@ class TableBatchedEmbedding:
 
         check_upper = self.bounds_check != "none"
         use_kernel = self.pooling != "none" and self._use_kernel()
-        n_fixed = None
+        n_fixed = None  # set when the kernel counts skipped ids (warning mode)
         zero = jnp.int32(0)
         report = bounds.BoundsReport(zero, zero)
 
@@ -347,47 +348,52 @@ class TableBatchedEmbedding:
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.astype(jnp.float32)
 
+        count = n_fixed is not None
+        out, n_bad = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
+        return finish(out, bounds.BoundsReport(n_bad, n_fixed) if count else None)
+
+    def _lookup_impl(self, plan, count, params, per_sample_weights, indices, offsets):
+        """The differentiable core on validated int32 inputs: `(out, skipped ids)`."""
+        check_upper = self.bounds_check != "none"
+        n = indices.shape[0]
+        n_bad = jnp.int32(0)
         if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
-            rep = None if n_fixed is None else bounds.BoundsReport(zero, n_fixed)
             if self.pooling == "none":
-                return finish(jnp.zeros((0, self.feature_dims[0]), self.output_dtype), rep)
+                return jnp.zeros((0, self.feature_dims[0]), self.output_dtype), n_bad
             shape = (plan.out_size,) if plan.vbe else (plan.batch[0], sum(self.feature_dims))
-            return finish(jnp.zeros(shape, self.output_dtype), rep)
+            return jnp.zeros(shape, self.output_dtype), n_bad
         if self.pooling == "none":
-            return finish(self._sequence(params, plan, indices, offsets, per_sample_weights))
-        if use_kernel:
-            paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
-            generic = [f for f, p in enumerate(paths) if p == "generic"]
-            hist = [f for f, p in enumerate(paths) if p == "histogram"]
-            count = n_fixed is not None
-            n_bad = jnp.int32(0)
-            flat = None
-            if generic:
-                flat = fwd_kernels.pooled_forward(
-                    params, self.layout, plan, indices, offsets, per_sample_weights,
-                    pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
-                    config=self.kernel_config, interpret=self.interpret,
-                    count_invalid=count, features=generic,
-                )
-                if count:
-                    flat, n_bad = flat
-            if hist:  # a second launch fills the histogram features' columns in place
-                flat = hist_kernels.histogram_forward(
-                    flat, params, self.layout, plan, hist, indices, offsets,
-                    pooling=self.pooling, check_upper=check_upper, interpret=self.interpret,
-                    config=self.histogram_config, count_invalid=count,
-                )
-                if count:
-                    flat, hist_bad = flat
-                    n_bad = n_bad + hist_bad
-            rep = bounds.BoundsReport(n_bad, n_fixed) if count else None
-            if not plan.vbe:
-                flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
-            return finish(flat, rep)
-        return finish(reference.pooled_forward(
-            params, self.layout, plan, indices, offsets, per_sample_weights,
-            pooling=self.pooling, output_dtype=self.output_dtype,
-        ))
+            return self._sequence(params, plan, indices, offsets, per_sample_weights), n_bad
+        if not self._use_kernel():
+            return reference.pooled_forward(
+                params, self.layout, plan, indices, offsets, per_sample_weights,
+                pooling=self.pooling, output_dtype=self.output_dtype,
+            ), n_bad
+        paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
+        generic = [f for f, p in enumerate(paths) if p == "generic"]
+        hist = [f for f, p in enumerate(paths) if p == "histogram"]
+        flat = None
+        if generic:
+            flat = fwd_kernels.pooled_forward(
+                params, self.layout, plan, indices, offsets, per_sample_weights,
+                pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
+                config=self.kernel_config, interpret=self.interpret,
+                count_invalid=count, features=generic,
+            )
+            if count:
+                flat, n_bad = flat
+        if hist:  # a second launch fills the histogram features' columns in place
+            flat = hist_kernels.histogram_forward(
+                flat, params, self.layout, plan, hist, indices, offsets,
+                pooling=self.pooling, check_upper=check_upper, interpret=self.interpret,
+                config=self.histogram_config, count_invalid=count,
+            )
+            if count:
+                flat, hist_bad = flat
+                n_bad = n_bad + hist_bad
+        if not plan.vbe:
+            flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
+        return flat, n_bad
 
     def _sequence(self, params, plan, indices, offsets, per_sample_weights):
         if not self._use_kernel():
@@ -407,3 +413,35 @@ class TableBatchedEmbedding:
             params[self.layout.key(0)], rows, per_sample_weights,
             output_dtype=self.output_dtype, config=self.kernel_config, interpret=self.interpret,
         )
+
+
+# -- differentiation -------------------------------------------------------------
+# `jax.grad` through a lookup gives the true (dense) gradient of the tables and of
+# the per-sample weights. The forward is the kernel or the XLA path; the backward
+# is, for now, the pure-jnp `reference.pooled_backward` (a scatter-add into a
+# dense gradient); sorted-run kernels with a fused optimizer are a separate path.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _lookup(emb, plan, count, params, per_sample_weights, indices, offsets):
+    return emb._lookup_impl(plan, count, params, per_sample_weights, indices, offsets)
+
+
+def _lookup_fwd(emb, plan, count, params, per_sample_weights, indices, offsets):
+    out = emb._lookup_impl(plan, count, params, per_sample_weights, indices, offsets)
+    return out, (params, per_sample_weights, indices, offsets)
+
+
+def _lookup_bwd(emb, plan, count, res, cotangents):
+    params, per_sample_weights, indices, offsets = res
+    g_out, _ = cotangents
+    if indices.shape[0] == 0:
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, (params, per_sample_weights))
+        return zeros + (None, None)
+    d_params, d_psw = reference.pooled_backward(
+        params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling
+    )
+    return d_params, d_psw, None, None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)

@@ -130,3 +130,42 @@ def numpy_pooled(
     if vbe:
         return np.concatenate([b.reshape(-1) for b in blocks])
     return np.concatenate(blocks, axis=1)
+
+
+def numpy_pooled_vjp(
+    tables: Sequence[np.ndarray],
+    feature_table_map: Sequence[int],
+    batch: Sequence[int],
+    indices: np.ndarray,
+    offsets: np.ndarray,
+    per_sample_weights: np.ndarray | None,
+    g_out: np.ndarray,
+    pooling: str,
+    vbe: bool,
+):
+    """Float64 model of the pooled VJP: (per-table dW, d per_sample_weights)."""
+    tables = [np.asarray(t, np.float64) for t in tables]
+    d_tables = [np.zeros_like(t) for t in tables]
+    d_psw = np.zeros(len(indices))
+    g = np.asarray(g_out, np.float64)
+    dims = [tables[t].shape[1] for t in feature_table_map]
+    if vbe:
+        sizes = np.cumsum([0] + [b * d for b, d in zip(batch, dims)])
+        blocks = [g.reshape(-1)[sizes[f] : sizes[f + 1]].reshape(batch[f], dims[f]) for f in range(len(dims))]
+    else:
+        cols = np.cumsum([0] + dims)
+        blocks = [g[:, cols[f] : cols[f + 1]] for f in range(len(dims))]
+    bag = 0
+    for f, t in enumerate(feature_table_map):
+        for b in range(batch[f]):
+            lo, hi = int(offsets[bag]), int(offsets[bag + 1])
+            bag += 1
+            coef = 1.0 / (hi - lo) if pooling == "mean" and hi > lo else 1.0
+            for p in range(lo, hi):
+                i = int(indices[p])
+                if not 0 <= i < tables[t].shape[0]:
+                    continue
+                s = 1.0 if per_sample_weights is None else float(per_sample_weights[p])
+                d_tables[t][i] += coef * s * blocks[f][b]
+                d_psw[p] = coef * float(tables[t][i] @ blocks[f][b])
+    return d_tables, d_psw
