@@ -28,10 +28,13 @@ class Workload:
     output_dtype: str = "float32"
     # Extra (count, E, D, L) table groups after the T uniform ones (mixed workloads).
     extra: tuple = ()
+    # Mixed dims (FBGEMM's --mixed): the T uniform tables take these dims round-robin instead of D.
+    dims: tuple = ()
 
     def features(self) -> list[tuple[int, int, int]]:
         """Per feature (one table each): (E, D, L)."""
-        out = [(self.E, self.D, self.L)] * self.T
+        dims = self.dims or (self.D,)
+        out = [(self.E, dims[t % len(dims)], self.L) for t in range(self.T)]
         for count, e, d, l in self.extra:
             out += [(e, d, l)] * count
         return out
