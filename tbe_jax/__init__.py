@@ -2,10 +2,15 @@
 
 from tbe_jax import _pallas  # noqa: F401  (installs the Triton deprecation filter once)
 from tbe_jax.bounds import BoundsReport
+from tbe_jax.kernels.backward import BackwardConfig
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
+from tbe_jax.optim import SGD, RowwiseAdagrad
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
-__all__ = ["BoundsReport", "ForwardConfig", "HistogramConfig", "TableBatchedEmbedding", "TableSpec"]
+__all__ = [
+    "BackwardConfig", "BoundsReport", "ForwardConfig", "HistogramConfig", "RowwiseAdagrad", "SGD",
+    "TableBatchedEmbedding", "TableSpec",
+]
 __version__ = "0.1.0"

@@ -121,6 +121,7 @@ def pooled_backward(
     g_out: jax.Array,
     *,
     pooling: str,
+    keep_fp32: bool = False,
 ):
     """VJP of `pooled_forward` (or, with pooling="none", of `sequence_forward`).
 
@@ -128,6 +129,7 @@ def pooled_backward(
     `dW[row] = sum over the row's lookups of scale * g[bag, feature's columns]`
     (scale: the per-sample weight, and 1/len for mean pooling), accumulated in fp32
     and cast to each buffer's dtype; and `d w_p = scale_p/w_p * <W[row_p], g[bag_p]>`.
+    With `keep_fp32`, returns `(fp32 d_buffers, per-buffer [R] "row was looked up" masks)`.
     """
     n = indices.shape[0]
     bag, feat = position_features(plan, offsets, n)
@@ -144,7 +146,7 @@ def pooled_backward(
         first = _output_rows(plan, bag, feat)
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     feat_group = jnp.asarray(np.asarray(plan.group, np.int32))
-    d_buffers = {}
+    d_buffers, touched = {}, {}
     d_psw = jnp.zeros((n,), jnp.float32)
     for g, d in enumerate(layout.dims):
         w = buffers[layout.key(g)]
@@ -152,9 +154,38 @@ def pooled_backward(
         cols = jnp.where(m[:, None], first[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :], 0)
         grad_rows = jnp.take(g_flat, cols) * m[:, None]  # [N, d]: g of each lookup's pooled row
         rows = jnp.where(m, row_offset[feat] + indices.astype(jnp.int32), 0)
-        dw = jnp.zeros(w.shape, jnp.float32).at[rows].add(grad_rows * scale[:, None])
-        d_buffers[layout.key(g)] = dw.astype(w.dtype)
+        d_buffers[layout.key(g)] = jnp.zeros(w.shape, jnp.float32).at[rows].add(grad_rows * scale[:, None])
+        touched[layout.key(g)] = jnp.zeros((w.shape[0],), jnp.int32).at[rows].add(m.astype(jnp.int32)) > 0
         if per_sample_weights is not None:
             x = jnp.take(w, rows, axis=0).astype(jnp.float32)
             d_psw = d_psw + jnp.sum(x * grad_rows, axis=1) * coef
+    if keep_fp32:
+        return d_buffers, touched
+    d_buffers = {k: v.astype(buffers[k].dtype) for k, v in d_buffers.items()}
     return d_buffers, (None if per_sample_weights is None else d_psw)
+
+
+def apply_gradients(buffers, momentum, layout, plan, indices, offsets, per_sample_weights, g_out, opt, *,
+                    pooling: str):
+    """Reference fused update: `opt` applied once to every row looked up in the batch.
+
+    Dense (work proportional to the tables): the semantics the kernels must match.
+    Returns (buffers, momentum) with untouched rows bitwise unchanged.
+    """
+    from tbe_jax.optim import RowwiseAdagrad
+
+    grads, touched = pooled_backward(buffers, layout, plan, indices, offsets, per_sample_weights, g_out,
+                                     pooling=pooling, keep_fp32=True)
+    new_w, new_m = {}, (None if momentum is None else {})
+    for key, w in buffers.items():
+        g = grads[key]
+        hit = touched[key]
+        w32 = w.astype(jnp.float32)
+        if isinstance(opt, RowwiseAdagrad):
+            m = momentum[key] + jnp.mean(g * g, axis=1)
+            upd = w32 - opt.learning_rate * g / (jnp.sqrt(m)[:, None] + opt.eps)
+            new_m[key] = jnp.where(hit, m, momentum[key])
+        else:
+            upd = w32 - opt.learning_rate * g
+        new_w[key] = jnp.where(hit[:, None], upd.astype(w.dtype), w)
+    return new_w, new_m

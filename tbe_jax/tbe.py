@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, reference
+from tbe_jax import bounds, reference, runs as runs_lib
+from tbe_jax.kernels import backward as bwd_kernels
+from tbe_jax.optim import SGD, RowwiseAdagrad
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec
@@ -394,6 +396,95 @@ class TableBatchedEmbedding:
         if not plan.vbe:
             flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
         return flat, n_bad
+
+    # -- fused optimizer step ------------------------------------------------------
+    def init_opt_state(self, params: dict, opt) -> dict:
+        """Optimizer state for `opt`: row-wise Adagrad keeps one fp32 accumulator per row."""
+        self._check_opt(opt)
+        if isinstance(opt, SGD):
+            return {}
+        return {"momentum": {
+            key: jnp.full((params[key].shape[0],), opt.initial_accumulator_value, jnp.float32) for key in params
+        }}
+
+    def get_momentum(self, opt_state: dict) -> list[jax.Array]:
+        """Per table, its `[E_t]` row-wise Adagrad accumulators."""
+        if "momentum" not in opt_state:
+            raise ValueError("opt_state holds no row-wise Adagrad accumulators (SGD keeps no state)")
+        out = []
+        for t, spec in enumerate(self.tables):
+            buf = opt_state["momentum"][self.layout.key(self.layout.table_group[t])]
+            r0 = self.layout.table_row_offset[t]
+            out.append(buf[r0 : r0 + spec.num_embeddings])
+        return out
+
+    @staticmethod
+    def _check_opt(opt):
+        if not isinstance(opt, (SGD, RowwiseAdagrad)):
+            raise TypeError(f"opt must be tbe_jax.RowwiseAdagrad or tbe_jax.SGD, got {type(opt).__name__}")
+
+    def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None, *,
+                        batch_size_per_feature=None, backward_config=None):
+        """One fused optimizer step on the rows looked up by this batch.
+
+        `grad_output` is the gradient of the loss with respect to this batch's
+        output (the shape `emb(...)` returned). Every (table, row) in the batch is
+        updated exactly once with `opt` (see `tbe_jax.optim`); other rows are not
+        touched. Returns `(params, opt_state)`.
+
+        With the Pallas path the tables and the accumulators are updated in place
+        (input/output aliasing): donate them (`jax.jit(..., donate_argnums=...)`) so
+        XLA need not copy them first.
+        """
+        self._check_opt(opt)
+        adagrad = isinstance(opt, RowwiseAdagrad)
+        if adagrad and "momentum" not in opt_state:
+            raise ValueError("opt_state has no 'momentum': build it with emb.init_opt_state(params, opt)")
+        indices = jnp.asarray(indices)
+        offsets = jnp.asarray(offsets)
+        grad_output = jnp.asarray(grad_output)
+        if per_sample_weights is not None:
+            per_sample_weights = jnp.asarray(per_sample_weights)
+        self._check_inputs(params, indices, offsets, per_sample_weights)
+        plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
+        n = indices.shape[0]
+        if self.pooling == "none":
+            want = (n, self.feature_dims[0])
+        elif plan.vbe:
+            want = (plan.out_size,)
+        else:
+            want = (plan.batch[0], sum(self.feature_dims))
+        if tuple(grad_output.shape) != want:
+            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
+        if self.bounds_check == "warning":
+            offsets, _ = bounds.repair_offsets(offsets, n)
+        elif self.bounds_check == "fatal":
+            if _is_concrete(indices, offsets):
+                bounds.check_concrete(plan, np.asarray(indices), np.asarray(offsets),
+                                      [t.label(i) for i, t in enumerate(self.tables)])
+            else:
+                bounds.check_traced(plan, indices, offsets)
+        if indices.dtype != jnp.int32:
+            indices = jnp.where((indices < 0) | (indices >= 2**31), -2, indices).astype(jnp.int32)
+        offsets = offsets.astype(jnp.int32)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.astype(jnp.float32)
+        momentum = opt_state["momentum"] if adagrad else None
+        if n == 0:
+            return params, opt_state
+        if self._use_kernel():
+            runs = runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
+                                       pooling=self.pooling, sequence=self.pooling == "none")
+            new_w, new_m = bwd_kernels.fused_update(
+                params, momentum, self.layout, runs, grad_output.astype(jnp.float32), opt,
+                config=backward_config or bwd_kernels.BackwardConfig(), interpret=self.interpret,
+            )
+        else:
+            new_w, new_m = reference.apply_gradients(
+                params, momentum, self.layout, plan, indices, offsets, per_sample_weights,
+                grad_output, opt, pooling=self.pooling,
+            )
+        return new_w, ({"momentum": new_m} if adagrad else opt_state)
 
     def _sequence(self, params, plan, indices, offsets, per_sample_weights):
         if not self._use_kernel():

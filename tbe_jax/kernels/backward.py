@@ -1,0 +1,224 @@
+"""Sorted-run backward with the optimizer fused in (seed: FBTriton backward).
+
+Input: the runs of `tbe_jax.runs.build_runs` (one run per distinct table row in
+the batch, its lookups contiguous in key order) and the output gradient. Per
+storage buffer:
+
+- short runs (< LONG lookups): one program owns the run, gathers its lookups'
+  output-gradient rows `K` at a time, accumulates them in fp32 registers and
+  applies the update with a plain store: it owns the row, nothing races.
+- long runs (>= LONG): a first kernel writes one fp32 partial sum per chunk of
+  LONG lookups to a workspace; a second kernel sums each long run's partials and
+  applies the update. A row hit a million times becomes thousands of parallel
+  chunk tasks instead of one serial program.
+
+Programs are persistent: a fixed grid walks the device-resident task lists with
+a stride (trip counts come from device counts; no host sync, no atomics). The
+tables and the optimizer state are updated in place (input/output aliasing):
+rows not in the batch are never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax._pallas import pl, plgpu
+from tbe_jax.optim import SGD, RowwiseAdagrad
+from tbe_jax.runs import LONG, Runs, group_bases
+from tbe_jax.specs import StorageLayout, next_pow2
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Knobs of the backward kernels.
+
+    Attributes:
+      lookups_per_step: output-gradient rows gathered together (K).
+      programs: persistent programs per kernel (capped by the task count bound).
+      num_warps: warps per program.
+    """
+
+    lookups_per_step: int = 8
+    programs: int = 4096
+    num_warps: int = 1
+
+
+def _row_update(opt, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, acc, cols, col_ok, dim):
+    """Apply `opt` to one row (`row`: [1] int32) with its gradient `acc` ([1, Dp] f32)."""
+    rows = row[:, None]
+    mask = col_ok[None, :]
+    w = plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32)
+    if isinstance(opt, RowwiseAdagrad):
+        m = plgpu.load(m_in_ref.at[row]) + jnp.sum(acc * acc, axis=1) / dim  # [1]
+        w = w - opt.learning_rate * acc / (jnp.sqrt(m)[:, None] + opt.eps)
+        plgpu.store(m_out_ref.at[row], m)
+    else:
+        w = w - opt.learning_rate * acc
+    plgpu.store(w_out_ref.at[rows, cols[None, :]], w.astype(w_out_ref.dtype), mask=mask)
+
+
+def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok):
+    """sum over sorted lookups [first, end) of scale * g[src + cols], fp32 [1, Dp]."""
+    j = jnp.arange(k, dtype=jnp.int32)
+
+    def step(i, acc):
+        jj = first + i * k + j
+        live = jj < end
+        src = plgpu.load(src_ref.at[jj], mask=live, other=0)
+        sc = plgpu.load(scale_ref.at[jj], mask=live, other=0.0)
+        rows = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :], other=0)
+        return acc + jnp.sum(rows.astype(jnp.float32) * sc[:, None], axis=0, keepdims=True)
+
+    n = (end - first + k - 1) // k
+    return jax.lax.fori_loop(0, jnp.maximum(n, 0), step, jnp.zeros((1, cols.shape[0]), jnp.float32))
+
+
+def _strided_tasks(lo, hi, programs, body):
+    """Program p handles tasks lo + p, lo + p + programs, ... below hi."""
+    pid = pl.program_id(0)
+    n = jnp.maximum(hi - lo - pid + programs - 1, 0) // programs
+    jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
+
+
+def _short_kernel(rng_ref, short_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
+                  opt, dim, base, k, programs):
+    w_in, m_in, w_out, m_out = _state_refs(refs, opt)
+    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+    col_ok = cols < dim
+
+    def task(t):
+        r = plgpu.load(short_ref.at[t])
+        first = plgpu.load(run_start_ref.at[r])
+        end = plgpu.load(run_start_ref.at[r + 1])
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok)
+        row = plgpu.load(run_key_ref.at[r + jnp.zeros((1,), jnp.int32)]) - base
+        _row_update(opt, w_in, w_out, m_in, m_out, row, acc, cols, col_ok, dim)
+
+    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(0)]), plgpu.load(rng_ref.at[jnp.int32(1)]), programs, task)
+
+
+def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, src_ref, scale_ref, g_ref,
+                  part_ref, *, dim, k, programs):
+    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+    col_ok = cols < dim
+
+    def task(t):
+        first = plgpu.load(chunk_first_ref.at[t])
+        r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
+        end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok)
+        plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
+
+    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(2)]), plgpu.load(rng_ref.at[jnp.int32(3)]), programs, task)
+
+
+def _long_kernel(rng_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, dim, base, programs):
+    w_in, m_in, w_out, m_out = _state_refs(refs, opt)
+    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+    col_ok = cols < dim
+
+    def task(li):
+        c0 = plgpu.load(long_chunk0_ref.at[li])
+        c1 = plgpu.load(long_chunk0_ref.at[li + 1])
+
+        def add(c, acc):
+            return acc + plgpu.load(part_ref.at[(c + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]])
+
+        acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, cols.shape[0]), jnp.float32))
+        r = plgpu.load(long_ref.at[li + jnp.zeros((1,), jnp.int32)])
+        row = plgpu.load(run_key_ref.at[r]) - base
+        _row_update(opt, w_in, w_out, m_in, m_out, row, acc, cols, col_ok, dim)
+
+    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(4)]), plgpu.load(rng_ref.at[jnp.int32(5)]), programs, task)
+
+
+def _state_refs(refs, opt):
+    """(w_in, m_in, w_out, m_out) from the trailing refs; m_* are None for SGD."""
+    if isinstance(opt, RowwiseAdagrad):
+        w_in, m_in, w_out, m_out = refs
+    else:
+        (w_in, w_out), m_in, m_out = refs, None, None
+    return w_in, m_in, w_out, m_out
+
+
+def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
+    """[num_buffers, 6] int32: per buffer its [lo, hi) in the short, chunk and long task lists."""
+    bases = jnp.asarray(group_bases(layout).astype(np.int32))
+    total = bases[-1]
+    n_short, n_long, n_chunks = runs.counts[0], runs.counts[1], runs.counts[2]
+    key_of = lambda r: jnp.where(r < n, runs.run_key[jnp.minimum(r, n - 1)], total)  # noqa: E731
+    short_keys = jnp.where(jnp.arange(runs.short.shape[0]) < n_short, key_of(runs.short), total)
+    long_keys = jnp.where(jnp.arange(runs.long.shape[0]) < n_long, key_of(runs.long), total)
+    chunk_keys = jnp.where(jnp.arange(runs.chunk_run.shape[0]) < n_chunks, long_keys[runs.chunk_run], total)
+
+    def bounds(keys):
+        edges = jnp.searchsorted(keys, bases, side="left").astype(jnp.int32)
+        return edges[:-1], edges[1:]
+
+    (s0, s1), (c0, c1), (l0, l1) = bounds(short_keys), bounds(chunk_keys), bounds(long_keys)
+    return jnp.stack([s0, s1, c0, c1, l0, l1], axis=1)
+
+
+def fused_update(
+    buffers: dict,
+    momentum: dict | None,
+    layout: StorageLayout,
+    runs: Runs,
+    g_out: jax.Array,
+    opt,
+    *,
+    config: BackwardConfig,
+    interpret: bool,
+):
+    """Apply `opt` to every row in `runs` with its aggregated gradient; returns (buffers, momentum)."""
+    n = runs.pos.shape[0]
+    ranges = _task_ranges(runs, layout, n)
+    g_flat = g_out.reshape(-1)
+    bases = group_bases(layout)
+    adagrad = isinstance(opt, RowwiseAdagrad)
+    new_w, new_m = dict(buffers), dict(momentum) if momentum is not None else None
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+    k = config.lookups_per_step
+    # Interpret mode runs programs one after another: few programs keep CPU tests
+    # fast and make each program walk several tasks (the strided loop is tested).
+    max_programs = min(config.programs, 16) if interpret else config.programs
+    for g, dim in enumerate(layout.dims):
+        key = layout.key(g)
+        rng = ranges[g]
+        state = [new_w[key]] + ([new_m[key]] if adagrad else [])
+        state_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
+        p_short = max(1, min(max_programs, n))
+        common = [runs.src, runs.scale, g_flat]
+        args = [rng, runs.short, runs.run_start, runs.run_key] + common + state
+        out = pl.pallas_call(
+            functools.partial(_short_kernel, opt=opt, dim=dim, base=int(bases[g]), k=k, programs=p_short),
+            out_shape=state_shapes,
+            grid=(p_short,),
+            input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
+            compiler_params=params, interpret=interpret, name="tbe_backward_short_runs",
+        )(*args)
+        max_chunks = runs.chunk_first.shape[0]
+        p_long = max(1, min(max_programs, max_chunks))
+        part = pl.pallas_call(
+            functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long),
+            out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(dim)), jnp.float32),
+            grid=(p_long,),
+            compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
+        )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, *common)
+        args = [rng, runs.long, runs.long_chunk0, runs.run_key, part] + list(out)
+        out = pl.pallas_call(
+            functools.partial(_long_kernel, opt=opt, dim=dim, base=int(bases[g]), programs=p_long),
+            out_shape=state_shapes,
+            grid=(p_long,),
+            input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
+            compiler_params=params, interpret=interpret, name="tbe_backward_long_runs",
+        )(*args)
+        new_w[key] = out[0]
+        if adagrad:
+            new_m[key] = out[1]
+    return new_w, new_m

@@ -1,0 +1,113 @@
+"""Backward preprocessing: invert "which rows did each bag use" into sorted runs.
+
+Jittable with static shapes and no host synchronisation. Every lookup gets a
+linear key (the row's index in the concatenation of all storage buffers; invalid
+lookups get the sentinel `total_rows`), keys are sorted with their positions,
+and equal keys form a run: one distinct (table, row) and the lookups that touched
+it. Runs of at least `LONG` lookups are split into chunks of `LONG` for a
+two-pass reduction. All counts (runs, short runs, long runs, chunks) stay on the
+device; task lists are compacted on the device into statically sized arrays.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax.reference import position_features
+from tbe_jax.specs import FeaturePlan, StorageLayout
+
+LONG = 256  # runs this long or longer take the chunked two-pass path
+
+
+class Runs(NamedTuple):
+    """Sorted runs of one batch (device arrays; N = len(indices))."""
+
+    pos: jax.Array  # [N] int32: lookup positions sorted by key (invalid ones last)
+    src: jax.Array  # [N] int32: per sorted lookup, flat offset of its bag's output row (column 0)
+    scale: jax.Array  # [N] f32: per sorted lookup, per-sample weight x 1/len (mean) x valid
+    run_start: jax.Array  # [N + 1] int32: first sorted lookup of run r (run r ends at run_start[r+1])
+    run_key: jax.Array  # [N] int32: linear row of run r (total_rows past the last run)
+    num_runs: jax.Array  # [] int32
+    short: jax.Array  # [N] int32: runs shorter than LONG, in key order, padded with N
+    long: jax.Array  # [N // LONG + 1] int32: runs of LONG or more, in key order, padded
+    chunk_run: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its index into `long`
+    chunk_first: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its first sorted lookup
+    long_chunk0: jax.Array  # [N // LONG + 2] int32: first chunk task of each long run
+    counts: jax.Array  # [3] int32: (short runs, long runs, chunk tasks)
+
+
+def group_bases(layout: StorageLayout) -> np.ndarray:
+    """First linear key of each storage buffer, and the total (sentinel)."""
+    return np.concatenate([[0], np.cumsum(layout.group_rows)]).astype(np.int64)
+
+
+def _compact(mask: jax.Array, size: int, fill: int) -> tuple[jax.Array, jax.Array]:
+    """Indices where `mask` holds, in order, padded to `size` with `fill`; and their count."""
+    n = mask.shape[0]
+    slot = jnp.cumsum(mask.astype(jnp.int32)) - 1
+    dest = jnp.where(mask, slot, size)
+    out = jnp.full((size,), fill, jnp.int32).at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return out, jnp.sum(mask.astype(jnp.int32))
+
+
+def build_runs(
+    layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
+    sequence: bool = False,
+) -> Runs:
+    """Sort the batch's lookups into runs (see module doc). Inputs validated, int32."""
+    n = indices.shape[0]
+    bases = group_bases(layout)
+    total = int(bases[-1])
+    if total >= 2**31 - 1:
+        raise ValueError(f"{total} rows in all tables: the int32 sort key needs fewer than 2**31 - 1")
+    bag, feat = position_features(plan, offsets, n)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    num_rows = jnp.asarray(np.asarray(plan.num_rows, np.int32))
+    valid = (pos >= offsets[0]) & (pos < offsets[-1]) & (indices >= 0) & (indices < num_rows[feat])
+    feat_key0 = jnp.asarray(
+        np.asarray([bases[plan.group[f]] + plan.row_offset[f] for f in range(plan.num_features)], np.int32)
+    )
+    key = jnp.where(valid, feat_key0[feat] + indices, total)
+
+    scale = valid.astype(jnp.float32)
+    if pooling == "mean":
+        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+        scale = scale / jnp.maximum(lengths, 1.0)[bag]
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights
+    if sequence:
+        src = pos * layout.dims[0]
+    else:
+        bag_base = jnp.asarray(np.asarray(plan.bag_base, np.int32))
+        out_base = jnp.asarray(np.asarray(plan.out_base, np.int32))
+        out_stride = jnp.asarray(np.asarray(plan.out_stride, np.int32))
+        src = out_base[feat] + (bag - bag_base[feat]) * out_stride[feat]
+
+    skey, spos = jax.lax.sort((key, pos), num_keys=1)
+    is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
+    starts, num_runs = _compact(is_start, n, n)
+    n_valid = jnp.sum((skey < total).astype(jnp.int32))
+    run_start = jnp.concatenate([starts, jnp.full((1,), n, jnp.int32)])
+    run_start = jnp.where(jnp.arange(n + 1) < num_runs, run_start, n_valid)
+    run_len = run_start[1:] - run_start[:-1]
+    run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
+
+    live = jnp.arange(n) < num_runs
+    n_long_max = n // LONG + 1
+    short, n_short = _compact(live & (run_len < LONG), n, n)
+    long_mask = live & (run_len >= LONG)
+    long, n_long = _compact(long_mask, n_long_max, n)
+    long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_len[jnp.minimum(long, n - 1)], 0)
+    n_chunks = (long_len + LONG - 1) // LONG
+    long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
+    max_chunks = 2 * n // LONG + 1
+    t = jnp.arange(max_chunks, dtype=jnp.int32)
+    chunk_run = jnp.clip(jnp.searchsorted(long_chunk0, t, side="right").astype(jnp.int32) - 1, 0, n_long_max - 1)
+    chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
+    counts = jnp.stack([n_short, n_long, long_chunk0[-1]]).astype(jnp.int32)
+    return Runs(spos, src[spos], scale[spos], run_start, run_key, num_runs, short, long, chunk_run,
+                chunk_first, long_chunk0, counts)

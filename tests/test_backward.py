@@ -1,0 +1,172 @@
+"""Sorted-run backward with the fused optimizer (apply_gradients).
+
+Kernels run compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW);
+both are checked against the jnp reference and a float64 NumPy model.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tbe_jax
+from tbe_jax import runs as runs_lib
+from tbe_jax import testing
+from conftest import KERNEL_KW, assert_close, specs, tables_f64
+
+
+def _model_step(tables, momentum, touched, grads, opt):
+    """Float64 model of one exact row-wise Adagrad / SGD step."""
+    new_t, new_m = [], []
+    for t, (w, g, hit) in enumerate(zip(tables, grads, touched)):
+        w = w.copy()
+        if isinstance(opt, tbe_jax.RowwiseAdagrad):
+            m = momentum[t].copy()
+            m[hit] += np.mean(g[hit] ** 2, axis=1)
+            w[hit] -= opt.learning_rate * g[hit] / (np.sqrt(m[hit])[:, None] + opt.eps)
+            new_m.append(m)
+        else:
+            w[hit] -= opt.learning_rate * g[hit]
+        new_t.append(w)
+    return new_t, (new_m if isinstance(opt, tbe_jax.RowwiseAdagrad) else None)
+
+
+def _touched(fmap, num_rows, batch, idx, off):
+    hit = [np.zeros(e, bool) for e in num_rows]
+    base = 0
+    for f, t in enumerate(fmap):
+        lo, hi = off[base], off[base + batch[f]]
+        ids = idx[lo:hi]
+        hit[t][ids[(ids >= 0) & (ids < num_rows[t])]] = True
+        base += batch[f]
+    return hit
+
+
+def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype="float32", weighted=False,
+                vbe=False, steps=2):
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
+                                        **KERNEL_KW)
+    ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
+                                        impl="xla")
+    params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
+    state = emb.init_opt_state(params, opt)
+    ref_params, ref_state = params, state
+    num_rows = [t.num_embeddings for t in tables]
+    tabs = tables_f64(emb, params)
+    mom = [np.asarray(m, np.float64) for m in emb.get_momentum(state)] if state else None
+    bpf = tuple(batch) if vbe else None
+    step = jax.jit(lambda p, s, i, o, g, w: emb.apply_gradients(p, s, opt, i, o, g, w, batch_size_per_feature=bpf))
+    for _ in range(steps):
+        idx, off, psw = testing.make_batch(rng, [num_rows[t] for t in fmap], batch, bag_len, weighted=weighted)
+        out_shape = emb(params, idx, off, psw, batch_size_per_feature=bpf).shape
+        g = rng.standard_normal(out_shape).astype(np.float32)
+        before = [np.asarray(t) for t in emb.get_tables(params)]
+        params, state = step(params, state, idx, off, g, psw)
+        ref_params, ref_state = ref.apply_gradients(ref_params, ref_state, opt, idx, off, g, psw,
+                                                    batch_size_per_feature=bpf)
+        if pooling == "none":
+            grads = [np.zeros_like(t) for t in tabs]
+            feat = np.searchsorted(off[np.cumsum([0] + list(batch))], np.arange(len(idx)), side="right") - 1
+            for p in range(len(idx)):
+                s = 1.0 if psw is None else psw[p]
+                grads[fmap[feat[p]]][idx[p]] += s * g[p]
+        else:
+            grads, _ = testing.numpy_pooled_vjp(tabs, fmap, batch, idx, off, psw, g, pooling, vbe)
+        hit = _touched(fmap, num_rows, batch, idx, off)
+        tabs, mom = _model_step(tabs, mom, hit, grads, opt)
+    # fp16/bf16 tables are rounded on every store; the model is not: a few ulp apart after 2 steps.
+    tol = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 2e-2}[wdtype]
+    for got, want, got_ref in zip(emb.get_tables(params), tabs, emb.get_tables(ref_params)):
+        assert_close(got, want, tol)
+        assert_close(got_ref, want, tol)
+    if mom is not None:
+        for got, want in zip(emb.get_momentum(state), mom):
+            assert_close(got, want, 1e-5)
+    return emb, params, state, hit, before
+
+
+@pytest.mark.parametrize("opt", [tbe_jax.RowwiseAdagrad(0.05, 1e-3), tbe_jax.SGD(0.05)], ids=["adagrad", "sgd"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_update_matches_model(rng, opt, pooling, weighted):
+    tables = specs([17, 6, 40], [5, 16, 16])  # E=6: many repeats; two buffers (d5, d16)
+    _check_step(rng, tables, [0, 1, 2, 1], [4] * 4, (0, 12), opt, pooling=pooling, weighted=weighted)
+
+
+@pytest.mark.parametrize("wdtype", ["float16", "bfloat16"])
+def test_low_precision_tables(rng, wdtype):
+    tables = specs([20, 30], [8, 24])
+    _check_step(rng, tables, [0, 1], [5, 5], (0, 10), tbe_jax.RowwiseAdagrad(0.1, 0.1), wdtype=wdtype)
+
+
+def test_long_runs_split_into_chunks(rng):
+    # Rows hit hundreds of times (runs >= 256 lookups, up to 3 chunks) next to short runs.
+    tables = specs([3, 500], [8, 8])
+    _check_step(rng, tables, [0, 1], [3, 3], (200, 300), tbe_jax.RowwiseAdagrad(0.05, 1e-2), steps=1)
+
+
+def test_vbe_and_sequence(rng):
+    tables = specs([20, 30], [8, 8])
+    opt = tbe_jax.RowwiseAdagrad(0.1, 1e-3, initial_accumulator_value=0.5)
+    _check_step(rng, tables, [0, 1], [3, 6], (0, 7), opt, vbe=True, weighted=True)
+    _check_step(rng, tables, [0, 1], [3, 3], (0, 7), opt, pooling="none", weighted=True)
+
+
+def test_untouched_rows_bitwise_unchanged(rng):
+    tables = specs([100, 50], [16, 8])
+    emb, params, state, hit, before = _check_step(
+        rng, tables, [0, 1], [3, 3], (1, 4), tbe_jax.RowwiseAdagrad(0.1, 1e-3), steps=1)
+    for t, (got, was) in enumerate(zip(emb.get_tables(params), before)):
+        np.testing.assert_array_equal(np.asarray(got)[~hit[t]], was[~hit[t]])
+        assert not np.array_equal(np.asarray(got)[hit[t]], was[hit[t]])
+    for t, m in enumerate(emb.get_momentum(state)):
+        assert np.all(np.asarray(m)[~hit[t]] == 0.0) and np.all(np.asarray(m)[hit[t]] > 0.0)
+
+
+def test_invalid_ids_are_skipped(rng):
+    tables = specs([10, 10], [8, 8])
+    emb = tbe_jax.TableBatchedEmbedding(tables, bounds_check="warning", **KERNEL_KW)
+    ref = tbe_jax.TableBatchedEmbedding(tables, bounds_check="warning", impl="xla")
+    params = emb.init(jax.random.key(0))
+    opt = tbe_jax.SGD(0.1)
+    idx = np.array([1, 12, -1, 3, 9, -4], np.int32)
+    off = np.array([0, 3, 3, 5, 6], np.int32)
+    g = rng.standard_normal((2, 16)).astype(np.float32)
+    got, _ = emb.apply_gradients(params, {}, opt, idx, off, g)
+    want, _ = ref.apply_gradients(params, {}, opt, idx, off, g)
+    for a, b in zip(emb.get_tables(got), emb.get_tables(want)):
+        assert_close(a, b, 1e-6)
+
+
+def test_runs_preprocessing(rng):
+    tables = specs([7, 700], [4, 4])
+    emb = tbe_jax.TableBatchedEmbedding(tables)
+    idx, off, _ = testing.make_batch(rng, [7, 700], [6, 6], (0, 120))
+    idx[5] = -1
+    plan = emb.plan_for(len(off))
+    r = runs_lib.build_runs(emb.layout, plan, jnp.asarray(idx), jnp.asarray(off), None, pooling="sum")
+    f = np.repeat([0, 1], [off[6] - off[0], off[12] - off[6]])
+    keys = np.where(idx >= 0, idx + np.where(f == 1, 7, 0), -1)
+    uniq, counts = np.unique(keys[keys >= 0], return_counts=True)
+    nr = int(r.num_runs)
+    assert nr == len(uniq)
+    np.testing.assert_array_equal(np.asarray(r.run_key)[:nr], uniq)
+    np.testing.assert_array_equal(np.diff(np.asarray(r.run_start)[: nr + 1]), counts)
+    n_short, n_long, n_chunks = (int(c) for c in r.counts)
+    assert n_short == np.sum(counts < runs_lib.LONG) and n_long == np.sum(counts >= runs_lib.LONG)
+    assert n_chunks == np.sum(-(-counts[counts >= runs_lib.LONG] // runs_lib.LONG))
+
+
+def test_errors():
+    emb = tbe_jax.TableBatchedEmbedding(specs([10], [4]), impl="xla")
+    params = emb.init(jax.random.key(0))
+    idx = np.array([1], np.int32)
+    off = np.array([0, 1], np.int32)
+    with pytest.raises(TypeError, match="opt must be"):
+        emb.apply_gradients(params, {}, "adam", idx, off, np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="momentum"):
+        emb.apply_gradients(params, {}, tbe_jax.RowwiseAdagrad(), idx, off, np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="grad_output has shape"):
+        emb.apply_gradients(params, {}, tbe_jax.SGD(), idx, off, np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="learning_rate"):
+        tbe_jax.RowwiseAdagrad(learning_rate=0.0)
