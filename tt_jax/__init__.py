@@ -1,7 +1,11 @@
-"""tt_jax: tensor-train compressed embedding tables (FlowTT-style kernels).
+"""tt_jax: tensor-train compressed embedding tables (FlowTT-style).
 
-Not implemented yet: this package is a placeholder so the distribution's layout
-is final. See the project's issues for the planned `TTEmbeddingBag`.
+Today: the specs, initialisation, core access, the materialised table and the
+pure-jnp pooled lookup (`impl="xla"`). The fused prefix-sharing Pallas kernel,
+its preprocessing and the training path are not written yet.
 """
 
-__all__: list[str] = []
+from tt_jax.specs import TTSpec, suggested_tt_shapes
+from tt_jax.tt import TTEmbeddingBag
+
+__all__ = ["TTEmbeddingBag", "TTSpec", "suggested_tt_shapes"]

@@ -1,0 +1,74 @@
+"""Pure-jnp TT embedding bag: the semantics the FlowTT kernels must match.
+
+Per lookup (TT-Rec style "per-index chain"): split the row id into mixed-radix
+digits, gather one slice of each core and contract the chain; then pool the
+rows into bags exactly as `tbe_jax` does (sum or mean, per-sample weights,
+FBGEMM's feature-major offsets). Also the `impl="xla"` path of `TTEmbeddingBag`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def digits(ids: jax.Array, p_shapes) -> list[jax.Array]:
+    """Mixed-radix digits of `ids`, first (most significant) first."""
+    out = []
+    rest = ids
+    for p in reversed(p_shapes):
+        out.append(rest % p)
+        rest = rest // p
+    return out[::-1]
+
+
+def rows(cores, p_shapes, ids: jax.Array) -> jax.Array:
+    """`[len(ids), D]` materialised rows for ids (must be valid)."""
+    ds = digits(ids, p_shapes)
+    acc = cores[0][ds[0]][:, 0]  # [n, q1, r1]
+    for t in range(1, len(cores)):
+        g = cores[t][ds[t]]  # [n, r, q, r']
+        acc = jnp.einsum("nar,nrbs->nabs", acc, g, precision=jax.lax.Precision.HIGHEST)
+        acc = acc.reshape(acc.shape[0], -1, acc.shape[-1])
+    return acc[..., 0]
+
+
+def full_table(cores, spec) -> jax.Array:
+    return rows(cores, spec.p_shapes, jnp.arange(spec.num_embeddings, dtype=jnp.int32))
+
+
+def pooled(all_cores, specs, indices, offsets, per_sample_weights, *, pooling: str, batch: int):
+    """`[B, sum D]` pooled TT lookups; feature f reads table f; invalid ids contribute nothing."""
+    n = indices.shape[0]
+    nf = len(specs)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    bag = jnp.clip(jnp.searchsorted(offsets, pos, side="right").astype(jnp.int32) - 1, 0, nf * batch - 1)
+    feat = bag // batch
+    in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
+    lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+    scale = in_bag.astype(jnp.float32)
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights.astype(jnp.float32)
+    if pooling == "mean":
+        scale = scale / jnp.maximum(lengths, 1.0)[bag]
+    blocks = []
+    for f, (spec, cores) in enumerate(zip(specs, all_cores)):
+        ok = in_bag & (feat == f) & (indices >= 0) & (indices < spec.num_embeddings)
+        x = rows(cores, spec.p_shapes, jnp.where(ok, indices, 0)) * jnp.where(ok, scale, 0.0)[:, None]
+        pooled_f = jax.ops.segment_sum(x, bag, num_segments=nf * batch, indices_are_sorted=True)
+        blocks.append(pooled_f[f * batch : (f + 1) * batch])
+    return jnp.concatenate(blocks, axis=1)
+
+
+def numpy_rows(cores, spec) -> np.ndarray:
+    """Float64 NumPy model of the full table, straight from the TT formula."""
+    cores = [np.asarray(c, np.float64) for c in cores]
+    out = np.zeros((spec.num_embeddings, spec.embedding_dim))
+    for i in range(spec.num_embeddings):
+        ds = [int(d) for d in digits(np.int64(i), spec.p_shapes)]
+        acc = cores[0][ds[0]][0]  # [q1, r1]
+        for t in range(1, len(cores)):
+            acc = np.einsum("ar,rbs->abs", acc, cores[t][ds[t]]).reshape(-1, cores[t].shape[-1])
+        out[i] = acc[:, 0]
+    return out
