@@ -301,58 +301,67 @@ class TableBatchedEmbedding:
         """
         return self._forward(params, indices, offsets, per_sample_weights, batch_size_per_feature, warn=False)
 
-    def _forward(self, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
-        """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
+    def _prepare(self, params, indices, offsets, per_sample_weights, batch_size_per_feature):
+        """Shared argument checks: returns (plan, indices, offsets, per_sample_weights) as arrays."""
         indices = jnp.asarray(indices)
         offsets = jnp.asarray(offsets)
         if per_sample_weights is not None:
             per_sample_weights = jnp.asarray(per_sample_weights)
         self._check_inputs(params, indices, offsets, per_sample_weights)
         plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
+        if indices.shape[0] >= 2**31:
+            raise ValueError(f"len(indices)={indices.shape[0]} must stay below 2**31")
+        return plan, indices, offsets, per_sample_weights
+
+    def _check_fatal(self, plan, indices, offsets):
+        if _is_concrete(indices, offsets):
+            bounds.check_concrete(plan, np.asarray(indices), np.asarray(offsets),
+                                  [t.label(i) for i, t in enumerate(self.tables)])
+        else:
+            bounds.check_traced(plan, indices, offsets)
+
+    def _narrow(self, indices, offsets, per_sample_weights):
+        """int32 ids and offsets, fp32 weights (the kernels' types)."""
+        if indices.dtype != jnp.int32:
+            # Narrow int64 ids without letting an out-of-range id wrap into a valid one
+            # (-2: skipped, and counted as bad where counts are kept).
+            indices = jnp.where((indices < -1) | (indices >= 2**31), -2, indices).astype(jnp.int32)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.astype(jnp.float32)
+        return indices, offsets.astype(jnp.int32), per_sample_weights
+
+    def _out_shape(self, plan, n):
+        if self.pooling == "none":
+            return (n, self.feature_dims[0])
+        return (plan.out_size,) if plan.vbe else (plan.batch[0], sum(self.feature_dims))
+
+    def _forward(self, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
+        """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
+        plan, indices, offsets, per_sample_weights = self._prepare(
+            params, indices, offsets, per_sample_weights, batch_size_per_feature)
         n = indices.shape[0]
-        if n >= 2**31:
-            raise ValueError(f"len(indices)={n} must stay below 2**31")
 
-        check_upper = self.bounds_check != "none"
         use_kernel = self.pooling != "none" and self._use_kernel()
-        n_fixed = None  # set when the kernel counts skipped ids (warning mode)
-        zero = jnp.int32(0)
-        report = bounds.BoundsReport(zero, zero)
-
-        def finish(out, rep=None):
-            if rep is None:
-                return out, report
-            if warn:
-                bounds.warn_if_repaired(rep)
-            return out, rep
-
+        n_fixed = None  # warning mode on the kernels: they count skipped ids, offsets need a pass
+        report = None
         if self.bounds_check == "warning":
-            if use_kernel:  # the kernel counts bad ids itself; only offsets need a pass
+            if use_kernel:
                 offsets, n_fixed = bounds.repair_offsets(offsets, n)
             else:
                 offsets, report = bounds.report(plan, indices, offsets)
-                if warn:
-                    bounds.warn_if_repaired(report)
         elif self.bounds_check == "fatal":
-            if _is_concrete(indices, offsets):
-                bounds.check_concrete(
-                    plan, np.asarray(indices), np.asarray(offsets),
-                    [t.label(i) for i, t in enumerate(self.tables)],
-                )
-            else:
-                bounds.check_traced(plan, indices, offsets)
-        if indices.dtype != jnp.int32:
-            # Narrow int64 ids without letting an out-of-range id wrap into a valid one.
-            if check_upper:
-                indices = jnp.where((indices < -1) | (indices >= 2**31), -2, indices)  # -2: counted as bad
-            indices = indices.astype(jnp.int32)
-        offsets = offsets.astype(jnp.int32)
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.astype(jnp.float32)
+            self._check_fatal(plan, indices, offsets)
+        indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
 
         count = n_fixed is not None
         out, n_bad = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
-        return finish(out, bounds.BoundsReport(n_bad, n_fixed) if count else None)
+        if count:
+            report = bounds.BoundsReport(n_bad, n_fixed)
+        if report is None:
+            return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
+        if warn:
+            bounds.warn_if_repaired(report)
+        return out, report
 
     def _lookup_impl(self, plan, count, params, per_sample_weights, indices, offsets):
         """The differentiable core on validated int32 inputs: `(out, skipped ids)`."""
@@ -360,10 +369,7 @@ class TableBatchedEmbedding:
         n = indices.shape[0]
         n_bad = jnp.int32(0)
         if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
-            if self.pooling == "none":
-                return jnp.zeros((0, self.feature_dims[0]), self.output_dtype), n_bad
-            shape = (plan.out_size,) if plan.vbe else (plan.batch[0], sum(self.feature_dims))
-            return jnp.zeros(shape, self.output_dtype), n_bad
+            return jnp.zeros(self._out_shape(plan, n), self.output_dtype), n_bad
         if self.pooling == "none":
             return self._sequence(params, plan, indices, offsets, per_sample_weights), n_bad
         if not self._use_kernel():
@@ -440,35 +446,18 @@ class TableBatchedEmbedding:
         adagrad = isinstance(opt, RowwiseAdagrad)
         if adagrad and "momentum" not in opt_state:
             raise ValueError("opt_state has no 'momentum': build it with emb.init_opt_state(params, opt)")
-        indices = jnp.asarray(indices)
-        offsets = jnp.asarray(offsets)
-        grad_output = jnp.asarray(grad_output)
-        if per_sample_weights is not None:
-            per_sample_weights = jnp.asarray(per_sample_weights)
-        self._check_inputs(params, indices, offsets, per_sample_weights)
-        plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
+        plan, indices, offsets, per_sample_weights = self._prepare(
+            params, indices, offsets, per_sample_weights, batch_size_per_feature)
         n = indices.shape[0]
-        if self.pooling == "none":
-            want = (n, self.feature_dims[0])
-        elif plan.vbe:
-            want = (plan.out_size,)
-        else:
-            want = (plan.batch[0], sum(self.feature_dims))
+        grad_output = jnp.asarray(grad_output)
+        want = self._out_shape(plan, n)
         if tuple(grad_output.shape) != want:
             raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
         if self.bounds_check == "warning":
             offsets, _ = bounds.repair_offsets(offsets, n)
         elif self.bounds_check == "fatal":
-            if _is_concrete(indices, offsets):
-                bounds.check_concrete(plan, np.asarray(indices), np.asarray(offsets),
-                                      [t.label(i) for i, t in enumerate(self.tables)])
-            else:
-                bounds.check_traced(plan, indices, offsets)
-        if indices.dtype != jnp.int32:
-            indices = jnp.where((indices < 0) | (indices >= 2**31), -2, indices).astype(jnp.int32)
-        offsets = offsets.astype(jnp.int32)
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.astype(jnp.float32)
+            self._check_fatal(plan, indices, offsets)
+        indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
         momentum = opt_state["momentum"] if adagrad else None
         if n == 0:
             return params, opt_state

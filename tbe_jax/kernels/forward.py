@@ -96,6 +96,21 @@ class _Branch:
     bags: int
 
 
+def program_rows(plan: FeaturePlan, feats, bags: int) -> list[tuple[int, int, int, int]]:
+    """Rows of the per-program table (`_P_*` columns) for `feats`, `bags` bags a program."""
+    return [
+        (f, plan.bag_base[f] + b0, min(bags, plan.batch[f] - b0), b0)
+        for f in feats
+        for b0 in range(0, plan.batch[f], bags)
+    ]
+
+
+def feature_table(plan: FeaturePlan) -> np.ndarray:
+    """The per-feature table (`_NUM_ROWS`.. `_OUT_STRIDE` columns), `[F, _META_COLS]` int32."""
+    cols = [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride]
+    return np.stack(cols, axis=1).astype(np.int32)
+
+
 def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features):
     """Static program table: per program (feature, first bag); per buffer a branch."""
     progs, branches = [], []
@@ -105,18 +120,11 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
         d = layout.dims[g]
         bags = cfg.bags_per_program(d, max(plan.batch[f] for f in feats))
         start = len(progs)
-        for f in feats:
-            progs.extend(
-                (f, plan.bag_base[f] + b0, min(bags, plan.batch[f] - b0), b0)
-                for b0 in range(0, plan.batch[f], bags)
-            )
+        progs += program_rows(plan, feats, bags)
         if len(progs) > start:
             branches.append(_Branch(pos, start, len(progs), d, next_pow2(d), bags))
     prog_meta = np.asarray(progs, np.int32).reshape(-1, _PROG_COLS)
-    feat_meta = np.stack(
-        [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride], axis=1
-    ).astype(np.int32)
-    return used, tuple(branches), prog_meta, feat_meta
+    return used, tuple(branches), prog_meta, feature_table(plan)
 
 
 def _two_sum(s, c, x):

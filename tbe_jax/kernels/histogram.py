@@ -26,16 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
+from tbe_jax.kernels.forward import (  # the program and feature tables are shared with the generic kernel
+    _META_COLS, _NUM_ROWS, _OUT_BASE, _OUT_STRIDE, _P_BAG, _P_COUNT, _P_FEATURE, _P_FIRST, _PROG_COLS,
+    _ROW_OFFSET, feature_table, program_rows,
+)
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2
 
 BAGS = 16  # bags per program
 HEAD = 256  # ids per bag counted into the histogram; the rest take the gather path
 MAX_ROWS, MIN_DIM, MAX_DIM, MIN_BAG = 64, 64, 128, 64
 
-_P_FEATURE, _P_FIRST, _P_COUNT, _P_BAG = range(4)
-_PROG_COLS = 4
-_NUM_ROWS, _ROW_OFFSET, _OUT_BASE, _OUT_STRIDE = range(4)
-_META_COLS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,21 +89,14 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, features):
     for g in sorted({plan.group[f] for f in features}):
         feats = [f for f in features if plan.group[f] == g]
         start = len(progs)
-        for f in feats:
-            progs.extend(
-                (f, plan.bag_base[f] + b0, min(BAGS, plan.batch[f] - b0), b0)
-                for b0 in range(0, plan.batch[f], BAGS)
-            )
+        progs += program_rows(plan, feats, BAGS)
         if len(progs) > start:
             rows = max(16, next_pow2(max(plan.num_rows[f] for f in feats)))
             d = layout.dims[g]
             branches.append(_Branch(len(used), start, len(progs), d, next_pow2(d), rows))
             used.append(g)
     prog_meta = np.asarray(progs, np.int32).reshape(-1, _PROG_COLS)
-    feat_meta = np.stack(
-        [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride], axis=1
-    ).astype(np.int32)
-    return used, tuple(branches), prog_meta, feat_meta
+    return used, tuple(branches), prog_meta, feature_table(plan)
 
 
 def _hist_branch(
@@ -276,7 +269,6 @@ def histogram_programs(plan: FeaturePlan, features) -> np.ndarray:
     """(feature, bag) of each row of the saved counts; bag -1 for padding rows."""
     out = []
     for g in sorted({plan.group[f] for f in features}):
-        for f in [f for f in features if plan.group[f] == g]:
-            for b0 in range(0, plan.batch[f], BAGS):
-                out.extend((f, b0 + i if b0 + i < plan.batch[f] else -1) for i in range(BAGS))
+        for f, _, count, b0 in program_rows(plan, [f for f in features if plan.group[f] == g], BAGS):
+            out.extend((f, b0 + i if i < count else -1) for i in range(BAGS))
     return np.asarray(out, np.int32).reshape(-1, 2)
