@@ -104,3 +104,41 @@ def test_errors():
     with pytest.raises(ValueError, match="F\\*B\\+1"):
         tt_jax.TTEmbeddingBag([tt_jax.TTSpec(100, 8, ranks=(2, 2))] * 2)(params, np.array([1], np.int32),
                                                                           np.array([0, 1], np.int32))
+
+
+@pytest.mark.parametrize("t_cores", [2, 3, 4])
+def test_prefix_plan_and_prefix_reuse_rows(rng, t_cores):
+    from tt_jax import prefix
+
+    p = {2: (30, 40), 3: (8, 9, 10), 4: (4, 5, 6, 7)}[t_cores]
+    q = {2: (2, 4), 3: (2, 2, 2), 4: (1, 2, 2, 2)}[t_cores]
+    n_rows = math.prod(p) - 3  # N not a product of p
+    spec = tt_jax.TTSpec(n_rows, math.prod(q), p_shapes=p, q_shapes=q, ranks=(3,) * (t_cores - 1))
+    emb = tt_jax.TTEmbeddingBag(spec)
+    params = emb.init(jax.random.key(5))
+    ids = testing.sample_ids(rng, n_rows, 300, 1.3)
+    ids[:5] = [-1, n_rows, n_rows + 2, 0, n_rows - 1]
+    valid = (ids >= 0) & (ids < n_rows)
+    plan = jax.jit(lambda i, v: prefix.build(i, v, spec, chunk=4))(jnp.asarray(ids), jnp.asarray(valid))
+    uniq = np.unique(ids[valid])
+    nu = int(plan.num_uniq)
+    assert nu == len(uniq)
+    np.testing.assert_array_equal(np.asarray(plan.uniq)[:nu], uniq)
+    inv = np.asarray(plan.inverse)
+    np.testing.assert_array_equal(np.asarray(plan.uniq)[inv[valid]], ids[valid])
+    prefixes = uniq // p[-1]
+    ng = int(plan.num_groups)
+    assert ng == len(np.unique(prefixes))
+    gs = np.asarray(plan.group_start)[: ng + 1]
+    assert gs[0] == 0 and gs[-1] == nu and np.all(np.diff(gs) > 0)
+    for g in range(ng):
+        assert len(set(prefixes[gs[g] : gs[g + 1]])) == 1
+    # Work items cover every distinct id exactly once, in chunks of at most 4.
+    ni = int(plan.num_items)
+    cover = np.concatenate([np.arange(f, f + c) for f, c in zip(np.asarray(plan.item_first)[:ni],
+                                                                  np.asarray(plan.item_count)[:ni])])
+    np.testing.assert_array_equal(cover, np.arange(nu))
+    assert np.asarray(plan.item_count)[:ni].max() <= 4
+    rows = prefix.rows_by_prefix(emb.get_cores(params)[0], spec, plan)
+    full = reference.numpy_rows(emb.get_cores(params)[0], spec)
+    assert_close(np.asarray(rows)[:nu], full[uniq], 1e-6)
