@@ -14,6 +14,9 @@ on the store). Rows not in the batch are left bitwise unchanged.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple
+
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +47,60 @@ class SGD:
     def __post_init__(self):
         if not self.learning_rate > 0:
             raise ValueError(f"SGD.learning_rate must be > 0, got {self.learning_rate}")
+
+
+class RowwiseAdagradState(NamedTuple):
+    """State of `rowwise_adagrad`: the row-wise accumulators."""
+
+    momentum: dict  # per storage buffer ("d{D}"): [rows] float32
+
+
+class SGDState(NamedTuple):
+    """State of `sgd`: none."""
+
+
+class FusedOptimizer(NamedTuple):
+    """An optimizer applied inside the backward of `TableBatchedEmbedding.fused_lookup`.
+
+    optax-style in shape (a factory returning pure functions, state a NamedTuple),
+    but with no `update` function: the update runs inside the lookup's backward.
+    There, `jax.grad` with respect to the tables and to this state returns their
+    *updated values* (the precedent is jax-tpu-embedding's sparse-dense matmul),
+    to be taken as the new tables and state.
+    """
+
+    init: Callable  # params -> state
+    opt: RowwiseAdagrad | SGD
+
+
+def rowwise_adagrad(learning_rate: float = 0.01, eps: float = 1e-8,
+                    initial_accumulator_value: float = 0.0) -> FusedOptimizer:
+    """Exact row-wise Adagrad fused into the TBE backward.
+
+    Update, per row in the batch with aggregated gradient g (D values):
+    `m += mean(g**2)`, `row -= learning_rate * g / (sqrt(m) + eps)`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, tbe_jax
+      >>> emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(10, 4)], impl="xla")
+      >>> tx = tbe_jax.rowwise_adagrad(learning_rate=0.1)
+      >>> params = emb.init(jax.random.key(0)); state = tx.init(params)
+      >>> idx, off = jnp.array([1, 2, 2], jnp.int32), jnp.array([0, 3], jnp.int32)
+      >>> loss = lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off))
+      >>> params, state = jax.grad(loss, argnums=(0, 1))(params, state)   # the updated values
+      >>> [float(m) for m in emb.get_momentum(state)[0][:3]]
+      [0.0, 1.0, 4.0]
+    """
+    opt = RowwiseAdagrad(learning_rate, eps, initial_accumulator_value)
+
+    def init(params):
+        return RowwiseAdagradState(
+            {k: jnp.full((v.shape[0],), initial_accumulator_value, jnp.float32) for k, v in params.items()}
+        )
+
+    return FusedOptimizer(init, opt)
+
+
+def sgd(learning_rate: float = 0.01) -> FusedOptimizer:
+    """Exact SGD on the looked-up rows, fused into the TBE backward (no state)."""
+    return FusedOptimizer(lambda params: SGDState(), SGD(learning_rate))

@@ -11,7 +11,7 @@ import numpy as np
 
 from tbe_jax import bounds, reference, runs as runs_lib
 from tbe_jax.kernels import backward as bwd_kernels
-from tbe_jax.optim import SGD, RowwiseAdagrad
+from tbe_jax.optim import SGD, RowwiseAdagrad, RowwiseAdagradState, SGDState
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec
@@ -404,22 +404,22 @@ class TableBatchedEmbedding:
         return flat, n_bad
 
     # -- fused optimizer step ------------------------------------------------------
-    def init_opt_state(self, params: dict, opt) -> dict:
-        """Optimizer state for `opt`: row-wise Adagrad keeps one fp32 accumulator per row."""
+    def init_opt_state(self, params: dict, opt):
+        """Optimizer state for `opt`: `RowwiseAdagradState` (one fp32 accumulator per row) or `SGDState()`."""
         self._check_opt(opt)
         if isinstance(opt, SGD):
-            return {}
-        return {"momentum": {
+            return SGDState()
+        return RowwiseAdagradState({
             key: jnp.full((params[key].shape[0],), opt.initial_accumulator_value, jnp.float32) for key in params
-        }}
+        })
 
-    def get_momentum(self, opt_state: dict) -> list[jax.Array]:
+    def get_momentum(self, opt_state) -> list[jax.Array]:
         """Per table, its `[E_t]` row-wise Adagrad accumulators."""
-        if "momentum" not in opt_state:
+        if not isinstance(opt_state, RowwiseAdagradState):
             raise ValueError("opt_state holds no row-wise Adagrad accumulators (SGD keeps no state)")
         out = []
         for t, spec in enumerate(self.tables):
-            buf = opt_state["momentum"][self.layout.key(self.layout.table_group[t])]
+            buf = opt_state.momentum[self.layout.key(self.layout.table_group[t])]
             r0 = self.layout.table_row_offset[t]
             out.append(buf[r0 : r0 + spec.num_embeddings])
         return out
@@ -444,8 +444,8 @@ class TableBatchedEmbedding:
         """
         self._check_opt(opt)
         adagrad = isinstance(opt, RowwiseAdagrad)
-        if adagrad and "momentum" not in opt_state:
-            raise ValueError("opt_state has no 'momentum': build it with emb.init_opt_state(params, opt)")
+        if adagrad and not isinstance(opt_state, RowwiseAdagradState):
+            raise ValueError("opt_state is not a RowwiseAdagradState: build it with emb.init_opt_state(params, opt)")
         plan, indices, offsets, per_sample_weights = self._prepare(
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
         n = indices.shape[0]
@@ -458,22 +458,56 @@ class TableBatchedEmbedding:
         elif self.bounds_check == "fatal":
             self._check_fatal(plan, indices, offsets)
         indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
-        momentum = opt_state["momentum"] if adagrad else None
-        if n == 0:
-            return params, opt_state
+        momentum = opt_state.momentum if adagrad else None
+        new_w, new_m = self._update_impl(plan, opt, params, momentum, indices, offsets, per_sample_weights,
+                                         grad_output, backward_config)
+        return new_w, (RowwiseAdagradState(new_m) if adagrad else opt_state)
+
+    def _update_impl(self, plan, opt, params, momentum, indices, offsets, per_sample_weights, grad_output,
+                     backward_config=None):
+        """The fused update on validated int32 inputs: (tables, accumulators or None)."""
+        if indices.shape[0] == 0:
+            return params, momentum
         if self._use_kernel():
             runs = runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
                                        pooling=self.pooling, sequence=self.pooling == "none")
-            new_w, new_m = bwd_kernels.fused_update(
+            return bwd_kernels.fused_update(
                 params, momentum, self.layout, runs, grad_output.astype(jnp.float32), opt,
                 config=backward_config or bwd_kernels.BackwardConfig(), interpret=self.interpret,
             )
-        else:
-            new_w, new_m = reference.apply_gradients(
-                params, momentum, self.layout, plan, indices, offsets, per_sample_weights,
-                grad_output, opt, pooling=self.pooling,
-            )
-        return new_w, ({"momentum": new_m} if adagrad else opt_state)
+        return reference.apply_gradients(
+            params, momentum, self.layout, plan, indices, offsets, per_sample_weights,
+            grad_output, opt, pooling=self.pooling,
+        )
+
+    def fused_lookup(self, params, opt_state, tx, indices, offsets, per_sample_weights=None, *,
+                     batch_size_per_feature=None):
+        """A lookup whose backward applies `tx` to the looked-up rows (the fused path).
+
+        The forward is `emb(params, indices, offsets, ...)`. Under `jax.grad` (or
+        `jax.vjp`), the cotangents returned for `params` and `opt_state` are the
+        **updated** tables and optimizer state, computed by the sorted-run kernels
+        from this lookup's output gradient: take them as the new values (see
+        `tbe_jax.rowwise_adagrad`). Differentiate with respect to both. Rules:
+        use each table in one fused lookup per loss (two would add their "updates");
+        `per_sample_weights` are constants on this path (their gradient is zero).
+
+        Args:
+          tx: `tbe_jax.rowwise_adagrad(...)` or `tbe_jax.sgd(...)`.
+          opt_state: `tx.init(params)`.
+        """
+        from tbe_jax.optim import FusedOptimizer
+
+        if not isinstance(tx, FusedOptimizer):
+            raise TypeError("tx must come from tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)")
+        plan, indices, offsets, per_sample_weights = self._prepare(
+            params, indices, offsets, per_sample_weights, batch_size_per_feature)
+        if self.bounds_check == "warning":
+            offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
+        elif self.bounds_check == "fatal":
+            self._check_fatal(plan, indices, offsets)
+        indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
+        return _fused_lookup(self, plan, tx.opt, params, opt_state, per_sample_weights, indices, offsets)
 
     def _sequence(self, params, plan, indices, offsets, per_sample_weights):
         if not self._use_kernel():
@@ -525,3 +559,28 @@ def _lookup_bwd(emb, plan, count, res, cotangents):
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+# The fused path: the VJP of the lookup *is* the optimizer step (see fused_lookup).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_lookup(emb, plan, opt, params, opt_state, per_sample_weights, indices, offsets):
+    return emb._lookup_impl(plan, False, params, per_sample_weights, indices, offsets)[0]
+
+
+def _fused_fwd(emb, plan, opt, params, opt_state, per_sample_weights, indices, offsets):
+    out = emb._lookup_impl(plan, False, params, per_sample_weights, indices, offsets)[0]
+    return out, (params, opt_state, per_sample_weights, indices, offsets)
+
+
+def _fused_bwd(emb, plan, opt, res, g_out):
+    params, opt_state, per_sample_weights, indices, offsets = res
+    adagrad = isinstance(opt, RowwiseAdagrad)
+    momentum = opt_state.momentum if adagrad else None
+    new_w, new_m = emb._update_impl(plan, opt, params, momentum, indices, offsets, per_sample_weights, g_out)
+    new_state = RowwiseAdagradState(new_m) if adagrad else opt_state
+    return new_w, new_state, None, None, None
+
+
+_fused_lookup.defvjp(_fused_fwd, _fused_bwd)

@@ -53,7 +53,8 @@ def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype
     ref_params, ref_state = params, state
     num_rows = [t.num_embeddings for t in tables]
     tabs = tables_f64(emb, params)
-    mom = [np.asarray(m, np.float64) for m in emb.get_momentum(state)] if state else None
+    adagrad = isinstance(opt, tbe_jax.RowwiseAdagrad)
+    mom = [np.asarray(m, np.float64) for m in emb.get_momentum(state)] if adagrad else None
     bpf = tuple(batch) if vbe else None
     step = jax.jit(lambda p, s, i, o, g, w: emb.apply_gradients(p, s, opt, i, o, g, w, batch_size_per_feature=bpf))
     for _ in range(steps):
@@ -132,8 +133,8 @@ def test_invalid_ids_are_skipped(rng):
     idx = np.array([1, 12, -1, 3, 9, -4], np.int32)
     off = np.array([0, 3, 3, 5, 6], np.int32)
     g = rng.standard_normal((2, 16)).astype(np.float32)
-    got, _ = emb.apply_gradients(params, {}, opt, idx, off, g)
-    want, _ = ref.apply_gradients(params, {}, opt, idx, off, g)
+    got, _ = emb.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
+    want, _ = ref.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
     for a, b in zip(emb.get_tables(got), emb.get_tables(want)):
         assert_close(a, b, 1e-6)
 
@@ -163,10 +164,49 @@ def test_errors():
     idx = np.array([1], np.int32)
     off = np.array([0, 1], np.int32)
     with pytest.raises(TypeError, match="opt must be"):
-        emb.apply_gradients(params, {}, "adam", idx, off, np.zeros((1, 4), np.float32))
-    with pytest.raises(ValueError, match="momentum"):
-        emb.apply_gradients(params, {}, tbe_jax.RowwiseAdagrad(), idx, off, np.zeros((1, 4), np.float32))
+        emb.apply_gradients(params, tbe_jax.SGDState(), "adam", idx, off, np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="RowwiseAdagradState"):
+        emb.apply_gradients(params, tbe_jax.SGDState(), tbe_jax.RowwiseAdagrad(), idx, off,
+                            np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match="grad_output has shape"):
-        emb.apply_gradients(params, {}, tbe_jax.SGD(), idx, off, np.zeros((2, 4), np.float32))
+        emb.apply_gradients(params, tbe_jax.SGDState(), tbe_jax.SGD(), idx, off, np.zeros((2, 4), np.float32))
     with pytest.raises(ValueError, match="learning_rate"):
         tbe_jax.RowwiseAdagrad(learning_rate=0.0)
+
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+@pytest.mark.parametrize("make_tx", [lambda: tbe_jax.rowwise_adagrad(0.1, 1e-3), lambda: tbe_jax.sgd(0.1)],
+                         ids=["adagrad", "sgd"])
+def test_fused_lookup_under_grad_equals_apply_gradients(rng, impl, make_tx):
+    # A model step written the ordinary way: jax.grad over the whole loss. The
+    # embedding's "gradients" are its updated tables and state, equal to
+    # apply_gradients with the output gradient; the dense layer's gradient is exact.
+    tables = specs([30, 12], [8, 8])
+    kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
+    emb = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", **kw)
+    tx = make_tx()
+    params = emb.init(jax.random.key(7))
+    state = tx.init(params)
+    dense = jnp.asarray(rng.standard_normal((16, 3)).astype(np.float32))
+    idx, off, _ = testing.make_batch(rng, [30, 12], [6, 6], (0, 8))
+    target = jnp.asarray(rng.standard_normal((6, 3)).astype(np.float32))
+
+    def head(dense, pooled):
+        return jnp.mean((pooled @ dense - target) ** 2)
+
+    def loss(dense, params, state):
+        return head(dense, emb.fused_lookup(params, state, tx, idx, off))
+
+    g_dense, new_params, new_state = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(dense, params, state)
+    pooled = emb(params, idx, off)
+    g_pooled = jax.grad(head, argnums=1)(dense, pooled)
+    want_params, want_state = emb.apply_gradients(params, state, tx.opt, idx, off, g_pooled)
+    for key in params:
+        assert_close(new_params[key], want_params[key], 1e-6)
+    if isinstance(tx.opt, tbe_jax.RowwiseAdagrad):
+        for a, b in zip(emb.get_momentum(new_state), emb.get_momentum(want_state)):
+            assert_close(a, b, 1e-6)
+    assert_close(g_dense, jax.grad(head)(dense, pooled), 1e-6)
+    with pytest.raises(TypeError, match="rowwise_adagrad"):
+        emb.fused_lookup(params, state, tx.opt, idx, off)
