@@ -106,7 +106,6 @@ def torch_time(wl, sets, iters, reps):
         end.record()
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end) / iters)
-    del weight
     return statistics.median(samples)
 
 

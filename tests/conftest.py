@@ -43,5 +43,5 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-def specs(rows, dims, hint=None):
+def specs(rows, dims):
     return [tbe_jax.TableSpec(e, d, name=f"t{i}") for i, (e, d) in enumerate(zip(rows, dims))]

@@ -5,7 +5,6 @@ within 2 ulp of the float64 result. The kernel accumulates with TwoSum; the
 same kernel with plain fp32 sums (ForwardConfig(fp32_accumulation="naive")) fails.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """The pure-jnp reference (impl="xla") against the float64 NumPy model."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

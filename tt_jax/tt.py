@@ -7,7 +7,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tt_jax import reference
 from tt_jax.specs import TTSpec

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
-from tbe_jax.optim import SGD, RowwiseAdagrad
+from tbe_jax.optim import RowwiseAdagrad
 from tbe_jax.runs import LONG, Runs, group_bases
 from tbe_jax.specs import StorageLayout, next_pow2
 
