@@ -27,7 +27,8 @@ def position_features(plan: FeaturePlan, offsets: jax.Array, n: int) -> tuple[ja
     return bag, feat
 
 
-def _valid_rows(plan: FeaturePlan, indices, offsets, feat):
+def valid_lookups(plan: FeaturePlan, indices, offsets, feat):
+    """Per position: inside a bag, and an id in [0, E) of its feature's table."""
     n = indices.shape[0]
     pos = jnp.arange(n, dtype=offsets.dtype)
     num_rows = jnp.asarray(np.asarray(plan.num_rows, np.int64 if indices.dtype == jnp.int64 else np.int32))
@@ -50,7 +51,7 @@ def pooled_forward(
     n = indices.shape[0]
     nbags = plan.num_bags
     bag, feat = position_features(plan, offsets, n)
-    valid = _valid_rows(plan, indices, offsets, feat)
+    valid = valid_lookups(plan, indices, offsets, feat)
     scale = valid.astype(jnp.float32)
     if per_sample_weights is not None:
         scale = scale * per_sample_weights.astype(jnp.float32)
@@ -92,7 +93,7 @@ def sequence_forward(
     """`pooling="none"`: one row per index, `[len(indices), D]` (all tables one D)."""
     n = indices.shape[0]
     _, feat = position_features(plan, offsets, n)
-    valid = _valid_rows(plan, indices, offsets, feat)
+    valid = valid_lookups(plan, indices, offsets, feat)
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     rows = jnp.where(valid, row_offset[feat] + indices.astype(jnp.int32), 0)
     w = buffers[layout.key(0)]
@@ -103,7 +104,22 @@ def sequence_forward(
     return (x * scale[:, None]).astype(output_dtype)
 
 
-def _output_rows(plan: FeaturePlan, bag, feat):
+def lookup_coefficients(plan: FeaturePlan, indices, offsets, per_sample_weights, pooling: str):
+    """Per lookup: (bag, feature, coef, scale).
+
+    coef is 1/len(bag) for mean pooling (else 1), 0 for invalid lookups; scale is
+    coef times the per-sample weight: each lookup's weight in its pooled row.
+    """
+    bag, feat = position_features(plan, offsets, indices.shape[0])
+    coef = valid_lookups(plan, indices, offsets, feat).astype(jnp.float32)
+    if pooling == "mean":
+        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+        coef = coef / jnp.maximum(lengths, 1.0)[bag]
+    scale = coef if per_sample_weights is None else coef * per_sample_weights
+    return bag, feat, coef, scale
+
+
+def output_rows(plan: FeaturePlan, bag, feat):
     """Flat output element of column 0 of each position's pooled row."""
     bag_base = jnp.asarray(np.asarray(plan.bag_base, np.int32))
     out_base = jnp.asarray(np.asarray(plan.out_base, np.int32))
@@ -132,18 +148,13 @@ def pooled_backward(
     With `keep_fp32`, returns `(fp32 d_buffers, per-buffer [R] "row was looked up" masks)`.
     """
     n = indices.shape[0]
-    bag, feat = position_features(plan, offsets, n)
-    valid = _valid_rows(plan, indices, offsets, feat)
-    coef = valid.astype(jnp.float32)
-    if pooling == "mean":
-        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
-        coef = coef / jnp.maximum(lengths, 1.0)[bag]
-    scale = coef if per_sample_weights is None else coef * per_sample_weights
+    bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
+    valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
     g_flat = g_out.reshape(-1).astype(jnp.float32)
     if pooling == "none":
         first = jnp.arange(n, dtype=jnp.int32) * layout.dims[0]
     else:
-        first = _output_rows(plan, bag, feat)
+        first = output_rows(plan, bag, feat)
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     feat_group = jnp.asarray(np.asarray(plan.group, np.int32))
     d_buffers, touched = {}, {}

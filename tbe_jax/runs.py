@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax.reference import position_features
+from tbe_jax.reference import lookup_coefficients, output_rows
 from tbe_jax.specs import FeaturePlan, StorageLayout
 
 LONG = 256  # runs this long or longer take the chunked two-pass path
@@ -64,28 +64,14 @@ def build_runs(
     total = int(bases[-1])
     if total >= 2**31 - 1:
         raise ValueError(f"{total} rows in all tables: the int32 sort key needs fewer than 2**31 - 1")
-    bag, feat = position_features(plan, offsets, n)
+    bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
+    valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
     pos = jnp.arange(n, dtype=jnp.int32)
-    num_rows = jnp.asarray(np.asarray(plan.num_rows, np.int32))
-    valid = (pos >= offsets[0]) & (pos < offsets[-1]) & (indices >= 0) & (indices < num_rows[feat])
     feat_key0 = jnp.asarray(
         np.asarray([bases[plan.group[f]] + plan.row_offset[f] for f in range(plan.num_features)], np.int32)
     )
     key = jnp.where(valid, feat_key0[feat] + indices, total)
-
-    scale = valid.astype(jnp.float32)
-    if pooling == "mean":
-        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
-        scale = scale / jnp.maximum(lengths, 1.0)[bag]
-    if per_sample_weights is not None:
-        scale = scale * per_sample_weights
-    if sequence:
-        src = pos * layout.dims[0]
-    else:
-        bag_base = jnp.asarray(np.asarray(plan.bag_base, np.int32))
-        out_base = jnp.asarray(np.asarray(plan.out_base, np.int32))
-        out_stride = jnp.asarray(np.asarray(plan.out_stride, np.int32))
-        src = out_base[feat] + (bag - bag_base[feat]) * out_stride[feat]
+    src = pos * layout.dims[0] if sequence else output_rows(plan, bag, feat)
 
     skey, spos = jax.lax.sort((key, pos), num_keys=1)
     is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)

@@ -491,6 +491,8 @@ class TableBatchedEmbedding:
         `tbe_jax.rowwise_adagrad`). Differentiate with respect to both. Rules:
         use each table in one fused lookup per loss (two would add their "updates");
         `per_sample_weights` are constants on this path (their gradient is zero).
+        Bounds checks behave as in `emb(...)`, except that `"warning"` repairs and
+        skips silently here (use `forward_with_report` to count).
 
         Args:
           tx: `tbe_jax.rowwise_adagrad(...)` or `tbe_jax.sgd(...)`.

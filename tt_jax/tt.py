@@ -25,6 +25,10 @@ class TTEmbeddingBag:
         and "pallas" raises.
       interpret: reserved for the Pallas kernel (interpret mode on CPU).
 
+    Ids outside `[0, N)` contribute nothing. `offsets` are not validated (no
+    bounds_check option yet): they must start at 0, never decrease and end at
+    most at `len(indices)`.
+
     Example:
       >>> import jax, jax.numpy as jnp, tt_jax
       >>> emb = tt_jax.TTEmbeddingBag(tt_jax.TTSpec(1000, 16, ranks=(8, 8)))
