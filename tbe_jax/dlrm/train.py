@@ -293,8 +293,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     """Run the demo; returns {"auc_before", "auc_after", "eval_loss_before", "eval_loss_after",
-    "oracle_auc", "final_loss", "steps", "steps_per_s", "examples_per_s", "step_ms", "start_step", "ckpt"}
-    (plus "emb_share" when measured)."""
+    "oracle_auc", "final_loss", "steps", "steps_per_s", "examples_per_s", "step_ms", "start_step", "ckpt",
+    "state"} (state: the final `TrainState`), plus "emb_share" and "jit_step_ms" when measured."""
     args = parse_args(argv)
     log = functools.partial(print, flush=True)
     backend = jax.default_backend()
