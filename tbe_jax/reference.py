@@ -127,6 +127,21 @@ def output_rows(plan: FeaturePlan, bag, feat):
     return out_base[feat] + (bag - bag_base[feat]) * out_stride[feat]
 
 
+def _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+    """Per storage buffer: (key, lookup mask, [N, d] fp32 output-gradient rows, rows in the buffer)."""
+    n = indices.shape[0]
+    g_flat = g_out.reshape(-1).astype(jnp.float32)
+    first = jnp.arange(n, dtype=jnp.int32) * layout.dims[0] if pooling == "none" else output_rows(plan, bag, feat)
+    row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
+    feat_group = jnp.asarray(np.asarray(plan.group, np.int32))
+    for g, d in enumerate(layout.dims):
+        m = valid & (feat_group[feat] == g)
+        cols = jnp.where(m[:, None], first[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :], 0)
+        grad_rows = jnp.take(g_flat, cols) * m[:, None]  # [N, d]: g of each lookup's pooled row
+        rows = jnp.where(m, row_offset[feat] + indices.astype(jnp.int32), 0)
+        yield layout.key(g), m, grad_rows, rows
+
+
 def pooled_backward(
     buffers: dict,
     layout: StorageLayout,
@@ -147,33 +162,33 @@ def pooled_backward(
     and cast to each buffer's dtype; and `d w_p = scale_p/w_p * <W[row_p], g[bag_p]>`.
     With `keep_fp32`, returns `(fp32 d_buffers, per-buffer [R] "row was looked up" masks)`.
     """
-    n = indices.shape[0]
     bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
-    g_flat = g_out.reshape(-1).astype(jnp.float32)
-    if pooling == "none":
-        first = jnp.arange(n, dtype=jnp.int32) * layout.dims[0]
-    else:
-        first = output_rows(plan, bag, feat)
-    row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
-    feat_group = jnp.asarray(np.asarray(plan.group, np.int32))
     d_buffers, touched = {}, {}
-    d_psw = jnp.zeros((n,), jnp.float32)
-    for g, d in enumerate(layout.dims):
-        w = buffers[layout.key(g)]
-        m = valid & (feat_group[feat] == g)
-        cols = jnp.where(m[:, None], first[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :], 0)
-        grad_rows = jnp.take(g_flat, cols) * m[:, None]  # [N, d]: g of each lookup's pooled row
-        rows = jnp.where(m, row_offset[feat] + indices.astype(jnp.int32), 0)
-        d_buffers[layout.key(g)] = jnp.zeros(w.shape, jnp.float32).at[rows].add(grad_rows * scale[:, None])
-        touched[layout.key(g)] = jnp.zeros((w.shape[0],), jnp.int32).at[rows].add(m.astype(jnp.int32)) > 0
-        if per_sample_weights is not None:
-            x = jnp.take(w, rows, axis=0).astype(jnp.float32)
-            d_psw = d_psw + jnp.sum(x * grad_rows, axis=1) * coef
+    for key, m, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+        w = buffers[key]
+        d_buffers[key] = jnp.zeros(w.shape, jnp.float32).at[rows].add(grad_rows * scale[:, None])
+        touched[key] = jnp.zeros((w.shape[0],), jnp.int32).at[rows].add(m.astype(jnp.int32)) > 0
     if keep_fp32:
         return d_buffers, touched
     d_buffers = {k: v.astype(buffers[k].dtype) for k, v in d_buffers.items()}
-    return d_buffers, (None if per_sample_weights is None else d_psw)
+    if per_sample_weights is None:
+        return d_buffers, None
+    return d_buffers, per_sample_weight_grad(buffers, layout, plan, indices, offsets, per_sample_weights, g_out,
+                                             pooling=pooling)
+
+
+def per_sample_weight_grad(buffers, layout, plan, indices, offsets, per_sample_weights, g_out, *, pooling: str):
+    """`d w_p = coef_p * <W[row_p], g[bag_p, feature's columns]>` (the second half of `pooled_backward`).
+
+    Work proportional to the batch, not the tables.
+    """
+    bag, feat, coef, _ = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
+    d_psw = jnp.zeros((indices.shape[0],), jnp.float32)
+    for key, _, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, coef > 0, g_out, pooling):
+        x = jnp.take(buffers[key], rows, axis=0).astype(jnp.float32)
+        d_psw = d_psw + jnp.sum(x * grad_rows, axis=1) * coef
+    return d_psw
 
 
 def apply_gradients(buffers, momentum, layout, plan, indices, offsets, per_sample_weights, g_out, opt, *,

@@ -4,9 +4,13 @@ Jittable with static shapes and no host synchronisation. Every lookup gets a
 linear key (the row's index in the concatenation of all storage buffers; invalid
 lookups get the sentinel `total_rows`), keys are sorted with their positions,
 and equal keys form a run: one distinct (table, row) and the lookups that touched
-it. Runs of at least `LONG` lookups are split into chunks of `LONG` for a
-two-pass reduction. All counts (runs, short runs, long runs, chunks) stay on the
+it. Runs fall in three classes: small runs (at most `SMALL` lookups: most
+runs, often of length 1) are updated by blocks of runs in lockstep; mid runs
+(`SMALL` < length < `LONG`) one per task; runs of at least `LONG` lookups are
+split into chunks of `LONG` for a two-pass reduction. All counts stay on the
 device; task lists are compacted on the device into statically sized arrays.
+The sort is stable, so every run's lookups keep their batch order and the
+summation order (hence the result) is the same run to run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 from tbe_jax.reference import lookup_coefficients, output_rows
 from tbe_jax.specs import FeaturePlan, StorageLayout
 
+SMALL = 8  # runs this short take the blocked lockstep path
 LONG = 256  # runs this long or longer take the chunked two-pass path
 
 
@@ -32,12 +37,13 @@ class Runs(NamedTuple):
     run_start: jax.Array  # [N + 1] int32: first sorted lookup of run r (run r ends at run_start[r+1])
     run_key: jax.Array  # [N] int32: linear row of run r (total_rows past the last run)
     num_runs: jax.Array  # [] int32
-    short: jax.Array  # [N] int32: runs shorter than LONG, in key order, padded with N
+    small: jax.Array  # [N] int32: runs of at most SMALL lookups, in key order, padded with N
+    mid: jax.Array  # [N] int32: runs of SMALL < length < LONG, in key order, padded with N
     long: jax.Array  # [N // LONG + 1] int32: runs of LONG or more, in key order, padded
     chunk_run: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its index into `long`
     chunk_first: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its first sorted lookup
     long_chunk0: jax.Array  # [N // LONG + 2] int32: first chunk task of each long run
-    counts: jax.Array  # [3] int32: (short runs, long runs, chunk tasks)
+    counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
 
 
 def group_bases(layout: StorageLayout) -> np.ndarray:
@@ -73,7 +79,7 @@ def build_runs(
     key = jnp.where(valid, feat_key0[feat] + indices, total)
     src = pos * layout.dims[0] if sequence else output_rows(plan, bag, feat)
 
-    skey, spos = jax.lax.sort((key, pos), num_keys=1)
+    skey, spos = jax.lax.sort((key, pos), num_keys=1, is_stable=True)
     is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
     starts, num_runs = _compact(is_start, n, n)
     n_valid = jnp.sum((skey < total).astype(jnp.int32))
@@ -84,7 +90,8 @@ def build_runs(
 
     live = jnp.arange(n) < num_runs
     n_long_max = n // LONG + 1
-    short, n_short = _compact(live & (run_len < LONG), n, n)
+    small, n_small = _compact(live & (run_len <= SMALL), n, n)
+    mid, n_mid = _compact(live & (run_len > SMALL) & (run_len < LONG), n, n)
     long_mask = live & (run_len >= LONG)
     long, n_long = _compact(long_mask, n_long_max, n)
     long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_len[jnp.minimum(long, n - 1)], 0)
@@ -94,6 +101,6 @@ def build_runs(
     t = jnp.arange(max_chunks, dtype=jnp.int32)
     chunk_run = jnp.clip(jnp.searchsorted(long_chunk0, t, side="right").astype(jnp.int32) - 1, 0, n_long_max - 1)
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
-    counts = jnp.stack([n_short, n_long, long_chunk0[-1]]).astype(jnp.int32)
-    return Runs(spos, src[spos], scale[spos], run_start, run_key, num_runs, short, long, chunk_run,
+    counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
+    return Runs(spos, src[spos], scale[spos], run_start, run_key, num_runs, small, mid, long, chunk_run,
                 chunk_first, long_chunk0, counts)

@@ -55,6 +55,8 @@ class TableBatchedEmbedding:
       use_histogram: let eligible small tables take the histogram path (counts x
         table on tensor cores); see `plan()`. False forces the generic kernel.
       histogram_config: `tbe_jax.HistogramConfig`; None for defaults.
+      backward_config: `tbe_jax.BackwardConfig` for the sorted-run backward
+        kernels (`apply_gradients`, `fused_lookup`, `jax.grad`); None for defaults.
 
     The object is immutable and hashable: pass it as a static argument to `jit`.
 
@@ -83,6 +85,7 @@ class TableBatchedEmbedding:
         kernel_config: fwd_kernels.ForwardConfig | None = None,
         use_histogram: bool = True,
         histogram_config: hist_kernels.HistogramConfig | None = None,
+        backward_config: bwd_kernels.BackwardConfig | None = None,
     ):
         tables = tuple(tables)
         if not tables:
@@ -121,6 +124,9 @@ class TableBatchedEmbedding:
             raise TypeError("histogram_config must be a tbe_jax.HistogramConfig")
         self.use_histogram = bool(use_histogram)
         self.histogram_config = histogram_config or hist_kernels.HistogramConfig()
+        if backward_config is not None and not isinstance(backward_config, bwd_kernels.BackwardConfig):
+            raise TypeError("backward_config must be a tbe_jax.BackwardConfig")
+        self.backward_config = backward_config or bwd_kernels.BackwardConfig()
         self.layout = StorageLayout.build(tables)
 
     # -- identity: hashable, usable as a static jit argument -------------------
@@ -128,7 +134,7 @@ class TableBatchedEmbedding:
         return (
             self.tables, self.feature_table_map, self.pooling, self.weights_dtype.name,
             self.output_dtype.name, self.bounds_check, self.impl, self.interpret, self.kernel_config,
-            self.use_histogram, self.histogram_config,
+            self.use_histogram, self.histogram_config, self.backward_config,
         )
 
     def __hash__(self):
@@ -440,7 +446,8 @@ class TableBatchedEmbedding:
 
         With the Pallas path the tables and the accumulators are updated in place
         (input/output aliasing): donate them (`jax.jit(..., donate_argnums=...)`) so
-        XLA need not copy them first.
+        XLA need not copy them first. `backward_config` overrides the one given
+        to the constructor.
         """
         self._check_opt(opt)
         adagrad = isinstance(opt, RowwiseAdagrad)
@@ -463,17 +470,24 @@ class TableBatchedEmbedding:
                                          grad_output, backward_config)
         return new_w, (RowwiseAdagradState(new_m) if adagrad else opt_state)
 
+    def _runs(self, plan, indices, offsets, per_sample_weights):
+        return runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
+                                   pooling=self.pooling, sequence=self.pooling == "none")
+
     def _update_impl(self, plan, opt, params, momentum, indices, offsets, per_sample_weights, grad_output,
-                     backward_config=None):
-        """The fused update on validated int32 inputs: (tables, accumulators or None)."""
+                     backward_config=None, runs=None):
+        """The fused update on validated int32 inputs: (tables, accumulators or None).
+
+        `runs`: the batch's sorted runs when the forward already built them.
+        """
         if indices.shape[0] == 0:
             return params, momentum
         if self._use_kernel():
-            runs = runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
-                                       pooling=self.pooling, sequence=self.pooling == "none")
+            if runs is None:
+                runs = self._runs(plan, indices, offsets, per_sample_weights)
             return bwd_kernels.fused_update(
                 params, momentum, self.layout, runs, grad_output.astype(jnp.float32), opt,
-                config=backward_config or bwd_kernels.BackwardConfig(), interpret=self.interpret,
+                config=backward_config or self.backward_config, interpret=self.interpret,
             )
         return reference.apply_gradients(
             params, momentum, self.layout, plan, indices, offsets, per_sample_weights,
@@ -533,9 +547,11 @@ class TableBatchedEmbedding:
 
 # -- differentiation -------------------------------------------------------------
 # `jax.grad` through a lookup gives the true (dense) gradient of the tables and of
-# the per-sample weights. The forward is the kernel or the XLA path; the backward
-# is, for now, the pure-jnp `reference.pooled_backward` (a scatter-add into a
-# dense gradient); sorted-run kernels with a fused optimizer are a separate path.
+# the per-sample weights. On the kernel path the table gradient comes from the
+# sorted-run kernels (each looked-up row's gradient summed once, in a fixed order,
+# and stored into a zero gradient: the dense result is table-sized by definition);
+# on the XLA path from the jnp reference VJP. The fused path below is the same
+# backward with the optimizer applied instead of the store.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -554,9 +570,17 @@ def _lookup_bwd(emb, plan, count, res, cotangents):
     if indices.shape[0] == 0:
         zeros = jax.tree_util.tree_map(jnp.zeros_like, (params, per_sample_weights))
         return zeros + (None, None)
-    d_params, d_psw = reference.pooled_backward(
-        params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling
-    )
+    if not emb._use_kernel():
+        d_params, d_psw = reference.pooled_backward(
+            params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling
+        )
+        return d_params, d_psw, None, None
+    zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in params.items()}
+    d_params, _ = emb._update_impl(plan, None, zeros, None, indices, offsets, per_sample_weights, g_out)
+    d_psw = None
+    if per_sample_weights is not None:
+        d_psw = reference.per_sample_weight_grad(
+            params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling)
     return d_params, d_psw, None, None
 
 
@@ -573,14 +597,18 @@ def _fused_lookup(emb, plan, opt, params, opt_state, per_sample_weights, indices
 
 def _fused_fwd(emb, plan, opt, params, opt_state, per_sample_weights, indices, offsets):
     out = emb._lookup_impl(plan, False, params, per_sample_weights, indices, offsets)[0]
-    return out, (params, opt_state, per_sample_weights, indices, offsets)
+    runs = None
+    if emb.backward_config.sort_in_forward and emb._use_kernel() and indices.shape[0]:
+        runs = emb._runs(plan, indices, offsets, per_sample_weights)
+    return out, (params, opt_state, per_sample_weights, indices, offsets, runs)
 
 
 def _fused_bwd(emb, plan, opt, res, g_out):
-    params, opt_state, per_sample_weights, indices, offsets = res
+    params, opt_state, per_sample_weights, indices, offsets, runs = res
     adagrad = isinstance(opt, RowwiseAdagrad)
     momentum = opt_state.momentum if adagrad else None
-    new_w, new_m = emb._update_impl(plan, opt, params, momentum, indices, offsets, per_sample_weights, g_out)
+    new_w, new_m = emb._update_impl(plan, opt, params, momentum, indices, offsets, per_sample_weights, g_out,
+                                    runs=runs)
     new_state = RowwiseAdagradState(new_m) if adagrad else opt_state
     return new_w, new_state, None, None, None
 

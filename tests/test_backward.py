@@ -153,8 +153,9 @@ def test_runs_preprocessing(rng):
     assert nr == len(uniq)
     np.testing.assert_array_equal(np.asarray(r.run_key)[:nr], uniq)
     np.testing.assert_array_equal(np.diff(np.asarray(r.run_start)[: nr + 1]), counts)
-    n_short, n_long, n_chunks = (int(c) for c in r.counts)
-    assert n_short == np.sum(counts < runs_lib.LONG) and n_long == np.sum(counts >= runs_lib.LONG)
+    n_small, n_mid, n_long, n_chunks = (int(c) for c in r.counts)
+    assert n_small == np.sum(counts <= runs_lib.SMALL) and n_long == np.sum(counts >= runs_lib.LONG)
+    assert n_mid == np.sum((counts > runs_lib.SMALL) & (counts < runs_lib.LONG))
     assert n_chunks == np.sum(-(-counts[counts >= runs_lib.LONG] // runs_lib.LONG))
 
 
@@ -210,3 +211,112 @@ def test_fused_lookup_under_grad_equals_apply_gradients(rng, impl, make_tx):
     assert_close(g_dense, jax.grad(head)(dense, pooled), 1e-6)
     with pytest.raises(TypeError, match="rowwise_adagrad"):
         emb.fused_lookup(params, state, tx.opt, idx, off)
+
+
+@pytest.mark.parametrize("length", [1, 8, 9, 255, 256, 257, 10_000])
+def test_run_lengths(rng, length):
+    # One row hit exactly `length` times (every class boundary: small <= 8 < mid < 256 <= long),
+    # spread over bags and mixed with singleton runs of other rows; fp32 so the check is tight.
+    tables = specs([50, 40], [16, 8])
+    emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW)
+    ref = tbe_jax.TableBatchedEmbedding(tables, impl="xla")
+    params = emb.init(jax.random.key(length))
+    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3)
+    state = emb.init_opt_state(params, opt)
+    batch = 8
+    hot = np.full(length, 7, np.int32)
+    others = rng.permutation(np.delete(np.arange(50), 7))[:20].astype(np.int32)
+    ids0 = rng.permutation(np.concatenate([hot, others]))
+    cuts = np.sort(rng.integers(0, len(ids0) + 1, batch - 1))
+    ids1 = rng.integers(0, 40, 30).astype(np.int32)
+    cuts1 = np.sort(rng.integers(0, 31, batch - 1))
+    idx = np.concatenate([ids0, ids1])
+    off = np.concatenate([[0], cuts, [len(ids0)], len(ids0) + cuts1, [len(idx)]]).astype(np.int32)
+    g = rng.standard_normal((batch, 24)).astype(np.float32)
+    got_p, got_s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g))(params, state)
+    want_p, want_s = ref.apply_gradients(params, state, opt, idx, off, g)
+    for a, b in zip(emb.get_tables(got_p), emb.get_tables(want_p)):
+        assert_close(a, b, 2e-5 * max(1.0, np.sqrt(length) / 8))
+    for a, b in zip(emb.get_momentum(got_s), emb.get_momentum(want_s)):
+        assert_close(a, b, 2e-5 * max(1.0, np.sqrt(length) / 8))
+
+
+def test_one_row_hit_by_every_lookup(rng):
+    tables = specs([30], [16])
+    emb = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", **KERNEL_KW)
+    ref = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", impl="xla")
+    params = emb.init(jax.random.key(3))
+    opt = tbe_jax.SGD(0.1)
+    idx = np.full(600, 4, np.int32)
+    off = np.array([0, 0, 100, 350, 600], np.int32)  # an empty bag first
+    g = rng.standard_normal((4, 16)).astype(np.float32)
+    got, _ = emb.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
+    want, _ = ref.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
+    assert_close(emb.get_tables(got)[0], emb.get_tables(want)[0], 5e-5)
+    before = np.asarray(emb.get_tables(params)[0])
+    after = np.asarray(emb.get_tables(got)[0])
+    np.testing.assert_array_equal(np.delete(after, 4, 0), np.delete(before, 4, 0))
+
+
+def test_bitwise_reproducible(rng):
+    # No float atomics and a stable sort: the same inputs give the same bits, and so
+    # do other program counts (each row's sum has one fixed order).
+    tables = specs([6, 300], [16, 16])
+    opt = tbe_jax.RowwiseAdagrad(0.1, 1e-3)
+    idx, off, psw = testing.make_batch(rng, [6, 300], [8, 8], (0, 90), weighted=True)
+    g = rng.standard_normal((8, 32)).astype(np.float32)
+    outs = []
+    for programs in (4096, 4096, 3):
+        emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, **KERNEL_KW,
+                                            backward_config=tbe_jax.BackwardConfig(programs=programs))
+        params = emb.init(jax.random.key(0))
+        state = emb.init_opt_state(params, opt)
+        p, s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g, psw))(params, state)
+        outs.append([np.asarray(x) for x in jax.tree_util.tree_leaves((p, s))])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_sort_in_forward_matches(rng):
+    tables = specs([20, 9], [8, 8])
+    idx, off, psw = testing.make_batch(rng, [20, 9], [5, 5], (0, 12), weighted=True)
+    tx = tbe_jax.rowwise_adagrad(0.1, 1e-3)
+    results = []
+    for sif in (False, True):
+        emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW,
+                                            backward_config=tbe_jax.BackwardConfig(sort_in_forward=sif))
+        params = emb.init(jax.random.key(1))
+        state = tx.init(params)
+        loss = lambda p, s: jnp.sum(jnp.sin(emb.fused_lookup(p, s, tx, idx, off, psw)))  # noqa: E731
+        results.append(jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state))
+    for a, b in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(results[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled HLO of the GPU kernels")
+def test_fused_step_copies_no_table():
+    # The donated fused training step must update tables and accumulators in place:
+    # in the compiled HLO, nothing but the kernels' custom calls produces a
+    # table-shaped value (no copy, no elementwise pass over the table).
+    emb = tbe_jax.TableBatchedEmbedding(specs([100_003], [64]), weights_dtype=jnp.float16, impl="pallas")
+    tx = tbe_jax.rowwise_adagrad(0.1)
+    params = emb.init(jax.random.key(0))
+    state = tx.init(params)
+    idx = jnp.arange(64, dtype=jnp.int32)
+    off = jnp.array([0, 20, 64], jnp.int32)
+
+    def step(carry, idx, off):
+        p, s = carry
+        return jax.grad(lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off) ** 2), argnums=(0, 1))(p, s)
+
+    text = jax.jit(step, donate_argnums=0).lower((params, state), idx, off).compile().as_text()
+    assert "input_output_alias" in text
+    offenders = []
+    for line in text.splitlines():
+        line = line.strip()
+        if ("f16[100003,64]" in line or "f32[100003]" in line) and " = " in line:
+            op = line.split(" = ", 1)[1].split("(", 1)[0].split(" ")[-1]
+            if op not in ("parameter", "get-tuple-element", "tuple", "bitcast", "custom-call"):
+                offenders.append(line[:160])
+    assert not offenders, offenders

@@ -4,7 +4,12 @@ Input: the runs of `tbe_jax.runs.build_runs` (one run per distinct table row in
 the batch, its lookups contiguous in key order) and the output gradient. Per
 storage buffer:
 
-- short runs (< LONG lookups): one program owns the run, gathers its lookups'
+- small runs (<= SMALL lookups; most runs, typically of length 1 or 2): a task
+  takes a block of runs and walks their lookups in lockstep, gathering a
+  [block, D] tile of output-gradient rows per step, then updates the block's
+  rows with plain stores. Blocking turns a chain of dependent loads per run
+  into wide independent loads (the per-run version was latency-bound).
+- mid runs (SMALL < length < LONG): one task owns the run, gathers its lookups'
   output-gradient rows `K` at a time, accumulates them in fp32 registers and
   applies the update with a plain store: it owns the row, nothing races.
 - long runs (>= LONG): a first kernel writes one fp32 partial sum per chunk of
@@ -15,7 +20,9 @@ storage buffer:
 Programs are persistent: a fixed grid walks the device-resident task lists with
 a stride (trip counts come from device counts; no host sync, no atomics). The
 tables and the optimizer state are updated in place (input/output aliasing):
-rows not in the batch are never touched.
+rows not in the batch are never touched. Each row's gradient is summed in a
+fixed order (its lookups in batch order; chunk partials in chunk order), so
+results are bitwise reproducible run to run: there is no nondeterministic mode.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
 from tbe_jax.optim import RowwiseAdagrad
-from tbe_jax.runs import LONG, Runs, group_bases
+from tbe_jax.runs import LONG, SMALL, Runs, group_bases
 from tbe_jax.specs import StorageLayout, next_pow2
 
 
@@ -38,25 +45,49 @@ class BackwardConfig:
     """Knobs of the backward kernels.
 
     Attributes:
-      lookups_per_step: output-gradient rows gathered together (K).
+      small_block: small runs (<= runs.SMALL lookups) updated together by one task.
+      small_num_warps: warps per program of the small-run kernel.
+      lookups_per_step: output-gradient rows gathered together (K) by the mid-run
+        and chunk kernels.
       programs: persistent programs per kernel (capped by the task count bound).
-      num_warps: warps per program.
+      num_warps: warps per program of the mid-run, chunk and long-run kernels.
+      sort_in_forward: `fused_lookup` only: build the runs (sort, run-length
+        encoding) in the forward and keep them as residuals for the backward,
+        instead of building them in the backward.
     """
 
+    small_block: int = 32
+    small_num_warps: int = 4
     lookups_per_step: int = 8
     programs: int = 4096
     num_warps: int = 1
+    sort_in_forward: bool = False
+
+    def __post_init__(self):
+        for name in ("small_block", "lookups_per_step"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
+        for name in ("small_num_warps", "num_warps", "programs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
 
 
-def _row_update(opt, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, acc, cols, col_ok, dim):
-    """Apply `opt` to one row (`row`: [1] int32) with its gradient `acc` ([1, Dp] f32)."""
+def _row_update(opt, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, row_ok, acc, cols, col_ok, dim):
+    """Apply `opt` to rows `row` ([R] int32, where `row_ok`) with gradients `acc` ([R, Dp] f32).
+
+    `opt=None` is the true-gradient mode: `acc` is stored as the row's gradient.
+    """
     rows = row[:, None]
-    mask = col_ok[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if opt is None:
+        plgpu.store(w_out_ref.at[rows, cols[None, :]], acc.astype(w_out_ref.dtype), mask=mask)
+        return
     w = plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32)
     if isinstance(opt, RowwiseAdagrad):
-        m = plgpu.load(m_in_ref.at[row]) + jnp.sum(acc * acc, axis=1) / dim  # [1]
+        m = plgpu.load(m_in_ref.at[row], mask=row_ok, other=0.0) + jnp.sum(acc * acc, axis=1) / dim  # [R]
         w = w - opt.learning_rate * acc / (jnp.sqrt(m)[:, None] + opt.eps)
-        plgpu.store(m_out_ref.at[row], m)
+        plgpu.store(m_out_ref.at[row], m, mask=row_ok)
     else:
         w = w - opt.learning_rate * acc
     plgpu.store(w_out_ref.at[rows, cols[None, :]], w.astype(w_out_ref.dtype), mask=mask)
@@ -85,25 +116,62 @@ def _strided_tasks(lo, hi, programs, body):
     jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
 
 
-def _short_kernel(rng_ref, short_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, dim, base, k, programs):
+def _small_kernel(rng_ref, small_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
+                  opt, dim, base, block, programs):
+    """Blocks of `block` small runs: their lookups gathered in lockstep, one row update each."""
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
     col_ok = cols < dim
+    lane = jnp.arange(block, dtype=jnp.int32)
+    lo = plgpu.load(rng_ref.at[jnp.int32(0)])
+    hi = plgpu.load(rng_ref.at[jnp.int32(1)])
+
+    def task(b):
+        t = lo + b * block + lane
+        ok = t < hi
+        r = plgpu.load(small_ref.at[t], mask=ok, other=0)
+        first = plgpu.load(run_start_ref.at[r], mask=ok, other=0)
+        length = jnp.where(ok, plgpu.load(run_start_ref.at[r + 1], mask=ok, other=0) - first, 0)
+
+        def step(j, acc):
+            live = j < length
+            jj = first + j
+            src = plgpu.load(src_ref.at[jj], mask=live, other=0)
+            sc = plgpu.load(scale_ref.at[jj], mask=live, other=0.0)
+            g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :], other=0)
+            return acc + g.astype(jnp.float32) * sc[:, None]
+
+        acc = jax.lax.fori_loop(0, jnp.max(length), step, jnp.zeros((block, cols.shape[0]), jnp.float32))
+        # Masked lanes point one past the buffer: never stored on a GPU, and dropped
+        # (not written back over a live row) by interpret mode's masked store.
+        row = jnp.where(ok, plgpu.load(run_key_ref.at[r], mask=ok, other=0) - base, w_out.shape[0])
+        _row_update(opt, w_in, w_out, m_in, m_out, row, ok, acc, cols, col_ok, dim)
+
+    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task)
+
+
+def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
+                opt, dim, base, k, programs):
+    """One mid run per task: its lookups gathered `k` at a time, one row update."""
+    w_in, m_in, w_out, m_out = _state_refs(refs, opt)
+    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+    col_ok = cols < dim
+    one = jnp.ones((1,), jnp.bool_)
 
     def task(t):
-        r = plgpu.load(short_ref.at[t])
+        r = plgpu.load(mid_ref.at[t])
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
         acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok)
         row = plgpu.load(run_key_ref.at[r + jnp.zeros((1,), jnp.int32)]) - base
-        _row_update(opt, w_in, w_out, m_in, m_out, row, acc, cols, col_ok, dim)
+        _row_update(opt, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
 
-    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(0)]), plgpu.load(rng_ref.at[jnp.int32(1)]), programs, task)
+    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(2)]), plgpu.load(rng_ref.at[jnp.int32(3)]), programs, task)
 
 
 def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, src_ref, scale_ref, g_ref,
                   part_ref, *, dim, k, programs):
+    """One LONG-lookup chunk of a long run per task: its fp32 partial sum to the workspace."""
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
     col_ok = cols < dim
 
@@ -114,13 +182,15 @@ def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_r
         acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
-    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(2)]), plgpu.load(rng_ref.at[jnp.int32(3)]), programs, task)
+    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(4)]), plgpu.load(rng_ref.at[jnp.int32(5)]), programs, task)
 
 
 def _long_kernel(rng_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, dim, base, programs):
+    """One long run per task: the sum of its chunk partials (in chunk order), one row update."""
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
     col_ok = cols < dim
+    one = jnp.ones((1,), jnp.bool_)
 
     def task(li):
         c0 = plgpu.load(long_chunk0_ref.at[li])
@@ -132,9 +202,9 @@ def _long_kernel(rng_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *ref
         acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, cols.shape[0]), jnp.float32))
         r = plgpu.load(long_ref.at[li + jnp.zeros((1,), jnp.int32)])
         row = plgpu.load(run_key_ref.at[r]) - base
-        _row_update(opt, w_in, w_out, m_in, m_out, row, acc, cols, col_ok, dim)
+        _row_update(opt, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
 
-    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(4)]), plgpu.load(rng_ref.at[jnp.int32(5)]), programs, task)
+    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(6)]), plgpu.load(rng_ref.at[jnp.int32(7)]), programs, task)
 
 
 def _state_refs(refs, opt):
@@ -147,21 +217,25 @@ def _state_refs(refs, opt):
 
 
 def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
-    """[num_buffers, 6] int32: per buffer its [lo, hi) in the short, chunk and long task lists."""
+    """[num_buffers, 8] int32: per buffer its [lo, hi) in the small, mid, chunk and long task lists."""
     bases = jnp.asarray(group_bases(layout).astype(np.int32))
     total = bases[-1]
-    n_short, n_long, n_chunks = runs.counts[0], runs.counts[1], runs.counts[2]
+    n_small, n_mid, n_long, n_chunks = (runs.counts[i] for i in range(4))
     key_of = lambda r: jnp.where(r < n, runs.run_key[jnp.minimum(r, n - 1)], total)  # noqa: E731
-    short_keys = jnp.where(jnp.arange(runs.short.shape[0]) < n_short, key_of(runs.short), total)
-    long_keys = jnp.where(jnp.arange(runs.long.shape[0]) < n_long, key_of(runs.long), total)
+
+    def keys(lst, count):
+        return jnp.where(jnp.arange(lst.shape[0]) < count, key_of(lst), total)
+
+    long_keys = keys(runs.long, n_long)
     chunk_keys = jnp.where(jnp.arange(runs.chunk_run.shape[0]) < n_chunks, long_keys[runs.chunk_run], total)
 
     def bounds(keys):
         edges = jnp.searchsorted(keys, bases, side="left").astype(jnp.int32)
         return edges[:-1], edges[1:]
 
-    (s0, s1), (c0, c1), (l0, l1) = bounds(short_keys), bounds(chunk_keys), bounds(long_keys)
-    return jnp.stack([s0, s1, c0, c1, l0, l1], axis=1)
+    parts = [bounds(keys(runs.small, n_small)), bounds(keys(runs.mid, n_mid)), bounds(chunk_keys),
+             bounds(long_keys)]
+    return jnp.stack([e for lo_hi in parts for e in lo_hi], axis=1)
 
 
 def fused_update(
@@ -175,7 +249,11 @@ def fused_update(
     config: BackwardConfig,
     interpret: bool,
 ):
-    """Apply `opt` to every row in `runs` with its aggregated gradient; returns (buffers, momentum)."""
+    """Apply `opt` to every row in `runs` with its aggregated gradient; returns (buffers, momentum).
+
+    `opt=None` is the true-gradient mode: `buffers` must be zeros, and each row in
+    the batch receives its aggregated gradient (cast to the buffer's dtype).
+    """
     n = runs.pos.shape[0]
     ranges = _task_ranges(runs, layout, n)
     g_flat = g_out.reshape(-1)
@@ -183,42 +261,52 @@ def fused_update(
     adagrad = isinstance(opt, RowwiseAdagrad)
     new_w, new_m = dict(buffers), dict(momentum) if momentum is not None else None
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+    small_params = plgpu.CompilerParams(num_warps=config.small_num_warps, num_stages=1)
     k = config.lookups_per_step
+    blk = config.small_block
     # Interpret mode runs programs one after another: few programs keep CPU tests
     # fast and make each program walk several tasks (the strided loop is tested).
     max_programs = min(config.programs, 16) if interpret else config.programs
+    common = [runs.src, runs.scale, g_flat]
+    max_chunks = runs.chunk_first.shape[0]
+    p_small = max(1, min(max_programs, -(-n // blk)))
+    p_mid = max(1, min(max_programs, n // (SMALL + 1)))
+    p_long = max(1, min(max_programs, max_chunks))
+
+    def aliased(kernel, name, grid, args, state):
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
+        args = list(args) + list(state)
+        return pl.pallas_call(
+            kernel, out_shape=shapes, grid=(grid,),
+            input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
+            compiler_params=small_params if name == "tbe_backward_small_runs" else params,
+            interpret=interpret, name=name,
+        )(*args)
+
     for g, dim in enumerate(layout.dims):
         key = layout.key(g)
         rng = ranges[g]
+        base = int(bases[g])
         state = [new_w[key]] + ([new_m[key]] if adagrad else [])
-        state_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
-        p_short = max(1, min(max_programs, n))
-        common = [runs.src, runs.scale, g_flat]
-        args = [rng, runs.short, runs.run_start, runs.run_key] + common + state
-        out = pl.pallas_call(
-            functools.partial(_short_kernel, opt=opt, dim=dim, base=int(bases[g]), k=k, programs=p_short),
-            out_shape=state_shapes,
-            grid=(p_short,),
-            input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
-            compiler_params=params, interpret=interpret, name="tbe_backward_short_runs",
-        )(*args)
-        max_chunks = runs.chunk_first.shape[0]
-        p_long = max(1, min(max_programs, max_chunks))
+        state = aliased(
+            functools.partial(_small_kernel, opt=opt, dim=dim, base=base, block=blk, programs=p_small),
+            "tbe_backward_small_runs", p_small,
+            [rng, runs.small, runs.run_start, runs.run_key] + common, state)
+        state = aliased(
+            functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid),
+            "tbe_backward_mid_runs", p_mid,
+            [rng, runs.mid, runs.run_start, runs.run_key] + common, state)
         part = pl.pallas_call(
             functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long),
             out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(dim)), jnp.float32),
             grid=(p_long,),
             compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
         )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, *common)
-        args = [rng, runs.long, runs.long_chunk0, runs.run_key, part] + list(out)
-        out = pl.pallas_call(
-            functools.partial(_long_kernel, opt=opt, dim=dim, base=int(bases[g]), programs=p_long),
-            out_shape=state_shapes,
-            grid=(p_long,),
-            input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
-            compiler_params=params, interpret=interpret, name="tbe_backward_long_runs",
-        )(*args)
-        new_w[key] = out[0]
+        state = aliased(
+            functools.partial(_long_kernel, opt=opt, dim=dim, base=base, programs=p_long),
+            "tbe_backward_long_runs", p_long,
+            [rng, runs.long, runs.long_chunk0, runs.run_key, part], state)
+        new_w[key] = state[0]
         if adagrad:
-            new_m[key] = out[1]
+            new_m[key] = state[1]
     return new_w, new_m

@@ -1,0 +1,345 @@
+"""TBE backward benchmark: the sorted-run backward with fused row-wise Adagrad.
+
+For each preset (tbe_jax.testing.PRESETS, the anchors' workloads):
+- "bwd": `emb.apply_gradients` alone (linearise, sort, run-length encode, the
+  short/long-run kernels, the row-wise Adagrad update), on donated tables.
+- "fwd+bwd": a training step through `emb.fused_lookup` under `jax.grad`
+  (forward kernel, then the backward above as the lookup's VJP); "bwd (step)"
+  is that minus the forward, which is how the anchors derive FBGEMM's "bwd".
+- the XLA baseline of the anchors, in the same process: forward (take +
+  segment_sum), `jax.vjp` to a dense gradient, a dense row-wise Adagrad over
+  every row.
+Timing (launch overhead excluded, as the anchors' "kernels" column): after
+warm-up, `--iters` steps enqueued back to back, each feeding the updated tables
+and state to the next (donated), rotating over `--sets` input sets, block once;
+median of `--reps`. Optimizer as the anchors: lr 0.1, eps 0.1.
+
+`--scaling` adds the flat-with-E run: fixed lookups, table rows growing 100x;
+the fused step must not grow with E (no per-step work proportional to tables).
+
+Results go to benchmarks/results/backward-<date>-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import tbe_jax  # noqa: E402
+from tbe_jax import testing  # noqa: E402
+
+# ../shared/anchors/README.md (H200, 2026-11-29): FBGEMM CUDA TBE "kernels" times (ms).
+FBGEMM_FWD_KERNEL_MS = {
+    "base": 0.187, "zipf": 0.125, "weighted": 0.157, "large": 0.849, "fp32": 0.146, "smalltable": 0.218,
+}
+FBGEMM_BWD_KERNEL_MS = {
+    "base": 1.538, "zipf": 0.986, "weighted": 1.423, "large": 7.497, "fp32": 0.902, "smalltable": 0.820,
+}
+ANCHOR_XLA_BWD_MS = {
+    "base": 2.286, "zipf": 3.634, "weighted": 3.728, "large": 19.155, "fp32": 4.027, "smalltable": 2.431,
+}
+LR, EPS = 0.1, 0.1
+TINY = testing.Workload("tiny", 2, 300, 16, 16, 4, 1.15, weighted=True)  # CPU smoke test (interpret mode)
+
+
+def time_chain(step, carry, arg_sets, iters, reps):
+    """Median ms per step; `step(carry, *args) -> carry` with the carry donated."""
+    for a in arg_sets:  # compile + warm-up
+        carry = step(carry, *a)
+    jax.block_until_ready(carry)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            carry = step(carry, *arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(carry)
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples), carry
+
+
+def time_calls(fn, arg_sets, iters, reps):
+    for a in arg_sets:
+        jax.block_until_ready(fn(*a))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def xla_forward(w, table_offsets, indices, offsets, psw, num_features, batch):
+    """The anchors' XLA baseline forward: one take + sorted segment_sum."""
+    n = indices.shape[0]
+    bag = jnp.cumsum(jnp.zeros(n, jnp.int32).at[offsets[1:-1]].add(1, mode="drop"))
+    feat = bag // batch
+    rows = jnp.take(w, indices + table_offsets[feat], axis=0).astype(jnp.float32)
+    if psw is not None:
+        rows = rows * psw[:, None]
+    pooled = jax.ops.segment_sum(rows, bag, num_segments=num_features * batch, indices_are_sorted=True)
+    return pooled.reshape(num_features, batch, -1).transpose(1, 0, 2).reshape(batch, -1)
+
+
+def xla_step(carry, indices, offsets, psw, g, *, fwd):
+    """XLA baseline training step: forward, vjp to a dense gradient, dense row-wise Adagrad."""
+    w, m = carry
+    _, vjp = jax.vjp(lambda w: fwd(w, indices, offsets, psw), w)
+    (dw,) = vjp(g)
+    dw = dw.astype(jnp.float32)
+    m = m + jnp.mean(dw * dw, axis=1)
+    w = (w.astype(jnp.float32) - LR * dw / (jnp.sqrt(m)[:, None] + EPS)).astype(w.dtype)
+    return w, m
+
+
+def make_sets(wl, n_sets, seed=0):
+    rng = np.random.default_rng(seed)
+    feats = wl.features()
+    nf = len(feats)
+    perms = [np.random.default_rng(1000 + t).permutation(e) for t, (e, _, _) in enumerate(feats)] \
+        if wl.alpha > 1 else None
+    sets = []
+    for _ in range(n_sets):
+        idx, off, psw = testing.make_batch(rng, [e for e, _, _ in feats], [wl.B] * nf, [l for _, _, l in feats],
+                                           alpha=wl.alpha, weighted=wl.weighted, perms=perms)
+        g = rng.standard_normal((wl.B, sum(d for _, d, _ in feats)), dtype=np.float32)
+        sets.append(tuple(None if x is None else jnp.asarray(x) for x in (idx, off, psw, g)))
+    return sets
+
+
+def unique_rows(wl, sets):
+    """Distinct (table, row) pairs per batch, averaged: the floor's row count."""
+    feats = wl.features()
+    out = []
+    for idx, off, _, _ in sets:
+        idx, off = np.asarray(idx), np.asarray(off)
+        per_feat = np.diff(off[:: wl.B])
+        feat = np.repeat(np.arange(len(feats)), per_feat)
+        out.append(len(np.unique(feat.astype(np.int64) * (1 << 32) + idx)))
+    return float(np.mean(out))
+
+
+def run_workload(wl, args, bcfg):
+    feats = wl.features()
+    nf = len(feats)
+    sets = make_sets(wl, args.sets)
+    tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
+    kw = dict(weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype)
+    interpret = jax.default_backend() != "gpu"
+    emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, **kw)
+    ref_emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla", **kw)
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
+    tx = tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS)
+    row = {"workload": dataclasses.asdict(wl), "variants": {}, "backward_config": dataclasses.asdict(bcfg)}
+    row["unique_rows"] = unique_rows(wl, sets)
+    wbytes = 4 if wl.weights_dtype == "float32" else 2
+    d = feats[0][1]
+    # Floor bytes: read+write each distinct row and its accumulator, read the output gradient once per lookup
+    # (L2 may serve repeats), sort keys (approx. 4 passes of 8 B per lookup).
+    n_lookups = sum(wl.B * l for _, _, l in feats)
+    row["floor_bytes"] = row["unique_rows"] * (2 * d * wbytes + 8) + wl.B * sum(dd for _, dd, _ in feats) * 4 \
+        + n_lookups * 32
+
+    params0 = emb.init(jax.random.key(0))
+    state0 = emb.init_opt_state(params0, opt)
+
+    # Correctness on set 0: kernels vs the dense reference update.
+    idx0, off0, psw0, g0 = sets[0]
+    ref_w, ref_m = jax.jit(lambda p, s: ref_emb.apply_gradients(p, s, opt, idx0, off0, g0, psw0))(params0, state0)
+    out_w, out_m = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx0, off0, g0, psw0,
+                                                            backward_config=bcfg))(params0, state0)
+    errs = []
+    for k in ref_w:
+        a, b = np.asarray(out_w[k], np.float64), np.asarray(ref_w[k], np.float64)
+        errs.append(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+        a, b = np.asarray(out_m.momentum[k], np.float64), np.asarray(ref_m.momentum[k], np.float64)
+        errs.append(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+    row["max_rel_err"] = max(errs)
+    del ref_w, ref_m, out_w, out_m
+
+    # Forward alone.
+    fwd = jax.jit(lambda p, i, o, s: emb(p, i, o, s))
+    row["fwd_ms"] = time_calls(fwd, [(params0,) + s[:3] for s in sets], args.iters, args.reps)
+
+    # Backward alone: apply_gradients on donated tables/state.
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def bwd_step(carry, i, o, s, g):
+        p, st = carry
+        return emb.apply_gradients(p, st, opt, i, o, g, s, backward_config=bcfg)
+
+    carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
+    row["bwd_ms"], carry = time_chain(bwd_step, carry, sets, args.iters, args.reps)
+    del carry
+
+    # A training step through fused_lookup under jax.grad (forward + fused backward).
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def train_step(carry, i, o, s, g):
+        p, st = carry
+        loss = lambda p, st: jnp.sum(emb.fused_lookup(p, st, tx, i, o, s) * g)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(p, st)
+
+    carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
+    row["fwd_bwd_ms"], carry = time_chain(train_step, carry, sets, args.iters, args.reps)
+    del carry
+    row["bwd_step_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
+    if args.hlo_dir:
+        text = train_step.lower((params0, state0), *sets[0]).compile().as_text()
+        path = os.path.join(args.hlo_dir, f"train_step-{wl.name}.hlo.txt")
+        with open(path, "w") as fh:
+            fh.write(text)
+        row["hlo"] = hlo_table_passes(text, params0)
+
+    # XLA baseline (single dim only, as the anchors).
+    if len(params0) == 1 and not args.no_xla:
+        key = next(iter(params0))
+        table_offsets = jnp.asarray(np.asarray(emb.layout.table_row_offset, np.int32))
+        fwd_x = functools.partial(xla_forward, table_offsets=table_offsets, num_features=nf, batch=wl.B)
+        fwd_x = (lambda f: (lambda w, i, o, s: f(w, indices=i, offsets=o, psw=s)))(fwd_x)
+        xfwd = jax.jit(fwd_x)
+        row["xla_fwd_ms"] = time_calls(xfwd, [(params0[key],) + s[:3] for s in sets], args.iters, args.reps)
+        xstep = jax.jit(functools.partial(xla_step, fwd=fwd_x), donate_argnums=(0,))
+        carry = (jnp.copy(params0[key]), jnp.copy(state0.momentum[key]))
+        row["xla_fwd_bwd_ms"], carry = time_chain(xstep, carry, sets, max(args.iters // 5, 4), args.reps)
+        del carry
+        row["xla_bwd_ms"] = row["xla_fwd_bwd_ms"] - row["xla_fwd_ms"]
+        row["vs_xla_bwd"] = row["xla_bwd_ms"] / row["bwd_ms"]
+        row["vs_xla_fwd_bwd"] = row["xla_fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    fb, ff = FBGEMM_BWD_KERNEL_MS.get(wl.name), FBGEMM_FWD_KERNEL_MS.get(wl.name)
+    row["fbgemm_bwd_ms"], row["fbgemm_fwd_ms"] = fb, ff
+    if fb:
+        row["vs_fbgemm_bwd"] = fb / row["bwd_ms"]
+        row["vs_fbgemm_fwd_bwd"] = (fb + ff) / row["fwd_bwd_ms"]
+    row["floor_ms_at_3.7TBps"] = row["floor_bytes"] / 3.7e9
+    del params0, state0
+    return row
+
+
+def hlo_table_passes(text: str, params) -> dict:
+    """Count HLO instructions producing a whole-table-shaped value other than the kernels' custom calls."""
+    shapes = set()
+    for v in params.values():
+        dt = {"float16": "f16", "float32": "f32", "bfloat16": "bf16"}[str(v.dtype)]
+        shapes.add(f"{dt}[{','.join(map(str, v.shape))}]")
+        shapes.add(f"f32[{v.shape[0]}]")  # the accumulators
+    hits = {"copy": 0, "fusion": 0, "other": 0, "custom-call": 0}
+    lines = []
+    for line in text.splitlines():
+        s = line.strip()
+        if "=" not in s or s.startswith("ROOT tuple") or s.startswith("//"):
+            continue
+        lhs, rhs = s.split("=", 1)
+        rhs = rhs.strip()
+        shape = rhs.split(" ", 1)[0].split("{")[0]
+        if shape not in shapes:
+            continue
+        op = rhs.split(" ", 1)[1].split("(", 1)[0] if " " in rhs else ""
+        if op in ("parameter", "get-tuple-element", "tuple", "bitcast"):
+            continue
+        kind = op if op in hits else "other"
+        hits[kind] += 1
+        if kind != "custom-call":
+            lines.append(s[:200])
+    return {"counts": hits, "non_kernel_whole_table_ops": lines[:20]}
+
+
+def scaling_run(args, bcfg):
+    """Fixed lookups (T=4, B=4096, L=20, D=128, fp16), E per table from 1e5 to 1e7."""
+    rows = []
+    for e in (100_000, 1_000_000, 10_000_000):
+        wl = testing.Workload(f"scale-E{e}", 4, e, 128, 4096, 20, 1.15)
+        sets = make_sets(wl, args.sets)
+        tables = [tbe_jax.TableSpec(e, 128) for _ in range(4)]
+        emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas")
+        tx = tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS)
+        params = emb.init(jax.random.key(0))
+        state = tx.init(params)
+
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def train_step(carry, i, o, s, g, emb=emb, tx=tx):
+            p, st = carry
+            loss = lambda p, st: jnp.sum(emb.fused_lookup(p, st, tx, i, o, s) * g)  # noqa: E731
+            return jax.grad(loss, argnums=(0, 1))(p, st)
+
+        ms, carry = time_chain(train_step, (params, state), sets, args.iters, args.reps)
+        del carry
+        rows.append({"E_per_table": e, "table_bytes": 4 * e * 128 * 2, "fwd_bwd_ms": ms})
+        print(f"scaling E={e:>9d}: fused step {ms:.4f} ms", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="base,zipf,weighted,large,fp32,smalltable")
+    ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. 'lookups_per_step=16,num_warps=2'")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sets", type=int, default=4)
+    ap.add_argument("--scaling", action="store_true", help="also run the flat-with-E scaling run")
+    ap.add_argument("--no-xla", action="store_true")
+    ap.add_argument("--hlo-dir", default="", help="write each fused train step's compiled HLO here")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    kv = dict(p.split("=") for p in args.config.split(",") if p)
+    bcfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in kv.items()})
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+    dev = jax.devices()[0]
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
+        "jax": jax.__version__, "python": platform.python_version(),
+        "timing": "iters donated steps enqueued back to back over --sets input sets, block once, median of reps",
+        "iters": args.iters, "reps": args.reps, "sets": args.sets, "optimizer": {"lr": LR, "eps": EPS},
+    }
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows = []
+    for name in args.presets.split(","):
+        wl = TINY if name == "tiny" else testing.PRESETS[name]
+        r = run_workload(wl, args, bcfg)
+        rows.append(r)
+        nan = float("nan")
+        print(f"{name:11s} bwd {r['bwd_ms']:.4f} ms  fwd {r['fwd_ms']:.4f}  fwd+bwd {r['fwd_bwd_ms']:.4f}  "
+              f"xla bwd {r.get('xla_bwd_ms', nan):.4f}  fbgemm bwd {r['fbgemm_bwd_ms'] or nan:.3f}  "
+              f"err {r['max_rel_err']:.2e}  uniq {r['unique_rows']:.0f}  hlo {r.get('hlo', {}).get('counts')}",
+              flush=True)
+    out = {"meta": meta, "results": rows}
+    if args.scaling:
+        out["scaling"] = scaling_run(args, bcfg)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(args.out, f"backward-{stamp}-{meta['device'].replace(' ', '_')}.json")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    nan = float("nan")
+    print("\n| preset | bwd ms | FBGEMM bwd | vs FBGEMM | fwd+bwd ms | FBGEMM fwd+bwd | vs FBGEMM | XLA bwd | vs XLA |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        fbs = (r["fbgemm_bwd_ms"] or nan) + (r["fbgemm_fwd_ms"] or nan)
+        print(f"| {r['workload']['name']} | {r['bwd_ms']:.3f} | {r['fbgemm_bwd_ms'] or nan:.3f} | "
+              f"{r.get('vs_fbgemm_bwd', nan):.2f}x | {r['fwd_bwd_ms']:.3f} | {fbs:.3f} | "
+              f"{r.get('vs_fbgemm_fwd_bwd', nan):.2f}x | {r.get('xla_bwd_ms', nan):.3f} | "
+              f"{r.get('vs_xla_bwd', nan):.2f}x |")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
