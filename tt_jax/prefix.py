@@ -6,14 +6,21 @@ counts stay on the device. The prefix of a row is its first T-1 digits
 cores, so it is computed once per prefix group. Long groups are split into work
 items of at most `chunk` distinct suffixes so that skewed groups can be spread
 over programs.
+
+Two plans: `build` (one table, the unfused XLA `rows_by_prefix` baseline) and
+`build_flow` (the fused kernel's: several tables stacked by `StackedTables`,
+one int32-key sort, a flat work-item table and the lookup -> distinct-row map).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tt_jax import reference
 
@@ -76,3 +83,244 @@ def rows_by_prefix(cores, spec, plan: PrefixPlan) -> jax.Array:
     g = cores[-1][last][..., 0]  # [N, r, q_T]
     out = jnp.einsum("nar,nrb->nab", c, g, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(n, -1)
+
+
+# -----------------------------------------------------------------------------
+# The fused kernel's plan: several tables, one sort, items in a flat table.
+# -----------------------------------------------------------------------------
+
+_SENTINEL = 2**31 - 1  # sort key of lookups that produce no row (sorts last)
+_PACKED_LIMIT = _SENTINEL  # packed keys must stay below this (tests lower it to force two-key sorts)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedTables:
+    """Tables sharing `q_shapes` and `ranks`: one sort, one kernel launch.
+
+    Their cores are stacked along the p axis (core t of table k starts at row
+    `core_base[t][k]` of the stacked core t), so a work item names core rows,
+    never tables. A lookup's sort key is its row in the concatenated tables
+    (`row_base[k] + id`: one int32 key, so XLA can use its fast key-value
+    sort); when the tables have 2**31 rows or more (`packed` False) two int32
+    keys (table, id) are sorted instead, more slowly. Prefix groups are numbered
+    globally: table k's prefix P (= id // p_T) is `prefix_base[k] + P`.
+
+    Attributes:
+      tables: the global table ids of the group, in stacking order.
+      specs: their specs.
+    """
+
+    tables: tuple[int, ...]
+    specs: tuple
+
+    def __post_init__(self):
+        s0 = self.specs[0]
+        for s in self.specs[1:]:
+            if s.q_shapes != s0.q_shapes or s.ranks != s0.ranks:
+                raise ValueError(f"stacked tables need equal q_shapes and ranks, got {s0} and {s}")
+
+    @property
+    def num_cores(self) -> int:
+        return self.specs[0].num_cores
+
+    @property
+    def q_shapes(self) -> tuple[int, ...]:
+        return self.specs[0].q_shapes
+
+    @property
+    def full_ranks(self) -> tuple[int, ...]:
+        return self.specs[0].full_ranks
+
+    @property
+    def dim(self) -> int:
+        return self.specs[0].embedding_dim
+
+    @property
+    def prefix_base(self) -> tuple[int, ...]:
+        counts = [math.prod(s.p_shapes[:-1]) for s in self.specs]
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(counts)]))
+
+    @property
+    def core_base(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(int(x) for x in np.concatenate([[0], np.cumsum([s.p_shapes[t] for s in self.specs])]))
+                     for t in range(self.num_cores))
+
+    @property
+    def row_base(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum([s.num_embeddings for s in self.specs])]))
+
+    @property
+    def packed(self) -> bool:
+        return self.row_base[-1] < min(_PACKED_LIMIT, _SENTINEL)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(s.num_embeddings for s in self.specs)
+
+
+def stack_tables(specs, feature_table_map) -> list[tuple[StackedTables, tuple[int, ...]]]:
+    """Tables grouped by (q_shapes, ranks), each with the features that read it (in feature order)."""
+    groups: dict = {}
+    for t, s in enumerate(specs):
+        groups.setdefault((s.q_shapes, s.ranks), []).append(t)
+    out = []
+    for tables in groups.values():
+        feats = tuple(f for f, t in enumerate(feature_table_map) if t in tables)
+        if feats:
+            out.append((StackedTables(tuple(tables), tuple(specs[t] for t in tables)), feats))
+    return out
+
+
+def stack_cores(layout: StackedTables, all_cores) -> list[jax.Array]:
+    """Per core, the group's cores stacked along p, flattened (`[sum p_t * r * q * r']`)."""
+    out = []
+    for t in range(layout.num_cores):
+        parts = [jnp.asarray(all_cores[k][t], jnp.float32).reshape(-1) for k in layout.tables]
+        out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+    return out
+
+
+class FlowPlan(NamedTuple):
+    """Device-resident work for one `StackedTables` (all sizes static; counts are device scalars).
+
+    A work item is a run of at most `chunk` distinct rows sharing one prefix
+    (the first T-1 digits); the kernel computes the prefix product once per item.
+    `item_meta` is flat, `item_cols` int32 per item, row-major:
+    [first distinct row, stacked row of digit 1 in core 1, ..., of digit T-1 in
+    core T-1, base of the table's rows in the stacked last core]. Row
+    `num_items` (and every later row) has first = num_rows, so an item's row
+    count is `first[t + 1] - first[t]`.
+    """
+
+    item_meta: jax.Array  # [(cap + 1) * item_cols] int32
+    num_items: jax.Array  # [1] int32
+    row_suffix: jax.Array  # [cap] int32: per distinct row, its last digit (valid below num_rows)
+    num_rows: jax.Array  # [] int32: distinct rows U
+    num_groups: jax.Array  # [] int32: distinct prefixes
+    inverse: jax.Array  # [N] int32: per lookup, its distinct row; -1 if it produces none
+
+
+def item_cols(layout: StackedTables) -> int:
+    return layout.num_cores + 1
+
+
+def capacity(layout: StackedTables, n: int) -> int:
+    """Static bound on distinct rows (and work items) among `n` lookups."""
+    return max(1, min(n, layout.total_rows))
+
+
+def _feature_of(offsets, n, nf, batch):
+    """Feature of each of `n` positions: +1 at every feature's first offset, prefix-summed."""
+    starts = offsets[batch : nf * batch : batch]
+    feat = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[starts].add(1, mode="drop"))
+    return jnp.minimum(feat, nf - 1)
+
+
+def build_flow(
+    layout: StackedTables,
+    indices: jax.Array,  # [N] int32
+    offsets: jax.Array,  # [F * B + 1] int32, all features
+    *,
+    features: tuple[int, ...],  # the features that read the group's tables
+    feature_table_map: tuple[int, ...],  # per feature (all F), its global table
+    batch: int,
+    chunk: int = 64,
+    prefix_reuse: bool = True,
+) -> FlowPlan:
+    """Sort, unique, prefix groups, work items and the lookup -> distinct row map (FlowTT 3.3).
+
+    Jittable, no host sync. Lookups of other groups' features, outside
+    `[offsets[0], offsets[-1])`, or with ids outside `[0, N_table)` produce no
+    row (`inverse` -1). `chunk` caps the distinct rows of an item (0: whole
+    prefix groups); with `prefix_reuse` False every distinct row is its own item
+    (the "unique only" ablation: the kernel recomputes each row's prefix).
+    """
+    n = indices.shape[0]
+    nf = len(feature_table_map)
+    cap = capacity(layout, n)
+    ids = indices.astype(jnp.int32)
+    offsets = offsets.astype(jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    live = (pos >= offsets[0]) & (pos < offsets[-1])
+    local_of_table = {t: k for k, t in enumerate(layout.tables)}
+    local = [local_of_table.get(feature_table_map[f], -1) if f in features else -1 for f in range(nf)]
+    specs = layout.specs
+
+    def table_const(values):  # per local table -> int32 array to gather from
+        return jnp.asarray(np.asarray(values, np.int32))
+
+    if len(specs) == 1:
+        # One table: the key is the id; its prefix and last digit follow by division.
+        if nf == 1:
+            lt_ok = True
+        else:
+            lt_ok = jnp.asarray(np.asarray([x >= 0 for x in local]))[_feature_of(offsets, n, nf, batch)]
+        valid = live & lt_ok & (ids >= 0) & (ids < specs[0].num_embeddings)
+        skey, perm = jax.lax.sort((jnp.where(valid, ids, _SENTINEL), pos), num_keys=1)
+        valid_s = skey != _SENTINEL
+        pt = specs[0].p_shapes[-1]
+        pre_s = skey // pt
+        suf_s = skey % pt
+        same_row = skey[1:] == skey[:-1]
+    else:
+        lt = table_const(local)[_feature_of(offsets, n, nf, batch)]
+        safe = jnp.maximum(lt, 0)
+        valid = live & (lt >= 0) & (ids >= 0) & (ids < table_const([s.num_embeddings for s in specs])[safe])
+        if layout.packed:
+            key = jnp.where(valid, table_const(layout.row_base[:-1])[safe] + ids, _SENTINEL)
+            skey, perm = jax.lax.sort((key, pos), num_keys=1)
+            valid_s = skey != _SENTINEL
+            t_s = jnp.where(valid_s, jnp.maximum(lt, 0)[perm], 0)
+            id_s = skey - table_const(layout.row_base[:-1])[t_s]
+            same_row = skey[1:] == skey[:-1]
+        else:
+            t_s, id_s, perm = jax.lax.sort(
+                (jnp.where(valid, lt, _SENTINEL), jnp.where(valid, ids, _SENTINEL), pos), num_keys=2)
+            valid_s = t_s != _SENTINEL
+            t_s = jnp.where(valid_s, t_s, 0)
+            same_row = (t_s[1:] == t_s[:-1]) & (id_s[1:] == id_s[:-1])
+        pt = table_const([s.p_shapes[-1] for s in specs])[t_s]
+        pre_s = table_const(layout.prefix_base[:-1])[t_s] + id_s // pt
+        suf_s = id_s % pt
+    first = jnp.ones((1,), bool)
+    new_row = valid_s & jnp.concatenate([first, ~same_row])
+    new_grp = new_row & jnp.concatenate([first, pre_s[1:] != pre_s[:-1]])
+    uid = jnp.cumsum(new_row.astype(jnp.int32)) - 1
+    num_rows = jnp.sum(new_row.astype(jnp.int32))
+    if not prefix_reuse:
+        new_item = new_row
+    elif chunk:
+        # Rank of a distinct row in its prefix group: uid minus the uid of the group's first row.
+        group_first = jax.lax.cummax(jnp.where(new_grp, uid, 0), axis=0)
+        new_item = new_row & ((uid - group_first) % chunk == 0)
+    else:
+        new_item = new_grp
+    iid = jnp.cumsum(new_item.astype(jnp.int32)) - 1
+    num_items = jnp.sum(new_item.astype(jnp.int32))
+    inverse = jnp.zeros((n,), jnp.int32).at[perm].set(jnp.where(valid_s, uid, -1), unique_indices=True)
+    row_suffix = jnp.zeros((cap,), jnp.int32).at[jnp.where(new_row, uid, cap)].set(suf_s, mode="drop")
+    islot = jnp.where(new_item, iid, cap + 1)
+    item_first = jnp.full((cap + 1,), num_rows, jnp.int32).at[islot].set(uid, mode="drop")
+    item_pre = jnp.zeros((cap,), jnp.int32).at[islot].set(pre_s, mode="drop")
+    # Decode each item's prefix into stacked core rows (digits first-most-significant).
+    if len(specs) == 1:
+        k = None
+        rest = item_pre
+    else:
+        k = jnp.zeros((cap,), jnp.int32).at[islot].set(t_s, mode="drop")  # the item's local table
+        rest = item_pre - table_const(layout.prefix_base[:-1])[k]
+    t_cores = layout.num_cores
+    cols = []
+    for t in reversed(range(t_cores - 1)):
+        radix = [s.p_shapes[t] for s in specs]
+        r = radix[0] if k is None else table_const(radix)[k]
+        base = 0 if k is None else table_const(layout.core_base[t][:-1])[k]
+        cols.append(base + rest % r)
+        rest = rest // r
+    cols = cols[::-1]
+    last_base = jnp.zeros((cap,), jnp.int32) if k is None else table_const(layout.core_base[-1][:-1])[k]
+    meta = jnp.stack([item_first[:-1]] + cols + [last_base], axis=1)
+    sentinel = jnp.concatenate([item_first[-1:], jnp.zeros((t_cores,), jnp.int32)])
+    item_meta = jnp.concatenate([meta.reshape(-1), sentinel])
+    return FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows,
+                    jnp.sum(new_grp.astype(jnp.int32)), inverse)

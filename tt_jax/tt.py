@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from tt_jax import reference
+from tt_jax.kernels.forward import TTKernelConfig, pooled_forward
 from tt_jax.specs import TTSpec
 
 _INITS = ("approx-normal", "approx-uniform")
@@ -18,16 +20,26 @@ class TTEmbeddingBag:
     """Pooled lookups into tensor-train tables (one feature per table, feature-major offsets).
 
     Args:
-      specs: one `TTSpec` or a list (feature f reads table f).
+      specs: one `TTSpec` or a list of tables.
+      feature_table_map: per feature, the table it reads (default: feature f
+        reads table f). Features sharing a table share its distinct rows.
       pooling: "sum" or "mean" (an empty bag gives zeros).
-      impl: "xla" (the pure-jnp per-index chain) or "auto". The fused FlowTT
-        Pallas kernel is not written yet: "auto" runs the XLA path everywhere
-        and "pallas" raises.
-      interpret: reserved for the Pallas kernel (interpret mode on CPU).
+      impl: "pallas" (the fused FlowTT kernel, `tt_jax.kernels.forward`),
+        "xla" (the pure-jnp per-index chain) or "auto" (pallas on a GPU, xla
+        otherwise). Under `jax.grad` the pallas forward is paired with the
+        XLA path's VJP (recomputed; no fused backward yet).
+      interpret: run the Pallas kernels in interpret mode (CPU).
+      config: `TTKernelConfig` of the Pallas path (None: its default).
 
     Ids outside `[0, N)` contribute nothing. `offsets` are not validated (no
     bounds_check option yet): they must start at 0, never decrease and end at
     most at `len(indices)`.
+
+    The Pallas path (FlowTT): the lookups of each group of tables sharing
+    (q_shapes, ranks) are sorted and deduplicated, grouped by prefix (the first
+    T-1 digits), and one kernel computes each prefix's core product once and
+    every distinct row from it; a second kernel pools the rows into bags. See
+    `tt_jax.kernels.forward` and `tt_jax.prefix.build_flow`.
 
     Example:
       >>> import jax, jax.numpy as jnp, tt_jax
@@ -37,21 +49,36 @@ class TTEmbeddingBag:
       (2, 16)
     """
 
-    def __init__(self, specs, *, pooling: str = "sum", impl: str = "auto", interpret: bool = False):
+    def __init__(self, specs, *, feature_table_map: Sequence[int] | None = None, pooling: str = "sum",
+                 impl: str = "auto", interpret: bool = False, config: TTKernelConfig | None = None):
         specs = (specs,) if isinstance(specs, TTSpec) else tuple(specs)
         if not specs or not all(isinstance(s, TTSpec) for s in specs):
             raise TypeError("specs must be a TTSpec or a non-empty list of TTSpec")
+        ftm = tuple(range(len(specs))) if feature_table_map is None else tuple(int(t) for t in feature_table_map)
+        if not ftm or any(not 0 <= t < len(specs) for t in ftm):
+            raise ValueError(f"feature_table_map={feature_table_map} must name tables in [0, {len(specs)})")
+        if config is not None and not isinstance(config, TTKernelConfig):
+            raise TypeError(f"config must be a TTKernelConfig or None, got {type(config).__name__}")
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
         if impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
         self.specs = specs
+        self.feature_table_map = ftm
         self.pooling = pooling
         self.impl = impl
         self.interpret = bool(interpret)
+        self.config = config if config is not None else TTKernelConfig.get_default()
 
     def _key(self):
-        return (self.specs, self.pooling, self.impl, self.interpret)
+        return (self.specs, self.feature_table_map, self.pooling, self.impl, self.interpret, self.config)
+
+    @property
+    def resolved_impl(self) -> str:
+        """The path `__call__` takes: "auto" is "pallas" on a GPU (or in interpret mode), else "xla"."""
+        if self.impl != "auto":
+            return self.impl
+        return "pallas" if self.interpret or jax.default_backend() == "gpu" else "xla"
 
     def __hash__(self):
         return hash(self._key())
@@ -115,21 +142,76 @@ class TTEmbeddingBag:
         for name, x in (("indices", indices), ("offsets", offsets)):
             if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
                 raise TypeError(f"{name} must be a 1-D integer array, got {x.dtype}{list(x.shape)}")
-        nf = len(self.specs)
+        nf = len(self.feature_table_map)
         if (offsets.shape[0] - 1) % nf or offsets.shape[0] < 1:
-            raise ValueError(f"offsets has {offsets.shape[0]} entries; expected F*B+1 with F={nf} tables")
+            raise ValueError(f"offsets has {offsets.shape[0]} entries; expected F*B+1 with F={nf} features")
         if per_sample_weights is not None:
-            per_sample_weights = jnp.asarray(per_sample_weights)
+            per_sample_weights = jnp.asarray(per_sample_weights, jnp.float32)
             if per_sample_weights.shape != indices.shape:
                 raise ValueError("per_sample_weights must match indices in shape")
-        if self.impl == "pallas":
-            raise NotImplementedError(
-                "the fused FlowTT Pallas kernel is not written yet; use impl='xla' (or 'auto')"
-            )
         batch = (offsets.shape[0] - 1) // nf
-        if indices.shape[0] == 0:
-            return jnp.zeros((batch, sum(s.embedding_dim for s in self.specs)), jnp.float32)
-        return reference.pooled(
-            params["cores"], self.specs, indices.astype(jnp.int32), offsets.astype(jnp.int32),
-            per_sample_weights, pooling=self.pooling, batch=batch,
-        )
+        total_dim = sum(self.specs[t].embedding_dim for t in self.feature_table_map)
+        if indices.shape[0] == 0 or batch == 0:
+            return jnp.zeros((batch, total_dim), jnp.float32)
+        indices = indices.astype(jnp.int32)
+        offsets = offsets.astype(jnp.int32)
+        if self.resolved_impl == "xla":
+            return _xla_pooled(self, params["cores"], indices, offsets, per_sample_weights, batch)
+        if not self.interpret and jax.default_backend() != "gpu":
+            raise NotImplementedError(
+                "impl='pallas' compiles Triton kernels and needs a GPU; on "
+                f"{jax.default_backend()} pass interpret=True or use impl='xla' (or 'auto')"
+            )
+        if per_sample_weights is None:
+            return _pallas_pooled(self, batch, params["cores"], indices, offsets)
+        return _pallas_pooled_weighted(self, batch, params["cores"], indices, offsets, per_sample_weights)
+
+
+def _xla_pooled(emb: TTEmbeddingBag, all_cores, indices, offsets, per_sample_weights, batch):
+    ftm = emb.feature_table_map
+    return reference.pooled([all_cores[t] for t in ftm], [emb.specs[t] for t in ftm], indices, offsets,
+                            per_sample_weights, pooling=emb.pooling, batch=batch)
+
+
+def _pallas_forward(emb: TTEmbeddingBag, batch, all_cores, indices, offsets, per_sample_weights):
+    return pooled_forward(all_cores, emb.specs, emb.feature_table_map, indices, offsets, per_sample_weights,
+                          batch=batch, pooling=emb.pooling, config=emb.config, interpret=emb.interpret)
+
+
+# The fused forward with the XLA path's VJP (cores and per-sample weights get gradients; ids do not).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _pallas_pooled(emb, batch, all_cores, indices, offsets):
+    return _pallas_forward(emb, batch, all_cores, indices, offsets, None)
+
+
+def _pallas_pooled_fwd(emb, batch, all_cores, indices, offsets):
+    return _pallas_forward(emb, batch, all_cores, indices, offsets, None), (all_cores, indices, offsets)
+
+
+def _pallas_pooled_bwd(emb, batch, res, g):
+    all_cores, indices, offsets = res
+    _, vjp = jax.vjp(lambda c: _xla_pooled(emb, c, indices, offsets, None, batch), all_cores)
+    return vjp(g) + (None, None)
+
+
+_pallas_pooled.defvjp(_pallas_pooled_fwd, _pallas_pooled_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _pallas_pooled_weighted(emb, batch, all_cores, indices, offsets, per_sample_weights):
+    return _pallas_forward(emb, batch, all_cores, indices, offsets, per_sample_weights)
+
+
+def _pallas_pooled_weighted_fwd(emb, batch, all_cores, indices, offsets, per_sample_weights):
+    out = _pallas_forward(emb, batch, all_cores, indices, offsets, per_sample_weights)
+    return out, (all_cores, indices, offsets, per_sample_weights)
+
+
+def _pallas_pooled_weighted_bwd(emb, batch, res, g):
+    all_cores, indices, offsets, psw = res
+    _, vjp = jax.vjp(lambda c, w: _xla_pooled(emb, c, indices, offsets, w, batch), all_cores, psw)
+    d_cores, d_psw = vjp(g)
+    return d_cores, None, None, d_psw
+
+
+_pallas_pooled_weighted.defvjp(_pallas_pooled_weighted_fwd, _pallas_pooled_weighted_bwd)

@@ -1,0 +1,462 @@
+"""Fused FlowTT forward: prefix-shared TT rows, then pooled bags (two Pallas-Triton launches per table group).
+
+1. `tt_rows` (the FlowTT kernel). Per work item of `prefix.build_flow` (a prefix
+   group, or a chunk of at most `chunk` of its distinct rows), the program
+   computes the prefix product C = G1[i1] G2[i2] ... G_{T-1}[i_{T-1}] once, in
+   registers, then every distinct row of the item as C @ G_T[i_T], and stores
+   it to a `[cap, D]` buffer of distinct rows. No intermediate goes to memory.
+
+   Tiles (every dot dimension padded to a power of two >= 16 with masked loads):
+   - T = 2: C = G1[i1] as `[q1, r1]`, loaded.
+   - T >= 3: C2 = X @ Y with X `[q1 q2, q2 r1]`, X[(j1, j2), (j, a)] =
+     G1[i1, 0, j1, a] if j == j2 else 0, and Y `[q2 r1, r2]`, Y[(j, a), b] =
+     G2[i2, a, j, b]: one tensor-core dot gives C2 `[q1 q2, r2]` directly in the
+     row-major (j1, j2) layout (no register reshape; the zero blocks cost
+     q2 x the useful FLOPs, which are negligible next to the loads).
+   - T = 4: C3 is kept as q3 tiles C2 @ G3[i3][:, j3, :] (`[q1 q2, r3]` each),
+     again avoiding a reshape.
+   Row stage: `tile_rows` distinct rows at once: G `[r_{T-1}, S q_T]`,
+   G[b, (s, j)] = G_T[i_T(s), b, j, 0], and R = C @ G is `[q1..q_{T-1}, S q_T]`,
+   stored with row (s) and column (J q_T + j) addresses.
+
+   Schedules (`TTKernelConfig.schedule`): "queue" (persistent programs; each
+   takes item `pid` first, then the next one from an atomic counter: dynamic
+   load balancing at chunk granularity, FlowTT 3.4), "static" (persistent
+   programs, item t on program t mod P) and "grid" (one program per item slot,
+   the baseline: the grid is the static bound `cap`, most programs exit at once).
+
+2. `tt_pool`: bag-parallel pooling of the distinct rows through the lookup ->
+   distinct-row map (`inverse`); a program owns `pool_bags` bags of one feature
+   and gathers one row per bag per step; per-sample weights, mean as a scale;
+   it writes its feature's columns of the `[B, sum D]` output in place, so table
+   groups chain through input/output aliasing.
+
+Interpret mode (CPU): the "queue" schedule uses a `fori_loop` over the static
+item bound with predication (an atomic inside `while_loop` does not run there);
+dots run at HIGHEST precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax._pallas import pl, plgpu
+from tt_jax import prefix
+
+_SCHEDULES = ("queue", "static", "grid")
+_PRECISIONS = {
+    "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
+    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+}
+_INT32_MAX = 2**31 - 1
+# Columns of the pooling kernel's per-program table: first bag's entry in offsets,
+# how many of the program's bags exist, first bag's row in the output, first column.
+_PROG_COLS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TTKernelConfig:
+    """Knobs of the fused TT forward.
+
+    Attributes:
+      schedule: "queue" (persistent programs + atomic work counter), "static"
+        (persistent, round-robin items) or "grid" (one program per item slot).
+      chunk: most distinct rows per work item (0: whole prefix groups, which
+        can be p_T rows long). Items are the unit of load balancing; each item
+        recomputes its prefix product.
+      tile_rows: distinct rows per row-stage dot (a power of 2).
+      prefix_reuse: False gives the "unique only" ablation: every distinct row
+        is its own item and recomputes its prefix product.
+      num_programs: persistent programs ("queue", "static"); None: the
+        device's SM count times `programs_per_sm` (capped by the item bound).
+      programs_per_sm: see `num_programs`.
+      num_warps, num_stages: Triton launch knobs of the rows kernel.
+      precision: fp32 dot algorithm on the GPU: "tf32x3" (three TF32 tensor-core
+        passes, about fp32 accuracy), "ieee" (fp32 FMA, no tensor cores) or
+        "tf32" (one pass, ~1e-3 relative error). Interpret mode always uses
+        HIGHEST.
+      pool_bags, pool_unroll, pool_warps: pooling kernel: bags per program,
+        steps whose loads are issued together, warps.
+    """
+
+    schedule: str = "queue"
+    chunk: int = 64
+    tile_rows: int = 16
+    prefix_reuse: bool = True
+    num_programs: int | None = None
+    programs_per_sm: int = 16
+    num_warps: int = 4
+    num_stages: int = 1
+    precision: str = "tf32x3"
+    pool_bags: int = 8
+    pool_unroll: int = 4
+    pool_warps: int = 1
+
+    def __post_init__(self):
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"TTKernelConfig.schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"TTKernelConfig.precision must be one of {tuple(_PRECISIONS)}, got {self.precision!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 0:
+            raise ValueError(f"TTKernelConfig.chunk must be an int >= 0, got {self.chunk!r}")
+        for name in ("tile_rows", "programs_per_sm", "num_warps", "num_stages", "pool_bags", "pool_unroll",
+                     "pool_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"TTKernelConfig.{name} must be a positive int, got {v!r}")
+        for name in ("tile_rows", "num_warps", "pool_bags", "pool_warps"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"TTKernelConfig.{name} must be a power of 2, got {v}")
+        if self.num_programs is not None and (not isinstance(self.num_programs, int) or self.num_programs < 1):
+            raise ValueError(f"TTKernelConfig.num_programs must be None or a positive int, got {self.num_programs!r}")
+
+    @staticmethod
+    def get_default() -> "TTKernelConfig":
+        return TTKernelConfig()
+
+    def programs(self, max_items: int) -> int:
+        if self.schedule == "grid":
+            return max_items
+        p = self.num_programs
+        if p is None:
+            p = _sm_count() * self.programs_per_sm
+        return max(1, min(p, max_items))
+
+
+def _sm_count() -> int:
+    dev = jax.devices()[0]
+    n = getattr(dev, "core_count", None)
+    return int(n) if isinstance(n, int) and n > 0 else (132 if dev.platform == "gpu" else 2)
+
+
+def _pad(x: int) -> int:
+    """Next power of 2, at least 16 (Triton's smallest dot dimension)."""
+    return max(16, 1 << (max(1, x) - 1).bit_length())
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(1, x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """Static tile geometry of one table group (see the module docstring)."""
+
+    t: int  # cores
+    q: tuple[int, ...]
+    r: tuple[int, ...]  # full ranks (1, r1, .., 1)
+    dim: int
+    rows_m: int  # padded rows of C: q1 (T = 2) or q1 q2
+    rows_valid: int
+    k_x: int  # padded q2 r1 (T >= 3)
+    r_pad: tuple[int, ...]  # padded r_t, t = 0..T
+    sub_rows: int  # S: distinct rows per row-stage dot
+    q_last_pad: int
+    n_cols: int  # S * q_last_pad (>= 16)
+    list_size: int  # q3 for T = 4, else 1
+
+    @staticmethod
+    def make(layout: prefix.StackedTables, tile_rows: int) -> "_Tiles":
+        q, r, t = layout.q_shapes, layout.full_ranks, layout.num_cores
+        rows_valid = q[0] if t == 2 else q[0] * q[1]
+        qlp = _next_pow2(q[-1])
+        sub = max(tile_rows, 16 // qlp)
+        return _Tiles(t, q, r, layout.dim, _pad(rows_valid), rows_valid, _pad(q[1] * r[1]) if t >= 3 else 0,
+                      tuple(_pad(x) for x in r), sub, qlp, sub * qlp, q[2] if t == 4 else 1)
+
+
+def _store(ref, addr, val, mask, interpret):
+    """Masked store. Interpret mode scatters masked lanes too (writing back the old value), so there a
+    masked lane that aliases a live one could undo its write: send masked lanes past the end (dropped)."""
+    if interpret:
+        addr = jnp.where(mask, addr, ref.shape[0])
+    plgpu.store(ref.at[addr], val, mask=mask)
+
+
+def _dot(a, b, precision):
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _prefix_tiles(core_refs, digits, tl: _Tiles, precision):
+    """The prefix product as a list of `[rows_m, r_pad[T-1]]` tiles (one per T=4 digit j3)."""
+    q, r = tl.q, tl.r
+    if tl.t == 2:
+        jj = jnp.arange(tl.rows_m, dtype=jnp.int32)[:, None]
+        aa = jnp.arange(tl.r_pad[1], dtype=jnp.int32)[None, :]
+        ok = (jj < q[0]) & (aa < r[1])
+        return [plgpu.load(core_refs[0].at[digits[0] * (q[0] * r[1]) + jj * r[1] + aa], mask=ok, other=0.0)]
+    jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
+    kk = jnp.arange(tl.k_x, dtype=jnp.int32)
+    j1, j2 = jj // q[1], jj % q[1]
+    jk, ak = kk // r[1], kk % r[1]
+    k_ok = kk < q[1] * r[1]
+    x_ok = (jj < tl.rows_valid)[:, None] & k_ok[None, :] & (j2[:, None] == jk[None, :])
+    x = plgpu.load(core_refs[0].at[digits[0] * (q[0] * r[1]) + (j1 * r[1])[:, None] + ak[None, :]],
+                   mask=x_ok, other=0.0)
+    bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32)
+    y_ok = k_ok[:, None] & (bb < r[2])[None, :]
+    y_addr = digits[1] * (r[1] * q[1] * r[2]) + (ak * (q[1] * r[2]) + jk * r[2])[:, None] + bb[None, :]
+    y = plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)
+    c2 = _dot(x, y, precision)  # [rows_m, r_pad[2]]
+    if tl.t == 3:
+        return [c2]
+    cc = jnp.arange(tl.r_pad[3], dtype=jnp.int32)
+    g_ok = (bb < r[2])[:, None] & (cc < r[3])[None, :]
+    tiles = []
+    for j3 in range(q[2]):
+        addr = digits[2] * (r[2] * q[2] * r[3]) + (bb * (q[2] * r[3]))[:, None] + (j3 * r[3]) + cc[None, :]
+        tiles.append(_dot(c2, plgpu.load(core_refs[2].at[addr], mask=g_ok, other=0.0), precision))
+    return tiles
+
+
+def _row_stage(core_last_ref, suffix_ref, out_ref, tiles, first, count, last_base, c, tl: _Tiles, precision,
+               interpret):
+    """Rows c*S .. c*S+S-1 of an item: R = C @ G_T[suffixes], stored to the distinct-rows buffer."""
+    q_last, r_last = tl.q[-1], tl.r[-2]
+    col = jnp.arange(tl.n_cols, dtype=jnp.int32)
+    lane = c * tl.sub_rows + col // tl.q_last_pad  # row of the item, per column
+    jt = col % tl.q_last_pad
+    lane_ok = lane < count
+    col_ok = lane_ok & (jt < q_last)
+    suffix = plgpu.load(suffix_ref.at[first + lane], mask=lane_ok, other=0)
+    bb = jnp.arange(tl.r_pad[-2], dtype=jnp.int32)
+    addr = ((last_base + suffix) * (r_last * q_last) + jt)[None, :] + (bb * q_last)[:, None]
+    g = plgpu.load(core_last_ref.at[addr], mask=(bb < r_last)[:, None] & col_ok[None, :], other=0.0)
+    jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
+    mask = (jj < tl.rows_valid)[:, None] & col_ok[None, :]
+    row_base = ((first + lane) * tl.dim + jt)[None, :]
+    for jl, tile in enumerate(tiles):
+        out = _dot(tile, g, precision)  # [rows_m, n_cols]
+        d = (jj * tl.list_size + jl) * q_last
+        _store(out_ref, row_base + d[:, None], out, mask, interpret)
+
+
+def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, programs, max_items, precision,
+                 interpret):
+    # inputs: meta_ref [(cap+1) * (T+1)], nitems_ref [1], suffix_ref [cap], T flat cores,
+    #         (queue) counter [1] aliased; outputs: rows [cap * D], (queue) counter [1]
+    core_refs = refs[: tl.t]
+    out_ref = refs[tl.t + 1] if schedule == "queue" else refs[tl.t]
+    counter_ref = refs[-1] if schedule == "queue" else None
+    cols = tl.t + 1
+    pid = pl.program_id(0)
+    num_items = plgpu.load(nitems_ref.at[pid * 0])
+
+    def do_item(t):
+        base = t * cols
+        first = plgpu.load(meta_ref.at[base])
+        count = plgpu.load(meta_ref.at[base + cols]) - first
+        digits = [plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1)]
+        last_base = plgpu.load(meta_ref.at[base + tl.t])
+        tiles = _prefix_tiles(core_refs, digits, tl, precision)
+        n_sub = (count + tl.sub_rows - 1) // tl.sub_rows
+
+        def sub(c, carry):
+            _row_stage(core_refs[-1], suffix_ref, out_ref, tiles, first, count, last_base, c, tl, precision,
+                       interpret)
+            return carry
+
+        jax.lax.fori_loop(0, n_sub, sub, jnp.int32(0))
+
+    if schedule == "grid":
+        @pl.when(pid < num_items)
+        def _():
+            do_item(pid)
+    elif schedule == "static":
+        n_mine = jnp.maximum(num_items - pid + programs - 1, 0) // programs
+
+        def step(i, carry):
+            do_item(pid + i * programs)
+            return carry
+
+        jax.lax.fori_loop(0, n_mine, step, jnp.int32(0))
+    elif not interpret:
+        # Item pid first, then the next unclaimed one: programs + counter (starts at 0).
+        def cond(t):
+            return t < num_items
+
+        def body(t):
+            do_item(t)
+            return programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
+
+        jax.lax.while_loop(cond, body, pid)
+    else:
+        # Same claims, as a fori_loop over the static bound (one item per step at most).
+        def step(i, t):
+            @pl.when(t < num_items)
+            def _():
+                do_item(t)
+
+            nxt = programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
+            return jnp.where(t < num_items, nxt, t)
+
+        jax.lax.fori_loop(0, max_items, step, pid)
+
+
+def tt_rows(
+    cores: list[jax.Array],  # per core, the group's stacked cores (flat fp32)
+    plan: prefix.FlowPlan,
+    layout: prefix.StackedTables,
+    *,
+    config: TTKernelConfig,
+    interpret: bool,
+) -> jax.Array:
+    """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written)."""
+    cap = plan.row_suffix.shape[0]
+    tl = _Tiles.make(layout, config.tile_rows)
+    for c in cores:
+        if c.shape[0] > _INT32_MAX:
+            raise ValueError(f"a stacked core has {c.shape[0]} elements: more than int32 addressing allows")
+    if cap * tl.dim > _INT32_MAX:
+        raise ValueError(f"{cap} distinct-row slots x D={tl.dim} exceed int32 addressing; split the batch")
+    programs = config.programs(cap)
+    precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[config.precision]
+    kernel = functools.partial(
+        _rows_kernel, tl=tl, schedule=config.schedule, programs=programs, max_items=cap, precision=precision,
+        interpret=interpret,
+    )
+    args = [plan.item_meta, plan.num_items, plan.row_suffix, *cores]
+    out_shape = jax.ShapeDtypeStruct((cap * tl.dim,), jnp.float32)
+    aliases = {}
+    if config.schedule == "queue":
+        aliases = {len(args): 1}
+        args.append(jnp.zeros((1,), jnp.int32))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((1,), jnp.int32))
+    res = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(programs,),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="tt_prefix_rows",
+    )(*args)
+    return res[0] if config.schedule == "queue" else res
+
+
+def _pool_kernel(prog_ref, offsets_ref, inverse_ref, *refs, weighted, bags, dim, block_dim, unroll, mean,
+                 out_stride, interpret):
+    # inputs: per-program table [P * 4], offsets [F*B+1], inverse [N], (psw [N]), rows [cap * D],
+    #         (previous output, aliased); output: out [B * sum D]
+    psw_ref = refs[0] if weighted else None
+    rows_ref = refs[int(weighted)]
+    out_ref = refs[-1]
+    pid = pl.program_id(0)
+    first = plgpu.load(prog_ref.at[_PROG_COLS * pid])
+    nbags = plgpu.load(prog_ref.at[_PROG_COLS * pid + 1])
+    b0 = plgpu.load(prog_ref.at[_PROG_COLS * pid + 2])
+    col0 = plgpu.load(prog_ref.at[_PROG_COLS * pid + 3])
+    g = jnp.arange(bags, dtype=jnp.int32)
+    bag_ok = g < nbags
+    start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
+    length = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0) - start
+    cols = jnp.arange(block_dim, dtype=jnp.int32)
+    col_ok = cols < dim
+
+    def body(it, acc):
+        for u in range(unroll):
+            k = it * unroll + u
+            live = k < length
+            row = plgpu.load(inverse_ref.at[start + k], mask=live, other=-1)
+            ok = (row >= 0)[:, None] & col_ok[None, :]
+            x = plgpu.load(rows_ref.at[(row * dim)[:, None] + cols[None, :]], mask=ok, other=0.0)
+            if psw_ref is not None:
+                x = x * plgpu.load(psw_ref.at[start + k], mask=live, other=0.0)[:, None]
+            acc = acc + x
+        return acc
+
+    n_iter = (jnp.max(length) + unroll - 1) // unroll
+    acc = jax.lax.fori_loop(0, n_iter, body, jnp.zeros((bags, block_dim), jnp.float32))
+    if mean:
+        acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
+    ptr = ((b0 + g) * out_stride + col0)[:, None] + cols[None, :]
+    _store(out_ref, ptr, acc, bag_ok[:, None] & col_ok[None, :], interpret)
+
+
+def tt_pool(
+    rows: jax.Array,  # [cap * D] distinct rows of one table group
+    inverse: jax.Array,  # [N] int32
+    offsets: jax.Array,  # [F * B + 1] int32
+    per_sample_weights: jax.Array | None,
+    previous: jax.Array | None,  # [B * sum D] output of the previous group (updated in place), or None
+    *,
+    features: tuple[int, ...],
+    col0: tuple[int, ...],  # per feature (all F), its first output column
+    dim: int,
+    batch: int,
+    total_dim: int,
+    pooling: str,
+    config: TTKernelConfig,
+    interpret: bool,
+) -> jax.Array:
+    """Writes the `features`' columns of the flat `[B * total_dim]` pooled output."""
+    if batch * total_dim > _INT32_MAX:
+        raise ValueError(f"output B={batch} x {total_dim} columns exceeds int32 addressing; split the batch")
+    bags = max(1, min(config.pool_bags, _next_pow2(batch)))
+    progs = [(f * batch + b, min(bags, batch - b), b, col0[f]) for f in features for b in range(0, batch, bags)]
+    prog = jnp.asarray(np.asarray(progs, np.int32).reshape(-1))
+    weighted = per_sample_weights is not None
+    kernel = functools.partial(
+        _pool_kernel, weighted=weighted, bags=bags, dim=dim, block_dim=_next_pow2(dim), unroll=config.pool_unroll,
+        mean=pooling == "mean", out_stride=total_dim, interpret=interpret,
+    )
+    args = [prog, offsets, inverse] + ([per_sample_weights] if weighted else []) + [rows]
+    aliases = {}
+    if previous is not None:
+        aliases = {len(args): 0}
+        args.append(previous)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch * total_dim,), jnp.float32),
+        grid=(len(progs),),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=config.pool_warps, num_stages=1),
+        interpret=interpret,
+        name="tt_pool",
+    )(*args)
+
+
+def pooled_forward(
+    all_cores,  # per table, its cores in the logical layout
+    specs,
+    feature_table_map: tuple[int, ...],
+    indices: jax.Array,  # [N] int32
+    offsets: jax.Array,  # [F * B + 1] int32
+    per_sample_weights: jax.Array | None,
+    *,
+    batch: int,
+    pooling: str,
+    config: TTKernelConfig,
+    interpret: bool,
+    return_stats: bool = False,
+):
+    """`[B, sum_f D_f]` pooled TT lookups (feature f reads table `feature_table_map[f]`).
+
+    Per group of tables sharing (q, ranks): `prefix.build_flow`, `tt_rows`,
+    `tt_pool`. With `return_stats`, also a dict of device scalars per group
+    (distinct rows, prefix groups, work items).
+    """
+    dims = [specs[t].embedding_dim for t in feature_table_map]
+    total = sum(dims)
+    col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
+    out, stats = None, []
+    for layout, feats in prefix.stack_tables(specs, feature_table_map):
+        plan = prefix.build_flow(
+            layout, indices, offsets, features=feats, feature_table_map=feature_table_map, batch=batch,
+            chunk=config.chunk, prefix_reuse=config.prefix_reuse,
+        )
+        rows = tt_rows(prefix.stack_cores(layout, all_cores), plan, layout, config=config, interpret=interpret)
+        out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
+                      dim=layout.dim, batch=batch, total_dim=total, pooling=pooling, config=config,
+                      interpret=interpret)
+        stats.append({"distinct_rows": plan.num_rows, "prefix_groups": plan.num_groups,
+                      "work_items": plan.num_items[0]})
+    out = out.reshape(batch, total)
+    return (out, stats) if return_stats else out
