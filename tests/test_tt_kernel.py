@@ -16,6 +16,7 @@ import tt_jax
 from conftest import KERNEL_KW, ON_GPU, assert_close
 from tbe_jax import testing
 from tt_jax import prefix, reference
+from tt_jax.kernels import forward as kernel_forward
 from tt_jax.kernels.forward import TTKernelConfig
 
 # The default GPU dot is TF32x3 (about fp32); interpret mode and "ieee" are fp32.
@@ -132,9 +133,13 @@ def test_features_share_tables(rng):
     check(emb, params, idx, off, psw, 4)
 
 
-def test_two_key_sort(rng, monkeypatch):
-    # Stacked tables with 2**31 rows or more sort two int32 keys (table, id) instead of one.
+# Interpret mode discharges the kernel outside the kernel's x64 scope, and jnp indexing warns about its int64 ids.
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
+def test_huge_table_paths(rng, monkeypatch):
+    # Stacked tables with 2**31 rows or more sort two int32 keys (table, id) instead of one, and buffers of 2**31
+    # elements or more need 64-bit addresses in the kernels: both forced here by lowering the limits.
     monkeypatch.setattr(prefix, "_PACKED_LIMIT", 0)
+    monkeypatch.setattr(kernel_forward, "_INT32_MAX", 100)
     specs = [T3, T3]  # two tables of one group: stacked cores, per-item table decode
     emb = tt_jax.TTEmbeddingBag(specs, config=cfg(chunk=4), **KERNEL_KW)
     params = make_params(emb, rng)

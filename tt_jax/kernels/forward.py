@@ -161,6 +161,11 @@ class _Tiles:
     q_last_pad: int
     n_cols: int  # S * q_last_pad (>= 16)
     list_size: int  # q3 for T = 4, else 1
+    wide: bool = False  # 64-bit address arithmetic (a buffer of 2**31 elements or more)
+
+    @property
+    def addr(self):
+        return jnp.int64 if self.wide else jnp.int32
 
     @staticmethod
     def make(layout: prefix.StackedTables, tile_rows: int) -> "_Tiles":
@@ -191,18 +196,20 @@ def _prefix_tiles(core_refs, digits, tl: _Tiles, precision):
         jj = jnp.arange(tl.rows_m, dtype=jnp.int32)[:, None]
         aa = jnp.arange(tl.r_pad[1], dtype=jnp.int32)[None, :]
         ok = (jj < q[0]) & (aa < r[1])
-        return [plgpu.load(core_refs[0].at[digits[0] * (q[0] * r[1]) + jj * r[1] + aa], mask=ok, other=0.0)]
+        return [plgpu.load(core_refs[0].at[digits[0].astype(tl.addr) * (q[0] * r[1]) + jj * r[1] + aa], mask=ok,
+                           other=0.0)]
     jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
     kk = jnp.arange(tl.k_x, dtype=jnp.int32)
     j1, j2 = jj // q[1], jj % q[1]
     jk, ak = kk // r[1], kk % r[1]
     k_ok = kk < q[1] * r[1]
     x_ok = (jj < tl.rows_valid)[:, None] & k_ok[None, :] & (j2[:, None] == jk[None, :])
-    x = plgpu.load(core_refs[0].at[digits[0] * (q[0] * r[1]) + (j1 * r[1])[:, None] + ak[None, :]],
+    x = plgpu.load(core_refs[0].at[digits[0].astype(tl.addr) * (q[0] * r[1]) + (j1 * r[1])[:, None] + ak[None, :]],
                    mask=x_ok, other=0.0)
     bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32)
     y_ok = k_ok[:, None] & (bb < r[2])[None, :]
-    y_addr = digits[1] * (r[1] * q[1] * r[2]) + (ak * (q[1] * r[2]) + jk * r[2])[:, None] + bb[None, :]
+    y_addr = (digits[1].astype(tl.addr) * (r[1] * q[1] * r[2]) + (ak * (q[1] * r[2]) + jk * r[2])[:, None]
+              + bb[None, :])
     y = plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)
     c2 = _dot(x, y, precision)  # [rows_m, r_pad[2]]
     if tl.t == 3:
@@ -211,7 +218,8 @@ def _prefix_tiles(core_refs, digits, tl: _Tiles, precision):
     g_ok = (bb < r[2])[:, None] & (cc < r[3])[None, :]
     tiles = []
     for j3 in range(q[2]):
-        addr = digits[2] * (r[2] * q[2] * r[3]) + (bb * (q[2] * r[3]))[:, None] + (j3 * r[3]) + cc[None, :]
+        addr = (digits[2].astype(tl.addr) * (r[2] * q[2] * r[3]) + (bb * (q[2] * r[3]))[:, None] + (j3 * r[3])
+                + cc[None, :])
         tiles.append(_dot(c2, plgpu.load(core_refs[2].at[addr], mask=g_ok, other=0.0), precision))
     return tiles
 
@@ -227,11 +235,11 @@ def _row_stage(core_last_ref, suffix_ref, out_ref, tiles, first, count, last_bas
     col_ok = lane_ok & (jt < q_last)
     suffix = plgpu.load(suffix_ref.at[first + lane], mask=lane_ok, other=0)
     bb = jnp.arange(tl.r_pad[-2], dtype=jnp.int32)
-    addr = ((last_base + suffix) * (r_last * q_last) + jt)[None, :] + (bb * q_last)[:, None]
+    addr = ((last_base + suffix).astype(tl.addr) * (r_last * q_last) + jt)[None, :] + (bb * q_last)[:, None]
     g = plgpu.load(core_last_ref.at[addr], mask=(bb < r_last)[:, None] & col_ok[None, :], other=0.0)
     jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
     mask = (jj < tl.rows_valid)[:, None] & col_ok[None, :]
-    row_base = ((first + lane) * tl.dim + jt)[None, :]
+    row_base = ((first + lane).astype(tl.addr) * tl.dim + jt)[None, :]
     for jl, tile in enumerate(tiles):
         out = _dot(tile, g, precision)  # [rows_m, n_cols]
         d = (jj * tl.list_size + jl) * q_last
@@ -311,11 +319,8 @@ def tt_rows(
     """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written)."""
     cap = plan.row_suffix.shape[0]
     tl = _Tiles.make(layout, config.tile_rows)
-    for c in cores:
-        if c.shape[0] > _INT32_MAX:
-            raise ValueError(f"a stacked core has {c.shape[0]} elements: more than int32 addressing allows")
-    if cap * tl.dim > _INT32_MAX:
-        raise ValueError(f"{cap} distinct-row slots x D={tl.dim} exceed int32 addressing; split the batch")
+    wide = max([cap * tl.dim] + [c.shape[0] for c in cores]) >= _INT32_MAX
+    tl = dataclasses.replace(tl, wide=wide)
     programs = config.programs(cap)
     precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[config.precision]
     kernel = functools.partial(
@@ -329,7 +334,7 @@ def tt_rows(
         aliases = {len(args): 1}
         args.append(jnp.zeros((1,), jnp.int32))
         out_shape = (out_shape, jax.ShapeDtypeStruct((1,), jnp.int32))
-    res = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(programs,),
@@ -337,17 +342,20 @@ def tt_rows(
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tt_prefix_rows",
-    )(*args)
+    )
+    with jax.enable_x64(wide):  # int64 exists inside the kernel only; operands keep their int32 dtypes
+        res = call(*args)
     return res[0] if config.schedule == "queue" else res
 
 
 def _pool_kernel(prog_ref, offsets_ref, inverse_ref, *refs, weighted, bags, dim, block_dim, unroll, mean,
-                 out_stride, interpret):
+                 out_stride, wide, interpret):
     # inputs: per-program table [P * 4], offsets [F*B+1], inverse [N], (psw [N]), rows [cap * D],
     #         (previous output, aliased); output: out [B * sum D]
     psw_ref = refs[0] if weighted else None
     rows_ref = refs[int(weighted)]
     out_ref = refs[-1]
+    adt = jnp.int64 if wide else jnp.int32
     pid = pl.program_id(0)
     first = plgpu.load(prog_ref.at[_PROG_COLS * pid])
     nbags = plgpu.load(prog_ref.at[_PROG_COLS * pid + 1])
@@ -366,7 +374,7 @@ def _pool_kernel(prog_ref, offsets_ref, inverse_ref, *refs, weighted, bags, dim,
             live = k < length
             row = plgpu.load(inverse_ref.at[start + k], mask=live, other=-1)
             ok = (row >= 0)[:, None] & col_ok[None, :]
-            x = plgpu.load(rows_ref.at[(row * dim)[:, None] + cols[None, :]], mask=ok, other=0.0)
+            x = plgpu.load(rows_ref.at[(row.astype(adt) * dim)[:, None] + cols[None, :]], mask=ok, other=0.0)
             if psw_ref is not None:
                 x = x * plgpu.load(psw_ref.at[start + k], mask=live, other=0.0)[:, None]
             acc = acc + x
@@ -376,7 +384,7 @@ def _pool_kernel(prog_ref, offsets_ref, inverse_ref, *refs, weighted, bags, dim,
     acc = jax.lax.fori_loop(0, n_iter, body, jnp.zeros((bags, block_dim), jnp.float32))
     if mean:
         acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
-    ptr = ((b0 + g) * out_stride + col0)[:, None] + cols[None, :]
+    ptr = ((b0 + g).astype(adt) * out_stride + col0)[:, None] + cols[None, :]
     _store(out_ref, ptr, acc, bag_ok[:, None] & col_ok[None, :], interpret)
 
 
@@ -397,22 +405,21 @@ def tt_pool(
     interpret: bool,
 ) -> jax.Array:
     """Writes the `features`' columns of the flat `[B * total_dim]` pooled output."""
-    if batch * total_dim > _INT32_MAX:
-        raise ValueError(f"output B={batch} x {total_dim} columns exceeds int32 addressing; split the batch")
+    wide = max(batch * total_dim, rows.shape[0]) >= _INT32_MAX
     bags = max(1, min(config.pool_bags, _next_pow2(batch)))
     progs = [(f * batch + b, min(bags, batch - b), b, col0[f]) for f in features for b in range(0, batch, bags)]
     prog = jnp.asarray(np.asarray(progs, np.int32).reshape(-1))
     weighted = per_sample_weights is not None
     kernel = functools.partial(
         _pool_kernel, weighted=weighted, bags=bags, dim=dim, block_dim=_next_pow2(dim), unroll=config.pool_unroll,
-        mean=pooling == "mean", out_stride=total_dim, interpret=interpret,
+        mean=pooling == "mean", out_stride=total_dim, wide=wide, interpret=interpret,
     )
     args = [prog, offsets, inverse] + ([per_sample_weights] if weighted else []) + [rows]
     aliases = {}
     if previous is not None:
         aliases = {len(args): 0}
         args.append(previous)
-    return pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch * total_dim,), jnp.float32),
         grid=(len(progs),),
@@ -420,7 +427,9 @@ def tt_pool(
         compiler_params=plgpu.CompilerParams(num_warps=config.pool_warps, num_stages=1),
         interpret=interpret,
         name="tt_pool",
-    )(*args)
+    )
+    with jax.enable_x64(wide):
+        return call(*args)
 
 
 def pooled_forward(
