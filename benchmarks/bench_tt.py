@@ -1,22 +1,52 @@
-"""TT embedding-bag baselines (XLA) on the anchors' single-table workload.
+"""TT embedding-bag forward: the fused FlowTT Pallas kernel against XLA baselines.
 
-Variants, all plain XLA (the fused FlowTT kernel does not exist yet):
-- per_index:    contract the core chain for every lookup (TT-Rec style; tt_jax's reference path)
-- unique_only:  contract once per distinct row, gather back (EcoRec-style dedup)
-- prefix_reuse: contract each distinct prefix once, then each distinct row's last core (unfused FlowTT idea)
-- dense:        a dense [N, D] fp32 table of the same shape through tbe_jax, for scale
-Forward, and forward+backward (gradient of the cores through jax.grad), timed like bench_forward.py
-(enqueued calls over rotating input sets, one block, median). Workload (a) of the TT issue:
-N = 10M as 200x200x250, D = 32 as 2x4x4, ranks (32, 32), L = 20, Zipf(1.1) ids.
+Workloads (`tt_jax.workloads`):
+- a (default): one table, N = 10M as 200x200x250, D = 32 as 2x4x4, ranks (32, 32), L = 20,
+  Zipf(1.1) ids (the anchors' TT workload; the bar is B = 32768 forward <= 0.75 ms).
+- meta-240 / meta-480 / meta-788: Meta-like multi-table workloads (synthetic, see workloads.py).
+
+Variants (`--variants`, comma-separated):
+- per_index:    XLA, contract the core chain for every lookup (TT-Rec style; tt_jax's reference
+                path). The speedup column is relative to it. Multi-table: in blocks of
+                `--lookup-block` lookups (lax.map) so the gathered core slices fit in memory.
+- unique_only:  XLA, once per distinct row, gathered back (EcoRec-style dedup)           [a only]
+- prefix_reuse: XLA, each distinct prefix once, then each row's last core (unfused FlowTT) [a only]
+- dense:        a dense [N, D] fp32 table of the same shape through tbe_jax, for scale     [a only]
+- pallas:             the fused kernel, `--schedule` (default queue) and the config flags below
+- pallas_static:      ... with schedule="static" (persistent, round-robin items)
+- pallas_grid:        ... with schedule="grid" (one program per item slot: the static baseline)
+- pallas_unique_only: ... with prefix_reuse=False (ablation: every distinct row recomputes its prefix)
+- pallas_whole_groups: ... with chunk=0 (items are whole prefix groups: no splitting of hot prefixes)
+- pallas_ieee:        ... with precision="ieee" (fp32 FMA dots instead of TF32x3 tensor cores)
+- pallas_plan:        preprocessing only (sort, unique, prefix groups, work items, inverse map)
+- pallas_plan_rows:   preprocessing + the rows kernel (no pooling): with pallas_plan, the breakdown
+
+Timing as bench_forward.py: `--iters` calls enqueued back to back over `--sets` rotating input
+sets, one block, median of `--reps` (launch overhead excluded). Forward for every variant;
+forward+backward (jax.grad of the cores) for the XLA variants and `pallas` (its backward is the
+XLA VJP) with `--bwd` (default on for workload a). Memory: the compiled executable's
+arguments + outputs + temporaries (`memory_analysis`), and the device's `peak_bytes_in_use`
+after the variant (cumulative over the process, so order matters; null on CPU).
+
+Results: benchmarks/results/tt-<stamp>-<gpu>.json. Without a GPU the run is a smoke test: tiny
+shapes, interpret mode, one timed call (checks the script, not performance).
+
+Examples:
+  python benchmarks/bench_tt.py                                  # workload a, B = 4096, 32768
+  python benchmarks/bench_tt.py --batches 2048,8192,32768,131072 --variants per_index,pallas,pallas_static
+  python benchmarks/bench_tt.py --workload meta-240 --batches 1024,4096 --no-bwd
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
+import platform
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -25,19 +55,31 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import tbe_jax  # noqa: E402
 import tt_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
-from tt_jax import prefix, reference  # noqa: E402
+from tt_jax import prefix, reference, workloads  # noqa: E402
+from tt_jax.kernels import forward as tt_kernels  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_forward import time_calls  # noqa: E402
 
+XLA_VARIANTS = ("per_index", "unique_only", "prefix_reuse", "dense")
+PALLAS_VARIANTS = ("pallas", "pallas_static", "pallas_grid", "pallas_unique_only", "pallas_whole_groups",
+                   "pallas_ieee", "pallas_plan", "pallas_plan_rows")
+SINGLE_TABLE_ONLY = ("unique_only", "prefix_reuse", "dense")
 
-def variants(spec, batch):
+
+def _bag_ids(off, n):
+    """Bag of each position: +1 at every bag start, prefix-summed (positions past the end: last bag)."""
+    return jnp.cumsum(jnp.zeros(n, jnp.int32).at[off[1:-1]].add(1, mode="drop"))
+
+
+def xla_single_table(spec, batch):
+    """The anchors' XLA baselines for one table, one feature: fn(all_cores, idx, off) -> [B, D]."""
+
     def pool(rows_fn):
-        def f(cores, idx, off):
-            n = idx.shape[0]
-            bag = jnp.cumsum(jnp.zeros(n, jnp.int32).at[off[1:-1]].add(1, mode="drop"))
-            return jax.ops.segment_sum(rows_fn(cores, idx), bag, num_segments=batch, indices_are_sorted=True)
+        def f(all_cores, idx, off):
+            cores = all_cores[0]
+            return jax.ops.segment_sum(rows_fn(cores, idx), _bag_ids(off, idx.shape[0]), num_segments=batch,
+                                       indices_are_sorted=True)
         return f
 
     def per_index(cores, idx):
@@ -54,65 +96,267 @@ def variants(spec, batch):
     return {"per_index": pool(per_index), "unique_only": pool(unique_only), "prefix_reuse": pool(prefix_reuse)}
 
 
+def xla_per_index_multi(specs, batch, block):
+    """Per-lookup chain over many tables of one (q, ranks) group, `block` lookups at a time."""
+    (layout, _), = prefix.stack_tables(specs, tuple(range(len(specs))))
+    nf = len(specs)
+    t_cores = layout.num_cores
+    r = layout.full_ranks
+    q = layout.q_shapes
+
+    def const(v):
+        return jnp.asarray(np.asarray(v, np.int32))
+
+    def rows_block(stacked, lt, ids):
+        rest, digs = ids, []
+        for t in reversed(range(t_cores)):
+            radix = const([s.p_shapes[t] for s in specs])[lt]
+            digs.append(rest % radix)
+            rest = rest // radix
+        digs = digs[::-1]
+        acc = None
+        for t in range(t_cores):
+            g = stacked[t].reshape(-1, r[t], q[t], r[t + 1])[const(layout.core_base[t][:-1])[lt] + digs[t]]
+            if acc is None:
+                acc = g[:, 0]  # [n, q1, r1]
+            else:
+                acc = jnp.einsum("nar,nrbs->nabs", acc, g, precision=jax.lax.Precision.HIGHEST)
+                acc = acc.reshape(acc.shape[0], -1, acc.shape[-1])
+        return acc[..., 0]
+
+    def f(all_cores, idx, off):
+        n = idx.shape[0]
+        stacked = prefix.stack_cores(layout, all_cores)
+        bag = _bag_ids(off, n)
+        lt = jnp.minimum(bag // batch, nf - 1)
+        pos = jnp.arange(n, dtype=jnp.int32)
+        valid = (pos < off[-1]) & (idx >= 0) & (idx < const([s.num_embeddings for s in specs])[lt])
+        ids = jnp.where(valid, idx, 0)
+        pad = (-n) % block
+        lt_b = jnp.pad(lt, (0, pad)).reshape(-1, block)
+        ids_b = jnp.pad(ids, (0, pad)).reshape(-1, block)
+        rows = jax.lax.map(lambda a: rows_block(stacked, a[0], a[1]), (lt_b, ids_b)).reshape(-1, layout.dim)[:n]
+        rows = rows * valid[:, None].astype(rows.dtype)
+        pooled = jax.ops.segment_sum(rows, bag, num_segments=nf * batch, indices_are_sorted=True)
+        return pooled.reshape(nf, batch, -1).transpose(1, 0, 2).reshape(batch, -1)
+
+    return f
+
+
+def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpret):
+    """fn(all_cores, idx, off) for a fused-kernel variant (or a part of its pipeline)."""
+    cfg = {
+        "pallas": base,
+        "pallas_static": dataclasses.replace(base, schedule="static"),
+        "pallas_grid": dataclasses.replace(base, schedule="grid"),
+        "pallas_unique_only": dataclasses.replace(base, prefix_reuse=False),
+        "pallas_whole_groups": dataclasses.replace(base, chunk=0),
+        "pallas_ieee": dataclasses.replace(base, precision="ieee"),
+    }.get(name, base)
+    ftm = tuple(range(len(specs)))
+    if name in ("pallas_plan", "pallas_plan_rows"):
+        def part(all_cores, idx, off):
+            outs = []
+            for layout, feats in prefix.stack_tables(specs, ftm):
+                plan = prefix.build_flow(layout, idx, off, features=feats, feature_table_map=ftm, batch=batch,
+                                         chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse)
+                if name == "pallas_plan":
+                    outs.append(plan)
+                else:
+                    outs.append(tt_kernels.tt_rows(prefix.stack_cores(layout, all_cores), plan, layout, config=cfg,
+                                                   interpret=interpret))
+            return outs
+        return part, cfg
+    emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)
+    return (lambda all_cores, idx, off: emb({"cores": all_cores}, idx, off)), cfg
+
+
+def memory_of(fn, args):
+    """Bytes of arguments + outputs + temporaries of the compiled executable (None if unavailable)."""
+    try:
+        ma = jax.jit(fn).lower(*args).compile().memory_analysis()
+        if ma is None:
+            return None
+        return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                   - getattr(ma, "alias_size_in_bytes", 0))
+    except Exception:  # noqa: BLE001 - best effort
+        return None
+
+
+def device_peak():
+    try:
+        stats = jax.devices()[0].memory_stats()
+        return None if stats is None else int(stats.get("peak_bytes_in_use", 0)) or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="4096,32768")
-    ap.add_argument("--p", default="200,200,250")
-    ap.add_argument("--q", default="2,4,4")
-    ap.add_argument("--ranks", default="32,32")
-    ap.add_argument("-L", type=int, default=20)
-    ap.add_argument("--alpha", type=float, default=1.1)
+    ap.add_argument("--workload", default="a", choices=sorted(workloads.PRESETS))
+    ap.add_argument("--batches", default=None, help="comma-separated B (default 4096,32768; smoke: 64)")
+    ap.add_argument("--p", default="200,200,250", help="workload a: row factorisation")
+    ap.add_argument("--q", default="2,4,4", help="workload a: column factorisation")
+    ap.add_argument("--ranks", default="32,32", help="workload a: TT ranks")
+    ap.add_argument("-L", type=int, default=20, help="workload a: bag size")
+    ap.add_argument("--alpha", type=float, default=None, help="Zipf exponent (default: the workload's)")
+    ap.add_argument("--variants", default=None, help="comma-separated (default: all that apply)")
+    ap.add_argument("--bwd", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time forward+backward (default: on for workload a)")
+    ap.add_argument("--lookup-block", type=int, default=65536, help="multi-table per_index: lookups per block")
+    # The fused kernel's base config (TTKernelConfig).
+    ap.add_argument("--schedule", default="queue", choices=["queue", "static", "grid"])
+    ap.add_argument("--chunk", type=int, default=None)
+    ap.add_argument("--tile-rows", type=int, default=None)
+    ap.add_argument("--num-programs", type=int, default=None)
+    ap.add_argument("--programs-per-sm", type=int, default=None)
+    ap.add_argument("--num-warps", type=int, default=None)
+    ap.add_argument("--precision", default=None, choices=["tf32x3", "ieee", "tf32"])
+    ap.add_argument("--pool-bags", type=int, default=None)
+    ap.add_argument("--pool-unroll", type=int, default=None)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sets", type=int, default=2)
+    ap.add_argument("--smoke", action=argparse.BooleanOptionalAction, default=None,
+                    help="tiny shapes in interpret mode (default: on without a GPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
-    p = tuple(int(x) for x in args.p.split(","))
-    q = tuple(int(x) for x in args.q.split(","))
-    spec = tt_jax.TTSpec(int(np.prod(p)), int(np.prod(q)), p_shapes=p, q_shapes=q,
-                         ranks=tuple(int(r) for r in args.ranks.split(",")))
-    emb = tt_jax.TTEmbeddingBag(spec)
-    cores = emb.get_cores(emb.init(jax.random.key(0)))[0]
-    rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
+
+    on_gpu = jax.default_backend() == "gpu"
+    smoke = (not on_gpu) if args.smoke is None else args.smoke
+    interpret = not on_gpu
+    if smoke:
+        args.iters, args.reps, args.sets = 1, 1, 1
+
+    # Workload.
+    if args.workload == "a":
+        p = (20, 20, 25) if smoke else tuple(int(x) for x in args.p.split(","))
+        wl = workloads.workload_a(p=p, q=tuple(int(x) for x in args.q.split(",")),
+                                  ranks=tuple(int(x) for x in args.ranks.split(",")), bag_len=args.L,
+                                  alpha=1.1 if args.alpha is None else args.alpha)
+    else:
+        kw = {} if args.alpha is None else {"alpha": args.alpha}
+        if smoke:
+            kw.update(median_rows=3000, max_rows=20_000)
+        wl = workloads.meta(int(args.workload.split("-")[1]) if not smoke else 6, name=args.workload, **kw)
+    specs = wl.specs
+    single = len(specs) == 1
+    batches = [int(b) for b in (args.batches or ("64" if smoke else "4096,32768")).split(",")]
+    bwd = (args.workload == "a") if args.bwd is None else args.bwd
+    if args.variants:
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in names if v not in XLA_VARIANTS + PALLAS_VARIANTS]
+        if unknown:
+            ap.error(f"unknown variants {unknown}; choose from {XLA_VARIANTS + PALLAS_VARIANTS}")
+    else:
+        names = [v for v in XLA_VARIANTS + PALLAS_VARIANTS if single or v not in SINGLE_TABLE_ONLY]
+    names = [v for v in names if single or v not in SINGLE_TABLE_ONLY]
+    overrides = {k: getattr(args, k) for k in ("chunk", "tile_rows", "num_programs", "programs_per_sm", "num_warps",
+                                               "precision", "pool_bags", "pool_unroll") if getattr(args, k) is not None}
+    if smoke and "num_programs" not in overrides:
+        overrides["num_programs"] = 4
+    base = tt_kernels.TTKernelConfig(schedule=args.schedule, **overrides)
+
+    emb = tt_jax.TTEmbeddingBag(specs, impl="xla")
+    if smoke or len(specs) == 1:
+        all_cores = emb.init(jax.random.key(0))["cores"]
+    else:  # hundreds of tables: one sampler compile per distinct core shape is slow; use NumPy
+        rng0 = np.random.default_rng(0)
+        sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
+        all_cores = tuple(tuple(jnp.asarray(rng0.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
+                          for s, sg in zip(specs, sig))
+    rows_out = []
+    for batch in batches:
         rng = np.random.default_rng(batch)
-        perm = np.random.default_rng(1).permutation(spec.num_embeddings)
-        sets = [testing.make_batch(rng, [spec.num_embeddings], [batch], args.L, alpha=args.alpha, perms=[perm])
-                for _ in range(args.sets)]
-        dev = [(jnp.asarray(i), jnp.asarray(o)) for i, o, _ in sets]
-        ids0 = sets[0][0]
-        row = {"B": batch, "distinct_rows": int(len(np.unique(ids0))),
-               "distinct_prefixes": int(len(np.unique(ids0 // p[-1]))), "variants": {}}
+        perms = [np.random.default_rng(1).permutation(s.num_embeddings) for s in specs] if wl.exact_zipf else None
+        sets = [wl.make_batch(rng, batch, perms=perms) for _ in range(args.sets)]
+        dev = [(jnp.asarray(i), jnp.asarray(o)) for i, o in sets]
+        arg_sets = [(all_cores,) + d for d in dev]
+        row = {"B": batch, "lookups": int(len(sets[0][0])), "variants": {}}
+        # Plan statistics of the first input set (device scalars of the default config).
+        try:
+            _, stats = jax.jit(lambda c, i, o: tt_kernels.pooled_forward(
+                c, specs, tuple(range(len(specs))), i, o, None, batch=batch, pooling="sum", config=base,
+                interpret=interpret, return_stats=True))(*arg_sets[0])
+            row["plan"] = [{k: int(v) for k, v in s.items()} for s in stats]
+        except Exception as e:  # noqa: BLE001
+            row["plan"] = {"error": repr(e)[:300]}
+        fns = {}
+        if single:
+            fns.update(xla_single_table(specs[0], batch))
+        else:
+            fns["per_index"] = xla_per_index_multi(specs, batch, args.lookup_block)
         ref = None
-        for name, fn in variants(spec, batch).items():
-            fwd = jax.jit(fn)
-            out = np.asarray(fwd(cores, *dev[0]), np.float64)
-            ref = out if ref is None else ref
-            g = jax.jit(jax.grad(lambda c, i, o, fn=fn: jnp.sum(fn(c, i, o) ** 2)))
-            row["variants"][name] = {
-                "fwd_ms": time_calls(fwd, [(cores,) + d for d in dev], args.iters, args.reps),
-                "fwd_bwd_ms": time_calls(g, [(cores,) + d for d in dev], args.iters, args.reps),
-                "max_rel_err_vs_per_index": float(np.abs(out - ref).max() / np.abs(ref).max()),
-            }
-        dense = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(spec.num_embeddings, spec.embedding_dim)])
-        dparams = dense.init(jax.random.key(1))
-        dfwd = jax.jit(lambda pr, i, o: dense(pr, i, o))
-        row["dense_tbe_fwd_ms"] = time_calls(dfwd, [(dparams,) + d for d in dev], args.iters, args.reps)
-        del dparams
-        rows.append(row)
-        print(f"B={batch}: " + ", ".join(f"{k} fwd {v['fwd_ms']:.3f} / fwd+bwd {v['fwd_bwd_ms']:.3f} ms"
-                                         for k, v in row["variants"].items())
-              + f", dense fwd {row['dense_tbe_fwd_ms']:.3f} ms; distinct rows {row['distinct_rows']}, "
-              f"prefixes {row['distinct_prefixes']}", flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": jax.devices()[0].device_kind, "jax": jax.__version__, "spec": repr(spec),
-            "L": args.L, "alpha": args.alpha}
+        for name in names:
+            res = {}
+            try:
+                if name == "dense":
+                    dense = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(specs[0].num_embeddings,
+                                                                             specs[0].embedding_dim)])
+                    dparams = dense.init(jax.random.key(1))
+                    dfwd = jax.jit(lambda pr, i, o: dense(pr, i, o))
+                    res["fwd_ms"] = time_calls(dfwd, [(dparams,) + d for d in dev], args.iters, args.reps)
+                    res["memory_bytes"] = memory_of(lambda pr, i, o: dense(pr, i, o), (dparams,) + dev[0])
+                    del dparams
+                else:
+                    if name in PALLAS_VARIANTS:
+                        fn, cfg = pallas_variant(name, specs, batch, base, interpret)
+                        res["config"] = dataclasses.asdict(cfg)
+                    else:
+                        fn = fns[name]
+                    fwd = jax.jit(fn)
+                    res["fwd_ms"] = time_calls(fwd, arg_sets, args.iters, args.reps)
+                    res["memory_bytes"] = memory_of(fn, arg_sets[0])
+                    if name not in ("pallas_plan", "pallas_plan_rows"):
+                        out = np.asarray(fwd(*arg_sets[0]), np.float64)
+                        ref = out if ref is None else ref
+                        res["max_rel_err_vs_first"] = float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+                    if bwd and name in ("per_index", "unique_only", "prefix_reuse", "pallas"):
+                        g = jax.jit(jax.grad(lambda c, i, o, fn=fn: jnp.sum(fn(c, i, o) ** 2)))
+                        res["fwd_bwd_ms"] = time_calls(g, arg_sets, args.iters, args.reps)
+            except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory at large B)
+                res["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                traceback.print_exc(limit=2)
+            res["device_peak_bytes_after"] = device_peak()
+            row["variants"][name] = res
+            msg = res.get("error") or (f"fwd {res['fwd_ms']:.3f} ms"
+                                       + (f", fwd+bwd {res['fwd_bwd_ms']:.3f} ms" if "fwd_bwd_ms" in res else ""))
+            print(f"B={batch} {name}: {msg}", flush=True)
+        base_ms = row["variants"].get("per_index", {}).get("fwd_ms")
+        for res in row["variants"].values():
+            if base_ms and "fwd_ms" in res:
+                res["speedup_vs_per_index"] = base_ms / res["fwd_ms"]
+        rows_out.append(row)
+        print(f"B={batch}: plan {row['plan']}", flush=True)
+        print("  " + ", ".join(f"{k} {v['fwd_ms']:.3f} ms" + (f" ({v['speedup_vs_per_index']:.1f}x)"
+                                                               if "speedup_vs_per_index" in v else "")
+                               for k, v in row["variants"].items() if "fwd_ms" in v), flush=True)
+
+    dev0 = jax.devices()[0]
+    gpu = dev0.device_kind if on_gpu else f"{dev0.platform}-smoke"
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": dev0.device_kind, "platform": dev0.platform, "smoke_interpret": bool(smoke and interpret),
+        "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+        "python": platform.python_version(), "workload": wl.summary(), "base_config": dataclasses.asdict(base),
+        "timing": f"{args.iters} enqueued calls over {args.sets} input sets, one block, median of {args.reps}",
+        "args": vars(args),
+    }
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"tt-baselines-{datetime.datetime.now():%Y%m%d-%H%M%S}-"
-                                  f"{meta['device'].replace(' ', '_')}.json")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(args.out, f"tt-{stamp}-{gpu.replace(' ', '_')}.json")
     with open(path, "w") as fh:
-        json.dump({"meta": meta, "results": rows}, fh, indent=1)
+        json.dump({"meta": meta, "results": rows_out}, fh, indent=1)
     print("saved", path)
+
+
+def _jaxlib_version():
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        return None
 
 
 if __name__ == "__main__":
