@@ -20,6 +20,7 @@ Variants (`--variants`, comma-separated):
 - pallas_ieee:        ... with precision="ieee" (fp32 FMA dots instead of TF32x3 tensor cores)
 - pallas_plan:        preprocessing only (sort, unique, prefix groups, work items, inverse map)
 - pallas_plan_rows:   preprocessing + the rows kernel (no pooling): with pallas_plan, the breakdown
+- pallas{k=v,...}:    one per `--configs` entry: the base config with those fields replaced (a sweep)
 
 Timing as bench_forward.py: `--iters` calls enqueued back to back over `--sets` rotating input
 sets, one block, median of `--reps` (launch overhead excluded). Forward for every variant;
@@ -35,6 +36,8 @@ Examples:
   python benchmarks/bench_tt.py                                  # workload a, B = 4096, 32768
   python benchmarks/bench_tt.py --batches 2048,8192,32768,131072 --variants per_index,pallas,pallas_static
   python benchmarks/bench_tt.py --workload meta-240 --batches 1024,4096 --no-bwd
+  python benchmarks/bench_tt.py --batches 32768 --variants per_index,pallas --no-bwd \
+      --configs chunk=32,tile_rows=8 num_warps=2 programs_per_sm=8 schedule=static
 """
 
 from __future__ import annotations
@@ -214,6 +217,9 @@ def main():
     ap.add_argument("--precision", default=None, choices=["tf32x3", "ieee", "tf32"])
     ap.add_argument("--pool-bags", type=int, default=None)
     ap.add_argument("--pool-unroll", type=int, default=None)
+    ap.add_argument("--pool-warps", type=int, default=None)
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="extra fused-kernel variants, each 'field=value,field=value' over the base config")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sets", type=int, default=2)
@@ -252,10 +258,19 @@ def main():
         names = [v for v in XLA_VARIANTS + PALLAS_VARIANTS if single or v not in SINGLE_TABLE_ONLY]
     names = [v for v in names if single or v not in SINGLE_TABLE_ONLY]
     overrides = {k: getattr(args, k) for k in ("chunk", "tile_rows", "num_programs", "programs_per_sm", "num_warps",
-                                               "precision", "pool_bags", "pool_unroll") if getattr(args, k) is not None}
+                                               "precision", "pool_bags", "pool_unroll", "pool_warps")
+                 if getattr(args, k) is not None}
     if smoke and "num_programs" not in overrides:
         overrides["num_programs"] = 4
     base = tt_kernels.TTKernelConfig(schedule=args.schedule, **overrides)
+    sweep = {}
+    for entry in args.configs:
+        fields = {}
+        for kv in entry.split(","):
+            k, v = kv.split("=")
+            fields[k] = v if k in ("schedule", "precision") else (v == "True" if k == "prefix_reuse" else int(v))
+        sweep["pallas{" + entry + "}"] = dataclasses.replace(base, **fields)
+    names += list(sweep)
 
     emb = tt_jax.TTEmbeddingBag(specs, impl="xla")
     if smoke or len(specs) == 1:
@@ -299,8 +314,9 @@ def main():
                     res["memory_bytes"] = memory_of(lambda pr, i, o: dense(pr, i, o), (dparams,) + dev[0])
                     del dparams
                 else:
-                    if name in PALLAS_VARIANTS:
-                        fn, cfg = pallas_variant(name, specs, batch, base, interpret)
+                    if name in PALLAS_VARIANTS or name in sweep:
+                        fn, cfg = pallas_variant("pallas" if name in sweep else name, specs, batch,
+                                                 sweep.get(name, base), interpret)
                         res["config"] = dataclasses.asdict(cfg)
                     else:
                         fn = fns[name]

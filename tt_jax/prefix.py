@@ -290,9 +290,9 @@ def build_flow(
     if not prefix_reuse:
         new_item = new_row
     elif chunk:
-        # Rank of a distinct row in its prefix group: uid minus the uid of the group's first row.
-        group_first = jax.lax.cummax(jnp.where(new_grp, uid, 0), axis=0)
-        new_item = new_row & ((uid - group_first) % chunk == 0)
+        # An item starts at every group start and at every distinct row numbered a multiple of chunk, so it has
+        # at most `chunk` rows of one group (no per-group rank needed: one scan fewer than aligning to groups).
+        new_item = new_grp | (new_row & (uid % chunk == 0))
     else:
         new_item = new_grp
     iid = jnp.cumsum(new_item.astype(jnp.int32)) - 1
