@@ -19,9 +19,10 @@ from tt_jax import prefix, reference
 from tt_jax.kernels import forward as kernel_forward
 from tt_jax.kernels.forward import TTKernelConfig
 
-# The default GPU dot is TF32x3 (about fp32); interpret mode and "ieee" are fp32.
+# The default GPU dot is TF32x3: a NumPy emulation of it on these shapes gave 1-2e-7 relative to max |ref|, as
+# fp32 does; interpret mode and "ieee" are fp32. The GPU bound leaves room for Triton's split (truncation).
 TOL_F32 = 2e-6
-TOL = 2e-5 if ON_GPU else TOL_F32
+TOL = 5e-6 if ON_GPU else TOL_F32
 
 # Tiny p keeps interpret mode fast; N is never a product of p.
 T2 = tt_jax.TTSpec(97, 8, p_shapes=(10, 10), q_shapes=(2, 4), ranks=(1,))  # rank 1

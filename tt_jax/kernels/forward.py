@@ -17,11 +17,13 @@
      again avoiding a reshape.
    Row stage: `tile_rows` distinct rows at once: G `[r_{T-1}, S q_T]`,
    G[b, (s, j)] = G_T[i_T(s), b, j, 0], and R = C @ G is `[q1..q_{T-1}, S q_T]`,
-   stored with row (s) and column (J q_T + j) addresses.
+   stored with row (s) and column (J q_T + j) addresses. The first S rows are
+   loaded together with the prefix's core slices (one memory latency for both).
 
    Schedules (`TTKernelConfig.schedule`): "queue" (persistent programs; each
-   takes item `pid` first, then the next one from an atomic counter: dynamic
-   load balancing at chunk granularity, FlowTT 3.4), "static" (persistent
+   takes item `pid` first, then the next one from an atomic counter, claimed
+   before the current item is processed so the atomic's latency is hidden:
+   dynamic load balancing at chunk granularity, FlowTT 3.4), "static" (persistent
    programs, item t on program t mod P) and "grid" (one program per item slot,
    the baseline: the grid is the static bound `cap`, most programs exit at once).
 
@@ -55,9 +57,8 @@ _PRECISIONS = {
     "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
 }
 _INT32_MAX = 2**31 - 1
-# Columns of the pooling kernel's per-program table: first bag's entry in offsets,
-# how many of the program's bags exist, first bag's row in the output, first column.
-_PROG_COLS = 4
+# Columns of the pooling kernel's per-feature table: the feature's index, its first output column.
+_FEAT_COLS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +225,8 @@ def _prefix_tiles(core_refs, digits, tl: _Tiles, precision):
     return tiles
 
 
-def _row_stage(core_last_ref, suffix_ref, out_ref, tiles, first, count, last_base, c, tl: _Tiles, precision,
-               interpret):
-    """Rows c*S .. c*S+S-1 of an item: R = C @ G_T[suffixes], stored to the distinct-rows buffer."""
+def _load_last(core_last_ref, suffix_ref, first, count, last_base, c, tl: _Tiles):
+    """Rows c*S .. c*S+S-1 of an item: their last-core slices G `[r_{T-1}, S q_T]`, and the columns' masks."""
     q_last, r_last = tl.q[-1], tl.r[-2]
     col = jnp.arange(tl.n_cols, dtype=jnp.int32)
     lane = c * tl.sub_rows + col // tl.q_last_pad  # row of the item, per column
@@ -237,12 +237,17 @@ def _row_stage(core_last_ref, suffix_ref, out_ref, tiles, first, count, last_bas
     bb = jnp.arange(tl.r_pad[-2], dtype=jnp.int32)
     addr = ((last_base + suffix).astype(tl.addr) * (r_last * q_last) + jt)[None, :] + (bb * q_last)[:, None]
     g = plgpu.load(core_last_ref.at[addr], mask=(bb < r_last)[:, None] & col_ok[None, :], other=0.0)
+    return g, lane, jt, col_ok
+
+
+def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: _Tiles, precision, interpret):
+    """R = C @ G per prefix tile, stored to the distinct rows `first + lane` (column J q_T + j of each)."""
     jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
     mask = (jj < tl.rows_valid)[:, None] & col_ok[None, :]
     row_base = ((first + lane).astype(tl.addr) * tl.dim + jt)[None, :]
     for jl, tile in enumerate(tiles):
         out = _dot(tile, g, precision)  # [rows_m, n_cols]
-        d = (jj * tl.list_size + jl) * q_last
+        d = (jj * tl.list_size + jl) * tl.q[-1]
         _store(out_ref, row_base + d[:, None], out, mask, interpret)
 
 
@@ -263,15 +268,18 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, 
         count = plgpu.load(meta_ref.at[base + cols]) - first
         digits = [plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1)]
         last_base = plgpu.load(meta_ref.at[base + tl.t])
+        # The first S rows are peeled out of the loop so that their loads issue together with the prefix's
+        # (one memory latency for both); longer items loop over the rest.
+        first_rows = _load_last(core_refs[-1], suffix_ref, first, count, last_base, 0, tl)
         tiles = _prefix_tiles(core_refs, digits, tl, precision)
-        n_sub = (count + tl.sub_rows - 1) // tl.sub_rows
+        _store_rows(out_ref, tiles, *first_rows, first, tl, precision, interpret)
 
         def sub(c, carry):
-            _row_stage(core_refs[-1], suffix_ref, out_ref, tiles, first, count, last_base, c, tl, precision,
-                       interpret)
+            rows = _load_last(core_refs[-1], suffix_ref, first, count, last_base, c, tl)
+            _store_rows(out_ref, tiles, *rows, first, tl, precision, interpret)
             return carry
 
-        jax.lax.fori_loop(0, n_sub, sub, jnp.int32(0))
+        jax.lax.fori_loop(1, (count + tl.sub_rows - 1) // tl.sub_rows, sub, jnp.int32(0))
 
     if schedule == "grid":
         @pl.when(pid < num_items)
@@ -291,18 +299,21 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, 
             return t < num_items
 
         def body(t):
+            # Claim the next item first: the atomic's round trip overlaps this item's work.
+            nxt = programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
             do_item(t)
-            return programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
+            return nxt
 
         jax.lax.while_loop(cond, body, pid)
     else:
         # Same claims, as a fori_loop over the static bound (one item per step at most).
         def step(i, t):
+            nxt = programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
+
             @pl.when(t < num_items)
             def _():
                 do_item(t)
 
-            nxt = programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
             return jnp.where(t < num_items, nxt, t)
 
         jax.lax.fori_loop(0, max_items, step, pid)
@@ -348,21 +359,22 @@ def tt_rows(
     return res[0] if config.schedule == "queue" else res
 
 
-def _pool_kernel(prog_ref, offsets_ref, inverse_ref, *refs, weighted, bags, dim, block_dim, unroll, mean,
-                 out_stride, wide, interpret):
-    # inputs: per-program table [P * 4], offsets [F*B+1], inverse [N], (psw [N]), rows [cap * D],
+def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, progs_per_feature, batch, dim,
+                 block_dim, unroll, mean, out_stride, wide, interpret):
+    # inputs: per-feature table [Fg * 2], offsets [F*B+1], inverse [N], (psw [N]), rows [cap * D],
     #         (previous output, aliased); output: out [B * sum D]
     psw_ref = refs[0] if weighted else None
     rows_ref = refs[int(weighted)]
     out_ref = refs[-1]
     adt = jnp.int64 if wide else jnp.int32
     pid = pl.program_id(0)
-    first = plgpu.load(prog_ref.at[_PROG_COLS * pid])
-    nbags = plgpu.load(prog_ref.at[_PROG_COLS * pid + 1])
-    b0 = plgpu.load(prog_ref.at[_PROG_COLS * pid + 2])
-    col0 = plgpu.load(prog_ref.at[_PROG_COLS * pid + 3])
+    k = pid // progs_per_feature  # programs are feature-major, `bags` consecutive bags each
+    b0 = (pid - k * progs_per_feature) * bags
+    f = plgpu.load(feat_ref.at[_FEAT_COLS * k])
+    col0 = plgpu.load(feat_ref.at[_FEAT_COLS * k + 1])
+    first = f * batch + b0
     g = jnp.arange(bags, dtype=jnp.int32)
-    bag_ok = g < nbags
+    bag_ok = b0 + g < batch
     start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
     length = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0) - start
     cols = jnp.arange(block_dim, dtype=jnp.int32)
@@ -407,14 +419,15 @@ def tt_pool(
     """Writes the `features`' columns of the flat `[B * total_dim]` pooled output."""
     wide = max(batch * total_dim, rows.shape[0]) >= _INT32_MAX
     bags = max(1, min(config.pool_bags, _next_pow2(batch)))
-    progs = [(f * batch + b, min(bags, batch - b), b, col0[f]) for f in features for b in range(0, batch, bags)]
-    prog = jnp.asarray(np.asarray(progs, np.int32).reshape(-1))
+    per_feature = -(-batch // bags)
+    feat = jnp.asarray(np.asarray([(f, col0[f]) for f in features], np.int32).reshape(-1))
     weighted = per_sample_weights is not None
     kernel = functools.partial(
-        _pool_kernel, weighted=weighted, bags=bags, dim=dim, block_dim=_next_pow2(dim), unroll=config.pool_unroll,
-        mean=pooling == "mean", out_stride=total_dim, wide=wide, interpret=interpret,
+        _pool_kernel, weighted=weighted, bags=bags, progs_per_feature=per_feature, batch=batch, dim=dim,
+        block_dim=_next_pow2(dim), unroll=config.pool_unroll, mean=pooling == "mean", out_stride=total_dim,
+        wide=wide, interpret=interpret,
     )
-    args = [prog, offsets, inverse] + ([per_sample_weights] if weighted else []) + [rows]
+    args = [feat, offsets, inverse] + ([per_sample_weights] if weighted else []) + [rows]
     aliases = {}
     if previous is not None:
         aliases = {len(args): 0}
@@ -422,7 +435,7 @@ def tt_pool(
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch * total_dim,), jnp.float32),
-        grid=(len(progs),),
+        grid=(len(features) * per_feature,),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.pool_warps, num_stages=1),
         interpret=interpret,
