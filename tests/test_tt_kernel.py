@@ -258,3 +258,35 @@ def test_workload_a_shape_on_gpu(rng, schedule):
     want = rows[inv.reshape(-1)].reshape(512, 20, 32).sum(1)
     assert_close(out, want, TOL)
     assert math.prod(spec.p_shapes) == spec.num_embeddings
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests compile the kernels for real")
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
+@pytest.mark.parametrize("case", ["a-queue", "T4-static-weighted", "tables-queue-wide", "T2-grid"])
+def test_triton_lowering_for_gpu(case, monkeypatch):
+    # Without a GPU, lower for CUDA anyway: every Triton lowering rule the kernels need runs (the compiled
+    # queue path, a while_loop with an atomic, cannot run in interpret mode). PTX compilation is not covered.
+    from tt_jax.kernels.forward import pooled_forward
+
+    spec_a = tt_jax.TTSpec(10_000_000, 32, p_shapes=(200, 200, 250), q_shapes=(2, 4, 4), ranks=(32, 32))
+    specs, schedule, weighted = {
+        "a-queue": ([spec_a], "queue", False),
+        "T4-static-weighted": ([T4], "static", True),
+        "tables-queue-wide": ([T3, T3_OTHER, R64], "queue", True),
+        "T2-grid": ([T2], "grid", False),
+    }[case]
+    if case.endswith("wide"):
+        monkeypatch.setattr(kernel_forward, "_INT32_MAX", 100)
+    config = TTKernelConfig(schedule=schedule)
+    batch, n = 32, 640
+    ftm = tuple(range(len(specs)))
+
+    def fwd(cores, idx, off, w):
+        return pooled_forward(cores, specs, ftm, idx, off, w, batch=batch, pooling="mean", config=config,
+                              interpret=False)
+
+    cores = tuple(tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in spec.core_shapes()) for spec in specs)
+    args = (cores, jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((len(specs) * batch + 1,), jnp.int32),
+            jax.ShapeDtypeStruct((n,), jnp.float32) if weighted else None)
+    text = jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") >= 2 * len({(s.q_shapes, s.ranks) for s in specs})

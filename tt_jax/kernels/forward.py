@@ -190,54 +190,65 @@ def _dot(a, b, precision):
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _prefix_tiles(core_refs, digits, tl: _Tiles, precision):
-    """The prefix product as a list of `[rows_m, r_pad[T-1]]` tiles (one per T=4 digit j3)."""
+def _prefix_loads(core_refs, digits, tl: _Tiles):
+    """The core slices of the prefix product, as dot operands (see the module docstring)."""
     q, r = tl.q, tl.r
     if tl.t == 2:
         jj = jnp.arange(tl.rows_m, dtype=jnp.int32)[:, None]
         aa = jnp.arange(tl.r_pad[1], dtype=jnp.int32)[None, :]
         ok = (jj < q[0]) & (aa < r[1])
-        return [plgpu.load(core_refs[0].at[digits[0].astype(tl.addr) * (q[0] * r[1]) + jj * r[1] + aa], mask=ok,
-                           other=0.0)]
+        addr = digits[0].astype(tl.addr) * (q[0] * r[1]) + jj * r[1] + aa
+        return [plgpu.load(core_refs[0].at[addr], mask=ok, other=0.0)]
     jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
     kk = jnp.arange(tl.k_x, dtype=jnp.int32)
     j1, j2 = jj // q[1], jj % q[1]
     jk, ak = kk // r[1], kk % r[1]
     k_ok = kk < q[1] * r[1]
     x_ok = (jj < tl.rows_valid)[:, None] & k_ok[None, :] & (j2[:, None] == jk[None, :])
-    x = plgpu.load(core_refs[0].at[digits[0].astype(tl.addr) * (q[0] * r[1]) + (j1 * r[1])[:, None] + ak[None, :]],
-                   mask=x_ok, other=0.0)
+    x_addr = digits[0].astype(tl.addr) * (q[0] * r[1]) + (j1 * r[1])[:, None] + ak[None, :]
     bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32)
     y_ok = k_ok[:, None] & (bb < r[2])[None, :]
     y_addr = (digits[1].astype(tl.addr) * (r[1] * q[1] * r[2]) + (ak * (q[1] * r[2]) + jk * r[2])[:, None]
               + bb[None, :])
-    y = plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)
-    c2 = _dot(x, y, precision)  # [rows_m, r_pad[2]]
+    ops = [plgpu.load(core_refs[0].at[x_addr], mask=x_ok, other=0.0),
+           plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)]
+    if tl.t == 4:
+        cc = jnp.arange(tl.r_pad[3], dtype=jnp.int32)
+        g_ok = (bb < r[2])[:, None] & (cc < r[3])[None, :]
+        for j3 in range(q[2]):
+            addr = (digits[2].astype(tl.addr) * (r[2] * q[2] * r[3]) + (bb * (q[2] * r[3]))[:, None] + (j3 * r[3])
+                    + cc[None, :])
+            ops.append(plgpu.load(core_refs[2].at[addr], mask=g_ok, other=0.0))
+    return ops
+
+
+def _prefix_product(ops, tl: _Tiles, precision):
+    """The prefix product as a list of `[rows_m, r_pad[T-1]]` tiles (one per T=4 digit j3)."""
+    if tl.t == 2:
+        return ops
+    c2 = _dot(ops[0], ops[1], precision)  # [rows_m, r_pad[2]]
     if tl.t == 3:
         return [c2]
-    cc = jnp.arange(tl.r_pad[3], dtype=jnp.int32)
-    g_ok = (bb < r[2])[:, None] & (cc < r[3])[None, :]
-    tiles = []
-    for j3 in range(q[2]):
-        addr = (digits[2].astype(tl.addr) * (r[2] * q[2] * r[3]) + (bb * (q[2] * r[3]))[:, None] + (j3 * r[3])
-                + cc[None, :])
-        tiles.append(_dot(c2, plgpu.load(core_refs[2].at[addr], mask=g_ok, other=0.0), precision))
-    return tiles
+    return [_dot(c2, g3, precision) for g3 in ops[2:]]
 
 
-def _load_last(core_last_ref, suffix_ref, first, count, last_base, c, tl: _Tiles):
-    """Rows c*S .. c*S+S-1 of an item: their last-core slices G `[r_{T-1}, S q_T]`, and the columns' masks."""
-    q_last, r_last = tl.q[-1], tl.r[-2]
+def _load_suffixes(suffix_ref, first, count, c, tl: _Tiles):
+    """Rows c*S .. c*S+S-1 of an item: per column (s, j), its row's last digit and the masks."""
     col = jnp.arange(tl.n_cols, dtype=jnp.int32)
     lane = c * tl.sub_rows + col // tl.q_last_pad  # row of the item, per column
     jt = col % tl.q_last_pad
     lane_ok = lane < count
-    col_ok = lane_ok & (jt < q_last)
+    col_ok = lane_ok & (jt < tl.q[-1])
     suffix = plgpu.load(suffix_ref.at[first + lane], mask=lane_ok, other=0)
+    return suffix, lane, jt, col_ok
+
+
+def _load_last(core_last_ref, last_base, suffix, jt, col_ok, tl: _Tiles):
+    """The rows' last-core slices G `[r_{T-1}, S q_T]`, G[b, (s, j)] = G_T[i_T(s), b, j, 0]."""
+    q_last, r_last = tl.q[-1], tl.r[-2]
     bb = jnp.arange(tl.r_pad[-2], dtype=jnp.int32)
     addr = ((last_base + suffix).astype(tl.addr) * (r_last * q_last) + jt)[None, :] + (bb * q_last)[:, None]
-    g = plgpu.load(core_last_ref.at[addr], mask=(bb < r_last)[:, None] & col_ok[None, :], other=0.0)
-    return g, lane, jt, col_ok
+    return plgpu.load(core_last_ref.at[addr], mask=(bb < r_last)[:, None] & col_ok[None, :], other=0.0)
 
 
 def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: _Tiles, precision, interpret):
@@ -262,49 +273,53 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, 
     pid = pl.program_id(0)
     num_items = plgpu.load(nitems_ref.at[pid * 0])
 
-    def do_item(t):
-        base = t * cols
+    def load_meta(t):
+        """(first row, row count, last-core base, prefix digits...) of item t (any valid item past the end)."""
+        base = jnp.minimum(t, max_items - 1) * cols
         first = plgpu.load(meta_ref.at[base])
         count = plgpu.load(meta_ref.at[base + cols]) - first
-        digits = [plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1)]
         last_base = plgpu.load(meta_ref.at[base + tl.t])
-        # The first S rows are peeled out of the loop so that their loads issue together with the prefix's
-        # (one memory latency for both); longer items loop over the rest.
-        first_rows = _load_last(core_refs[-1], suffix_ref, first, count, last_base, 0, tl)
-        tiles = _prefix_tiles(core_refs, digits, tl, precision)
-        _store_rows(out_ref, tiles, *first_rows, first, tl, precision, interpret)
+        return (first, count, last_base) + tuple(plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1))
+
+    def do_item(meta, prefetch=None):
+        """One item. Program order is issue order on a GPU: this item's loads first, then `prefetch()` (the
+        next item's metadata, whose latency then overlaps them), then the dependent loads and the dots."""
+        first, count, last_base, *digits = meta
+        suffix, lane, jt, col_ok = _load_suffixes(suffix_ref, first, count, 0, tl)  # the first S rows (peeled)
+        ops = _prefix_loads(core_refs, digits, tl)
+        nxt = prefetch() if prefetch is not None else None
+        g = _load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
+        tiles = _prefix_product(ops, tl, precision)
+        _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl, precision, interpret)
 
         def sub(c, carry):
-            rows = _load_last(core_refs[-1], suffix_ref, first, count, last_base, c, tl)
-            _store_rows(out_ref, tiles, *rows, first, tl, precision, interpret)
+            suffix, lane, jt, col_ok = _load_suffixes(suffix_ref, first, count, c, tl)
+            g = _load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
+            _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl, precision, interpret)
             return carry
 
         jax.lax.fori_loop(1, (count + tl.sub_rows - 1) // tl.sub_rows, sub, jnp.int32(0))
+        return nxt
 
     if schedule == "grid":
         @pl.when(pid < num_items)
         def _():
-            do_item(pid)
+            do_item(load_meta(pid))
     elif schedule == "static":
         n_mine = jnp.maximum(num_items - pid + programs - 1, 0) // programs
 
-        def step(i, carry):
-            do_item(pid + i * programs)
-            return carry
+        def step(i, meta):
+            return do_item(meta, lambda: load_meta(pid + (i + 1) * programs))
 
-        jax.lax.fori_loop(0, n_mine, step, jnp.int32(0))
+        jax.lax.fori_loop(0, n_mine, step, load_meta(pid))
     elif not interpret:
-        # Item pid first, then the next unclaimed one: programs + counter (starts at 0).
-        def cond(t):
-            return t < num_items
-
-        def body(t):
-            # Claim the next item first: the atomic's round trip overlaps this item's work.
+        # Item pid first, then the next unclaimed one: programs + counter (starts at 0). The claim is issued
+        # first and the claimed item's metadata is loaded during this item, so both latencies are hidden.
+        def body(carry):
             nxt = programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
-            do_item(t)
-            return nxt
+            return (nxt,) + do_item(carry[1:], lambda: load_meta(nxt))
 
-        jax.lax.while_loop(cond, body, pid)
+        jax.lax.while_loop(lambda carry: carry[0] < num_items, body, (pid,) + load_meta(pid))
     else:
         # Same claims, as a fori_loop over the static bound (one item per step at most).
         def step(i, t):
@@ -312,7 +327,7 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, 
 
             @pl.when(t < num_items)
             def _():
-                do_item(t)
+                do_item(load_meta(t))
 
             return jnp.where(t < num_items, nxt, t)
 
