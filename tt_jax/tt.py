@@ -17,7 +17,7 @@ _INITS = ("approx-normal", "approx-uniform")
 
 
 class TTEmbeddingBag:
-    """Pooled lookups into tensor-train tables (one feature per table, feature-major offsets).
+    """Pooled lookups into tensor-train tables (features read tables by `feature_table_map`; feature-major offsets).
 
     Args:
       specs: one `TTSpec` or a list of tables.
