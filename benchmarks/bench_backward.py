@@ -99,9 +99,9 @@ def xla_forward(w, table_offsets, indices, offsets, psw, num_features, batch):
 def xla_step(carry, indices, offsets, psw, g, *, fwd):
     """XLA baseline training step: forward, vjp to a dense gradient, dense row-wise Adagrad."""
     w, m = carry
-    _, vjp = jax.vjp(lambda w: fwd(w, indices, offsets, psw), w)
+    # The gradient in fp32 (an fp16 scatter-add of Zipf ids serialises on atomics).
+    _, vjp = jax.vjp(lambda w32: fwd(w32, indices, offsets, psw), w.astype(jnp.float32))
     (dw,) = vjp(g)
-    dw = dw.astype(jnp.float32)
     m = m + jnp.mean(dw * dw, axis=1)
     w = (w.astype(jnp.float32) - LR * dw / (jnp.sqrt(m)[:, None] + EPS)).astype(w.dtype)
     return w, m
@@ -134,7 +134,7 @@ def unique_rows(wl, sets):
     return float(np.mean(out))
 
 
-def run_workload(wl, args, bcfg):
+def run_workload(wl, args, bcfgs):
     feats = wl.features()
     nf = len(feats)
     sets = make_sets(wl, args.sets)
@@ -145,7 +145,8 @@ def run_workload(wl, args, bcfg):
     ref_emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla", **kw)
     opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
     tx = tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS)
-    row = {"workload": dataclasses.asdict(wl), "variants": {}, "backward_config": dataclasses.asdict(bcfg)}
+    row = {"workload": dataclasses.asdict(wl), "variants": {}}
+    bcfg = next(iter(bcfgs.values()))
     row["unique_rows"] = unique_rows(wl, sets)
     wbytes = 4 if wl.weights_dtype == "float32" else 2
     d = feats[0][1]
@@ -176,15 +177,28 @@ def run_workload(wl, args, bcfg):
     fwd = jax.jit(lambda p, i, o, s: emb(p, i, o, s))
     row["fwd_ms"] = time_calls(fwd, [(params0,) + s[:3] for s in sets], args.iters, args.reps)
 
-    # Backward alone: apply_gradients on donated tables/state.
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def bwd_step(carry, i, o, s, g):
-        p, st = carry
-        return emb.apply_gradients(p, st, opt, i, o, g, s, backward_config=bcfg)
+    # Preprocessing alone (linearise, sort, run-length encode, task lists).
+    plan = emb.plan_for(off0.shape[0])
+    runs_fn = jax.jit(lambda i, o, s: emb._runs(plan, i, o, s))
+    row["runs_ms"] = time_calls(runs_fn, [s[:3] for s in sets], args.iters, args.reps)
 
-    carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
-    row["bwd_ms"], carry = time_chain(bwd_step, carry, sets, args.iters, args.reps)
-    del carry
+    # Backward alone: apply_gradients on donated tables/state, per kernel config.
+    for cname, cfg in bcfgs.items():
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def bwd_step(carry, i, o, s, g, cfg=cfg):
+            p, st = carry
+            return emb.apply_gradients(p, st, opt, i, o, g, s, backward_config=cfg)
+
+        carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
+        ms, carry = time_chain(bwd_step, carry, sets, args.iters, args.reps)
+        row["variants"][cname] = {"config": dataclasses.asdict(cfg), "bwd_ms": ms}
+        del carry
+    best = min(row["variants"], key=lambda k: row["variants"][k]["bwd_ms"])
+    row["best"], row["bwd_ms"] = best, row["variants"][best]["bwd_ms"]
+    bcfg = bcfgs[best]
+    emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, backward_config=bcfg, **kw)
+    emb_sif = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, **kw,
+                                            backward_config=dataclasses.replace(bcfg, sort_in_forward=True))
 
     # A training step through fused_lookup under jax.grad (forward + fused backward).
     @functools.partial(jax.jit, donate_argnums=(0,))
@@ -197,6 +211,17 @@ def run_workload(wl, args, bcfg):
     row["fwd_bwd_ms"], carry = time_chain(train_step, carry, sets, args.iters, args.reps)
     del carry
     row["bwd_step_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
+
+    # The same step with the sort/RLE moved into the forward (BackwardConfig.sort_in_forward).
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def train_step_sif(carry, i, o, s, g):
+        p, st = carry
+        loss = lambda p, st: jnp.sum(emb_sif.fused_lookup(p, st, tx, i, o, s) * g)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(p, st)
+
+    carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
+    row["fwd_bwd_sort_in_forward_ms"], carry = time_chain(train_step_sif, carry, sets, args.iters, args.reps)
+    del carry
     if args.hlo_dir:
         text = train_step.lower((params0, state0), *sets[0]).compile().as_text()
         path = os.path.join(args.hlo_dir, f"train_step-{wl.name}.hlo.txt")
@@ -257,7 +282,7 @@ def hlo_table_passes(text: str, params) -> dict:
     return {"counts": hits, "non_kernel_whole_table_ops": lines[:20]}
 
 
-def scaling_run(args, bcfg):
+def scaling_run(args):
     """Fixed lookups (T=4, B=4096, L=20, D=128, fp16), E per table from 1e5 to 1e7."""
     rows = []
     for e in (100_000, 1_000_000, 10_000_000):
@@ -285,7 +310,8 @@ def scaling_run(args, bcfg):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="base,zipf,weighted,large,fp32,smalltable")
-    ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. 'lookups_per_step=16,num_warps=2'")
+    ap.add_argument("--configs", default="default",
+                    help="';'-separated BackwardConfig overrides, e.g. 'default;small_block=64,small_num_warps=8'")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sets", type=int, default=4)
@@ -294,8 +320,10 @@ def main():
     ap.add_argument("--hlo-dir", default="", help="write each fused train step's compiled HLO here")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
-    kv = dict(p.split("=") for p in args.config.split(",") if p)
-    bcfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in kv.items()})
+    bcfgs = {}
+    for item in args.configs.split(";"):
+        kv = {} if item == "default" else dict(p.split("=") for p in item.split(",") if p)
+        bcfgs[item] = tbe_jax.BackwardConfig(**{k: int(v) for k, v in kv.items()})
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
     dev = jax.devices()[0]
@@ -314,16 +342,18 @@ def main():
     rows = []
     for name in args.presets.split(","):
         wl = TINY if name == "tiny" else testing.PRESETS[name]
-        r = run_workload(wl, args, bcfg)
+        r = run_workload(wl, args, bcfgs)
         rows.append(r)
         nan = float("nan")
-        print(f"{name:11s} bwd {r['bwd_ms']:.4f} ms  fwd {r['fwd_ms']:.4f}  fwd+bwd {r['fwd_bwd_ms']:.4f}  "
+        print(f"{name:11s} bwd {r['bwd_ms']:.4f} ms ({r['best']}; runs {r['runs_ms']:.4f})  fwd {r['fwd_ms']:.4f}  "
+              f"fwd+bwd {r['fwd_bwd_ms']:.4f} (sort in fwd {r['fwd_bwd_sort_in_forward_ms']:.4f})  "
+              + " ".join(f"[{k}] {v['bwd_ms']:.4f}" for k, v in r["variants"].items()) + "  "
               f"xla bwd {r.get('xla_bwd_ms', nan):.4f}  fbgemm bwd {r['fbgemm_bwd_ms'] or nan:.3f}  "
               f"err {r['max_rel_err']:.2e}  uniq {r['unique_rows']:.0f}  hlo {r.get('hlo', {}).get('counts')}",
               flush=True)
     out = {"meta": meta, "results": rows}
     if args.scaling:
-        out["scaling"] = scaling_run(args, bcfg)
+        out["scaling"] = scaling_run(args)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = os.path.join(args.out, f"backward-{stamp}-{meta['device'].replace(' ', '_')}.json")

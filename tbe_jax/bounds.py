@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from tbe_jax.reference import position_features
+from tbe_jax.reference import bag_feature, position_features
 from tbe_jax.specs import FeaturePlan
 
 PRUNED = -1
@@ -134,7 +134,7 @@ def check_traced(plan: FeaturePlan, indices, offsets) -> None:
     first_bad = jnp.argmax(fixed != offsets).astype(jnp.int32)
     gbag = jnp.clip(first_bad - 1, 0, max(plan.num_bags - 1, 0))
     bag_base = jnp.asarray(np.asarray(plan.bag_base, np.int32))
-    f = jnp.searchsorted(bag_base, gbag, side="right").astype(jnp.int32) - 1
+    f = bag_feature(plan, gbag)
     checkify.check(
         n_fixed == 0,
         "bounds_check='fatal': offsets[{i}]={v} is invalid for feature {f}, bag {b}: offsets must "

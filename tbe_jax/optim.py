@@ -26,6 +26,7 @@ class RowwiseAdagrad:
     learning_rate: float = 0.01
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
+    stochastic_rounding: bool = False  # fp16/bf16 tables: round the stored row stochastically
 
     def __post_init__(self):
         if not self.learning_rate > 0:
@@ -43,6 +44,7 @@ class SGD:
     """Exact SGD on the looked-up rows (no optimizer state)."""
 
     learning_rate: float = 0.01
+    stochastic_rounding: bool = False  # fp16/bf16 tables: round the stored row stochastically
 
     def __post_init__(self):
         if not self.learning_rate > 0:
@@ -74,7 +76,7 @@ class FusedOptimizer(NamedTuple):
 
 
 def rowwise_adagrad(learning_rate: float = 0.01, eps: float = 1e-8,
-                    initial_accumulator_value: float = 0.0) -> FusedOptimizer:
+                    initial_accumulator_value: float = 0.0, stochastic_rounding: bool = False) -> FusedOptimizer:
     """Exact row-wise Adagrad fused into the TBE backward.
 
     Update, per row in the batch with aggregated gradient g (D values):
@@ -91,7 +93,7 @@ def rowwise_adagrad(learning_rate: float = 0.01, eps: float = 1e-8,
       >>> [float(m) for m in emb.get_momentum(state)[0][:3]]
       [0.0, 1.0, 4.0]
     """
-    opt = RowwiseAdagrad(learning_rate, eps, initial_accumulator_value)
+    opt = RowwiseAdagrad(learning_rate, eps, initial_accumulator_value, stochastic_rounding)
 
     def init(params):
         return RowwiseAdagradState(
@@ -101,6 +103,42 @@ def rowwise_adagrad(learning_rate: float = 0.01, eps: float = 1e-8,
     return FusedOptimizer(init, opt)
 
 
-def sgd(learning_rate: float = 0.01) -> FusedOptimizer:
+def sgd(learning_rate: float = 0.01, stochastic_rounding: bool = False) -> FusedOptimizer:
     """Exact SGD on the looked-up rows, fused into the TBE backward (no state)."""
-    return FusedOptimizer(lambda params: SGDState(), SGD(learning_rate))
+    return FusedOptimizer(lambda params: SGDState(), SGD(learning_rate, stochastic_rounding))
+
+
+def stochastic_round(x, dtype, row, col, *salts):
+    """`x` (fp32) rounded to `dtype` (float16 or bfloat16) stochastically, as fp32 values.
+
+    Unbiased: each value goes to one of its two `dtype` neighbours with probability
+    proportional to closeness, so E[result] = x (no drift when updates are smaller
+    than half an ulp, which round-to-nearest would drop). The uniform draw is a hash
+    of the row, the column and the bits of `salts` (fp32 arrays that change every
+    step: the update's gradient, the old weight, the new accumulator), so it is
+    bitwise reproducible and needs no RNG state; with SGD, a row whose gradient and
+    weight repeat exactly repeats its rounding decision. Pure jnp on int32/fp32, so
+    the same code runs inside the Pallas kernels and in the reference.
+    """
+    import jax
+
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    h = row * jnp.int32(-1640531535) ^ col * jnp.int32(-2048144789)  # 0x9E3779B1, 0x85EBCA6B
+    for s in salts:
+        h = h ^ jax.lax.bitcast_convert_type(s, jnp.int32)
+    for mult in (0x7FEB352D, -2073254261):  # 0x846CA68B
+        h = h ^ jax.lax.shift_right_logical(h, jnp.int32(16))
+        h = h * jnp.int32(mult)
+    h = h ^ jax.lax.shift_right_logical(h, jnp.int32(15))
+    finite = jnp.abs(x) < jnp.inf
+    if jnp.dtype(dtype) == jnp.bfloat16:  # bf16 is fp32's top half: add 16 random bits, truncate
+        y = jax.lax.bitcast_convert_type((bits + (h & 0xFFFF)) & jnp.int32(-65536), jnp.float32)
+        return jnp.where(finite, y, x)
+    if jnp.dtype(dtype) != jnp.float16:
+        raise ValueError(f"stochastic rounding targets float16 or bfloat16, not {jnp.dtype(dtype)}")
+    e = jnp.clip(jax.lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF, 127 - 14, 127 + 15)  # biased exponent
+    ulp = jax.lax.bitcast_convert_type((e - 10) << 23, jnp.float32)  # fp16 spacing at x: a power of two
+    lo = jnp.floor(x / ulp) * ulp
+    u = (jax.lax.shift_right_logical(h, jnp.int32(8)) & 0xFFFFFF).astype(jnp.float32) * (1.0 / (1 << 24))
+    y = lo + jnp.where(u < (x - lo) / ulp, ulp, 0.0)
+    return jnp.where(finite, y, x)

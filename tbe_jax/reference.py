@@ -18,13 +18,27 @@ from tbe_jax.specs import FeaturePlan, StorageLayout
 
 
 def position_features(plan: FeaturePlan, offsets: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """For each position of `indices`: its bag and its feature (clipped to range)."""
-    pos = jnp.arange(n, dtype=offsets.dtype)
-    bag = jnp.searchsorted(offsets, pos, side="right").astype(jnp.int32) - 1
+    """For each position of `indices`: its bag and its feature (clipped to range).
+
+    bag(p) = #{k : offsets[k] <= p} - 1 (`searchsorted(offsets, p, "right") - 1`),
+    computed as a histogram of the offsets and a prefix sum: jnp.searchsorted's
+    loop becomes a while loop on GPU that syncs with the host every iteration
+    (0.7 ms for 2.6M positions on an H200, against 0.12 ms for this).
+    """
+    hist = jnp.zeros((n + 1,), jnp.int32).at[jnp.clip(offsets, 0, n).astype(jnp.int32)].add(1)
+    bag = jnp.cumsum(hist[:n]) - 1
     bag = jnp.clip(bag, 0, max(plan.num_bags - 1, 0))
-    bag_base = jnp.asarray(np.asarray(plan.bag_base, np.int32))
-    feat = jnp.searchsorted(bag_base, bag, side="right").astype(jnp.int32) - 1
-    return bag, feat
+    return bag, bag_feature(plan, bag)
+
+
+def bag_feature(plan: FeaturePlan, bag: jax.Array) -> jax.Array:
+    """The feature of each (global) bag index, without a device while loop."""
+    if len(set(plan.batch)) == 1 and plan.batch[0] > 0:  # one batch size: a division
+        return jnp.minimum(bag // plan.batch[0], plan.num_features - 1).astype(jnp.int32)
+    bag_base = jnp.asarray(np.asarray(plan.bag_base[1:], np.int32))
+    if plan.num_features <= 128:  # count the feature starts at or below each bag
+        return jnp.sum(bag[..., None] >= bag_base, axis=-1, dtype=jnp.int32)
+    return jnp.searchsorted(bag_base, bag, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
 def valid_lookups(plan: FeaturePlan, indices, offsets, feat):
@@ -198,7 +212,7 @@ def apply_gradients(buffers, momentum, layout, plan, indices, offsets, per_sampl
     Dense (work proportional to the tables): the semantics the kernels must match.
     Returns (buffers, momentum) with untouched rows bitwise unchanged.
     """
-    from tbe_jax.optim import RowwiseAdagrad
+    from tbe_jax.optim import RowwiseAdagrad, stochastic_round
 
     grads, touched = pooled_backward(buffers, layout, plan, indices, offsets, per_sample_weights, g_out,
                                      pooling=pooling, keep_fp32=True)
@@ -207,11 +221,17 @@ def apply_gradients(buffers, momentum, layout, plan, indices, offsets, per_sampl
         g = grads[key]
         hit = touched[key]
         w32 = w.astype(jnp.float32)
+        salts = (g, w32)
         if isinstance(opt, RowwiseAdagrad):
             m = momentum[key] + jnp.mean(g * g, axis=1)
             upd = w32 - opt.learning_rate * g / (jnp.sqrt(m)[:, None] + opt.eps)
             new_m[key] = jnp.where(hit, m, momentum[key])
+            salts += (jnp.broadcast_to(m[:, None], g.shape),)
         else:
             upd = w32 - opt.learning_rate * g
+        if opt.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):
+            rows = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0)
+            cols = jax.lax.broadcasted_iota(jnp.int32, g.shape, 1)
+            upd = stochastic_round(upd, w.dtype, rows, cols, *salts)
         new_w[key] = jnp.where(hit[:, None], upd.astype(w.dtype), w)
     return new_w, new_m

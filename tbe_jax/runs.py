@@ -5,7 +5,8 @@ linear key (the row's index in the concatenation of all storage buffers; invalid
 lookups get the sentinel `total_rows`), keys are sorted with their positions,
 and equal keys form a run: one distinct (table, row) and the lookups that touched
 it. Runs fall in three classes: small runs (at most `SMALL` lookups: most
-runs, often of length 1) are updated by blocks of runs in lockstep; mid runs
+runs, often of length 1) are updated by blocks of consecutive runs in lockstep
+(no list: the kernel skips the other runs); mid runs
 (`SMALL` < length < `LONG`) one per task; runs of at least `LONG` lookups are
 split into chunks of `LONG` for a two-pass reduction. All counts stay on the
 device; task lists are compacted on the device into statically sized arrays.
@@ -37,8 +38,7 @@ class Runs(NamedTuple):
     run_start: jax.Array  # [N + 1] int32: first sorted lookup of run r (run r ends at run_start[r+1])
     run_key: jax.Array  # [N] int32: linear row of run r (total_rows past the last run)
     num_runs: jax.Array  # [] int32
-    small: jax.Array  # [N] int32: runs of at most SMALL lookups, in key order, padded with N
-    mid: jax.Array  # [N] int32: runs of SMALL < length < LONG, in key order, padded with N
+    mid: jax.Array  # [N // (SMALL + 1) + 1] int32: runs of SMALL < length < LONG, in key order, padded with N
     long: jax.Array  # [N // LONG + 1] int32: runs of LONG or more, in key order, padded
     chunk_run: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its index into `long`
     chunk_first: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its first sorted lookup
@@ -88,19 +88,27 @@ def build_runs(
     run_len = run_start[1:] - run_start[:-1]
     run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
 
+    # Small runs need no list: the small-run kernel walks all runs in blocks and
+    # skips the others. Only runs longer than SMALL (at most n / (SMALL + 1)) are
+    # compacted over n; the mid/long split then works on that short list.
     live = jnp.arange(n) < num_runs
+    n_big_max = n // (SMALL + 1) + 1
     n_long_max = n // LONG + 1
-    small, n_small = _compact(live & (run_len <= SMALL), n, n)
-    mid, n_mid = _compact(live & (run_len > SMALL) & (run_len < LONG), n, n)
-    long_mask = live & (run_len >= LONG)
-    long, n_long = _compact(long_mask, n_long_max, n)
+    big, n_big = _compact(live & (run_len > SMALL), n_big_max, n)
+    big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
+    mid_at, n_mid = _compact((big_len > SMALL) & (big_len < LONG), n_big_max, n_big_max - 1)
+    mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
+    long_at, n_long = _compact(big_len >= LONG, n_long_max, n_big_max - 1)
+    long = jnp.where(jnp.arange(n_long_max) < n_long, big[long_at], n)
+    n_small = num_runs - n_big
     long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_len[jnp.minimum(long, n - 1)], 0)
     n_chunks = (long_len + LONG - 1) // LONG
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     max_chunks = 2 * n // LONG + 1
     t = jnp.arange(max_chunks, dtype=jnp.int32)
-    chunk_run = jnp.clip(jnp.searchsorted(long_chunk0, t, side="right").astype(jnp.int32) - 1, 0, n_long_max - 1)
+    chunk_run = jnp.searchsorted(long_chunk0, t, side="right", method="scan_unrolled").astype(jnp.int32)
+    chunk_run = jnp.clip(chunk_run - 1, 0, n_long_max - 1)
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
-    return Runs(spos, src[spos], scale[spos], run_start, run_key, num_runs, small, mid, long, chunk_run,
+    return Runs(spos, src[spos], scale[spos], run_start, run_key, num_runs, mid, long, chunk_run,
                 chunk_first, long_chunk0, counts)

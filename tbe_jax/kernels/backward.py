@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
-from tbe_jax.optim import RowwiseAdagrad
+from tbe_jax.optim import RowwiseAdagrad, stochastic_round
 from tbe_jax.runs import LONG, SMALL, Runs, group_bases
 from tbe_jax.specs import StorageLayout, next_pow2
 
@@ -83,13 +83,18 @@ def _row_update(opt, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, row_ok, acc,
     if opt is None:
         plgpu.store(w_out_ref.at[rows, cols[None, :]], acc.astype(w_out_ref.dtype), mask=mask)
         return
-    w = plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32)
+    w0 = plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32)
+    salts = (acc, w0)
     if isinstance(opt, RowwiseAdagrad):
         m = plgpu.load(m_in_ref.at[row], mask=row_ok, other=0.0) + jnp.sum(acc * acc, axis=1) / dim  # [R]
-        w = w - opt.learning_rate * acc / (jnp.sqrt(m)[:, None] + opt.eps)
+        w = w0 - opt.learning_rate * acc / (jnp.sqrt(m)[:, None] + opt.eps)
         plgpu.store(m_out_ref.at[row], m, mask=row_ok)
+        salts += (jnp.broadcast_to(m[:, None], acc.shape),)
     else:
-        w = w - opt.learning_rate * acc
+        w = w0 - opt.learning_rate * acc
+    if opt.stochastic_rounding and w_out_ref.dtype in (jnp.float16, jnp.bfloat16):
+        w = stochastic_round(w, w_out_ref.dtype, jnp.broadcast_to(rows, acc.shape),
+                             jnp.broadcast_to(cols[None, :], acc.shape), *salts)
     plgpu.store(w_out_ref.at[rows, cols[None, :]], w.astype(w_out_ref.dtype), mask=mask)
 
 
@@ -116,9 +121,10 @@ def _strided_tasks(lo, hi, programs, body):
     jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
 
 
-def _small_kernel(rng_ref, small_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
+def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
                   opt, dim, base, block, programs):
-    """Blocks of `block` small runs: their lookups gathered in lockstep, one row update each."""
+    """Blocks of `block` consecutive runs; the small ones (<= SMALL lookups) are gathered in
+    lockstep and updated, one row each; the others are left to the mid/long kernels."""
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
     col_ok = cols < dim
@@ -127,11 +133,12 @@ def _small_kernel(rng_ref, small_ref, run_start_ref, run_key_ref, src_ref, scale
     hi = plgpu.load(rng_ref.at[jnp.int32(1)])
 
     def task(b):
-        t = lo + b * block + lane
-        ok = t < hi
-        r = plgpu.load(small_ref.at[t], mask=ok, other=0)
+        r = lo + b * block + lane
+        ok = r < hi
         first = plgpu.load(run_start_ref.at[r], mask=ok, other=0)
-        length = jnp.where(ok, plgpu.load(run_start_ref.at[r + 1], mask=ok, other=0) - first, 0)
+        length = plgpu.load(run_start_ref.at[r + 1], mask=ok, other=0) - first
+        ok = ok & (length <= SMALL)
+        length = jnp.where(ok, length, 0)
 
         def step(j, acc):
             live = j < length
@@ -217,10 +224,11 @@ def _state_refs(refs, opt):
 
 
 def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
-    """[num_buffers, 8] int32: per buffer its [lo, hi) in the small, mid, chunk and long task lists."""
+    """[num_buffers, 8] int32: per buffer its [lo, hi) in the runs (small-run kernel) and in the
+    mid, chunk and long task lists."""
     bases = jnp.asarray(group_bases(layout).astype(np.int32))
     total = bases[-1]
-    n_small, n_mid, n_long, n_chunks = (runs.counts[i] for i in range(4))
+    n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     key_of = lambda r: jnp.where(r < n, runs.run_key[jnp.minimum(r, n - 1)], total)  # noqa: E731
 
     def keys(lst, count):
@@ -229,12 +237,12 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
     long_keys = keys(runs.long, n_long)
     chunk_keys = jnp.where(jnp.arange(runs.chunk_run.shape[0]) < n_chunks, long_keys[runs.chunk_run], total)
 
-    def bounds(keys):
-        edges = jnp.searchsorted(keys, bases, side="left").astype(jnp.int32)
+    def bounds(keys):  # searchsorted(keys, bases, "left") without a device while loop
+        edges = jnp.sum(keys[None, :] < bases[:, None], axis=1, dtype=jnp.int32)
         return edges[:-1], edges[1:]
 
-    parts = [bounds(keys(runs.small, n_small)), bounds(keys(runs.mid, n_mid)), bounds(chunk_keys),
-             bounds(long_keys)]
+    # Small runs: the range of all runs in the buffer (run_key is sorted, padded with total).
+    parts = [bounds(runs.run_key), bounds(keys(runs.mid, n_mid)), bounds(chunk_keys), bounds(long_keys)]
     return jnp.stack([e for lo_hi in parts for e in lo_hi], axis=1)
 
 
@@ -270,7 +278,7 @@ def fused_update(
     common = [runs.src, runs.scale, g_flat]
     max_chunks = runs.chunk_first.shape[0]
     p_small = max(1, min(max_programs, -(-n // blk)))
-    p_mid = max(1, min(max_programs, n // (SMALL + 1)))
+    p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
 
     def aliased(kernel, name, grid, args, state):
@@ -291,7 +299,7 @@ def fused_update(
         state = aliased(
             functools.partial(_small_kernel, opt=opt, dim=dim, base=base, block=blk, programs=p_small),
             "tbe_backward_small_runs", p_small,
-            [rng, runs.small, runs.run_start, runs.run_key] + common, state)
+            [rng, runs.run_start, runs.run_key] + common, state)
         state = aliased(
             functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid),
             "tbe_backward_mid_runs", p_mid,
