@@ -8,9 +8,10 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from tt_jax import reference
-from tt_jax.kernels.forward import TTKernelConfig, pooled_forward
+from tt_jax import backward, optim, prefix, reference
+from tt_jax.kernels.forward import TTKernelConfig, tt_pool, tt_rows
 from tt_jax.specs import TTSpec
 
 _INITS = ("approx-normal", "approx-uniform")
@@ -26,8 +27,9 @@ class TTEmbeddingBag:
       pooling: "sum" or "mean" (an empty bag gives zeros).
       impl: "pallas" (the fused FlowTT kernel, `tt_jax.kernels.forward`),
         "xla" (the pure-jnp per-index chain) or "auto" (pallas on a GPU, xla
-        otherwise). Under `jax.grad` the pallas forward is paired with the
-        XLA path's VJP (recomputed; no fused backward yet).
+        otherwise). Both are differentiable with the same backward
+        (`tt_jax.backward`: XLA, prefix reuse, on the forward's FlowPlans;
+        on the xla path the plans are built in the forward pass of `jax.grad`).
       interpret: run the Pallas kernels in interpret mode (CPU).
       config: `TTKernelConfig` of the Pallas path (None: its default).
 
@@ -40,6 +42,12 @@ class TTEmbeddingBag:
     T-1 digits), and one kernel computes each prefix's core product once and
     every distinct row from it; a second kernel pools the rows into bags. See
     `tt_jax.kernels.forward` and `tt_jax.prefix.build_flow`.
+
+    Training: `jax.grad` through `emb(params, ...)` gives exact core (and
+    per-sample-weight) gradients; `apply_gradients` applies `tt_jax.SGD`,
+    `Adagrad` or `RowwiseAdagrad` to the touched core slices only;
+    `fused_lookup` runs that step inside the lookup's backward
+    (`tt_jax.sgd(...)` etc., as `tbe_jax`). See `tt_jax.optim`.
 
     Example:
       >>> import jax, jax.numpy as jnp, tt_jax
@@ -135,8 +143,8 @@ class TTEmbeddingBag:
         return [reference.full_table(c, s) for c, s in zip(params["cores"], self.specs)]
 
     # -- forward -----------------------------------------------------------------
-    def __call__(self, params, indices, offsets, per_sample_weights=None):
-        """`[B, sum D]` pooled lookups; input format as `tbe_jax.TableBatchedEmbedding`."""
+    def _prepare(self, indices, offsets, per_sample_weights):
+        """Checked int32 inputs: (indices, offsets, per_sample_weights, batch, total_dim)."""
         indices = jnp.asarray(indices)
         offsets = jnp.asarray(offsets)
         for name, x in (("indices", indices), ("offsets", offsets)):
@@ -151,67 +159,186 @@ class TTEmbeddingBag:
                 raise ValueError("per_sample_weights must match indices in shape")
         batch = (offsets.shape[0] - 1) // nf
         total_dim = sum(self.specs[t].embedding_dim for t in self.feature_table_map)
+        return indices.astype(jnp.int32), offsets.astype(jnp.int32), per_sample_weights, batch, total_dim
+
+    def __call__(self, params, indices, offsets, per_sample_weights=None):
+        """`[B, sum D]` pooled lookups; input format as `tbe_jax.TableBatchedEmbedding`.
+
+        Differentiable with respect to `params` and `per_sample_weights` (exact gradients from the
+        prefix-sharing backward `tt_jax.backward`, which reuses this forward's sort).
+        """
+        indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
         if indices.shape[0] == 0 or batch == 0:
             return jnp.zeros((batch, total_dim), jnp.float32)
-        indices = indices.astype(jnp.int32)
-        offsets = offsets.astype(jnp.int32)
-        if self.resolved_impl == "xla":
-            return _xla_pooled(self, params["cores"], indices, offsets, per_sample_weights, batch)
-        if not self.interpret and jax.default_backend() != "gpu":
+        self._check_backend()
+        return _pooled(self, batch, params["cores"], indices, offsets, per_sample_weights)
+
+    def _check_backend(self):
+        if self.resolved_impl == "pallas" and not self.interpret and jax.default_backend() != "gpu":
             raise NotImplementedError(
                 "impl='pallas' compiles Triton kernels and needs a GPU; on "
                 f"{jax.default_backend()} pass interpret=True or use impl='xla' (or 'auto')"
             )
-        if per_sample_weights is None:
-            return _pallas_pooled(self, batch, params["cores"], indices, offsets)
-        return _pallas_pooled_weighted(self, batch, params["cores"], indices, offsets, per_sample_weights)
+
+    def _plans(self, batch, indices, offsets):
+        """Per table group of `prefix.stack_tables`, the `FlowPlan` of this batch."""
+        return tuple(
+            prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=self.feature_table_map,
+                              batch=batch, chunk=self.config.chunk, prefix_reuse=self.config.prefix_reuse)
+            for layout, feats in prefix.stack_tables(self.specs, self.feature_table_map)
+        )
+
+    def _forward(self, batch, all_cores, indices, offsets, per_sample_weights, *, with_plans):
+        """(output, plans or None). Pallas: the fused kernels on the plans (kept for the backward); XLA: the
+        per-index chain, plus the plans when the backward will need them."""
+        if self.resolved_impl == "xla":
+            ftm = self.feature_table_map
+            out = reference.pooled([all_cores[t] for t in ftm], [self.specs[t] for t in ftm], indices, offsets,
+                                   per_sample_weights, pooling=self.pooling, batch=batch)
+            return out, (self._plans(batch, indices, offsets) if with_plans else None)
+        dims = [self.specs[t].embedding_dim for t in self.feature_table_map]
+        total = sum(dims)
+        col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
+        out = None
+        plans = self._plans(batch, indices, offsets)
+        for (layout, feats), plan in zip(prefix.stack_tables(self.specs, self.feature_table_map), plans):
+            rows = tt_rows(prefix.stack_cores(layout, all_cores), plan, layout, config=self.config,
+                           interpret=self.interpret)
+            out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
+                          dim=layout.dim, batch=batch, total_dim=total, pooling=self.pooling, config=self.config,
+                          interpret=self.interpret)
+        return out.reshape(batch, total), plans
+
+    # -- training ----------------------------------------------------------------
+    def init_opt_state(self, params: dict, opt):
+        """State of `opt` (`tt_jax.SGD`, `Adagrad` or `RowwiseAdagrad`): `SGDState()`, or per table per core
+        its accumulators (`[p_t, r, q, r']` element-wise, `[p_t]` row-wise), fp32."""
+        return optim.init_state(opt, params)
+
+    def get_momentum(self, opt_state) -> list[list[jax.Array]]:
+        """Per table, per core, its Adagrad accumulators."""
+        if not isinstance(opt_state, (optim.AdagradState, optim.RowwiseAdagradState)):
+            raise ValueError(f"opt_state is a {type(opt_state).__name__}: it holds no accumulators")
+        return [list(m) for m in opt_state.momentum]
+
+    def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None):
+        """One optimizer step on the core slices this batch touches: returns `(params, opt_state)`.
+
+        `grad_output` is the gradient of the loss with respect to `emb(params, indices, offsets, ...)`.
+        Every touched slice `G_t[i]` gets its exact batch gradient and one `opt` update (see
+        `tt_jax.optim`); the other slices and their state are returned bitwise unchanged. The update is a
+        scatter to the touched slices: donate `params` and `opt_state` under `jax.jit` for an in-place
+        update. `per_sample_weights` are constants here.
+        """
+        optim.check_opt(opt)
+        optim.check_state(opt, opt_state, params)
+        indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
+        grad_output = jnp.asarray(grad_output)
+        if tuple(grad_output.shape) != (batch, total_dim):
+            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is "
+                             f"{(batch, total_dim)}")
+        if indices.shape[0] == 0 or batch == 0:
+            return params, opt_state
+        self._check_backend()
+        plans = self._plans(batch, indices, offsets)
+        return _apply(self, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output)
+
+    def fused_lookup(self, params, opt_state, tx, indices, offsets, per_sample_weights=None):
+        """A lookup whose backward applies `tx` to the touched core slices (the fused path).
+
+        The forward is `emb(params, indices, offsets, ...)`. Under `jax.grad` (or `jax.vjp`), the
+        cotangents returned for `params` and `opt_state` are their **updated values** (as
+        `apply_gradients` with this lookup's output gradient): take them as the new params and state.
+        Differentiate with respect to both; use the params in one fused lookup per loss (two would add
+        their "updates"). `per_sample_weights` are constants on this path (their gradient is zero).
+
+        Args:
+          tx: `tt_jax.sgd(...)`, `tt_jax.adagrad(...)` or `tt_jax.rowwise_adagrad(...)`.
+          opt_state: `tx.init(params)`.
+        """
+        if not isinstance(tx, optim.FusedOptimizer):
+            raise TypeError("tx must come from tt_jax.sgd(...), tt_jax.adagrad(...) or tt_jax.rowwise_adagrad(...)")
+        optim.check_state(tx.opt, opt_state, params)
+        indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
+        if indices.shape[0] == 0 or batch == 0:
+            return _fused_empty(params, opt_state, batch, total_dim)
+        self._check_backend()
+        return _fused_lookup(self, batch, tx.opt, params, opt_state, per_sample_weights, indices, offsets)
 
 
-def _xla_pooled(emb: TTEmbeddingBag, all_cores, indices, offsets, per_sample_weights, batch):
-    ftm = emb.feature_table_map
-    return reference.pooled([all_cores[t] for t in ftm], [emb.specs[t] for t in ftm], indices, offsets,
-                            per_sample_weights, pooling=emb.pooling, batch=batch)
+# -- differentiation ------------------------------------------------------------------
+# Both paths save the forward's FlowPlans (the one sort of the step) and differentiate with
+# `tt_jax.backward` (XLA, prefix reuse). The jnp reference's autodiff VJP is the tests' oracle.
 
 
-def _pallas_forward(emb: TTEmbeddingBag, batch, all_cores, indices, offsets, per_sample_weights):
-    return pooled_forward(all_cores, emb.specs, emb.feature_table_map, indices, offsets, per_sample_weights,
-                          batch=batch, pooling=emb.pooling, config=emb.config, interpret=emb.interpret)
-
-
-# The fused forward with the XLA path's VJP (cores and per-sample weights get gradients; ids do not).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pallas_pooled(emb, batch, all_cores, indices, offsets):
-    return _pallas_forward(emb, batch, all_cores, indices, offsets, None)
+def _pooled(emb, batch, all_cores, indices, offsets, per_sample_weights):
+    return emb._forward(batch, all_cores, indices, offsets, per_sample_weights, with_plans=False)[0]
 
 
-def _pallas_pooled_fwd(emb, batch, all_cores, indices, offsets):
-    return _pallas_forward(emb, batch, all_cores, indices, offsets, None), (all_cores, indices, offsets)
+def _pooled_fwd(emb, batch, all_cores, indices, offsets, per_sample_weights):
+    out, plans = emb._forward(batch, all_cores, indices, offsets, per_sample_weights, with_plans=True)
+    return out, (all_cores, plans, offsets, per_sample_weights)
 
 
-def _pallas_pooled_bwd(emb, batch, res, g):
-    all_cores, indices, offsets = res
-    _, vjp = jax.vjp(lambda c: _xla_pooled(emb, c, indices, offsets, None, batch), all_cores)
-    return vjp(g) + (None, None)
-
-
-_pallas_pooled.defvjp(_pallas_pooled_fwd, _pallas_pooled_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pallas_pooled_weighted(emb, batch, all_cores, indices, offsets, per_sample_weights):
-    return _pallas_forward(emb, batch, all_cores, indices, offsets, per_sample_weights)
-
-
-def _pallas_pooled_weighted_fwd(emb, batch, all_cores, indices, offsets, per_sample_weights):
-    out = _pallas_forward(emb, batch, all_cores, indices, offsets, per_sample_weights)
-    return out, (all_cores, indices, offsets, per_sample_weights)
-
-
-def _pallas_pooled_weighted_bwd(emb, batch, res, g):
-    all_cores, indices, offsets, psw = res
-    _, vjp = jax.vjp(lambda c, w: _xla_pooled(emb, c, indices, offsets, w, batch), all_cores, psw)
-    d_cores, d_psw = vjp(g)
+def _pooled_bwd(emb, batch, res, g):
+    all_cores, plans, offsets, per_sample_weights = res
+    d_cores, d_psw = backward.pooled_vjp(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
+                                         per_sample_weights, g, batch=batch, pooling=emb.pooling)
     return d_cores, None, None, d_psw
 
 
-_pallas_pooled_weighted.defvjp(_pallas_pooled_weighted_fwd, _pallas_pooled_weighted_bwd)
+_pooled.defvjp(_pooled_fwd, _pooled_bwd)
+
+
+def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output):
+    """The optimizer step from the plans: (params, opt_state)."""
+    all_cores = params["cores"]
+    grads = backward.touched_core_grads(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
+                                        per_sample_weights, grad_output, batch=batch, pooling=emb.pooling)
+    momentum = None if isinstance(opt, optim.SGD) else opt_state.momentum
+    new_cores, new_mom = [], []
+    for k, cores in enumerate(all_cores):
+        cs, ms = [], []
+        for t, core in enumerate(cores):
+            m = None if momentum is None else momentum[k][t]
+            if grads[k][t] is not None:
+                core, m = optim.update_slices(opt, core, m, *grads[k][t])
+            cs.append(core)
+            ms.append(m)
+        new_cores.append(tuple(cs))
+        new_mom.append(tuple(ms))
+    new_params = dict(params, cores=tuple(new_cores))
+    if momentum is None:
+        return new_params, opt_state
+    return new_params, type(opt_state)(tuple(new_mom))
+
+
+def _fused_empty(params, opt_state, batch, total_dim):
+    # No lookups: the output is zeros and the step changes nothing (the cotangents are the inputs).
+    @jax.custom_vjp
+    def f(p, s):
+        return jnp.zeros((batch, total_dim), jnp.float32)
+
+    f.defvjp(lambda p, s: (f(p, s), (p, s)), lambda res, g: res)
+    return f(params, opt_state)
+
+
+# The fused path: the VJP of the lookup *is* the optimizer step (see `fused_lookup`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_lookup(emb, batch, opt, params, opt_state, per_sample_weights, indices, offsets):
+    return emb._forward(batch, params["cores"], indices, offsets, per_sample_weights, with_plans=False)[0]
+
+
+def _fused_fwd(emb, batch, opt, params, opt_state, per_sample_weights, indices, offsets):
+    out, plans = emb._forward(batch, params["cores"], indices, offsets, per_sample_weights, with_plans=True)
+    return out, (params, opt_state, plans, offsets, per_sample_weights)
+
+
+def _fused_bwd(emb, batch, opt, res, g):
+    params, opt_state, plans, offsets, per_sample_weights = res
+    new_params, new_state = _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, g)
+    return new_params, new_state, None, None, None
+
+
+_fused_lookup.defvjp(_fused_fwd, _fused_bwd)

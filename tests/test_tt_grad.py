@@ -1,0 +1,302 @@
+"""TT training: core gradients of the prefix-sharing backward and the optimizers on core slices.
+
+Oracles: a float64 NumPy model straight from the TT chain rule (per lookup, left and right partial
+products, no prefix sharing) and `jax.grad` of the jnp reference (`reference.pooled`). The Pallas
+forward runs compiled on a GPU and in interpret mode on CPU (`KERNEL_KW`).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tt_jax
+from conftest import KERNEL_KW, assert_close
+from tbe_jax import testing
+from tt_jax import reference
+from tt_jax.kernels.forward import TTKernelConfig
+
+# N is never a product of p; T3 and T3B share (q, ranks), so they are stacked into one group.
+T2 = tt_jax.TTSpec(97, 8, p_shapes=(10, 10), q_shapes=(2, 4), ranks=(3,))
+T3 = tt_jax.TTSpec(200, 12, p_shapes=(4, 5, 11), q_shapes=(2, 3, 2), ranks=(3, 4))
+T3B = tt_jax.TTSpec(150, 12, p_shapes=(3, 6, 9), q_shapes=(2, 3, 2), ranks=(3, 4))
+T4 = tt_jax.TTSpec(350, 16, p_shapes=(3, 4, 5, 6), q_shapes=(2, 2, 2, 2), ranks=(2, 4, 3))
+TOL = 1e-5  # fp32 sums of a few hundred terms, relative to the largest gradient entry
+
+
+def make_params(emb, rng, std=0.3):
+    cores = []
+    for spec in emb.specs:
+        sigma = (std**2 / math.prod(spec.ranks)) ** (1.0 / (2 * spec.num_cores))
+        cores.append([rng.uniform(-1.7 * sigma, 1.7 * sigma, s).astype(np.float32) for s in spec.core_shapes()])
+    return emb.set_cores(None, cores)
+
+
+def make_inputs(rng, emb, batch, bag_len=(0, 12), alpha=1.3, weighted=False):
+    """Skewed ids, some out of range, and a bag with one id repeated."""
+    specs = [emb.specs[t] for t in emb.feature_table_map]
+    idx, off, psw = testing.make_batch(rng, [s.num_embeddings for s in specs], [batch] * len(specs), bag_len,
+                                       alpha=alpha, weighted=weighted)
+    idx[[1, 7]] = [-2, 100_000]
+    bag = int(np.argmax(np.diff(off)))
+    idx[off[bag] : off[bag] + 3] = idx[off[bag]]  # duplicates within a bag
+    g = rng.normal(size=(batch, sum(s.embedding_dim for s in specs))).astype(np.float32)
+    return idx, off, psw, g
+
+
+def digits(i, p):
+    out = []
+    for x in reversed(p):
+        out.append(i % x)
+        i //= x
+    return out[::-1]
+
+
+def numpy_core_grads(emb, params, idx, off, psw, g, batch):
+    """Float64 per-table per-core gradients: for each lookup, dG_k[i_k] += s * L_k^T dY R_k^T (left/right
+    partial products of the chain); also the touched slices per table per core."""
+    cores = [[np.asarray(c, np.float64) for c in cs] for cs in emb.get_cores(params)]
+    grads = [[np.zeros_like(c) for c in cs] for cs in cores]
+    touched = [[set() for _ in cs] for cs in cores]
+    dims = [emb.specs[t].embedding_dim for t in emb.feature_table_map]
+    col0 = np.concatenate([[0], np.cumsum(dims)])
+    for bag in range(len(off) - 1):
+        f, b = divmod(bag, batch)
+        tab = emb.feature_table_map[f]
+        spec = emb.specs[tab]
+        lo, hi = int(off[bag]), int(off[bag + 1])
+        coef = 1.0 / (hi - lo) if emb.pooling == "mean" and hi > lo else 1.0
+        dy = np.asarray(g[b, col0[f] : col0[f + 1]], np.float64)
+        for pos in range(lo, hi):
+            i = int(idx[pos])
+            if not 0 <= i < spec.num_embeddings:
+                continue
+            s = coef * (1.0 if psw is None else float(psw[pos]))
+            sl = [cores[tab][k][d] for k, d in enumerate(digits(i, spec.p_shapes))]  # [r, q, r']
+            nc = len(sl)
+            left = [np.ones((1, 1))]
+            for k in range(nc - 1):
+                left.append(np.einsum("La,ajb->Ljb", left[-1], sl[k]).reshape(-1, sl[k].shape[2]))
+            right = [np.ones((1, 1))] * nc
+            for k in range(nc - 1, 0, -1):
+                right[k - 1] = np.einsum("ajb,bR->ajR", sl[k], right[k]).reshape(sl[k].shape[0], -1)
+            for k, d in enumerate(digits(i, spec.p_shapes)):
+                dy3 = dy.reshape(left[k].shape[0], sl[k].shape[1], right[k].shape[1])
+                grads[tab][k][d] += s * np.einsum("La,LjR,bR->ajb", left[k], dy3, right[k])
+                touched[tab][k].add(d)
+    return grads, touched
+
+
+def reference_vjp(emb, params, idx, off, psw, g, batch):
+    ftm = emb.feature_table_map
+
+    def f(cores, w):
+        out = reference.pooled([cores[t] for t in ftm], [emb.specs[t] for t in ftm], jnp.asarray(idx),
+                               jnp.asarray(off), w, pooling=emb.pooling, batch=batch)
+        return jnp.sum(out * g)
+
+    return jax.grad(f, argnums=(0, 1))(params["cores"], None if psw is None else jnp.asarray(psw))
+
+
+def check_grads(emb, params, idx, off, psw, g, batch):
+    w = None if psw is None else jnp.asarray(psw)
+    loss = jax.jit(lambda p, w: jnp.sum(emb(p, idx, off, w) * g))
+    d_params, d_psw = jax.grad(loss, argnums=(0, 1))(params, w)
+    want, _ = numpy_core_grads(emb, params, idx, off, psw, g, batch)
+    ref_cores, ref_psw = reference_vjp(emb, params, idx, off, psw, g, batch)
+    for tab, (got_t, want_t, ref_t) in enumerate(zip(d_params["cores"], want, ref_cores)):
+        for k, (a, b, c) in enumerate(zip(got_t, want_t, ref_t)):
+            assert a.shape == b.shape and a.dtype == jnp.float32, (tab, k)
+            assert_close(a, b, TOL)
+            assert_close(a, c, TOL)
+    if psw is not None:
+        full = [reference.numpy_rows(c, s) for c, s in zip(emb.get_cores(params), emb.specs)]
+        nf = len(emb.feature_table_map)
+        _, want_psw = testing.numpy_pooled_vjp(full, list(emb.feature_table_map), [batch] * nf, idx, off, psw, g,
+                                               emb.pooling, False)
+        assert_close(d_psw, want_psw, TOL)
+        assert_close(d_psw, ref_psw, TOL)
+    return d_params
+
+
+@pytest.mark.parametrize("pooling,weighted", [("sum", True), ("mean", False)])
+def test_grads_match_float64_and_reference(rng, pooling, weighted):
+    # T = 2, 3 (two stacked tables, one read by two features), 4; items of at most 3 rows, so prefix groups
+    # span several items.
+    emb = tt_jax.TTEmbeddingBag([T2, T3, T3B, T4], feature_table_map=(0, 1, 2, 3, 1), pooling=pooling,
+                                impl="xla", config=TTKernelConfig(chunk=3))
+    params = make_params(emb, rng)
+    idx, off, psw, g = make_inputs(rng, emb, 5, weighted=weighted)
+    check_grads(emb, params, idx, off, psw, g, 5)
+
+
+@pytest.mark.parametrize("config", [TTKernelConfig(chunk=2), TTKernelConfig(chunk=0),
+                                    TTKernelConfig(prefix_reuse=False)], ids=["chunk2", "whole-groups", "unique-only"])
+def test_one_hot_prefix(rng, config):
+    # Every lookup shares the prefix (i1, i2) = (2, 3): one group, whose prefix slices get every lookup's gradient.
+    spec = tt_jax.TTSpec(24 * 20 - 5, 8, p_shapes=(4, 5, 24), q_shapes=(2, 2, 2), ranks=(4, 4))
+    emb = tt_jax.TTEmbeddingBag(spec, pooling="mean", impl="xla", config=config)
+    params = make_params(emb, rng)
+    idx = (13 * 24 + rng.integers(0, 24, 60)).astype(np.int32)
+    off = np.array([0, 0, 20, 21, 60], np.int32)
+    g = rng.normal(size=(4, 8)).astype(np.float32)
+    d = check_grads(emb, params, idx, off, None, g, 4)["cores"][0]
+    assert np.count_nonzero(np.abs(np.asarray(d[0])).sum((1, 2, 3))) == 1
+    assert np.count_nonzero(np.abs(np.asarray(d[1])).sum((1, 2, 3))) == 1
+
+
+def test_grads_through_pallas_forward(rng):
+    # The fused forward (interpret mode on CPU) saves its plans; the same backward runs on them.
+    emb = tt_jax.TTEmbeddingBag([T2, T3, T4], pooling="mean", config=TTKernelConfig(chunk=3, num_programs=2),
+                                **KERNEL_KW)
+    params = make_params(emb, rng)
+    idx, off, psw, g = make_inputs(rng, emb, 4, bag_len=(0, 8), weighted=True)
+    check_grads(emb, params, idx, off, psw, g, 4)
+
+
+# -- optimizers ---------------------------------------------------------------------
+
+
+def numpy_step(opt, cores, state, grads, touched):
+    """Float64 model of one step: (cores, state) as nested lists."""
+    cores = [[c.copy() for c in cs] for cs in cores]
+    state = None if state is None else [[m.copy() for m in ms] for ms in state]
+    for tab, cs in enumerate(cores):
+        for k, c in enumerate(cs):
+            for d in touched[tab][k]:
+                gd = grads[tab][k][d]
+                if isinstance(opt, tt_jax.SGD):
+                    c[d] -= opt.learning_rate * gd
+                    continue
+                m = state[tab][k]
+                m[d] += gd * gd if isinstance(opt, tt_jax.Adagrad) else np.mean(gd * gd)
+                c[d] -= opt.learning_rate * gd / (np.sqrt(m[d]) + opt.eps)
+    return cores, state
+
+
+def as_f64(tree):
+    return [[np.asarray(x, np.float64) for x in xs] for xs in tree]
+
+
+OPTS = [tt_jax.SGD(0.5), tt_jax.Adagrad(0.05, eps=1e-6, initial_accumulator_value=0.01),
+        tt_jax.RowwiseAdagrad(0.05, eps=1e-6, initial_accumulator_value=0.01)]
+
+
+@pytest.mark.parametrize("opt", OPTS, ids=["sgd", "adagrad", "rowwise"])
+def test_apply_gradients_matches_numpy(rng, opt):
+    # Two steps (the state carries over); T3/T3B stacked (the touched slices split by table), T4 and T2;
+    # features sharing a table; the last table is read by no feature (left unchanged).
+    specs = [T3, T3B, T4, T2]
+    emb = tt_jax.TTEmbeddingBag(specs, feature_table_map=(0, 1, 0, 2), pooling="mean", impl="xla",
+                                config=TTKernelConfig(chunk=4))
+    params = make_params(emb, rng)
+    state = emb.init_opt_state(params, opt)
+    step = jax.jit(lambda p, s, i, o, g, w: emb.apply_gradients(p, s, opt, i, o, g, w))
+    cores64 = as_f64(emb.get_cores(params))
+    state64 = None if isinstance(opt, tt_jax.SGD) else as_f64(emb.get_momentum(state))
+    for it in range(2):
+        idx, off, psw, g = make_inputs(rng, emb, 4, bag_len=5, alpha=1.5, weighted=True)
+        off[1 + it] = off[it]  # an empty bag (N fixed: one compile for both steps)
+        before, before_state = emb.get_cores(params), state
+        params, state = step(params, state, idx, off, g, psw)
+        grads, touched = numpy_core_grads(emb, emb.set_cores(None, cores64), idx, off, psw, g, 4)
+        cores64, state64 = numpy_step(opt, cores64, state64, grads, touched)
+        after = emb.get_cores(params)
+        for tab in range(len(specs)):
+            for k in range(len(after[tab])):
+                a, b, want = np.asarray(after[tab][k]), np.asarray(before[tab][k]), cores64[tab][k]
+                assert a.dtype == np.float32 and a.shape == b.shape
+                assert_close(a, want, 2e-6)
+                hit = np.zeros(a.shape[0], bool)
+                hit[sorted(touched[tab][k])] = True
+                np.testing.assert_array_equal(a[~hit], b[~hit])  # untouched slices: bitwise unchanged
+                moved = np.any(a != b, axis=tuple(range(1, a.ndim)))
+                np.testing.assert_array_equal(moved, hit)  # and every touched slice was updated
+        if state64 is not None:
+            new_m, old_m = emb.get_momentum(state), emb.get_momentum(before_state)
+            for tab in range(len(specs)):
+                for k in range(len(new_m[tab])):
+                    a, b = np.asarray(new_m[tab][k]), np.asarray(old_m[tab][k])
+                    assert a.dtype == np.float32 and a.shape == b.shape
+                    assert_close(a, state64[tab][k], 2e-6)
+                    hit = np.zeros(a.shape[0], bool)
+                    hit[sorted(touched[tab][k])] = True
+                    np.testing.assert_array_equal(a[~hit], b[~hit])
+                    assert np.all(np.any(a[hit] != b[hit], axis=tuple(range(1, a.ndim))))
+    assert sum(len(s) for s in touched[3]) == 0  # T2 is read by no feature: never touched
+
+
+@pytest.mark.parametrize("tx", [tt_jax.sgd(0.5), tt_jax.adagrad(0.05, 1e-6, 0.01),
+                                tt_jax.rowwise_adagrad(0.05, 1e-6, 0.01)], ids=["sgd", "adagrad", "rowwise"])
+def test_fused_lookup_equals_apply_gradients(rng, tx):
+    emb = tt_jax.TTEmbeddingBag([T3, T3B], feature_table_map=(0, 1, 0), impl="xla",
+                                config=TTKernelConfig(chunk=2))
+    params = make_params(emb, rng)
+    state = tx.init(params)
+    idx, off, psw, g = make_inputs(rng, emb, 3, weighted=True)
+    loss = lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off, psw) * g)  # noqa: E731
+    fused_p, fused_s = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
+    want_p, want_s = jax.jit(lambda p, s: emb.apply_gradients(p, s, tx.opt, idx, off, g, psw))(params, state)
+    assert jax.tree.structure(fused_s) == jax.tree.structure(want_s) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves((fused_p, fused_s)), jax.tree.leaves((want_p, want_s))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+    out = emb.fused_lookup(params, state, tx, idx, off, psw)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(emb(params, idx, off, psw)), rtol=1e-6, atol=1e-9)
+
+
+def test_fused_lookup_through_pallas_forward(rng):
+    tx = tt_jax.rowwise_adagrad(0.05, 1e-6)
+    specs = [T3]
+    kernel = tt_jax.TTEmbeddingBag(specs, config=TTKernelConfig(chunk=3, num_programs=2), **KERNEL_KW)
+    xla = tt_jax.TTEmbeddingBag(specs, config=TTKernelConfig(chunk=3), impl="xla")
+    params = make_params(kernel, rng)
+    state = tx.init(params)
+    idx, off, _, g = make_inputs(rng, kernel, 4, bag_len=(2, 6))
+    loss = lambda p, s: jnp.sum(kernel.fused_lookup(p, s, tx, idx, off) * g)  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
+    want = xla.apply_gradients(params, state, tx.opt, idx, off, g)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, 2e-6)
+
+
+def test_empty_batch_and_errors(rng):
+    emb = tt_jax.TTEmbeddingBag([T3], impl="xla")
+    params = make_params(emb, rng)
+    opt = tt_jax.RowwiseAdagrad(0.1)
+    state = emb.init_opt_state(params, opt)
+    assert [m.shape for m in emb.get_momentum(state)[0]] == [(4,), (5,), (11,)]
+    assert [m.shape for m in emb.get_momentum(emb.init_opt_state(params, tt_jax.Adagrad()))[0]] == \
+        T3.core_shapes()
+    empty = (np.zeros((0,), np.int32), np.zeros((3,), np.int32))
+    p2, s2 = emb.apply_gradients(params, state, opt, *empty, np.ones((2, 12), np.float32))
+    assert p2 is params and s2 is state
+    tx = tt_jax.sgd(0.1)
+    p3, s3 = jax.grad(lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, *empty)), argnums=(0, 1))(params, tx.init(params))
+    for a, b in zip(jax.tree.leaves(p3), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    idx, off = np.array([1, 2], np.int32), np.array([0, 2], np.int32)
+    with pytest.raises(ValueError, match="grad_output has shape"):
+        emb.apply_gradients(params, state, opt, idx, off, np.ones((2, 12), np.float32))
+    with pytest.raises(ValueError, match="needs AdagradState"):
+        emb.apply_gradients(params, state, tt_jax.Adagrad(), idx, off, np.ones((1, 12), np.float32))
+    with pytest.raises(TypeError, match="opt must be"):
+        emb.apply_gradients(params, state, tx, idx, off, np.ones((1, 12), np.float32))
+    with pytest.raises(TypeError, match="tx must come from"):
+        emb.fused_lookup(params, state, opt, idx, off)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        tt_jax.RowwiseAdagrad(eps=0.0)
+    with pytest.raises(ValueError, match="learning_rate"):
+        tt_jax.sgd(-1.0)
+    with pytest.raises(ValueError, match="holds no accumulators"):
+        emb.get_momentum(tt_jax.SGDState())
+
+
+def test_optim_doctest():
+    import doctest
+
+    from tt_jax import optim
+
+    result = doctest.testmod(optim, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
