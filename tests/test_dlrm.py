@@ -126,7 +126,11 @@ def test_short_training_lowers_loss_and_raises_auc():
 
 
 def test_checkpoint_resume_is_bit_exact(tmp_path):
+    # On a GPU the XLA path's scatter-adds use float atomics (run-to-run noise that 24
+    # steps amplify); the Pallas kernels sum in a fixed order, so check those there.
     common = TINY + ["--eval-batches", "1"]
+    if jax.default_backend() == "gpu":
+        common = [a if a != "xla" else "pallas" for a in common]
     straight = train.main(common + ["--steps", "24", "--ckpt-dir", str(tmp_path / "a")])
     first = train.main(common + ["--steps", "10", "--ckpt-dir", str(tmp_path / "b")])
     assert (tmp_path / "b" / "10").is_dir() and (tmp_path / "b" / "run.json").is_file()
