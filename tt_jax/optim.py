@@ -193,7 +193,7 @@ def rowwise_adagrad(learning_rate: float = 0.01, eps: float = 1e-8,
       >>> params = emb.init(jax.random.key(0)); state = tx.init(params)
       >>> idx, off = jnp.array([1, 2, 2], jnp.int32), jnp.array([0, 3], jnp.int32)
       >>> loss = lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off))
-      >>> params, state = jax.grad(loss, argnums=(0, 1))(params, state)   # the updated values
+      >>> params, state = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)   # the updated values
       >>> [int(jnp.sum(m > 0)) for m in emb.get_momentum(state)[0]]     # slices touched per core
       [1, 1, 2]
     """
