@@ -34,7 +34,8 @@ class Runs(NamedTuple):
 
     pos: jax.Array  # [N] int32: lookup positions sorted by key (invalid ones last)
     src: jax.Array  # [N] int32: per sorted lookup, flat offset of its bag's output row (column 0)
-    scale: jax.Array  # [N] f32: per sorted lookup, per-sample weight x 1/len (mean) x valid
+    scale: jax.Array | None  # [N] f32: per sorted lookup, per-sample weight x 1/len (mean) x valid;
+    #                        None when every valid lookup's scale is 1 (unweighted sum pooling or sequence)
     run_start: jax.Array  # [N + 1] int32: first sorted lookup of run r (run r ends at run_start[r+1])
     run_key: jax.Array  # [N] int32: linear row of run r (total_rows past the last run)
     num_runs: jax.Array  # [] int32
@@ -60,24 +61,42 @@ def _compact(mask: jax.Array, size: int, fill: int) -> tuple[jax.Array, jax.Arra
     return out, jnp.sum(mask.astype(jnp.int32))
 
 
+def feature_keys(layout: StorageLayout, plan: FeaturePlan) -> np.ndarray:
+    """Per feature, the linear key of its table's row 0."""
+    bases = group_bases(layout)
+    return np.asarray([bases[plan.group[f]] + plan.row_offset[f] for f in range(plan.num_features)], np.int64)
+
+
+def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
+                sequence: bool = False):
+    """Per lookup: (linear key or `total` if invalid, flat offset of its output row, scale); jnp."""
+    n = indices.shape[0]
+    total = int(group_bases(layout)[-1])
+    bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
+    valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
+    key = jnp.where(valid, jnp.asarray(feature_keys(layout, plan).astype(np.int32))[feat] + indices, total)
+    src = jnp.arange(n, dtype=jnp.int32) * layout.dims[0] if sequence else output_rows(plan, bag, feat)
+    return key, src, scale
+
+
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
-    sequence: bool = False,
+    sequence: bool = False, keys=None,
 ) -> Runs:
-    """Sort the batch's lookups into runs (see module doc). Inputs validated, int32."""
+    """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
+
+    `keys`: the `(key, src, scale)` of `lookup_keys` when already computed (e.g. by
+    the Pallas pass `kernels.backward.lookup_keys`).
+    """
     n = indices.shape[0]
     bases = group_bases(layout)
     total = int(bases[-1])
     if total >= 2**31 - 1:
         raise ValueError(f"{total} rows in all tables: the int32 sort key needs fewer than 2**31 - 1")
-    bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
-    valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
+    if keys is None:
+        keys = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling, sequence=sequence)
+    key, src, scale = keys
     pos = jnp.arange(n, dtype=jnp.int32)
-    feat_key0 = jnp.asarray(
-        np.asarray([bases[plan.group[f]] + plan.row_offset[f] for f in range(plan.num_features)], np.int32)
-    )
-    key = jnp.where(valid, feat_key0[feat] + indices, total)
-    src = pos * layout.dims[0] if sequence else output_rows(plan, bag, feat)
 
     skey, spos = jax.lax.sort((key, pos), num_keys=1, is_stable=True)
     is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
@@ -110,5 +129,6 @@ def build_runs(
     chunk_run = jnp.clip(chunk_run - 1, 0, n_long_max - 1)
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
-    return Runs(spos, src[spos], scale[spos], run_start, run_key, num_runs, mid, long, chunk_run,
+    unit = per_sample_weights is None and (sequence or pooling == "sum")
+    return Runs(spos, src[spos], None if unit else scale[spos], run_start, run_key, num_runs, mid, long, chunk_run,
                 chunk_first, long_chunk0, counts)

@@ -470,9 +470,16 @@ class TableBatchedEmbedding:
                                          grad_output, backward_config)
         return new_w, (RowwiseAdagradState(new_m) if adagrad else opt_state)
 
-    def _runs(self, plan, indices, offsets, per_sample_weights):
+    def _runs(self, plan, indices, offsets, per_sample_weights, backward_config=None):
+        cfg = backward_config or self.backward_config
+        sequence = self.pooling == "none"
+        keys = None
+        if cfg.keys_kernel and not sequence:
+            keys = bwd_kernels.lookup_keys(
+                plan, runs_lib.feature_keys(self.layout, plan), int(runs_lib.group_bases(self.layout)[-1]),
+                indices, offsets, per_sample_weights, pooling=self.pooling, config=cfg, interpret=self.interpret)
         return runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
-                                   pooling=self.pooling, sequence=self.pooling == "none")
+                                   pooling=self.pooling, sequence=sequence, keys=keys)
 
     def _update_impl(self, plan, opt, params, momentum, indices, offsets, per_sample_weights, grad_output,
                      backward_config=None, runs=None):
@@ -484,7 +491,7 @@ class TableBatchedEmbedding:
             return params, momentum
         if self._use_kernel():
             if runs is None:
-                runs = self._runs(plan, indices, offsets, per_sample_weights)
+                runs = self._runs(plan, indices, offsets, per_sample_weights, backward_config)
             return bwd_kernels.fused_update(
                 params, momentum, self.layout, runs, grad_output.astype(jnp.float32), opt,
                 config=backward_config or self.backward_config, interpret=self.interpret,

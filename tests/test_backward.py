@@ -347,3 +347,32 @@ def test_stochastic_rounding_is_unbiased(impl, wdtype, mant):
             up = np.mean(w > 1.0)
             assert abs(up - 0.3) < 5 * np.sqrt(0.21 / w.size), up
             assert len(np.unique((w > 1.0).sum(axis=1))) > 3  # not one decision per row
+
+
+@pytest.mark.parametrize("pooling,weighted,vbe", [("sum", False, False), ("mean", True, False), ("sum", True, True)])
+def test_lookup_keys_kernel_matches_jnp(rng, pooling, weighted, vbe):
+    # The Pallas pass over bags gives each lookup the same key, output offset and scale as
+    # the jnp definition, including ids out of range, empty bags, and positions outside
+    # every bag (before offsets[0] and after offsets[-1]).
+    from tbe_jax.kernels import backward as bwd
+
+    tables = specs([9, 40, 5], [4, 8, 4])
+    fmap = [0, 1, 2, 1]
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling)
+    batch = [3, 5, 2, 4] if vbe else [4] * 4
+    idx, off, psw = testing.make_batch(rng, [tables[t].num_embeddings + 2 for t in fmap], batch, (0, 40),
+                                       weighted=True)
+    idx[::7] = -1
+    idx = np.concatenate([[3, 3], idx, [1]]).astype(np.int32)  # two positions before the first bag, one after
+    off = (off + 2).astype(np.int32)
+    plan = emb.plan_for(len(off), tuple(batch) if vbe else None)
+    psw = np.concatenate([[1.0, 1.0], psw, [1.0]]).astype(np.float32) if weighted else None
+    args = (jnp.asarray(idx), jnp.asarray(off), None if psw is None else jnp.asarray(psw))
+    want = runs_lib.lookup_keys(emb.layout, plan, *args, pooling=pooling)
+    got = bwd.lookup_keys(plan, runs_lib.feature_keys(emb.layout, plan), int(runs_lib.group_bases(emb.layout)[-1]),
+                          *args, pooling=pooling, config=tbe_jax.BackwardConfig(keys_bags=4),
+                          interpret=KERNEL_KW["interpret"])
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    valid = np.asarray(want[0]) < int(runs_lib.group_bases(emb.layout)[-1])
+    np.testing.assert_array_equal(np.asarray(got[1])[valid], np.asarray(want[1])[valid])
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6)

@@ -54,6 +54,10 @@ class BackwardConfig:
       sort_in_forward: `fused_lookup` only: build the runs (sort, run-length
         encoding) in the forward and keep them as residuals for the backward,
         instead of building them in the backward.
+      keys_kernel: compute each lookup's sort key, output offset and scale with
+        a Pallas pass over the bags (`lookup_keys`) instead of XLA ops (bag ids by
+        a prefix sum over positions, then gathers). Pooled lookups only.
+      keys_bags: bags per program of that pass.
     """
 
     small_block: int = 32
@@ -62,9 +66,11 @@ class BackwardConfig:
     programs: int = 4096
     num_warps: int = 1
     sort_in_forward: bool = False
+    keys_kernel: bool = True
+    keys_bags: int = 32
 
     def __post_init__(self):
-        for name in ("small_block", "lookups_per_step"):
+        for name in ("small_block", "lookups_per_step", "keys_bags"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
@@ -98,17 +104,19 @@ def _row_update(opt, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, row_ok, acc,
     plgpu.store(w_out_ref.at[rows, cols[None, :]], w.astype(w_out_ref.dtype), mask=mask)
 
 
-def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok):
-    """sum over sorted lookups [first, end) of scale * g[src + cols], fp32 [1, Dp]."""
+def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scaled):
+    """sum over sorted lookups [first, end) of scale * g[src + cols], fp32 [1, Dp] (scale 1 unless `scaled`)."""
     j = jnp.arange(k, dtype=jnp.int32)
 
     def step(i, acc):
         jj = first + i * k + j
         live = jj < end
         src = plgpu.load(src_ref.at[jj], mask=live, other=0)
-        sc = plgpu.load(scale_ref.at[jj], mask=live, other=0.0)
         rows = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :], other=0)
-        return acc + jnp.sum(rows.astype(jnp.float32) * sc[:, None], axis=0, keepdims=True)
+        rows = rows.astype(jnp.float32)
+        if scaled:
+            rows = rows * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
+        return acc + jnp.sum(rows, axis=0, keepdims=True)
 
     n = (end - first + k - 1) // k
     return jax.lax.fori_loop(0, jnp.maximum(n, 0), step, jnp.zeros((1, cols.shape[0]), jnp.float32))
@@ -122,7 +130,7 @@ def _strided_tasks(lo, hi, programs, body):
 
 
 def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, dim, base, block, programs):
+                  opt, dim, base, block, programs, scaled):
     """Blocks of `block` consecutive runs; the small ones (<= SMALL lookups) are gathered in
     lockstep and updated, one row each; the others are left to the mid/long kernels."""
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
@@ -144,9 +152,11 @@ def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref
             live = j < length
             jj = first + j
             src = plgpu.load(src_ref.at[jj], mask=live, other=0)
-            sc = plgpu.load(scale_ref.at[jj], mask=live, other=0.0)
             g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :], other=0)
-            return acc + g.astype(jnp.float32) * sc[:, None]
+            g = g.astype(jnp.float32)
+            if scaled:
+                g = g * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
+            return acc + g
 
         acc = jax.lax.fori_loop(0, jnp.max(length), step, jnp.zeros((block, cols.shape[0]), jnp.float32))
         # Masked lanes point one past the buffer: never stored on a GPU, and dropped
@@ -158,7 +168,7 @@ def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref
 
 
 def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                opt, dim, base, k, programs):
+                opt, dim, base, k, programs, scaled):
     """One mid run per task: its lookups gathered `k` at a time, one row update."""
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
@@ -169,7 +179,7 @@ def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref
         r = plgpu.load(mid_ref.at[t])
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok)
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled)
         row = plgpu.load(run_key_ref.at[r + jnp.zeros((1,), jnp.int32)]) - base
         _row_update(opt, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
 
@@ -177,7 +187,7 @@ def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref
 
 
 def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, src_ref, scale_ref, g_ref,
-                  part_ref, *, dim, k, programs):
+                  part_ref, *, dim, k, programs, scaled):
     """One LONG-lookup chunk of a long run per task: its fp32 partial sum to the workspace."""
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
     col_ok = cols < dim
@@ -186,7 +196,7 @@ def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_r
         first = plgpu.load(chunk_first_ref.at[t])
         r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok)
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
     _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(4)]), plgpu.load(rng_ref.at[jnp.int32(5)]), programs, task)
@@ -275,7 +285,10 @@ def fused_update(
     # Interpret mode runs programs one after another: few programs keep CPU tests
     # fast and make each program walk several tasks (the strided loop is tested).
     max_programs = min(config.programs, 16) if interpret else config.programs
-    common = [runs.src, runs.scale, g_flat]
+    # Unweighted sum pooling: every lookup in a run has scale 1 (invalid ones are in no
+    # run), so the runs carry no scales and the kernels skip those loads.
+    scaled = runs.scale is not None
+    common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
     max_chunks = runs.chunk_first.shape[0]
     p_small = max(1, min(max_programs, -(-n // blk)))
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
@@ -297,15 +310,16 @@ def fused_update(
         base = int(bases[g])
         state = [new_w[key]] + ([new_m[key]] if adagrad else [])
         state = aliased(
-            functools.partial(_small_kernel, opt=opt, dim=dim, base=base, block=blk, programs=p_small),
+            functools.partial(_small_kernel, opt=opt, dim=dim, base=base, block=blk, programs=p_small,
+                              scaled=scaled),
             "tbe_backward_small_runs", p_small,
             [rng, runs.run_start, runs.run_key] + common, state)
         state = aliased(
-            functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid),
+            functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid, scaled=scaled),
             "tbe_backward_mid_runs", p_mid,
             [rng, runs.mid, runs.run_start, runs.run_key] + common, state)
         part = pl.pallas_call(
-            functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long),
+            functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long, scaled=scaled),
             out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(dim)), jnp.float32),
             grid=(p_long,),
             compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
@@ -318,3 +332,82 @@ def fused_update(
         if adagrad:
             new_m[key] = state[1]
     return new_w, new_m
+
+
+# -- per-lookup keys ---------------------------------------------------------------
+# The runs' first step: for each lookup, its linear key (the row's index across all
+# storage buffers, or `total` if invalid), the flat offset of its bag's output row and
+# its scale (per-sample weight x 1/len for mean, 0 if invalid). A program owns a few
+# bags of one feature (static program table, as the forward's), so the feature's
+# facts are scalars and no position -> bag search is needed.
+
+_K_KEY0, _K_ROWS, _K_OUT_BASE, _K_STRIDE = range(4)
+
+
+def _keys_kernel(prog_ref, ftab_ref, off_ref, idx_ref, *refs, bags, n, total, mean, weighted):
+    if weighted:
+        psw_ref, refs = refs[0], refs[1:]
+    key_out, src_out, scale_out = refs[3:]
+    p = pl.program_id(0)
+    f = plgpu.load(prog_ref.at[p, jnp.int32(0)])
+    gb0 = plgpu.load(prog_ref.at[p, jnp.int32(1)])
+    nb = plgpu.load(prog_ref.at[p, jnp.int32(2)])
+    lb0 = plgpu.load(prog_ref.at[p, jnp.int32(3)])
+    key0 = plgpu.load(ftab_ref.at[f, jnp.int32(_K_KEY0)])
+    num_rows = plgpu.load(ftab_ref.at[f, jnp.int32(_K_ROWS)])
+    out_base = plgpu.load(ftab_ref.at[f, jnp.int32(_K_OUT_BASE)])
+    stride = plgpu.load(ftab_ref.at[f, jnp.int32(_K_STRIDE)])
+    lane = jnp.arange(bags, dtype=jnp.int32)
+    ok = lane < nb
+    b = gb0 + lane
+    start = jnp.clip(plgpu.load(off_ref.at[b], mask=ok, other=0), 0, n)
+    end = jnp.clip(plgpu.load(off_ref.at[b + 1], mask=ok, other=0), start, n)
+    length = jnp.where(ok, end - start, 0)
+    src = out_base + (lb0 + lane) * stride
+    coef = 1.0 / jnp.maximum(length, 1).astype(jnp.float32) if mean else jnp.ones((bags,), jnp.float32)
+
+    def step(j, carry):
+        live = j < length
+        # Masked lanes point past the end: never stored on a GPU, dropped in interpret mode.
+        pos = jnp.where(live, start + j, n)
+        ids = plgpu.load(idx_ref.at[pos], mask=live, other=-1)
+        valid = live & (ids >= 0) & (ids < num_rows)
+        scale = jnp.where(valid, coef, 0.0)
+        if weighted:
+            scale = scale * plgpu.load(psw_ref.at[pos], mask=live, other=0.0)
+        plgpu.store(key_out.at[pos], jnp.where(valid, key0 + ids, total), mask=live)
+        plgpu.store(src_out.at[pos], src, mask=live)
+        plgpu.store(scale_out.at[pos], scale, mask=live)
+        return carry
+
+    jax.lax.fori_loop(0, jnp.max(length), step, jnp.int32(0))
+
+
+def lookup_keys(plan, key0: np.ndarray, total: int, indices, offsets, per_sample_weights, *, pooling: str,
+                config: BackwardConfig, interpret: bool):
+    """Per lookup (key, src, scale) as `runs.build_runs` defines them, for pooled lookups.
+
+    Positions outside every bag keep key `total` and scale 0. Offsets must be
+    well formed (what the bounds checks guarantee); malformed offsets give
+    undefined keys, as everywhere with `bounds_check="none"`.
+    """
+    from tbe_jax.kernels.forward import program_rows
+
+    n = indices.shape[0]
+    rows = program_rows(plan, range(plan.num_features), config.keys_bags)
+    prog = jnp.asarray(np.asarray(rows, np.int32).reshape(-1, 4))
+    ftab = jnp.asarray(np.stack([key0, plan.num_rows, plan.out_base, plan.out_stride], axis=1).astype(np.int32))
+    init = [jnp.full((n,), total, jnp.int32), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)]
+    weighted = per_sample_weights is not None
+    args = [prog, ftab, offsets, indices] + ([per_sample_weights.astype(jnp.float32)] if weighted else []) + init
+    if prog.shape[0] == 0:
+        return tuple(init)
+    return tuple(pl.pallas_call(
+        functools.partial(_keys_kernel, bags=config.keys_bags, n=n, total=total, mean=pooling == "mean",
+                          weighted=weighted),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in init],
+        grid=(prog.shape[0],),
+        input_output_aliases={len(args) - 3 + i: i for i in range(3)},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="tbe_backward_lookup_keys",
+    )(*args))

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device-machine command for a session's GPU work: install, then the stages named
+# as arguments, each under its own time limit, results under $OUT (or ./gpu-out).
+#   bash benchmarks/run_gpu.sh tests backward tt dlrm
+# Stages:
+#   tests     the whole suite compiled (4 workers)              -> tests.log
+#   backward  bench_backward.py, all presets + scaling run      -> backward-*.json, backward.log
+#   profile   profile_backward.py on base and zipf              -> profile.json
+#   forward   bench_forward.py, all presets                     -> forward-*.json, forward.log
+#   tt        bench_tt.py workload a (B 2048..131072) + meta-788 -> tt-*.json, tt.log
+#   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+python3 -m pip install --no-deps -q -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+for stage in "$@"; do
+  echo "== $stage $(date -u +%H:%M:%S)"
+  case "$stage" in
+    tests) timeout 300 python3 -m pytest -q -n 4 -p no:benchmark tests 2>&1 | tail -40 > "$OUT/tests.log";
+           tail -5 "$OUT/tests.log" ;;
+    backward) timeout 420 python3 benchmarks/bench_backward.py --scaling --iters 10 --reps 3 --out "$OUT" \
+                2>&1 | grep -v Warning | tee "$OUT/backward.log" ;;
+    profile) timeout 120 python3 benchmarks/profile_backward.py --presets base,zipf --out "$OUT/profile.json" ;;
+    forward) timeout 300 python3 benchmarks/bench_forward.py --out "$OUT" 2>&1 | tee "$OUT/forward.log" | tail -12 ;;
+    tt) timeout 200 python3 benchmarks/bench_tt.py --batches 2048,8192,32768,131072 --no-bwd --out "$OUT" \
+          2>&1 | tee "$OUT/tt.log" | tail -8;
+        timeout 150 python3 benchmarks/bench_tt.py --workload meta-788 --batches 4096 \
+          --variants pallas,pallas_static,pallas_grid,pallas_unique_only --no-bwd --out "$OUT" \
+          2>&1 | tee -a "$OUT/tt.log" | tail -4 ;;
+    dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
+            | tee "$OUT/dlrm.log" | tail -4 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
