@@ -376,3 +376,22 @@ def test_lookup_keys_kernel_matches_jnp(rng, pooling, weighted, vbe):
     valid = np.asarray(want[0]) < int(runs_lib.group_bases(emb.layout)[-1])
     np.testing.assert_array_equal(np.asarray(got[1])[valid], np.asarray(want[1])[valid])
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(keys_kernel=True, lookups_per_step=2)],
+                         ids=["prefetch", "keys_kernel"])
+def test_backward_config_variants(rng, cfg):
+    # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
+    tables = specs([3, 300], [8, 16])
+    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-2)
+    idx, off, psw = testing.make_batch(rng, [3, 300], [4, 4], (0, 300), weighted=True)
+    g = rng.standard_normal((4, 24)).astype(np.float32)
+    outs = []
+    for bcfg in (tbe_jax.BackwardConfig(), tbe_jax.BackwardConfig(**cfg)):
+        emb = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", backward_config=bcfg, **KERNEL_KW)
+        params = emb.init(jax.random.key(2))
+        p, s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g, psw))(
+            params, emb.init_opt_state(params, opt))
+        outs.append(jax.tree_util.tree_leaves((p, s)))
+    for a, b in zip(*outs):
+        assert_close(a, b, 1e-6)

@@ -58,6 +58,11 @@ class BackwardConfig:
         a Pallas pass over the bags (`lookup_keys`) instead of XLA ops (bag ids by
         a prefix sum over positions, then gathers). Pooled lookups only.
       keys_bags: bags per program of that pass.
+      prefetch: the mid-run and chunk kernels load step i+1's source offsets
+        while step i's gradient rows arrive (software pipelining).
+
+    `keys_kernel` and `prefetch` are off by default until they have been
+    compiled and timed on a GPU (both pass the interpret-mode tests).
     """
 
     small_block: int = 32
@@ -66,8 +71,9 @@ class BackwardConfig:
     programs: int = 4096
     num_warps: int = 1
     sort_in_forward: bool = False
-    keys_kernel: bool = True
+    keys_kernel: bool = False
     keys_bags: int = 32
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("small_block", "lookups_per_step", "keys_bags"):
@@ -104,22 +110,39 @@ def _row_update(opt, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, row_ok, acc,
     plgpu.store(w_out_ref.at[rows, cols[None, :]], w.astype(w_out_ref.dtype), mask=mask)
 
 
-def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scaled):
-    """sum over sorted lookups [first, end) of scale * g[src + cols], fp32 [1, Dp] (scale 1 unless `scaled`)."""
+def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scaled, prefetch):
+    """sum over sorted lookups [first, end) of scale * g[src + cols], fp32 [1, Dp] (scale 1 unless `scaled`).
+
+    With `prefetch`, software-pipelined: step i's gradient rows load while step
+    i + 1's source offsets (and scales) are already in flight, so a step costs one
+    memory latency instead of two dependent ones.
+    """
     j = jnp.arange(k, dtype=jnp.int32)
 
-    def step(i, acc):
+    def indices(i):
         jj = first + i * k + j
         live = jj < end
         src = plgpu.load(src_ref.at[jj], mask=live, other=0)
+        sc = plgpu.load(scale_ref.at[jj], mask=live, other=0.0) if scaled else jnp.zeros((k,), jnp.float32)
+        return src, sc, live
+
+    def add(acc, src, sc, live):
         rows = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :], other=0)
         rows = rows.astype(jnp.float32)
         if scaled:
-            rows = rows * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
+            rows = rows * sc[:, None]
         return acc + jnp.sum(rows, axis=0, keepdims=True)
 
-    n = (end - first + k - 1) // k
-    return jax.lax.fori_loop(0, jnp.maximum(n, 0), step, jnp.zeros((1, cols.shape[0]), jnp.float32))
+    n = jnp.maximum((end - first + k - 1) // k, 0)
+    zeros = jnp.zeros((1, cols.shape[0]), jnp.float32)
+    if not prefetch:
+        return jax.lax.fori_loop(0, n, lambda i, acc: add(acc, *indices(i)), zeros)
+
+    def step(i, carry):
+        nxt = indices(i + 1)  # issued before this step's dependent row loads
+        return (add(*carry),) + nxt
+
+    return jax.lax.fori_loop(0, n, step, (zeros,) + indices(0))[0]
 
 
 def _strided_tasks(lo, hi, programs, body):
@@ -168,7 +191,7 @@ def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref
 
 
 def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                opt, dim, base, k, programs, scaled):
+                opt, dim, base, k, programs, scaled, prefetch):
     """One mid run per task: its lookups gathered `k` at a time, one row update."""
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
@@ -179,7 +202,8 @@ def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref
         r = plgpu.load(mid_ref.at[t])
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled)
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+                          prefetch=prefetch)
         row = plgpu.load(run_key_ref.at[r + jnp.zeros((1,), jnp.int32)]) - base
         _row_update(opt, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
 
@@ -187,7 +211,7 @@ def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref
 
 
 def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, src_ref, scale_ref, g_ref,
-                  part_ref, *, dim, k, programs, scaled):
+                  part_ref, *, dim, k, programs, scaled, prefetch):
     """One LONG-lookup chunk of a long run per task: its fp32 partial sum to the workspace."""
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
     col_ok = cols < dim
@@ -196,7 +220,8 @@ def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_r
         first = plgpu.load(chunk_first_ref.at[t])
         r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled)
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+                          prefetch=prefetch)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
     _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(4)]), plgpu.load(rng_ref.at[jnp.int32(5)]), programs, task)
@@ -315,11 +340,13 @@ def fused_update(
             "tbe_backward_small_runs", p_small,
             [rng, runs.run_start, runs.run_key] + common, state)
         state = aliased(
-            functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid, scaled=scaled),
+            functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid, scaled=scaled,
+                              prefetch=config.prefetch),
             "tbe_backward_mid_runs", p_mid,
             [rng, runs.mid, runs.run_start, runs.run_key] + common, state)
         part = pl.pallas_call(
-            functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long, scaled=scaled),
+            functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long, scaled=scaled,
+                              prefetch=config.prefetch),
             out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(dim)), jnp.float32),
             grid=(p_long,),
             compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
