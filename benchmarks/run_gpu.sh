@@ -14,6 +14,14 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip install --no-deps -q -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+# Packages the device image lacks (dm-haiku, jmp, nbclient...) travel as wheels in .whl/ (git-ignored; pass
+# carry=[".whl"]). Fetch them here first with:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl dm-haiku==0.0.17 jmp==0.0.4
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in "$@"; do
   echo "== $stage $(date -u +%H:%M:%S)"

@@ -8,10 +8,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from tt_jax import backward, optim, prefix, reference
-from tt_jax.kernels.forward import TTKernelConfig, tt_pool, tt_rows
+from tt_jax import backward, optim, reference
+from tt_jax.kernels.forward import TTKernelConfig, flow_plans, pooled_forward
 from tt_jax.specs import TTSpec
 
 _INITS = ("approx-normal", "approx-uniform")
@@ -182,11 +181,7 @@ class TTEmbeddingBag:
 
     def _plans(self, batch, indices, offsets):
         """Per table group of `prefix.stack_tables`, the `FlowPlan` of this batch."""
-        return tuple(
-            prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=self.feature_table_map,
-                              batch=batch, chunk=self.config.chunk, prefix_reuse=self.config.prefix_reuse)
-            for layout, feats in prefix.stack_tables(self.specs, self.feature_table_map)
-        )
+        return flow_plans(self.specs, self.feature_table_map, indices, offsets, batch=batch, config=self.config)
 
     def _forward(self, batch, all_cores, indices, offsets, per_sample_weights, *, with_plans):
         """(output, plans or None). Pallas: the fused kernels on the plans (kept for the backward); XLA: the
@@ -196,18 +191,9 @@ class TTEmbeddingBag:
             out = reference.pooled([all_cores[t] for t in ftm], [self.specs[t] for t in ftm], indices, offsets,
                                    per_sample_weights, pooling=self.pooling, batch=batch)
             return out, (self._plans(batch, indices, offsets) if with_plans else None)
-        dims = [self.specs[t].embedding_dim for t in self.feature_table_map]
-        total = sum(dims)
-        col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
-        out = None
-        plans = self._plans(batch, indices, offsets)
-        for (layout, feats), plan in zip(prefix.stack_tables(self.specs, self.feature_table_map), plans):
-            rows = tt_rows(prefix.stack_cores(layout, all_cores), plan, layout, config=self.config,
-                           interpret=self.interpret)
-            out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
-                          dim=layout.dim, batch=batch, total_dim=total, pooling=self.pooling, config=self.config,
-                          interpret=self.interpret)
-        return out.reshape(batch, total), plans
+        return pooled_forward(all_cores, self.specs, self.feature_table_map, indices, offsets, per_sample_weights,
+                              batch=batch, pooling=self.pooling, config=self.config, interpret=self.interpret,
+                              return_plans=True)
 
     # -- training ----------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):

@@ -460,6 +460,15 @@ def tt_pool(
         return call(*args)
 
 
+def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, batch: int, config: TTKernelConfig):
+    """Per table group of `prefix.stack_tables` (in order), the batch's `FlowPlan`."""
+    return tuple(
+        prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=feature_table_map,
+                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse)
+        for layout, feats in prefix.stack_tables(specs, feature_table_map)
+    )
+
+
 def pooled_forward(
     all_cores,  # per table, its cores in the logical layout
     specs,
@@ -473,27 +482,27 @@ def pooled_forward(
     config: TTKernelConfig,
     interpret: bool,
     return_stats: bool = False,
+    return_plans: bool = False,
 ):
     """`[B, sum_f D_f]` pooled TT lookups (feature f reads table `feature_table_map[f]`).
 
     Per group of tables sharing (q, ranks): `prefix.build_flow`, `tt_rows`,
     `tt_pool`. With `return_stats`, also a dict of device scalars per group
-    (distinct rows, prefix groups, work items).
+    (distinct rows, prefix groups, work items); with `return_plans`, also the
+    tuple of per-group `FlowPlan`s (the backward's residuals): `out`,
+    `(out, stats)`, `(out, plans)` or `(out, stats, plans)`.
     """
     dims = [specs[t].embedding_dim for t in feature_table_map]
     total = sum(dims)
     col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
     out, stats = None, []
-    for layout, feats in prefix.stack_tables(specs, feature_table_map):
-        plan = prefix.build_flow(
-            layout, indices, offsets, features=feats, feature_table_map=feature_table_map, batch=batch,
-            chunk=config.chunk, prefix_reuse=config.prefix_reuse,
-        )
+    plans = flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config)
+    for (layout, feats), plan in zip(prefix.stack_tables(specs, feature_table_map), plans):
         rows = tt_rows(prefix.stack_cores(layout, all_cores), plan, layout, config=config, interpret=interpret)
         out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
                       dim=layout.dim, batch=batch, total_dim=total, pooling=pooling, config=config,
                       interpret=interpret)
         stats.append({"distinct_rows": plan.num_rows, "prefix_groups": plan.num_groups,
                       "work_items": plan.num_items[0]})
-    out = out.reshape(batch, total)
-    return (out, stats) if return_stats else out
+    out = (out.reshape(batch, total),) + ((stats,) if return_stats else ()) + ((plans,) if return_plans else ())
+    return out if len(out) > 1 else out[0]
