@@ -38,13 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
+from bench_forward import FBGEMM_FWD_KERNEL_MS, time_calls, xla_baseline  # noqa: E402  (same timing, same baseline)
 
-# ../shared/anchors/README.md (H200, 2026-11-29): FBGEMM CUDA TBE "kernels" times (ms).
-FBGEMM_FWD_KERNEL_MS = {
-    "base": 0.187, "zipf": 0.125, "weighted": 0.157, "large": 0.849, "fp32": 0.146, "smalltable": 0.218,
-}
+# ../shared/anchors/README.md (H200, 2026-11-29): FBGEMM CUDA TBE backward "kernels" times (ms).
 FBGEMM_BWD_KERNEL_MS = {
     "base": 1.538, "zipf": 0.986, "weighted": 1.423, "large": 7.497, "fp32": 0.902, "smalltable": 0.820,
 }
@@ -65,6 +64,17 @@ def _loss(out, g):
     return jnp.sum(out * g) + 5e-4 * jnp.sum(out * out)
 
 
+def fused_train_step(emb, tx):
+    """A jitted training step through `emb.fused_lookup` under `jax.grad`, carry (tables, state) donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(carry, i, o, s, g):
+        loss = lambda p, st: _loss(emb.fused_lookup(p, st, tx, i, o, s), g)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(*carry)
+
+    return step
+
+
 def time_chain(step, carry, arg_sets, iters, reps):
     """Median ms per step; `step(carry, *args) -> carry` with the carry donated."""
     for a in arg_sets:  # compile + warm-up
@@ -78,32 +88,6 @@ def time_chain(step, carry, arg_sets, iters, reps):
         jax.block_until_ready(carry)
         samples.append((time.perf_counter() - t0) * 1e3 / iters)
     return statistics.median(samples), carry
-
-
-def time_calls(fn, arg_sets, iters, reps):
-    for a in arg_sets:
-        jax.block_until_ready(fn(*a))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples)
-
-
-def xla_forward(w, table_offsets, indices, offsets, psw, num_features, batch):
-    """The anchors' XLA baseline forward: one take + sorted segment_sum."""
-    n = indices.shape[0]
-    bag = jnp.cumsum(jnp.zeros(n, jnp.int32).at[offsets[1:-1]].add(1, mode="drop"))
-    feat = bag // batch
-    rows = jnp.take(w, indices + table_offsets[feat], axis=0).astype(jnp.float32)
-    if psw is not None:
-        rows = rows * psw[:, None]
-    pooled = jax.ops.segment_sum(rows, bag, num_segments=num_features * batch, indices_are_sorted=True)
-    return pooled.reshape(num_features, batch, -1).transpose(1, 0, 2).reshape(batch, -1)
 
 
 def xla_step(carry, indices, offsets, psw, g, *, fwd):
@@ -214,27 +198,16 @@ def run_workload(wl, args, bcfgs):
     emb_sif = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, **kw,
                                             backward_config=dataclasses.replace(bcfg, sort_in_forward=True))
 
-    # A training step through fused_lookup under jax.grad (forward + fused backward).
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def train_step(carry, i, o, s, g):
-        p, st = carry
-        loss = lambda p, st: _loss(emb.fused_lookup(p, st, tx, i, o, s), g)  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))(p, st)
-
+    # A training step through fused_lookup under jax.grad (forward + fused backward), and the same step
+    # with the sort/RLE moved into the forward (BackwardConfig.sort_in_forward).
+    train_step = fused_train_step(emb, tx)
     carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
     row["fwd_bwd_ms"], carry = time_chain(train_step, carry, sets, args.iters, args.reps)
     del carry
     row["bwd_step_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
-
-    # The same step with the sort/RLE moved into the forward (BackwardConfig.sort_in_forward).
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def train_step_sif(carry, i, o, s, g):
-        p, st = carry
-        loss = lambda p, st: _loss(emb_sif.fused_lookup(p, st, tx, i, o, s), g)  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))(p, st)
-
     carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
-    row["fwd_bwd_sort_in_forward_ms"], carry = time_chain(train_step_sif, carry, sets, args.iters, args.reps)
+    row["fwd_bwd_sort_in_forward_ms"], carry = time_chain(fused_train_step(emb_sif, tx), carry, sets, args.iters,
+                                                          args.reps)
     del carry
     if args.hlo_dir:
         text = train_step.lower((params0, state0), *sets[0]).compile().as_text()
@@ -247,8 +220,9 @@ def run_workload(wl, args, bcfgs):
     if len(params0) == 1 and not args.no_xla:
         key = next(iter(params0))
         table_offsets = jnp.asarray(np.asarray(emb.layout.table_row_offset, np.int32))
-        fwd_x = functools.partial(xla_forward, table_offsets=table_offsets, num_features=nf, batch=wl.B)
-        fwd_x = (lambda f: (lambda w, i, o, s: f(w, indices=i, offsets=o, psw=s)))(fwd_x)
+        def fwd_x(w, i, o, s):
+            return xla_baseline(w, table_offsets, i, o, s, nf, wl.B)
+
         xfwd = jax.jit(fwd_x)
         row["xla_fwd_ms"] = time_calls(xfwd, [(params0[key],) + s[:3] for s in sets], args.iters, args.reps)
         xstep = jax.jit(functools.partial(xla_step, fwd=fwd_x), donate_argnums=(0,))
@@ -303,17 +277,12 @@ def scaling_run(args):
         wl = testing.Workload(f"scale-E{e}", 4, e, 128, 4096, 20, 1.15)
         sets = make_sets(wl, args.sets)
         tables = [tbe_jax.TableSpec(e, 128) for _ in range(4)]
-        emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas")
+        emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, impl="pallas")
         tx = tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS)
         params = emb.init(jax.random.key(0))
         state = tx.init(params)
 
-        @functools.partial(jax.jit, donate_argnums=(0,))
-        def train_step(carry, i, o, s, g, emb=emb, tx=tx):
-            p, st = carry
-            loss = lambda p, st: _loss(emb.fused_lookup(p, st, tx, i, o, s), g)  # noqa: E731
-            return jax.grad(loss, argnums=(0, 1))(p, st)
-
+        train_step = fused_train_step(emb, tx)
         ms, carry = time_chain(train_step, (params, state), sets, args.iters, args.reps)
         del carry
         rows.append({"E_per_table": e, "table_bytes": 4 * e * 128 * 2, "fwd_bwd_ms": ms})
