@@ -395,3 +395,28 @@ def test_backward_config_variants(rng, cfg):
         outs.append(jax.tree_util.tree_leaves((p, s)))
     for a, b in zip(*outs):
         assert_close(a, b, 1e-6)
+
+
+def test_backward_config_errors():
+    with pytest.raises(ValueError, match="small_block=24 must be a power of two"):
+        tbe_jax.BackwardConfig(small_block=24)
+    with pytest.raises(ValueError, match="num_warps=0 must be >= 1"):
+        tbe_jax.BackwardConfig(num_warps=0)
+    with pytest.raises(TypeError, match="backward_config must be a tbe_jax.BackwardConfig"):
+        tbe_jax.TableBatchedEmbedding(specs([10], [4]), backward_config={"programs": 8})
+    a = tbe_jax.TableBatchedEmbedding(specs([10], [4]), backward_config=tbe_jax.BackwardConfig(programs=8))
+    b = tbe_jax.TableBatchedEmbedding(specs([10], [4]))
+    assert a != b and hash(a) != hash(b)  # a static jit argument: configs must not collide
+
+
+def test_stochastic_rounding_leaves_fp32_tables_exact(rng):
+    tables = specs([20], [8])
+    emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla")
+    params = emb.init(jax.random.key(0))
+    idx, off, _ = testing.make_batch(rng, [20], [4], (1, 6))
+    g = rng.standard_normal((4, 8)).astype(np.float32)
+    outs = []
+    for sr in (False, True):
+        opt = tbe_jax.SGD(0.1, stochastic_rounding=sr)
+        outs.append(np.asarray(emb.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)[0]["d8"]))
+    np.testing.assert_array_equal(outs[0], outs[1])
