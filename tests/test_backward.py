@@ -378,8 +378,9 @@ def test_lookup_keys_kernel_matches_jnp(rng, pooling, weighted, vbe):
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(keys_kernel=True, lookups_per_step=2)],
-                         ids=["prefetch", "keys_kernel"])
+@pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(keys_kernel=True, lookups_per_step=2),
+                                 dict(small_unroll=2, small_block=8)],
+                         ids=["prefetch", "keys_kernel", "small_unroll"])
 def test_backward_config_variants(rng, cfg):
     # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
     tables = specs([3, 300], [8, 16])

@@ -47,6 +47,8 @@ class BackwardConfig:
     Attributes:
       small_block: small runs (<= runs.SMALL lookups) updated together by one task.
       small_num_warps: warps per program of the small-run kernel.
+      small_unroll: lookups per run per step of the small-run kernel (their
+        loads issued together; 1 is the configuration measured on the H200).
       lookups_per_step: output-gradient rows gathered together (K) by the mid-run
         and chunk kernels.
       programs: persistent programs per kernel (capped by the task count bound).
@@ -61,12 +63,13 @@ class BackwardConfig:
       prefetch: the mid-run and chunk kernels load step i+1's source offsets
         while step i's gradient rows arrive (software pipelining).
 
-    `keys_kernel` and `prefetch` are off by default until they have been
-    compiled and timed on a GPU (both pass the interpret-mode tests).
+    `keys_kernel`, `prefetch` and `small_unroll` > 1 are off by default until they
+    have been compiled and timed on a GPU (all pass the interpret-mode tests).
     """
 
     small_block: int = 32
     small_num_warps: int = 4
+    small_unroll: int = 1
     lookups_per_step: int = 8
     programs: int = 4096
     num_warps: int = 1
@@ -76,7 +79,7 @@ class BackwardConfig:
     prefetch: bool = False
 
     def __post_init__(self):
-        for name in ("small_block", "lookups_per_step", "keys_bags"):
+        for name in ("small_block", "lookups_per_step", "keys_bags", "small_unroll"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
@@ -153,9 +156,13 @@ def _strided_tasks(lo, hi, programs, body):
 
 
 def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, dim, base, block, programs, scaled):
+                  opt, dim, base, block, programs, scaled, unroll):
     """Blocks of `block` consecutive runs; the small ones (<= SMALL lookups) are gathered in
-    lockstep and updated, one row each; the others are left to the mid/long kernels."""
+    lockstep and updated, one row each; the others are left to the mid/long kernels.
+
+    Each loop step takes `unroll` lookups of every run: their source offsets are
+    loaded first, then all their gradient tiles, so those loads are in flight together.
+    """
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
     cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
     col_ok = cols < dim
@@ -171,17 +178,20 @@ def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref
         ok = ok & (length <= SMALL)
         length = jnp.where(ok, length, 0)
 
-        def step(j, acc):
-            live = j < length
-            jj = first + j
-            src = plgpu.load(src_ref.at[jj], mask=live, other=0)
-            g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :], other=0)
-            g = g.astype(jnp.float32)
-            if scaled:
-                g = g * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
-            return acc + g
+        def step(i, acc):
+            lives = [i * unroll + u < length for u in range(unroll)]
+            jjs = [first + i * unroll + u for u in range(unroll)]
+            srcs = [plgpu.load(src_ref.at[jj], mask=live, other=0) for jj, live in zip(jjs, lives)]
+            for jj, live, src in zip(jjs, lives, srcs):
+                g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :],
+                               other=0).astype(jnp.float32)
+                if scaled:
+                    g = g * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
+                acc = acc + g
+            return acc
 
-        acc = jax.lax.fori_loop(0, jnp.max(length), step, jnp.zeros((block, cols.shape[0]), jnp.float32))
+        steps = (jnp.max(length) + unroll - 1) // unroll
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block, cols.shape[0]), jnp.float32))
         # Masked lanes point one past the buffer: never stored on a GPU, and dropped
         # (not written back over a live row) by interpret mode's masked store.
         row = jnp.where(ok, plgpu.load(run_key_ref.at[r], mask=ok, other=0) - base, w_out.shape[0])
@@ -336,7 +346,7 @@ def fused_update(
         state = [new_w[key]] + ([new_m[key]] if adagrad else [])
         state = aliased(
             functools.partial(_small_kernel, opt=opt, dim=dim, base=base, block=blk, programs=p_small,
-                              scaled=scaled),
+                              scaled=scaled, unroll=config.small_unroll),
             "tbe_backward_small_runs", p_small,
             [rng, runs.run_start, runs.run_key] + common, state)
         state = aliased(
