@@ -35,7 +35,7 @@ for stage in "$@"; do
     tt) timeout 200 python3 benchmarks/bench_tt.py --batches 2048,8192,32768,131072 --no-bwd --out "$OUT" \
           2>&1 | tee "$OUT/tt.log" | tail -8;
         timeout 150 python3 benchmarks/bench_tt.py --workload meta-788 --batches 4096 \
-          --variants pallas,pallas_static,pallas_grid,pallas_unique_only --no-bwd --out "$OUT" \
+          --variants pallas,pallas_plan,pallas_plan_rows,pallas_static,pallas_grid,pallas_unique_only --no-bwd --out "$OUT" \
           2>&1 | tee -a "$OUT/tt.log" | tail -4 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
