@@ -1,6 +1,8 @@
 """The DLRM demo: data generator, interaction layer, training and bit-exact checkpoint resume (CPU, tiny)."""
 
+import dataclasses
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
+import tt_jax
 from tbe_jax.dlrm import data as data_lib
 from tbe_jax.dlrm import model as model_lib
 from tbe_jax.dlrm import train
@@ -156,3 +159,69 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     # Resuming with different settings is refused.
     with pytest.raises(SystemExit):
         train.main(common + ["--steps", "30", "--lr", "1e-2", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+
+
+# -- TT tables (--tt-tables K): the K largest tables in tensor-train form, the rest in the TBE --------
+
+TT = ["--tt-tables", "6", "--tt-rank", "8"]  # one configuration: main() reuses its compiled step
+
+
+def test_tt_split_and_merge_equal_the_all_tbe_model():
+    # The host split (TBE features / TT features) and the merge back into feature order are exact:
+    # the TT model's pooled output equals one TBE over all 26 features whose TT tables are the
+    # materialised TT tables, on the unsplit batch.
+    cfg = data_lib.DataConfig.preset("tiny")
+    base = model_lib.DLRMConfig.preset("tiny", cfg.table_rows, impl="xla")
+    m = model_lib.DLRM(dataclasses.replace(base, tt_tables=3, tt_ranks=(4, 4)))
+    dense = model_lib.DLRM(base)
+    assert m.tt_features == tuple(sorted(np.argsort(cfg.table_rows)[::-1][:3]))
+    assert sorted(m.tbe_features + m.tt_features) == list(range(26))
+    gen = data_lib.ClickLogGenerator(cfg, 16, seed=1)
+    arrays = gen.batch(0).arrays()
+    batch = m.split_batch(arrays, (2048, 512))
+    assert batch["offsets"].shape == (23 * 16 + 1,) and batch["tt_offsets"].shape == (3 * 16 + 1,)
+    assert batch["offsets"][-1] + batch["tt_offsets"][-1] == arrays["offsets"][-1]  # every id, once
+    params = jax.jit(m.init_tables)(jax.random.key(0))
+    tables = [None] * 26
+    for f, t in zip(m.tbe_features, m.emb.get_tables(params["tbe"])):
+        tables[f] = t
+    for f, t in zip(m.tt_features, jax.jit(m.tt.full_table)(params["tt"])):
+        tables[f] = t
+    want = jax.jit(dense.pooled)(dense.emb.set_tables(None, tables), arrays)
+    got = jax.jit(m.pooled)(params, batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # The TBE tables are the all-dense model's own (same draw, TT tables' rows dropped).
+    dense_tables = dense.emb.get_tables(jax.jit(dense.init_tables)(jax.random.key(0)))
+    for f, t in zip(m.tbe_features, m.emb.get_tables(params["tbe"])):
+        assert np.array_equal(np.asarray(t), np.asarray(dense_tables[f]))
+
+
+def test_tt_tables_train_and_shrink_table_memory():
+    dense = train.main(TINY + ["--steps", "60", "--eval-batches", "8"])
+    r = train.main(TINY + TT + ["--steps", "60", "--eval-batches", "8"])
+    assert r["auc_after"] > r["auc_before"] + 0.1
+    assert r["eval_loss_after"] < r["eval_loss_before"] - 0.03
+    assert r["dense_table_bytes"] == dense["table_bytes"] == dense["dense_table_bytes"]
+    assert r["table_bytes"] < 0.7 * dense["table_bytes"]
+    s = r["state"]
+    assert sorted(s.emb_params) == sorted(s.emb_state) == ["tbe", "tt"]
+    assert isinstance(s.emb_state["tt"], tt_jax.RowwiseAdagradState)
+    assert isinstance(s.emb_state["tbe"], tbe_jax.RowwiseAdagradState)
+    assert any(np.any(np.asarray(m) > 0) for m in jax.tree_util.tree_leaves(s.emb_state["tt"]))  # cores trained
+
+
+def test_tt_checkpoint_resume_is_bit_exact(tmp_path):
+    common = TINY + TT + ["--eval-batches", "1"]
+    straight = train.main(common + ["--steps", "12", "--ckpt-dir", str(tmp_path / "a")])
+    train.main(common + ["--steps", "5", "--ckpt-dir", str(tmp_path / "b")])
+    saved = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert (saved["tt_tables"], saved["tt_rank"], saved["tt_opt"]) == (6, 8, "rowwise_adagrad")
+    resumed = train.main(common + ["--steps", "12", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+    assert resumed["start_step"] == 5 and resumed["steps"] == 7
+    a, b = straight["state"], resumed["state"]
+    assert isinstance(b.emb_state["tt"], tt_jax.RowwiseAdagradState)
+    assert _tree_equal(a, b)  # TT cores and their accumulators included
+    # A run without TT tables (or with other TT settings) does not resume this checkpoint.
+    for other in (TINY, common + ["--tt-opt", "adagrad"]):
+        with pytest.raises(SystemExit):
+            train.main(other + ["--eval-batches", "1", "--steps", "14", "--ckpt-dir", str(tmp_path / "b"), "--resume"])

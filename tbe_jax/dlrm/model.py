@@ -1,4 +1,4 @@
-"""A DLRM-style click model over one `TableBatchedEmbedding`.
+"""A DLRM-style click model over one `TableBatchedEmbedding` (optionally plus TT tables).
 
     dense x [B, 13] --bottom MLP--> h [B, D]
     sparse bags     --TBE (sum)---> e_1..e_F [B, D] each (one lookup call for all 26 features)
@@ -9,6 +9,14 @@
 The dense parameters are a plain pytree (`{"bottom": [...], "top": [...]}` of
 `{"w", "b"}` layers) for optax; the tables are the TBE's params (`{"d{D}": [rows, D]}`),
 trained by the fused row-wise Adagrad inside `jax.grad` (see `tbe_jax.dlrm.train`).
+
+With `DLRMConfig(tt_tables=K)` the K largest tables are tensor-train tables instead
+(`tt_jax.TTEmbeddingBag`, ranks `tt_ranks`, shapes from `TTSpec`'s defaults) and the
+other features stay in the TBE: a batch is then split on the host (`split_batch`) into
+the TBE's ids/offsets and the TT features' `tt_indices`/`tt_offsets`, the two pooled
+outputs are put back in feature order, and the embedding params, optimizer state and
+fused optimizer are dicts `{"tbe": ..., "tt": ...}` (the TT cores trained by tt_jax's
+fused optimizer on the touched core slices, in the same `jax.grad`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import numpy as np
 import optax
 
 import tbe_jax
+import tt_jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +43,8 @@ class DLRMConfig:
     top_mlp: tuple[int, ...] = (128, 64)  # hidden widths; a last layer of 1 (the logit) is added
     weights_dtype: str = "float32"
     impl: str = "auto"
+    tt_tables: int = 0  # the K largest tables held as TT tables (0: all in the TBE)
+    tt_ranks: tuple[int, ...] = (16, 16)  # their inner TT ranks (len + 1 cores)
 
     @staticmethod
     def preset(size: str, table_rows, impl: str = "auto") -> "DLRMConfig":
@@ -101,21 +112,68 @@ def dot_interaction(bottom: jax.Array, pooled: jax.Array) -> jax.Array:
     return jnp.concatenate([bottom, gram[:, i, j]], axis=1)
 
 
+def split_features(indices, offsets, batch_size: int, features, padded_len: int):
+    """The ids and offsets of `features` alone, FBGEMM format (host NumPy).
+
+    Args:
+      indices, offsets: one batch of all F features (feature-major, `F*B+1` offsets).
+      batch_size: B.
+      features: the features to keep, in the order they take in the output.
+      padded_len: the ids are zero-padded to this length (more when they do not fit,
+        rounded up to 256), past the last offset, so that batches keep one shape.
+
+    Returns:
+      (indices `[>= padded_len]` int32, offsets `[len(features)*B + 1]` int32).
+    """
+    offsets = np.asarray(offsets, np.int64)
+    features = np.asarray(features, np.int64)
+    lengths = np.diff(offsets).reshape(-1, batch_size)[features]  # [K, B]
+    ids = [np.asarray(indices[offsets[f * batch_size] : offsets[(f + 1) * batch_size]]) for f in features]
+    ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    out_offsets = np.zeros(lengths.size + 1, np.int32)
+    np.cumsum(lengths.reshape(-1), out=out_offsets[1:])
+    n = ids.shape[0]
+    out = np.zeros(max(int(padded_len), -(-n // 256) * 256), np.int32)
+    out[:n] = ids
+    return out, out_offsets
+
+
 class DLRM:
-    """The model: `init`, `logits` (from pooled embeddings), `forward` (plain lookup), `loss`."""
+    """The model: `init`, `logits` (from pooled embeddings), `forward` (plain lookup), `loss`.
+
+    Attributes:
+      emb: the `TableBatchedEmbedding` (all features, or those not in `tt_features`).
+      tt: the `tt_jax.TTEmbeddingBag` of the `tt_features` (None when `config.tt_tables` is 0).
+      tbe_features, tt_features: which features each holds (ascending feature ids).
+    """
 
     def __init__(self, config: DLRMConfig, *, interpret: bool = False):
         self.config = config
-        specs = [tbe_jax.TableSpec(e, config.embedding_dim, name=f"C{f + 1}") for f, e in enumerate(config.table_rows)]
+        rows = config.table_rows
+        k = config.tt_tables
+        if not 0 <= k < len(rows):
+            raise ValueError(f"tt_tables={k} must be in [0, {len(rows)}): at least one table stays in the TBE")
+        # The K largest tables (ties: lower feature id first).
+        largest = sorted(range(len(rows)), key=lambda f: (-rows[f], f))[:k]
+        self.tt_features = tuple(sorted(largest))
+        self.tbe_features = tuple(f for f in range(len(rows)) if f not in self.tt_features)
+        specs = [tbe_jax.TableSpec(rows[f], config.embedding_dim, name=f"C{f + 1}") for f in self.tbe_features]
         self.emb = tbe_jax.TableBatchedEmbedding(specs, pooling="sum", weights_dtype=config.weights_dtype,
                                                  impl=config.impl, interpret=interpret)
+        self.tt = None
+        if k:
+            tt_specs = [tt_jax.TTSpec(rows[f], config.embedding_dim, ranks=tuple(config.tt_ranks))
+                        for f in self.tt_features]
+            self.tt = tt_jax.TTEmbeddingBag(tt_specs, pooling="sum", impl=config.impl, interpret=interpret)
+        # Columns of [TBE features..., TT features...] in feature order (a static permutation).
+        self._feature_order = np.argsort(np.asarray(self.tbe_features + self.tt_features))
 
     # DLRM is a static argument of the jitted steps: hash and compare by configuration.
     def __hash__(self):
-        return hash((self.config, self.emb))
+        return hash((self.config, self.emb, self.tt))
 
     def __eq__(self, other):
-        return isinstance(other, DLRM) and (self.config, self.emb) == (other.config, other.emb)
+        return isinstance(other, DLRM) and (self.config, self.emb, self.tt) == (other.config, other.emb, other.tt)
 
     @property
     def num_features(self) -> int:
@@ -137,29 +195,83 @@ class DLRM:
 
     def init_tables(self, key) -> dict:
         """The TBE's params, rows of table t uniform in [-1/sqrt(E_t), 1/sqrt(E_t)] (FBGEMM's default, as
-        `emb.init`), drawn with one random call for all tables (quicker to compile than one per table)."""
+        `emb.init`), drawn with one random call for all tables (quicker to compile than one per table).
+
+        With TT tables: `{"tbe": <the TBE's params>, "tt": <the TT cores>}`; the TBE tables are the
+        all-dense model's (the same draw, TT tables' rows dropped), the cores `tt.init` (entries of that
+        same standard deviation) with a key folded from `key`."""
         rows = np.asarray(self.config.table_rows)
         bound = np.repeat(1.0 / np.sqrt(rows), rows).astype(np.float32)
         u = jax.random.uniform(key, (int(rows.sum()), self.config.embedding_dim), jnp.float32, -1.0, 1.0)
         u = u * bound[:, None]
         cuts = np.cumsum(rows)[:-1]
-        return self.emb.set_tables(None, jnp.split(u, cuts))
+        tables = jnp.split(u, cuts)
+        tbe = self.emb.set_tables(None, [tables[f] for f in self.tbe_features])
+        if self.tt is None:
+            return tbe
+        return {"tbe": tbe, "tt": self.tt.init(jax.random.fold_in(key, 1))}
+
+    def table_bytes(self) -> dict:
+        """Bytes of the embedding parameters: {"dense": all tables as dense rows (the all-TBE model),
+        "tbe": the TBE's tables, "tt": the TT cores (float32), "total": tbe + tt}."""
+        c = self.config
+        item = self.emb.weights_dtype.itemsize
+        dense = sum(c.table_rows) * c.embedding_dim * item
+        tbe = sum(c.table_rows[f] for f in self.tbe_features) * c.embedding_dim * item
+        tt = 0 if self.tt is None else 4 * sum(s.num_parameters() for s in self.tt.specs)
+        return {"dense": dense, "tbe": tbe, "tt": tt, "total": tbe + tt}
+
+    def split_batch(self, arrays: dict, padded_len: tuple[int, int]) -> dict:
+        """Host side: a generator batch's arrays as this model's inputs. Without TT tables, unchanged;
+        with them, "indices"/"offsets" hold the TBE's features and "tt_indices"/"tt_offsets" the TT
+        tables' (each padded to its `padded_len` entry: (TBE, TT))."""
+        if self.tt is None:
+            return arrays
+        b = arrays["dense"].shape[0]
+        out = {k: v for k, v in arrays.items() if k not in ("indices", "offsets")}
+        out["indices"], out["offsets"] = split_features(arrays["indices"], arrays["offsets"], b, self.tbe_features,
+                                                        padded_len[0])
+        out["tt_indices"], out["tt_offsets"] = split_features(arrays["indices"], arrays["offsets"], b,
+                                                              self.tt_features, padded_len[1])
+        return out
+
+    def _merge(self, pooled_tbe, pooled_tt) -> jax.Array:
+        """`[B, F*D]` in feature order from the TBE's `[B, S*D]` and the TT tables' `[B, K*D]`."""
+        b, d = pooled_tbe.shape[0], self.config.embedding_dim
+        z = jnp.concatenate([pooled_tbe.reshape(b, -1, d), pooled_tt.reshape(b, -1, d).astype(pooled_tbe.dtype)], 1)
+        return z[:, self._feature_order].reshape(b, -1)
+
+    def pooled(self, emb_params, batch) -> jax.Array:
+        """`[B, F*D]` pooled embeddings, plain lookups."""
+        if self.tt is None:
+            return self.emb(emb_params, batch["indices"], batch["offsets"])
+        return self._merge(self.emb(emb_params["tbe"], batch["indices"], batch["offsets"]),
+                           self.tt(emb_params["tt"], batch["tt_indices"], batch["tt_offsets"]))
+
+    def fused_pooled(self, emb_params, emb_state, tx, batch) -> jax.Array:
+        """`[B, F*D]` pooled embeddings from the fused lookups (with TT tables, `emb_params`, `emb_state`
+        and `tx` are `{"tbe": ..., "tt": ...}`: a tbe_jax and a tt_jax fused optimizer)."""
+        if self.tt is None:
+            return self.emb.fused_lookup(emb_params, emb_state, tx, batch["indices"], batch["offsets"])
+        return self._merge(
+            self.emb.fused_lookup(emb_params["tbe"], emb_state["tbe"], tx["tbe"], batch["indices"], batch["offsets"]),
+            self.tt.fused_lookup(emb_params["tt"], emb_state["tt"], tx["tt"], batch["tt_indices"],
+                                 batch["tt_offsets"]))
 
     def logits(self, dense_params, dense_x, pooled) -> jax.Array:
-        """`[B]` logits from dense features and the TBE's pooled output `[B, F*D]`."""
+        """`[B]` logits from dense features and the pooled embeddings `[B, F*D]`."""
         h = mlp(dense_params["bottom"], dense_x, final_relu=True)
         x = dot_interaction(h, pooled.astype(h.dtype))
         return mlp(dense_params["top"], x, final_relu=False)[:, 0]
 
     def forward(self, dense_params, emb_params, batch) -> jax.Array:
         """Logits with a plain lookup (evaluation)."""
-        pooled = self.emb(emb_params, batch["indices"], batch["offsets"])
-        return self.logits(dense_params, batch["dense"], pooled)
+        return self.logits(dense_params, batch["dense"], self.pooled(emb_params, batch))
 
     def fused_loss(self, dense_params, emb_params, emb_state, tx, batch) -> jax.Array:
         """Mean BCE with the fused lookup: under `jax.grad` w.r.t. (emb_params, emb_state)
         the "gradients" are the tables and state after `tx`'s step (see `fused_lookup`)."""
-        pooled = self.emb.fused_lookup(emb_params, emb_state, tx, batch["indices"], batch["offsets"])
+        pooled = self.fused_pooled(emb_params, emb_state, tx, batch)
         return bce(self.logits(dense_params, batch["dense"], pooled), batch["labels"])
 
 

@@ -2,6 +2,7 @@
 
     python -m tbe_jax.dlrm.train [--size tiny|small|gpu] [--steps N] [--batch-size B] [--seed S]
                                  [--lr LR] [--emb-lr LR] [--eval-batches K]
+                                 [--tt-tables K [--tt-rank R] [--tt-lr LR] [--tt-opt rowwise_adagrad|adagrad]]
                                  [--ckpt-dir DIR [--ckpt-every N] [--resume]] [--emb-share] [--no-progress]
 
 Each step is one `jax.jit` call with `jax.grad` over the whole loss: optax Adam
@@ -11,6 +12,17 @@ Adagrad fused into the TBE's backward (`emb.fused_lookup(..., tx=tbe_jax.rowwise
 CPU the TBE runs its XLA path (`impl="auto"`), whose fused update is the dense
 reference (work proportional to the tables); on a GPU the Pallas kernels.
 
+TT tables (`--tt-tables K`): the K largest tables are tensor-train tables
+(`tt_jax.TTEmbeddingBag`, inner ranks `--tt-rank`, shapes from `TTSpec`'s defaults)
+and the rest stay in the TBE; the TT cores are trained by tt_jax's fused row-wise
+Adagrad (one accumulator per core slice; `--tt-opt adagrad`: element-wise) on the
+touched core slices, inside the same `jax.grad` of the same jitted step. Batches are
+split on the host (`DLRM.split_batch`). The run prints the embedding parameters'
+memory (the TBE's tables plus the TT cores, against all tables dense) and the summary
+line says `tables: X MiB (TT saves Y%)`; the data and the dense init depend only on
+the seed, so a run with and one without `--tt-tables` (same seed and steps) compare
+like for like (the TBE tables they share start equal too).
+
 Evaluation: AUC (rank formula, ties averaged) and log loss on held-out batches,
 before and after training, next to the hidden model's own ("oracle") AUC.
 
@@ -19,10 +31,13 @@ Checkpoints (`--ckpt-dir DIR`): `DIR/<step>/` is an orbax-checkpoint
 `{"step", "dense_params", "dense_opt_state", "emb_params", "emb_state"}`
 (step: int32 scalar; dense_params: `{"bottom"|"top": [{"w", "b"}, ...]}`;
 dense_opt_state: optax Adam's state; emb_params: the TBE's `{"d{D}": [rows, D]}`;
-emb_state: `tbe_jax.RowwiseAdagradState` with `{"d{D}": [rows]}` accumulators), and
+emb_state: `tbe_jax.RowwiseAdagradState` with `{"d{D}": [rows]}` accumulators; with TT
+tables, emb_params is `{"tbe": <that>, "tt": {"cores": per table, per core}}` and
+emb_state `{"tbe": <that>, "tt": tt_jax.RowwiseAdagradState (or AdagradState)}`), and
 `DIR/run.json` the settings that must match on resume (size, seed, batch size,
-learning rates). Restoring reads the arrays into the structure of a freshly
-initialised state (`jax.eval_shape`), so NamedTuples come back as NamedTuples.
+learning rates; with TT tables also tt_tables, tt_rank, tt_lr, tt_opt). Restoring
+reads the arrays into the structure of a freshly initialised state
+(`jax.eval_shape`), so NamedTuples come back as NamedTuples.
 `--resume` continues from the newest `DIR/<step>` up to `--steps` total; batches
 depend only on (seed, step), so the result is bitwise what a straight run gives.
 """
@@ -38,7 +53,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +61,7 @@ import numpy as np
 import optax
 
 import tbe_jax
+import tt_jax
 from tbe_jax.dlrm import data as data_lib
 from tbe_jax.dlrm.model import DLRM, DLRMConfig
 
@@ -57,12 +73,14 @@ class SizeDefaults:
     lr: float  # Adam, dense layers
     emb_lr: float  # row-wise Adagrad, tables
     eval_batches: int
+    tt_lr: float = 0.05  # fused optimizer of the TT cores (--tt-tables)
+    tt_rank: int = 16  # their inner ranks
 
 
 SIZES = {
     "tiny": SizeDefaults(batch_size=256, steps=60, lr=3e-3, emb_lr=0.05, eval_batches=8),
     "small": SizeDefaults(batch_size=512, steps=3000, lr=1e-3, emb_lr=0.05, eval_batches=16),
-    "gpu": SizeDefaults(batch_size=8192, steps=2000, lr=1e-3, emb_lr=0.05, eval_batches=16),
+    "gpu": SizeDefaults(batch_size=8192, steps=2000, lr=1e-3, emb_lr=0.05, eval_batches=16, tt_rank=32),
 }
 
 
@@ -70,22 +88,35 @@ class TrainState(NamedTuple):
     step: int
     dense_params: dict
     dense_opt_state: optax.OptState
-    emb_params: dict
-    emb_state: tbe_jax.RowwiseAdagradState
+    emb_params: dict  # the TBE's params, or {"tbe": ..., "tt": ...} with TT tables
+    emb_state: Any  # tbe_jax.RowwiseAdagradState, or {"tbe": ..., "tt": <tt_jax state>} with TT tables
 
 
 # -- the jitted functions (cached per configuration, so repeated main() calls reuse them) --
 
 
+TT_OPTIMIZERS = {"rowwise_adagrad": tt_jax.rowwise_adagrad, "adagrad": tt_jax.adagrad}
+
+
 @functools.lru_cache(maxsize=8)
-def build(model: DLRM, lr: float, emb_lr: float):
-    """(init, train_step, eval_logits, emb_step) for this model and these learning rates."""
+def build(model: DLRM, lr: float, emb_lr: float, tt_lr: float | None = None, tt_opt: str = "rowwise_adagrad"):
+    """(init, train_step, eval_logits, emb_step) for this model and these learning rates.
+
+    With TT tables (`model.tt`), the fused optimizer is `{"tbe": row-wise Adagrad (emb_lr),
+    "tt": TT_OPTIMIZERS[tt_opt] (tt_lr, default emb_lr)}` and the embedding params and state
+    are dicts of the same two keys."""
     dense_tx = optax.adam(lr)
     tx = tbe_jax.rowwise_adagrad(learning_rate=emb_lr, eps=1e-8)
+    if model.tt is not None:
+        tx = {"tbe": tx, "tt": TT_OPTIMIZERS[tt_opt](learning_rate=emb_lr if tt_lr is None else tt_lr, eps=1e-8)}
 
     def init(key):
         dense_params, emb_params = model.init(key)
-        return dense_params, dense_tx.init(dense_params), emb_params, tx.init(emb_params)
+        if model.tt is None:
+            emb_state = tx.init(emb_params)
+        else:
+            emb_state = {k: tx[k].init(emb_params[k]) for k in ("tbe", "tt")}
+        return dense_params, dense_tx.init(dense_params), emb_params, emb_state
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def train_step(dense_params, emb_params, emb_state, dense_opt_state, batch):
@@ -103,7 +134,7 @@ def build(model: DLRM, lr: float, emb_lr: float):
     def emb_step(emb_params, emb_state, batch, g_out):
         """The embedding part of a step alone: lookup forward + fused Adagrad backward for cotangent g_out."""
         def f(p, s):
-            pooled = model.emb.fused_lookup(p, s, tx, batch["indices"], batch["offsets"])
+            pooled = model.fused_pooled(p, s, tx, batch)
             # The quadratic term makes the output gradient depend on the forward: with
             # vdot alone it would not, and XLA would drop the forward kernel.
             return jnp.vdot(pooled, g_out) + 5e-4 * jnp.vdot(pooled, pooled)
@@ -196,11 +227,13 @@ def restore_checkpoint(path, init_fn) -> TrainState:
 # -- input pipeline --------------------------------------------------------------------
 
 
-def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: int):
-    """Batches start..stop-1 in order, generated ahead by a thread pool and put on the device."""
+def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: int, prepare=None):
+    """Batches start..stop-1 in order, generated ahead by a thread pool (each through `prepare`, a
+    host-side function of the arrays, when given) and put on the device."""
 
     def make(i):
-        return jax.device_put(gen.batch(i).arrays())
+        arrays = gen.batch(i).arrays()
+        return jax.device_put(arrays if prepare is None else prepare(arrays))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         ahead = 2 * workers
@@ -212,6 +245,15 @@ def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: in
 
 
 # -- timing ----------------------------------------------------------------------------
+
+
+def split_padded_len(gen: data_lib.ClickLogGenerator, features) -> int:
+    """A fixed padded id count for `features` alone (as the generator's for all features): the mean
+    count plus 8 standard deviations plus 64, rounded up to 256."""
+    m = gen.bag_mean[list(features)]
+    var = np.where(gen.one_hot[list(features)], m * (1 - m), m)
+    b = gen.batch_size
+    return int(-(-(b * m.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
 
 
 def _copy(tree):
@@ -262,6 +304,19 @@ def measure_emb_share(model, train_step, emb_step, state: TrainState, batch, rep
 # -- main ------------------------------------------------------------------------------
 
 
+def _mem_summary(mem: dict) -> str:
+    """The embedding parameters' memory (`DLRM.table_bytes()`) in words."""
+    if mem["tt"] == 0:
+        return f"{mem['total'] / 2**20:.2f} MiB (every table dense, in the TBE)"
+    return (f"{mem['total'] / 2**20:.2f} MiB = TBE {mem['tbe'] / 2**20:.2f} MiB + TT cores "
+            f"{mem['tt'] / 2**20:.2f} MiB, vs {mem['dense'] / 2**20:.2f} MiB with every table dense: TT saves "
+            f"{100 * (1 - mem['total'] / mem['dense']):.1f}%")
+
+
+def _state_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tbe_jax.dlrm.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -276,18 +331,28 @@ def parse_args(argv=None):
     ap.add_argument("--ckpt-dir", default=None, help="save a checkpoint here at the end (and every --ckpt-every)")
     ap.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
-    ap.add_argument("--impl", choices=("auto", "xla", "pallas"), default="auto", help="TBE implementation")
+    ap.add_argument("--impl", choices=("auto", "xla", "pallas"), default="auto",
+                    help="TBE (and TT) implementation")
+    ap.add_argument("--tt-tables", type=int, default=0,
+                    help="hold the K largest tables as tensor-train tables (tt_jax), the rest in the TBE (default 0)")
+    ap.add_argument("--tt-rank", type=int, default=None,
+                    help="inner TT ranks of those tables (3 cores; default: 16, 32 at --size gpu)")
+    ap.add_argument("--tt-lr", type=float, default=None, help="learning rate of the TT cores (default: per size)")
+    ap.add_argument("--tt-opt", choices=sorted(TT_OPTIMIZERS), default="rowwise_adagrad",
+                    help="fused optimizer of the TT cores (on the touched core slices)")
     ap.add_argument("--emb-share", action="store_true",
                     help="measure the embeddings' share of step time (always done on a GPU)")
     ap.add_argument("--workers", type=int, default=None, help="data-generation threads (default: by CPU count)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = ap.parse_args(argv)
     d = SIZES[args.size]
-    for name in ("steps", "batch_size", "lr", "emb_lr", "eval_batches"):
+    for name in ("steps", "batch_size", "lr", "emb_lr", "eval_batches", "tt_lr", "tt_rank"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(d, name))
     if args.resume and not args.ckpt_dir:
         ap.error("--resume needs --ckpt-dir")
+    if not 0 <= args.tt_tables < data_lib.NUM_SPARSE or args.tt_rank < 1:
+        ap.error(f"--tt-tables must be in [0, {data_lib.NUM_SPARSE}) and --tt-rank >= 1")
     if args.steps < 0 or args.batch_size < 1 or args.eval_batches < 1:
         ap.error("--steps must be >= 0, --batch-size and --eval-batches >= 1")
     return args
@@ -296,16 +361,27 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     """Run the demo; returns {"auc_before", "auc_after", "eval_loss_before", "eval_loss_after",
     "oracle_auc", "final_loss", "steps", "steps_per_s", "examples_per_s", "step_ms", "start_step", "ckpt",
-    "state"} (state: the final `TrainState`), plus "emb_share" and "jit_step_ms" when measured."""
+    "table_bytes", "dense_table_bytes", "state"} (state: the final `TrainState`; table_bytes: the embedding
+    parameters, dense_table_bytes: the same tables all dense), plus "emb_share" and "jit_step_ms" when
+    measured."""
     args = parse_args(argv)
     log = functools.partial(print, flush=True)
     backend = jax.default_backend()
     data_cfg = data_lib.DataConfig.preset(args.size)
-    model = DLRM(DLRMConfig.preset(args.size, data_cfg.table_rows, impl=args.impl))
-    init_fn, train_step, eval_logits, emb_step = build(model, args.lr, args.emb_lr)
+    config = DLRMConfig.preset(args.size, data_cfg.table_rows, impl=args.impl)
+    if args.tt_tables:
+        config = dataclasses.replace(config, tt_tables=args.tt_tables, tt_ranks=(args.tt_rank, args.tt_rank))
+    model = DLRM(config)
+    tt_args = (args.tt_lr, args.tt_opt) if args.tt_tables else ()
+    init_fn, train_step, eval_logits, emb_step = build(model, args.lr, args.emb_lr, *tt_args)
     gen = data_lib.ClickLogGenerator(data_cfg, args.batch_size, seed=args.seed)
     settings = {"size": args.size, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
                 "emb_lr": args.emb_lr, "impl": args.impl}
+    prepare = None
+    if args.tt_tables:  # (only then: the settings of a run without TT tables are what they always were)
+        settings.update(tt_tables=args.tt_tables, tt_rank=args.tt_rank, tt_lr=args.tt_lr, tt_opt=args.tt_opt)
+        pad = (split_padded_len(gen, model.tbe_features), split_padded_len(gen, model.tt_features))
+        prepare = functools.partial(model.split_batch, padded_len=pad)
 
     emb = model.emb
     path = "Pallas kernels" if emb._use_kernel() else "XLA path"
@@ -329,14 +405,28 @@ def main(argv=None) -> dict:
             log(f"--resume: no checkpoint in {args.ckpt_dir}; starting from scratch")
         state = TrainState(0, *init_fn(jax.random.key(args.seed)))
     n_dense = sum(x.size for x in jax.tree_util.tree_leaves(state.dense_params))
-    n_emb = sum(x.size for x in state.emb_params.values())
-    log(f"parameters: {n_dense:,} dense (Adam, lr {args.lr}), {n_emb:,} in tables "
-        f"({n_emb * emb.weights_dtype.itemsize / 2**20:.1f} MiB, fused row-wise Adagrad, lr {args.emb_lr})")
+    tbe_params = state.emb_params if model.tt is None else state.emb_params["tbe"]
+    n_emb = sum(x.size for x in tbe_params.values())
+    mem = model.table_bytes()
+    log(f"parameters: {n_dense:,} dense (Adam, lr {args.lr}), {n_emb:,} in {'TBE ' if model.tt else ''}tables "
+        f"({mem['tbe'] / 2**20:.1f} MiB, fused row-wise Adagrad, lr {args.emb_lr})")
+    if model.tt is not None:
+        n_tt = sum(x.size for x in jax.tree_util.tree_leaves(state.emb_params["tt"]))
+        tt_dense = mem["dense"] - mem["tbe"]
+        log(f"TT tables: the {len(model.tt_features)} largest (" + ", ".join(
+            f"C{f + 1}: {data_cfg.table_rows[f]:,} rows" for f in model.tt_features) + f"), ranks {config.tt_ranks}, "
+            f"p x q shapes {[(s.p_shapes, s.q_shapes) for s in model.tt.specs]}: {n_tt:,} core parameters, "
+            f"{mem['tt'] / 2**20:.2f} MiB instead of {tt_dense / 2**20:.2f} MiB dense "
+            f"({tt_dense / max(mem['tt'], 1):.0f}x smaller); fused {args.tt_opt} on the touched core slices, "
+            f"lr {args.tt_lr} | TT: {'Pallas kernel' if model.tt.resolved_impl == 'pallas' else 'XLA path'}")
+    log(f"embedding parameters: {_mem_summary(mem)}; their optimizer state: "
+        f"{_state_bytes(state.emb_state) / 2**20:.2f} MiB")
 
     eval_set = []
     for i in range(args.eval_batches):
         b = gen.batch(i, "eval")
-        eval_set.append((jax.device_put({k: v for k, v in b.arrays().items() if k != "labels"}), b.labels, b.logit))
+        arrays = b.arrays() if prepare is None else prepare(b.arrays())
+        eval_set.append((jax.device_put({k: v for k, v in arrays.items() if k != "labels"}), b.labels, b.logit))
     oracle = auc(np.concatenate([z for _, _, z in eval_set]), np.concatenate([y for _, y, _ in eval_set]))
     oracle_loss = log_loss(np.concatenate([z for _, _, z in eval_set]), np.concatenate([y for _, y, _ in eval_set]))
     before = evaluate(eval_logits, state, eval_set)
@@ -361,7 +451,7 @@ def main(argv=None) -> dict:
     t_ckpt = 0.0  # time spent saving inside the loop (left out of the step time)
     t0 = time.perf_counter()
     ckpt = None
-    for i, batch in enumerate(prefetch(gen, start, args.steps, workers), start):
+    for i, batch in enumerate(prefetch(gen, start, args.steps, workers, prepare), start):
         dense_params, emb_params, emb_state, dense_opt_state, loss = train_step(
             dense_params, emb_params, emb_state, dense_opt_state, batch)
         losses.append(loss)
@@ -414,16 +504,19 @@ def main(argv=None) -> dict:
         "steps": n, "start_step": start, "steps_per_s": steps_per_s,
         "examples_per_s": steps_per_s * args.batch_size, "step_ms": step_ms,
         "ckpt": None if ckpt is None else str(ckpt),
+        "table_bytes": mem["total"], "dense_table_bytes": mem["dense"],
     }
 
     if args.emb_share or backend == "gpu":
-        batch = jax.device_put(gen.batch(args.steps).arrays())
+        arrays = gen.batch(args.steps).arrays()
+        batch = jax.device_put(arrays if prepare is None else prepare(arrays))
         reps = 20 if backend == "gpu" else 5
         m = measure_emb_share(model, train_step, emb_step, state, batch, reps)
         results["emb_share"] = m["share"]
         results["jit_step_ms"] = m["step_ms"]
-        log(f"step time on one batch: full jitted step {m['step_ms']:.3f} ms; embeddings alone (TBE forward + "
-            f"fused row-wise Adagrad backward, same batch, a fixed output gradient) {m['emb_ms']:.3f} ms "
+        log(f"step time on one batch: full jitted step {m['step_ms']:.3f} ms; embeddings alone "
+            f"({'TBE and TT' if model.tt else 'TBE'} forward + fused optimizer backward, same batch, a fixed output "
+            f"gradient) {m['emb_ms']:.3f} ms "
             f"-> embeddings ~{100 * m['share']:.0f}% of the step")
         log("  method: both are jitted, warmed up, run on copies of the trained state threaded through "
             f"{reps} back-to-back calls, blocked once; median of 3 repetitions. The share is an estimate: "
@@ -435,7 +528,9 @@ def main(argv=None) -> dict:
     log(f"SUMMARY size={args.size} steps={start}->{state.step} | AUC {before['auc']:.4f} -> {after['auc']:.4f} "
         f"(ceiling {oracle:.4f}) | eval loss {before['loss']:.4f} -> {after['loss']:.4f} | train loss "
         f"{results['final_loss']:.4f} | {results['examples_per_s']:,.0f} examples/s | {step_ms:.2f} ms/step"
-        + (f" | embeddings {100 * results['emb_share']:.0f}% of step" if "emb_share" in results else ""))
+        + (f" | embeddings {100 * results['emb_share']:.0f}% of step" if "emb_share" in results else "")
+        + f" | tables: {mem['total'] / 2**20:.2f} MiB"
+        + (f" (TT saves {100 * (1 - mem['total'] / mem['dense']):.1f}%)" if model.tt is not None else ""))
     results["state"] = state
     return results
 
