@@ -103,6 +103,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tbe_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
+from tbe_jax._layers import check_ids
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import FusedOptimizer
@@ -155,14 +156,6 @@ def fused_opt_state(module_state, emb: TableBatchedEmbedding, optimizer: FusedOp
     spec = jax.eval_shape(optimizer.init, _buffer_shapes(emb))
     names, _, treedef = _leaf_names(spec)
     return jax.tree_util.tree_unflatten(treedef, [module_state[n] for n in names])
-
-
-def _check_ids(indices, offsets):
-    """Integer ids only (the layers' contract): a ValueError naming the dtype otherwise."""
-    for name, x in (("indices", indices), ("offsets", offsets)):
-        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
 
 
 class TableBatchedEmbed(hk.Module):
@@ -238,7 +231,7 @@ class TableBatchedEmbed(hk.Module):
         self.optimizer = optimizer
 
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
-        _check_ids(indices, offsets)
+        check_ids(indices, offsets)
         emb = self.tbe
         shapes = _buffer_shapes(emb)
         # Draw every table from one key, as emb.init does, and only at init time.

@@ -103,6 +103,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
+from tbe_jax._layers import check_ids
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import FusedOptimizer
@@ -112,14 +113,6 @@ from tbe_jax.tbe import TableBatchedEmbedding
 FUSED_COLLECTION = "tbe_fused"
 
 __all__ = ["FUSED_COLLECTION", "TableBatchedEmbed"]
-
-
-def _check_ids(indices, offsets):
-    """Integer ids only (the layers' contract): a ValueError naming the dtype otherwise."""
-    for name, x in (("indices", indices), ("offsets", offsets)):
-        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -210,7 +203,7 @@ class TableBatchedEmbed(nn.Module):
 
     @nn.compact
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
-        _check_ids(indices, offsets)
+        check_ids(indices, offsets)
         emb = self.tbe
         if self.optimizer is None:
             params = self.param("embedding", emb.init)

@@ -86,6 +86,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
+from tbe_jax._layers import check_ids
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import FusedOptimizer
@@ -117,14 +118,6 @@ def apply_fused(model: nnx.Module, grads: nnx.State) -> nnx.State:
     fused, rest = nnx.split_state(grads, Fused, ...)
     nnx.update(model, fused)
     return rest
-
-
-def _check_ids(indices, offsets):
-    """Integer ids only (the layers' contract): a ValueError naming the dtype otherwise."""
-    for name, x in (("indices", indices), ("offsets", offsets)):
-        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
 
 
 class TableBatchedEmbed(nnx.Module):
@@ -229,7 +222,7 @@ class TableBatchedEmbed(nnx.Module):
         return jax.tree_util.tree_unflatten(self._opt_treedef, [self.opt_state[n][...] for n in self._opt_names])
 
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
-        _check_ids(indices, offsets)
+        check_ids(indices, offsets)
         params = self.get_params()
         if self.optimizer is None:
             return self.tbe(params, indices, offsets, per_sample_weights,

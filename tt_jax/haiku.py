@@ -107,6 +107,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tt_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
+from tbe_jax._layers import check_ids
 from tbe_jax.haiku import FUSED_PREFIX, drop_fused, is_fused
 from tt_jax.kernels.forward import TTKernelConfig
 from tt_jax.optim import FusedOptimizer
@@ -166,14 +167,6 @@ def module_state(params: dict, opt_state) -> dict:
     names, leaves, _ = _flatten(params, FUSED_PREFIX)
     opt_names, opt_leaves, _ = _flatten(opt_state, FUSED_PREFIX)
     return dict(zip(names + opt_names, leaves + opt_leaves))
-
-
-def _check_ids(indices, offsets):
-    """Integer ids only (the layers' contract): a ValueError naming the dtype otherwise."""
-    for name, x in (("indices", indices), ("offsets", offsets)):
-        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
 
 
 class TTEmbeddingBag(hk.Module):
@@ -241,7 +234,7 @@ class TTEmbeddingBag(hk.Module):
         self.optimizer = optimizer
 
     def __call__(self, indices, offsets, per_sample_weights=None):
-        _check_ids(indices, offsets)
+        check_ids(indices, offsets)
         emb = self.tt
         shapes = _param_shapes(emb)
         # Draw every core from one key, as emb.init does, and only at init time.

@@ -98,13 +98,13 @@ import dataclasses
 import functools
 from typing import Sequence
 
-import jax.numpy as jnp
 
 try:
     import flax.linen as nn
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
+from tbe_jax._layers import check_ids
 from tbe_jax.linen import FUSED_COLLECTION
 from tt_jax.kernels.forward import TTKernelConfig
 from tt_jax.optim import FusedOptimizer
@@ -112,14 +112,6 @@ from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
 __all__ = ["FUSED_COLLECTION", "TTEmbeddingBag"]
-
-
-def _check_ids(indices, offsets):
-    """Integer ids only (the layers' contract): a ValueError naming the dtype otherwise."""
-    for name, x in (("indices", indices), ("offsets", offsets)):
-        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
 
 
 def _check_optimizer(optimizer):
@@ -206,7 +198,7 @@ class TTEmbeddingBag(nn.Module):
 
     @nn.compact
     def __call__(self, indices, offsets, per_sample_weights=None):
-        _check_ids(indices, offsets)
+        check_ids(indices, offsets)
         emb = self.tt
         if self.optimizer is None:
             params = self.param("embedding", self._init_params)

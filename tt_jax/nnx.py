@@ -81,13 +81,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 
 try:
     from flax import nnx
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
+from tbe_jax._layers import check_ids
 from tbe_jax.nnx import DIFF_FILTER, Fused, apply_fused
 from tt_jax.kernels.forward import TTKernelConfig
 from tt_jax.optim import FusedOptimizer
@@ -95,14 +95,6 @@ from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
 __all__ = ["DIFF_FILTER", "Fused", "TTEmbeddingBag", "apply_fused"]
-
-
-def _check_ids(indices, offsets):
-    """Integer ids only (the layers' contract): a ValueError naming the dtype otherwise."""
-    for name, x in (("indices", indices), ("offsets", offsets)):
-        dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-        if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
 
 
 def _flatten(tree) -> tuple[tuple[str, ...], list, object]:
@@ -218,7 +210,7 @@ class TTEmbeddingBag(nnx.Module):
             self.opt_state[n][...] = v
 
     def __call__(self, indices, offsets, per_sample_weights=None):
-        _check_ids(indices, offsets)
+        check_ids(indices, offsets)
         params = self.get_params()
         if self.optimizer is None:
             return self.tt(params, indices, offsets, per_sample_weights)
