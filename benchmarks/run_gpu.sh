@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine command for a session's GPU work: install, then the stages named
 # as arguments, each under its own time limit, results under $OUT (or ./gpu-out).
-#   bash benchmarks/run_gpu.sh tests backward tt dlrm
+#   bash benchmarks/run_gpu.sh tests profile      (one device call: at most 10 minutes each, so split
+#   bash benchmarks/run_gpu.sh backward           the stages over calls made back to back while the
+#   bash benchmarks/run_gpu.sh tt dlrm            machine is warm; each stage has its own time limit)
 # Stages:
 #   tests     the whole suite compiled (4 workers)              -> tests.log
 #   backward  bench_backward.py, all presets + scaling run      -> backward-*.json, backward.log
