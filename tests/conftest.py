@@ -45,3 +45,29 @@ def rng(request):
 
 def specs(rows, dims):
     return [tbe_jax.TableSpec(e, d, name=f"t{i}") for i, (e, d) in enumerate(zip(rows, dims))]
+
+
+def layer_build(framework: str, cls, first, *args, **kw):
+    """Construct a layer of `framework` ("linen", "nnx", "haiku"); Haiku inside a transform's init."""
+    if framework == "haiku":
+        import haiku as hk
+
+        return hk.transform(lambda: cls(first, *args, **kw)).init(jax.random.key(0))
+    if framework == "nnx":
+        from flax import nnx
+
+        kw = dict(kw, rngs=nnx.Rngs(0))
+    return cls(first, *args, **kw)
+
+
+def layer_call(framework: str, cls, first, indices, offsets, **kw):
+    """Construct a layer of `framework` and call it once on (indices, offsets)."""
+    if framework == "linen":
+        return cls(first, **kw).init(jax.random.key(0), indices, offsets)
+    if framework == "nnx":
+        from flax import nnx
+
+        return cls(first, rngs=nnx.Rngs(0), **kw)(indices, offsets)
+    import haiku as hk
+
+    return hk.transform(lambda: cls(first, **kw)(indices, offsets)).init(jax.random.key(0))

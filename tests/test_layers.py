@@ -19,7 +19,7 @@ import pytest
 
 import tbe_jax
 from tbe_jax import testing
-from conftest import KERNEL_KW, specs
+from conftest import KERNEL_KW, specs, layer_build, layer_call
 
 FRAMEWORKS = ["linen", "nnx", "haiku"]
 TABLES = specs([20, 12, 9], [8, 4, 8])  # buffers d8 (tables 0 and 2) and d4
@@ -390,42 +390,19 @@ def test_float_ids_raise(framework, which):
         off = off.astype(jnp.float32)
     kw = dict(feature_table_map=FMAP, impl="xla")
     with pytest.raises(ValueError, match=f"{which} must hold integer ids.*float32"):
-        if framework == "linen":
-            mod.TableBatchedEmbed(TABLES, **kw).init(jax.random.key(0), idx, off)
-        elif framework == "nnx":
-            from flax import nnx
-
-            mod.TableBatchedEmbed(TABLES, rngs=nnx.Rngs(0), **kw)(idx, off)
-        else:
-            import haiku as hk
-
-            hk.transform(lambda: mod.TableBatchedEmbed(TABLES, **kw)(idx, off)).init(jax.random.key(0))
+        layer_call(framework, mod.TableBatchedEmbed, TABLES, idx, off, **kw)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_bad_options_raise(framework):
     mod = _module(framework)
-    extra = {}
-    if framework == "nnx":
-        from flax import nnx
-
-        extra = dict(rngs=nnx.Rngs(0))
-    if framework == "haiku":
-        import haiku as hk
-
-        build = lambda **kw: hk.transform(lambda: mod.TableBatchedEmbed(TABLES, **kw)).init(jax.random.key(0))
-    else:
-        build = lambda **kw: mod.TableBatchedEmbed(TABLES, **kw, **extra)
+    build = lambda *args, **kw: layer_build(framework, mod.TableBatchedEmbed, TABLES, *args, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="pooling"):
         build(pooling="max")
     with pytest.raises(TypeError, match="rowwise_adagrad"):
         build(optimizer=optax.adam(0.1))
     with pytest.raises(TypeError):
-        build_positional = lambda: mod.TableBatchedEmbed(TABLES, FMAP, **extra)  # options are keyword-only
-        if framework == "haiku":
-            hk.transform(build_positional).init(jax.random.key(0))
-        else:
-            build_positional()
+        build(FMAP)  # options are keyword-only
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -19,7 +19,7 @@ import pytest
 
 import tbe_jax
 import tt_jax
-from conftest import KERNEL_KW
+from conftest import KERNEL_KW, layer_build, layer_call
 from tbe_jax import testing
 
 FRAMEWORKS = ["linen", "nnx", "haiku"]
@@ -342,32 +342,13 @@ def test_float_ids_raise(framework, which):
         off = off.astype(jnp.float32)
     kw = dict(feature_table_map=FMAP, impl="xla")
     with pytest.raises(ValueError, match=f"{which} must hold integer ids.*float32"):
-        if framework == "linen":
-            mod.TTEmbeddingBag(SPECS, **kw).init(jax.random.key(0), idx, off)
-        elif framework == "nnx":
-            from flax import nnx
-
-            mod.TTEmbeddingBag(SPECS, rngs=nnx.Rngs(0), **kw)(idx, off)
-        else:
-            import haiku as hk
-
-            hk.transform(lambda: mod.TTEmbeddingBag(SPECS, **kw)(idx, off)).init(jax.random.key(0))
+        layer_call(framework, mod.TTEmbeddingBag, SPECS, idx, off, **kw)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_bad_options_raise(framework):
     mod = _module(framework)
-    extra = {}
-    if framework == "nnx":
-        from flax import nnx
-
-        extra = dict(rngs=nnx.Rngs(0))
-    if framework == "haiku":
-        import haiku as hk
-
-        build = lambda **kw: hk.transform(lambda: mod.TTEmbeddingBag(SPECS, **kw)).init(jax.random.key(0))
-    else:
-        build = lambda **kw: mod.TTEmbeddingBag(SPECS, **kw, **extra)
+    build = lambda *args, **kw: layer_build(framework, mod.TTEmbeddingBag, SPECS, *args, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="pooling"):
         build(pooling="max")
     with pytest.raises(TypeError, match="tt_jax.rowwise_adagrad"):
@@ -375,11 +356,7 @@ def test_bad_options_raise(framework):
     with pytest.raises(TypeError, match="tt_jax.rowwise_adagrad"):
         build(optimizer=tbe_jax.rowwise_adagrad(0.1))  # the TBE's fused optimizer is not the TT's
     with pytest.raises(TypeError):
-        build_positional = lambda: mod.TTEmbeddingBag(SPECS, FMAP, **extra)  # options are keyword-only
-        if framework == "haiku":
-            hk.transform(build_positional).init(jax.random.key(0))
-        else:
-            build_positional()
+        build(FMAP)  # options are keyword-only
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
