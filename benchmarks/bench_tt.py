@@ -20,6 +20,11 @@ Variants (`--variants`, comma-separated):
 - pallas_ieee:        ... with precision="ieee" (fp32 FMA dots instead of TF32x3 tensor cores)
 - pallas_plan:        preprocessing only (sort, unique, prefix groups, work items, inverse map)
 - pallas_plan_rows:   preprocessing + the rows kernel (no pooling): with pallas_plan, the breakdown
+- train_sgd / train_adagrad / train_rowwise: one training step of the fused path: the forward, then
+                      `jax.grad` of 0.5*sum(out**2) through `emb.fused_lookup`, whose backward is the
+                      prefix-reuse backward with the optimizer (SGD, element-wise Adagrad, row-wise Adagrad)
+                      applied to the touched core slices. "fwd_ms" of these is the whole step; with
+                      pallas_plan and pallas the breakdown is plan / forward / backward+optimizer.
 - pallas{k=v,...}:    one per `--configs` entry: the base config with those fields replaced (a sweep)
 
 Timing as bench_forward.py: `--iters` calls enqueued back to back over `--sets` rotating input
@@ -66,7 +71,8 @@ from bench_forward import time_calls  # noqa: E402
 
 XLA_VARIANTS = ("per_index", "unique_only", "prefix_reuse", "dense")
 PALLAS_VARIANTS = ("pallas", "pallas_static", "pallas_grid", "pallas_unique_only", "pallas_whole_groups",
-                   "pallas_ieee", "pallas_plan", "pallas_plan_rows")
+                   "pallas_ieee", "pallas_plan", "pallas_plan_rows", "train_sgd", "train_adagrad", "train_rowwise")
+TRAIN_VARIANTS = ("train_sgd", "train_adagrad", "train_rowwise")
 SINGLE_TABLE_ONLY = ("unique_only", "prefix_reuse", "dense")
 
 
@@ -157,6 +163,18 @@ def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpre
         "pallas_ieee": dataclasses.replace(base, precision="ieee"),
     }.get(name, base)
     ftm = tuple(range(len(specs)))
+    if name in TRAIN_VARIANTS:
+        tx = {"train_sgd": tt_jax.sgd(0.01), "train_adagrad": tt_jax.adagrad(0.01),
+              "train_rowwise": tt_jax.rowwise_adagrad(0.01)}[name]
+        emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)
+
+        def step(all_cores, idx, off):
+            params = {"cores": all_cores}
+            state = tx.init(params)
+            loss = lambda p, s: 0.5 * jnp.sum(emb.fused_lookup(p, s, tx, idx, off) ** 2)  # noqa: E731
+            new_params, new_state = jax.grad(loss, argnums=(0, 1))(params, state)
+            return new_params["cores"], new_state
+        return step, cfg
     if name in ("pallas_plan", "pallas_plan_rows"):
         def part(all_cores, idx, off):
             outs = []
@@ -323,7 +341,7 @@ def main():
                     fwd = jax.jit(fn)
                     res["fwd_ms"] = time_calls(fwd, arg_sets, args.iters, args.reps)
                     res["memory_bytes"] = memory_of(fn, arg_sets[0])
-                    if name not in ("pallas_plan", "pallas_plan_rows"):
+                    if name not in ("pallas_plan", "pallas_plan_rows") + TRAIN_VARIANTS:
                         out = np.asarray(fwd(*arg_sets[0]), np.float64)
                         ref = out if ref is None else ref
                         res["max_rel_err_vs_first"] = float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
