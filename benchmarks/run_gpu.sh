@@ -9,9 +9,9 @@
 #   backward  bench_backward.py, all presets + scaling run      -> backward-*.json, backward.log
 #   profile   profile_backward.py on base and zipf              -> profile.json
 #   forward   bench_forward.py, all presets                     -> forward-*.json, forward.log
-#   tt        bench_tt.py workload a, B 2048..131072, fwd, fwd+bwd, training steps -> tt-*.json, tt.log
+#   tt        bench_tt.py workload a, B 2048..131072, forward -> tt-*.json, tt.log
 #   ttab      workload a at B 32768: every variant (the ablation)   -> ttab.log
-#   ttmeta    meta-240/480/788 at B 4096: forward, ablation, training -> ttmeta.log
+#   ttmeta    meta-240/480/788 at B 4096: forward and ablation -> ttmeta.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -36,15 +36,15 @@ for stage in "$@"; do
                 2>&1 | grep -v Warning | tee "$OUT/backward.log" ;;
     profile) timeout 120 python3 benchmarks/profile_backward.py --presets base,zipf --out "$OUT/profile.json" ;;
     forward) timeout 300 python3 benchmarks/bench_forward.py --out "$OUT" 2>&1 | tee "$OUT/forward.log" | tail -12 ;;
-    tt) timeout 300 python3 benchmarks/bench_tt.py --batches 2048,4096,8192,16384,32768,65536,131072 --bwd \
-          --variants per_index,pallas_plan,pallas,train_sgd,train_adagrad --out "$OUT" \
+    tt) timeout 240 python3 benchmarks/bench_tt.py --batches 2048,4096,8192,16384,32768,65536,131072 --no-bwd \
+          --variants per_index,pallas_plan,pallas,pallas_static --out "$OUT" \
           2>&1 | grep -v Warning | tee "$OUT/tt.log" | grep "^  " ;;
     ttab) timeout 200 python3 benchmarks/bench_tt.py --batches 32768 --bwd \
           --variants per_index,unique_only,prefix_reuse,dense,pallas,pallas_static,pallas_grid,pallas_unique_only,pallas_whole_groups,pallas_plan,pallas_plan_rows,train_adagrad \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/ttab.log" | grep "^  " ;;
     ttmeta) for w in meta-240 meta-480 meta-788; do
-          timeout 150 python3 benchmarks/bench_tt.py --workload $w --batches 4096 --iters 3 --reps 2 --sets 1 --no-bwd \
-            --variants per_index,pallas_plan,pallas_plan_rows,pallas,pallas_static,pallas_grid,pallas_unique_only,train_sgd,train_adagrad \
+          timeout 120 python3 benchmarks/bench_tt.py --workload $w --batches 4096 --iters 3 --reps 2 --sets 1 --no-bwd \
+            --variants per_index,pallas_plan,pallas_plan_rows,pallas,pallas_static,pallas_grid,pallas_unique_only \
             --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/ttmeta.log" | grep "^  "; done ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
