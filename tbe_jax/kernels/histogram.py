@@ -2,15 +2,29 @@
 
 For a feature whose table is tiny (E <= 64) and whose bags are long, gathering
 rows one by one re-reads the same few rows hundreds of times. Instead a program
-takes 16 bags, counts how often each of the table's rows occurs among the first
-256 ids of each bag (`counts[16, E]`), and computes `counts @ table` with one
-tensor-core dot; ids past the 256th go through the scalar gather path.
+takes `bags` bags (16 by default), counts how often each of the table's rows
+occurs among the first 256 ids of each bag (`counts[bags, E]`), and computes
+`counts @ table` with one tensor-core dot; ids past the 256th go through the
+scalar gather path.
+
+Counting (`HistogramConfig.counting`):
+
+- 1 (default), on tensor cores: a step loads C ids of every bag as one flat
+  vector of `K = bags * C` positions (position p is id `p % C` of bag `p // C`),
+  builds the one-hot `O[p, e] = (id_p == e)` (fp16 0/1) and adds
+  `S @ O` to `counts` with one dot, where `S[b, p] = (p // C == b)` is the
+  constant bag-membership matrix built once per program. The reduction over a
+  bag's ids is the dot's; per id the vector units do E_padded compares (one
+  fp16 `set` per 2 compares where `half_compare`, since ids and rows < 2048 are
+  exact in fp16) and no adds.
+- 0: the previous scheme, compare and integer add per (id, row) into a `[K, E]`
+  accumulator, reduced once at the end (here by the same `S @ hits` dot).
 
 Exactness: counts are integers <= 256, exact in fp16, and the table is fp16, so
 every product is exact in the fp32 accumulator: the result equals the generic
 path's up to fp32 rounding of the sum order. (FBTriton's fp16 high/low split is
 only needed where an fp32 operand meets the tensor cores, as in the backward's
-`counts^T @ dout`; here both operands are exactly fp16.)
+`counts^T @ dout`, see `histogram_backward`; here both operands are exactly fp16.)
 
 Eligibility is static (see `eligible`): E <= 64, 64 <= D <= 128, the table's
 `bag_size_hint >= 64`, fp16 weights, fp32 output, unweighted, no VBE.
@@ -32,33 +46,75 @@ from tbe_jax.kernels.forward import (  # the program and feature tables are shar
 )
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2
 
-BAGS = 16  # bags per program
+BAGS = 16  # default bags per program
 HEAD = 256  # ids per bag counted into the histogram; the rest take the gather path
 MAX_ROWS, MIN_DIM, MAX_DIM, MIN_BAG = 64, 64, 128, 64
 
 
+def _pow2(v) -> bool:
+    return isinstance(v, (int, np.integer)) and v >= 1 and not v & (v - 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class HistogramConfig:
-    """Knobs of the histogram kernel.
+    """Knobs of the histogram kernels (forward, and the backward in `histogram_backward`).
 
-    Attributes:
-      hit_elems: elements of the `[16, C, E]` compare tile per counting step
-        (C ids per bag per step).
+    Forward attributes:
+      bags: bags per program (the M of the counts dot; a power of 2 >= 16).
+      ids_per_step: C, ids per bag per counting step: a step's tile is
+        `bags x C` ids and its one-hot `[bags * C, E_padded]`. A power of 2 <= 256.
+      counting: 1 tensor-core counting (one-hot and `S @ O` every step);
+        0 compare-and-add into a `[bags * C, E]` int32 accumulator (the previous
+        kernel), reduced by one dot at the end.
+      half_compare: build the one-hot by comparing ids and row numbers as fp16
+        (exact: rows < 64, and no id >= 64 rounds below 64) instead of int32.
+      prefetch: load the next step's ids while the current step counts.
       tail_unroll: ids per bag loaded together on the gather path (ids >= 256).
-      num_warps: warps per program.
-      deferred_reduce: keep the `[16, C, E]` hits accumulating across steps and
-        reduce over C once at the end, instead of reducing every step.
+      num_warps, num_stages: launch knobs of the forward kernel.
+
+    Backward attributes (`histogram_backward`, `apply_gradients`, `jax.grad`,
+    the fused path):
+      grad_programs: programs of the gradient kernel; each sums `counts^T @ dout`
+        over a contiguous range of tiles and writes one fp32 `[E, D]` partial.
+      grad_bags, grad_ids_per_step, grad_num_warps: its tile and warps.
+      update_partials: partials summed per step by the reduction/update kernel.
     """
 
-    hit_elems: int = 8192
+    bags: int = BAGS
+    ids_per_step: int = 16
+    counting: int = 1
+    half_compare: bool = True
+    prefetch: bool = True
     tail_unroll: int = 4
     num_warps: int = 4
-    deferred_reduce: bool = True
+    num_stages: int = 1
+    grad_programs: int = 528  # 4 per SM on an H200 (132 SMs)
+    grad_bags: int = BAGS
+    grad_ids_per_step: int = 16
+    grad_num_warps: int = 4
+    update_partials: int = 32
 
-    def ids_per_step(self, rows_padded: int) -> int:
-        c = max(1, self.hit_elems // (BAGS * rows_padded))
-        return 1 << (c.bit_length() - 1)
+    def __post_init__(self):
+        for name in ("bags", "grad_bags"):
+            v = getattr(self, name)
+            if not _pow2(v) or v < 16:
+                raise ValueError(f"HistogramConfig.{name}={v!r} must be a power of 2 >= 16 (a dot's M)")
+        for name in ("ids_per_step", "grad_ids_per_step"):
+            v = getattr(self, name)
+            if not _pow2(v) or v > HEAD:
+                raise ValueError(f"HistogramConfig.{name}={v!r} must be a power of 2 <= {HEAD}")
+        for name in ("num_warps", "grad_num_warps", "update_partials"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"HistogramConfig.{name}={getattr(self, name)!r} must be a power of 2")
+        for name in ("tail_unroll", "num_stages", "grad_programs"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"HistogramConfig.{name}={v!r} must be an int >= 1")
+        if self.counting not in (0, 1):
+            raise ValueError(f"HistogramConfig.counting={self.counting!r} must be 0 (compare) or 1 (tensor cores)")
+        for name in ("counting", "half_compare", "prefetch"):  # ints from a command line are fine
+            object.__setattr__(self, name, int(getattr(self, name)) if name == "counting" else
+                               bool(getattr(self, name)))
 
 
 def eligible(table: TableSpec, weights_dtype, output_dtype) -> bool:
@@ -84,19 +140,94 @@ class _Branch:
     rows_padded: int  # >= 16: a tensor-core dot needs K >= 16
 
 
-def _schedule(layout: StorageLayout, plan: FeaturePlan, features):
+def rows_padded(num_rows: int) -> int:
+    """E_padded: the one-hot's width (a power of 2 >= 16, a dot's minimum)."""
+    return max(16, next_pow2(num_rows))
+
+
+def _schedule(layout: StorageLayout, plan: FeaturePlan, features, bags: int):
     progs, branches, used = [], [], []
     for g in sorted({plan.group[f] for f in features}):
         feats = [f for f in features if plan.group[f] == g]
         start = len(progs)
-        progs += program_rows(plan, feats, BAGS)
+        progs += program_rows(plan, feats, bags)
         if len(progs) > start:
-            rows = max(16, next_pow2(max(plan.num_rows[f] for f in feats)))
+            rows = rows_padded(max(plan.num_rows[f] for f in feats))
             d = layout.dims[g]
             branches.append(_Branch(len(used), start, len(progs), d, next_pow2(d), rows))
             used.append(g)
     prog_meta = np.asarray(progs, np.int32).reshape(-1, _PROG_COLS)
     return used, tuple(branches), prog_meta, feature_table(plan)
+
+
+# -- tile helpers shared with the backward ---------------------------------------------
+# A counting step covers C ids of each of `bags` bags as one flat vector of K = bags * C
+# positions: position p is id (k0 + p % C) of bag p // C. Loading the positions' bag
+# starts once per program (from `offsets`, L1-resident) makes every step's id load a
+# single [K] gather with no per-step index arithmetic beyond one add.
+
+
+def tile_positions(offsets_ref, first, nbags, *, bags: int, c: int):
+    """(bag of p [K], slot p % C [K], its bag's first id [K], its bag's length [K]); 0 for padding bags."""
+    p = jnp.arange(bags * c, dtype=jnp.int32)
+    pb, pc = p // c, p % c
+    ok = pb < nbags
+    p_start = plgpu.load(offsets_ref.at[first + pb], mask=ok, other=0)
+    p_len = plgpu.load(offsets_ref.at[first + pb + 1], mask=ok, other=0) - p_start
+    return pb, pc, p_start, jnp.where(ok, p_len, 0)
+
+
+def load_ids(indices_ref, p_start, pc, limit, k0):
+    """Ids k0 + p % C of each position's bag, -1 where that is at or past `limit` ([K])."""
+    k = k0 + pc
+    return plgpu.load(indices_ref.at[p_start + k], mask=k < limit, other=-1)
+
+
+def one_hot(ids, e, *, half: bool, rows_first: bool = False):
+    """fp16 0/1 `[K, E_padded]` (`[E_padded, K]` with `rows_first`): id_p == e.
+
+    `half` compares in fp16: exact for e < 2048, and rounding is monotonic, so no
+    id outside [0, E_padded) compares equal to a row. -1 (padding) matches nothing.
+    """
+    if half:
+        ids, e = ids.astype(jnp.float16), e.astype(jnp.float16)
+    if rows_first:
+        return (e[:, None] == ids[None, :]).astype(jnp.float16)
+    return (ids[:, None] == e[None, :]).astype(jnp.float16)
+
+
+def _count_head(indices_ref, p_start, pc, p_head, membership, n_bad, *, c, rows, cfg):
+    """counts[bags, E_padded] (fp32, exact) of each bag's first HEAD ids, and the bad-id count."""
+    e = jnp.arange(rows, dtype=jnp.int32)
+    n_steps = (jnp.max(p_head) + c - 1) // c
+    zeros = jnp.zeros((membership.shape[0], rows), jnp.float32)
+    if cfg.counting == 1:
+        init, add = zeros, lambda acc, ids: acc + jnp.dot(
+            membership, one_hot(ids, e, half=cfg.half_compare), preferred_element_type=jnp.float32)
+    else:  # compare-and-add per (position, row); one dot reduces over each bag's positions at the end
+        init = jnp.zeros((membership.shape[1], rows), jnp.int32)
+        add = lambda acc, ids: acc + (ids[:, None] == e[None, :]).astype(jnp.int32)  # noqa: E731
+
+    def ids_at(i):
+        return load_ids(indices_ref, p_start, pc, p_head, i * c)
+
+    if cfg.prefetch:
+        def step(i, carry):
+            acc, bad, ids = carry
+            nxt = ids_at(i + 1)  # issued before this step's compares; masked off past the head
+            return add(acc, ids), bad + n_bad(ids), nxt
+
+        acc, bad, _ = jax.lax.fori_loop(0, n_steps, step, (init, jnp.int32(0), ids_at(0)))
+    else:
+        def step(i, carry):
+            acc, bad = carry
+            ids = ids_at(i)
+            return add(acc, ids), bad + n_bad(ids)
+
+        acc, bad = jax.lax.fori_loop(0, n_steps, step, (init, jnp.int32(0)))
+    if cfg.counting == 0:  # hits per position <= HEAD / C: exact in fp16
+        acc = jnp.dot(membership, acc.astype(jnp.float16), preferred_element_type=jnp.float32)
+    return acc, bad
 
 
 def _hist_branch(
@@ -106,11 +237,12 @@ def _hist_branch(
     def meta(ref, cols, row, col):
         return plgpu.load(ref.at[cols * row + col])
 
+    bags = cfg.bags
     f = meta(prog_ref, _PROG_COLS, pid, _P_FEATURE)
     first = meta(prog_ref, _PROG_COLS, pid, _P_FIRST)
     nbags = meta(prog_ref, _PROG_COLS, pid, _P_COUNT)
     b0 = meta(prog_ref, _PROG_COLS, pid, _P_BAG)
-    g = jnp.arange(BAGS, dtype=jnp.int32)
+    g = jnp.arange(bags, dtype=jnp.int32)
     bag_ok = g < nbags
     start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
     end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
@@ -119,35 +251,22 @@ def _hist_branch(
     out_base = meta(feat_ref, _META_COLS, f, _OUT_BASE)
     out_stride = meta(feat_ref, _META_COLS, f, _OUT_STRIDE)
     length = end - start
-    head = jnp.minimum(length, HEAD)
 
     def n_bad(ids):
         if bad_ref is None:
             return jnp.int32(0)
         return jnp.sum((ids != -1) & ((ids < 0) | (ids >= num_rows)), dtype=jnp.int32)
 
-    # 1. Histogram of the first HEAD ids of each bag: counts[b, e] = #{j : id_bj == e}.
-    c = cfg.ids_per_step(br.rows_padded)
-    e = jnp.arange(br.rows_padded, dtype=jnp.int32)
-    j = jnp.arange(c, dtype=jnp.int32)
-
-    def count(i, carry):
-        counts, bad = carry
-        k = i * c + j
-        live = k[None, :] < head[:, None]
-        ids = plgpu.load(indices_ref.at[start[:, None] + k[None, :]], mask=live, other=-1)
-        hit = (ids[:, :, None] == e[None, None, :]).astype(jnp.int32)
-        if not cfg.deferred_reduce:
-            hit = jnp.sum(hit, axis=1)
-        return counts + hit, bad + n_bad(ids)
-
-    shape = (BAGS, c, br.rows_padded) if cfg.deferred_reduce else (BAGS, br.rows_padded)
-    n_steps = (jnp.max(head) + c - 1) // c
-    counts, bad = jax.lax.fori_loop(0, n_steps, count, (jnp.zeros(shape, jnp.int32), jnp.int32(0)))
-    if cfg.deferred_reduce:
-        counts = jnp.sum(counts, axis=1)
+    # 1. Histogram of the first HEAD ids of each bag: counts[b, e] = #{j < HEAD : id_bj == e},
+    #    the reduction over a bag's ids done by the tensor cores (S @ one-hot).
+    c = cfg.ids_per_step
+    pb, pc, p_start, p_len = tile_positions(offsets_ref, first, nbags, bags=bags, c=c)
+    membership = (g[:, None] == pb[None, :]).astype(jnp.float16)  # S [bags, K], once per program
+    counts, bad = _count_head(indices_ref, p_start, pc, jnp.minimum(p_len, HEAD), membership, n_bad,
+                              c=c, rows=br.rows_padded, cfg=cfg)
 
     # 2. counts @ table on tensor cores (rows past the table's E are zero).
+    e = jnp.arange(br.rows_padded, dtype=jnp.int32)
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
     col_ok = cols < br.dim
     table = plgpu.load(
@@ -184,8 +303,8 @@ def _hist_branch(
     if bad_ref is not None:
         plgpu.store(bad_ref.at[pid], bad)
     if counts_ref is not None:
-        rows = pid * BAGS + g
-        plgpu.store(counts_ref.at[rows[:, None], e[None, :]], counts)
+        rows = pid * bags + g
+        plgpu.store(counts_ref.at[rows[:, None], e[None, :]], counts.astype(jnp.int32))
 
 
 def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid, save_counts, cfg, aliased):
@@ -228,18 +347,18 @@ def histogram_forward(
     With `out_flat=None` (every feature takes this path) the output is fresh.
 
     Returns `out_flat`, plus the number of skipped bad ids (`count_invalid`) and
-    the per-bag counts `[programs * 16, E_padded]` int32 (`save_counts`; row
-    `p * 16 + b` is bag b of program p, in `histogram_programs` order), each when asked.
+    the per-bag counts `[programs * bags, E_padded]` int32 (`save_counts`; row
+    `p * bags + b` is bag b of program p, in `histogram_programs` order), each when asked.
     """
     cfg = config or HistogramConfig()
-    used, branches, prog_meta, feat_meta = _schedule(layout, plan, tuple(features))
+    used, branches, prog_meta, feat_meta = _schedule(layout, plan, tuple(features), cfg.bags)
     n_prog = prog_meta.shape[0]
     out_shape = [jax.ShapeDtypeStruct((plan.out_size,), jnp.float32)]
     if count_invalid:
         out_shape.append(jax.ShapeDtypeStruct((n_prog,), jnp.int32))
     if save_counts:
         rows = max(b.rows_padded for b in branches)
-        out_shape.append(jax.ShapeDtypeStruct((n_prog * BAGS, rows), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct((n_prog * cfg.bags, rows), jnp.int32))
     kernel = functools.partial(
         _hist_kernel, branches=branches, n_buffers=len(used), pooling=pooling, check_upper=check_upper,
         count_invalid=count_invalid, save_counts=save_counts, cfg=cfg, aliased=out_flat is not None,
@@ -253,7 +372,7 @@ def histogram_forward(
         out_shape=tuple(out_shape),
         grid=(n_prog,),
         input_output_aliases={len(args) - 1: 0} if out_flat is not None else {},
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="tbe_histogram_forward",
     )(*args)
@@ -265,10 +384,10 @@ def histogram_forward(
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def histogram_programs(plan: FeaturePlan, features) -> np.ndarray:
+def histogram_programs(plan: FeaturePlan, features, bags: int = BAGS) -> np.ndarray:
     """(feature, bag) of each row of the saved counts; bag -1 for padding rows."""
     out = []
     for g in sorted({plan.group[f] for f in features}):
-        for f, _, count, b0 in program_rows(plan, [f for f in features if plan.group[f] == g], BAGS):
-            out.extend((f, b0 + i if i < count else -1) for i in range(BAGS))
+        for f, _, count, b0 in program_rows(plan, [f for f in features if plan.group[f] == g], bags):
+            out.extend((f, b0 + i if i < count else -1) for i in range(bags))
     return np.asarray(out, np.int32).reshape(-1, 2)
