@@ -198,6 +198,11 @@ class FlowPlan(NamedTuple):
     num_rows: jax.Array  # [] int32: distinct rows U
     num_groups: jax.Array  # [] int32: distinct prefixes
     inverse: jax.Array  # [N] int32: per lookup, its distinct row; -1 if it produces none
+    # For the backward (appended; XLA drops them from a forward-only program):
+    perm: jax.Array  # [N] int32: lookup positions sorted by row (those producing no row last)
+    sorted_row: jax.Array  # [N] int32: distinct row of each sorted position (N for the dropped tail)
+    row_start: jax.Array  # [cap + 1] int32: first sorted position of each distinct row (valid lookups past U)
+    group_meta: jax.Array  # [(cap + 1) * item_cols] int32: as item_meta, one item per whole prefix group
 
 
 def item_cols(layout: StackedTables) -> int:
@@ -295,15 +300,33 @@ def build_flow(
         new_item = new_grp | (new_row & (uid % chunk == 0))
     else:
         new_item = new_grp
-    iid = jnp.cumsum(new_item.astype(jnp.int32)) - 1
-    num_items = jnp.sum(new_item.astype(jnp.int32))
     inverse = jnp.zeros((n,), jnp.int32).at[perm].set(jnp.where(valid_s, uid, -1), unique_indices=True)
     row_suffix = jnp.zeros((cap,), jnp.int32).at[jnp.where(new_row, uid, cap)].set(suf_s, mode="drop")
+    num_valid = jnp.sum(valid_s.astype(jnp.int32))
+    row_start = jnp.full((cap + 1,), num_valid, jnp.int32).at[jnp.where(new_row, uid, cap + 1)].set(
+        pos, mode="drop")
+    sorted_row = jnp.where(valid_s, uid, n)
+    k_s = None if len(specs) == 1 else t_s
+    item_meta, num_items = _meta_table(layout, new_item, pre_s, k_s, uid, num_rows, cap)
+    group_meta = item_meta if new_item is new_grp else _meta_table(layout, new_grp, pre_s, k_s, uid, num_rows, cap)[0]
+    return FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows,
+                    jnp.sum(new_grp.astype(jnp.int32)), inverse, perm, sorted_row, row_start, group_meta)
+
+
+def _meta_table(layout: StackedTables, new_item, pre_s, t_s, uid, num_rows, cap):
+    """The flat item table of `FlowPlan.item_meta` for items starting where `new_item` (sorted lookups)."""
+    specs = layout.specs
+
+    def table_const(values):
+        return jnp.asarray(np.asarray(values, np.int32))
+
+    iid = jnp.cumsum(new_item.astype(jnp.int32)) - 1
+    num_items = jnp.sum(new_item.astype(jnp.int32))
     islot = jnp.where(new_item, iid, cap + 1)
     item_first = jnp.full((cap + 1,), num_rows, jnp.int32).at[islot].set(uid, mode="drop")
     item_pre = jnp.zeros((cap,), jnp.int32).at[islot].set(pre_s, mode="drop")
     # Decode each item's prefix into stacked core rows (digits first-most-significant).
-    if len(specs) == 1:
+    if t_s is None:
         k = None
         rest = item_pre
     else:
@@ -321,6 +344,4 @@ def build_flow(
     last_base = jnp.zeros((cap,), jnp.int32) if k is None else table_const(layout.core_base[-1][:-1])[k]
     meta = jnp.stack([item_first[:-1]] + cols + [last_base], axis=1)
     sentinel = jnp.concatenate([item_first[-1:], jnp.zeros((t_cores,), jnp.int32)])
-    item_meta = jnp.concatenate([meta.reshape(-1), sentinel])
-    return FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows,
-                    jnp.sum(new_grp.astype(jnp.int32)), inverse)
+    return jnp.concatenate([meta.reshape(-1), sentinel]), num_items
