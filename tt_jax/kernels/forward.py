@@ -84,6 +84,15 @@ class TTKernelConfig:
         HIGHEST.
       pool_bags, pool_unroll, pool_warps: pooling kernel: bags per program,
         steps whose loads are issued together, warps.
+      backward: the backward of `TTEmbeddingBag` on this path (`jax.grad`,
+        `apply_gradients`, `fused_lookup`): "pallas" (`tt_jax.kernels.backward`,
+        deterministic) or "xla" (`tt_jax.backward`).
+      bwd_lookup_tile: sorted lookups per program of the backward's per-row
+        gradient sum (a power of 2 >= 16).
+      bwd_member_tile: sorted members (prefix groups or distinct rows) per
+        program of the per-slice core-gradient sums (a power of 2 >= 16).
+      bwd_rows: distinct rows per step of the backward's per-group kernel.
+      bwd_num_warps: warps per program of the backward kernels.
     """
 
     schedule: str = "queue"
@@ -98,8 +107,19 @@ class TTKernelConfig:
     pool_bags: int = 8
     pool_unroll: int = 4
     pool_warps: int = 1
+    backward: str = "pallas"
+    bwd_lookup_tile: int = 64
+    bwd_member_tile: int = 32
+    bwd_rows: int = 8
+    bwd_num_warps: int = 4
 
     def __post_init__(self):
+        if self.backward not in ("pallas", "xla"):
+            raise ValueError(f"TTKernelConfig.backward must be 'pallas' or 'xla', got {self.backward!r}")
+        for name in ("bwd_lookup_tile", "bwd_member_tile"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"TTKernelConfig.{name} must be a power of 2 >= 16, got {v!r}")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"TTKernelConfig.schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
         if self.precision not in _PRECISIONS:
@@ -107,11 +127,11 @@ class TTKernelConfig:
         if not isinstance(self.chunk, int) or self.chunk < 0:
             raise ValueError(f"TTKernelConfig.chunk must be an int >= 0, got {self.chunk!r}")
         for name in ("tile_rows", "programs_per_sm", "num_warps", "num_stages", "pool_bags", "pool_unroll",
-                     "pool_warps"):
+                     "pool_warps", "bwd_rows", "bwd_num_warps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"TTKernelConfig.{name} must be a positive int, got {v!r}")
-        for name in ("tile_rows", "num_warps", "pool_bags", "pool_warps"):
+        for name in ("tile_rows", "num_warps", "pool_bags", "pool_warps", "bwd_rows", "bwd_num_warps"):
             v = getattr(self, name)
             if v & (v - 1):
                 raise ValueError(f"TTKernelConfig.{name} must be a power of 2, got {v}")
