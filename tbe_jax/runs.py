@@ -16,6 +16,7 @@ summation order (hence the result) is the same run to run.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -65,6 +66,18 @@ def feature_keys(layout: StorageLayout, plan: FeaturePlan) -> np.ndarray:
     """Per feature, the linear key of its table's row 0."""
     bases = group_bases(layout)
     return np.asarray([bases[plan.group[f]] + plan.row_offset[f] for f in range(plan.num_features)], np.int64)
+
+
+def without_features(plan: FeaturePlan, features) -> FeaturePlan:
+    """`plan` with no valid lookup in `features` (their tables seen as empty).
+
+    Their lookups get the sentinel key, sort to the end and form no runs: how the
+    histogram features (whose tables the histogram backward updates) are kept out
+    of the sorted-run backward.
+    """
+    drop = set(features)
+    return dataclasses.replace(
+        plan, num_rows=tuple(0 if f in drop else r for f, r in enumerate(plan.num_rows)))
 
 
 def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,

@@ -14,6 +14,7 @@ from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax.optim import SGD, RowwiseAdagrad, RowwiseAdagradState, SGDState
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
+from tbe_jax.kernels import histogram_backward as hist_bwd
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec
 
 _POOLINGS = ("sum", "mean", "none")
@@ -470,7 +471,23 @@ class TableBatchedEmbedding:
                                          grad_output, backward_config)
         return new_w, (RowwiseAdagradState(new_m) if adagrad else opt_state)
 
+    def _histogram_features(self, plan, per_sample_weights) -> list[int]:
+        """Features whose lookups take the histogram kernels (forward and backward) in this call."""
+        if self.pooling == "none" or not self._use_kernel():
+            return []
+        paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
+        return [f for f, p in enumerate(paths) if p == "histogram"]
+
     def _runs(self, plan, indices, offsets, per_sample_weights, backward_config=None):
+        """The sorted runs of the generic features' lookups; None when every feature is a histogram one.
+
+        The histogram features' lookups get the sentinel key (no runs): their
+        tables are updated by the histogram backward.
+        """
+        hist = self._histogram_features(plan, per_sample_weights)
+        if len(hist) == plan.num_features:
+            return None
+        plan = runs_lib.without_features(plan, hist)
         cfg = backward_config or self.backward_config
         sequence = self.pooling == "none"
         keys = None
@@ -486,16 +503,27 @@ class TableBatchedEmbedding:
         """The fused update on validated int32 inputs: (tables, accumulators or None).
 
         `runs`: the batch's sorted runs when the forward already built them.
+        Histogram features (see `plan()`) are left out of the runs: their tables
+        get `counts^T @ grad_output` from the histogram backward kernels.
         """
         if indices.shape[0] == 0:
             return params, momentum
         if self._use_kernel():
-            if runs is None:
-                runs = self._runs(plan, indices, offsets, per_sample_weights, backward_config)
-            return bwd_kernels.fused_update(
-                params, momentum, self.layout, runs, grad_output.astype(jnp.float32), opt,
-                config=backward_config or self.backward_config, interpret=self.interpret,
-            )
+            hist = self._histogram_features(plan, per_sample_weights)
+            g32 = grad_output.astype(jnp.float32)
+            if len(hist) < plan.num_features:
+                if runs is None:
+                    runs = self._runs(plan, indices, offsets, per_sample_weights, backward_config)
+                params, momentum = bwd_kernels.fused_update(
+                    params, momentum, self.layout, runs, g32, opt,
+                    config=backward_config or self.backward_config, interpret=self.interpret,
+                )
+            if hist:  # their tables: counts^T x dout, then the optimizer (no sort)
+                params, momentum = hist_bwd.histogram_update(
+                    params, momentum, self.layout, plan, hist, indices, offsets, g32, opt,
+                    pooling=self.pooling, config=self.histogram_config, interpret=self.interpret,
+                )
+            return params, momentum
         return reference.apply_gradients(
             params, momentum, self.layout, plan, indices, offsets, per_sample_weights,
             grad_output, opt, pooling=self.pooling,

@@ -130,3 +130,189 @@ def test_saved_counts_match_numpy(rng):
             continue
         ids = idx[off[b] : off[b + 1]][: histogram.HEAD]
         np.testing.assert_array_equal(counts[r, :30], np.bincount(ids, minlength=30))
+
+
+@pytest.mark.parametrize("cfg", [dict(counting=0, ids_per_step=8), dict(lookahead=0, half_compare=False),
+                                 dict(bags=32, ids_per_step=64, lookahead=3), dict(ids_per_step=1)],
+                         ids=["compare", "no_lookahead_int_compare", "bags32_c64", "c1"])
+def test_config_variants_match_model(rng, cfg):
+    t = tbe_jax.TableSpec(40, 64, bag_size_hint=64)
+    emb = _emb([t], histogram_config=histogram.HistogramConfig(**cfg))
+    params = emb.init(jax.random.key(5))
+    idx, off, _ = testing.make_batch(rng, [40], [21], (0, 300))
+    model = testing.numpy_pooled(tables_f64(emb, params), [0], [21], idx, off, None, "sum", False)
+    assert_close(emb(params, idx, off), model, tolerance("float32", 300))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="bags=8 must be a power of 2 >= 16"):
+        histogram.HistogramConfig(bags=8)
+    with pytest.raises(ValueError, match="ids_per_step=512"):
+        histogram.HistogramConfig(ids_per_step=512)
+    with pytest.raises(ValueError, match="counting=2"):
+        histogram.HistogramConfig(counting=2)
+    with pytest.raises(ValueError, match="lookahead=-1"):
+        histogram.HistogramConfig(lookahead=-1)
+    assert histogram.HistogramConfig(half_compare=0) == histogram.HistogramConfig(half_compare=False)
+
+
+# -- backward: counts^T x dout, then the optimizer -----------------------------------
+
+def _model_step(tables, momentum, touched, grads, opt):
+    """Float64 row-wise Adagrad / SGD step on the touched rows (as tests/test_backward.py)."""
+    new_t, new_m = [], []
+    for t, (w, g, hit) in enumerate(zip(tables, grads, touched)):
+        w = w.copy()
+        if isinstance(opt, tbe_jax.RowwiseAdagrad):
+            m = momentum[t].copy()
+            m[hit] += np.mean(g[hit] ** 2, axis=1)
+            w[hit] -= opt.learning_rate * g[hit] / (np.sqrt(m[hit])[:, None] + opt.eps)
+            new_m.append(m)
+        else:
+            w[hit] -= opt.learning_rate * g[hit]
+        new_t.append(w)
+    return new_t, new_m
+
+
+def _touched(tables, fmap, batch, idx, off):
+    hit = [np.zeros(t.num_embeddings, bool) for t in tables]
+    for f, t in enumerate(fmap):
+        ids = idx[off[f * batch] : off[(f + 1) * batch]]
+        hit[t][ids[(ids >= 0) & (ids < tables[t].num_embeddings)]] = True
+    return hit
+
+
+# A histogram table shared by two features, a histogram table of E=1, a generic table
+# and a table just outside the limits (E=65): the backward splits per table.
+_BWD_TABLES = [tbe_jax.TableSpec(33, 100, bag_size_hint=64), tbe_jax.TableSpec(300, 64),
+               tbe_jax.TableSpec(1, 64, bag_size_hint=200), tbe_jax.TableSpec(65, 64, bag_size_hint=64)]
+_BWD_FMAP = [0, 1, 0, 2, 3]
+
+
+@pytest.mark.parametrize("opt", [tbe_jax.RowwiseAdagrad(0.05, 1e-3, initial_accumulator_value=0.25),
+                                 tbe_jax.SGD(0.05)], ids=["adagrad", "sgd"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_backward_update_matches_model(rng, opt, pooling):
+    tables, fmap, batch = _BWD_TABLES, _BWD_FMAP, 18
+    emb = _emb(tables, feature_table_map=fmap, pooling=pooling)
+    assert emb.plan() == ("histogram", "generic", "histogram", "histogram", "generic")
+    ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype="float16",
+                                        impl="xla")
+    params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
+    state = emb.init_opt_state(params, opt)
+    # Bag lengths 0..600: the backward counts them in rounds of 256.
+    idx, off, _ = testing.make_batch(rng, [tables[t].num_embeddings for t in fmap], [batch] * 5, (0, 600))
+    g = rng.standard_normal((batch, sum(emb.feature_dims))).astype(np.float32)
+    step = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g))
+    p1, s1 = step(params, state)
+    p2, s2 = step(params, state)
+    for a, b in zip(jax.tree_util.tree_leaves((p1, s1)), jax.tree_util.tree_leaves((p2, s2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise reproducible
+    ref_p, ref_s = ref.apply_gradients(params, state, opt, idx, off, g)
+
+    tabs = tables_f64(emb, params)
+    adagrad = isinstance(opt, tbe_jax.RowwiseAdagrad)
+    mom = [np.asarray(m, np.float64) for m in emb.get_momentum(state)] if adagrad else None
+    grads, _ = testing.numpy_pooled_vjp(tabs, fmap, [batch] * 5, idx, off, None, g, pooling, False)
+    hit = _touched(tables, fmap, batch, idx, off)
+    want, want_m = _model_step(tabs, mom, hit, grads, opt)
+    before = [np.asarray(t) for t in emb.get_tables(params)]
+    for t, (got, w, r, was) in enumerate(zip(emb.get_tables(p1), want, emb.get_tables(ref_p), before)):
+        assert_close(got, w, 2e-3)  # one fp16 rounding of the stored row
+        assert_close(got, r, 2e-3)
+        np.testing.assert_array_equal(np.asarray(got)[~hit[t]], was[~hit[t]])
+        # No touched row may differ from the model by more than the fp16 rounding of its value.
+        np.testing.assert_allclose(np.asarray(got, np.float64)[hit[t]], w[hit[t]], rtol=1e-3, atol=1e-3)
+    if adagrad:
+        for t, (got, w) in enumerate(zip(emb.get_momentum(s1), want_m)):
+            assert_close(got, w, 1e-5)
+            np.testing.assert_array_equal(np.asarray(got)[~hit[t]], np.asarray(emb.get_momentum(state)[t])[~hit[t]])
+
+
+def test_backward_gradient_is_fp32_accurate(rng):
+    # The kernels on an fp32 zero buffer store counts^T x dout unrounded: it must equal the
+    # float64 gradient to fp32 rounding, with heavy duplicates (E=3, counts up to 1000 per bag)
+    # and mixed-magnitude output gradients (the hi/mid/lo split).
+    from tbe_jax.kernels import histogram_backward
+
+    tables = [tbe_jax.TableSpec(3, 128, bag_size_hint=64), tbe_jax.TableSpec(64, 128, bag_size_hint=64)]
+    emb = _emb(tables)
+    batch = 20
+    lengths = rng.integers(0, 1001, 2 * batch)
+    lengths[[0, 5, 25]] = [0, 1000, 256]
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    idx = np.concatenate([rng.integers(0, 3, off[batch]), rng.integers(0, 64, off[-1] - off[batch])]).astype(np.int32)
+    g = (rng.standard_normal((batch, 256)) * 10.0 ** rng.integers(-3, 4, (batch, 256))).astype(np.float32)
+    plan = emb.plan_for(len(off))
+    zeros = {"d128": jnp.zeros((67, 128), jnp.float32)}
+    for pooling in ("sum", "mean"):
+        got, _ = histogram_backward.histogram_update(
+            zeros, None, emb.layout, plan, [0, 1], jnp.asarray(idx), jnp.asarray(off), jnp.asarray(g), None,
+            pooling=pooling, config=histogram.HistogramConfig(), interpret=KERNEL_KW["interpret"])
+        want, _ = testing.numpy_pooled_vjp([np.zeros((3, 128)), np.zeros((64, 128))], [0, 1], [batch] * 2, idx, off,
+                                           None, g, pooling, False)
+        got = np.asarray(got["d128"], np.float64)
+        for t, (lo, hi) in enumerate([(0, 3), (3, 67)]):
+            np.testing.assert_allclose(got[lo:hi], want[t], rtol=2e-6, atol=2e-6 * np.abs(want[t]).max())
+
+
+@pytest.mark.parametrize("cfg", [dict(grad_bags=32, grad_ids_per_step=64, grad_lookahead=0, update_partials=1),
+                                 dict(grad_programs=1, half_compare=False, grad_ids_per_step=4)],
+                         ids=["tiles", "one_program"])
+def test_backward_config_variants(rng, cfg):
+    tables = [tbe_jax.TableSpec(20, 64, bag_size_hint=64)]
+    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3)
+    idx, off, _ = testing.make_batch(rng, [20], [40], (0, 300))
+    g = rng.standard_normal((40, 64)).astype(np.float32)
+    outs = []
+    for hcfg in (histogram.HistogramConfig(), histogram.HistogramConfig(**cfg)):
+        emb = _emb(tables, histogram_config=hcfg)
+        params = emb.init(jax.random.key(2))
+        p, s = emb.apply_gradients(params, emb.init_opt_state(params, opt), opt, idx, off, g)
+        outs.append(jax.tree_util.tree_leaves((p, s)))
+    for a, b in zip(*outs):
+        assert_close(a, b, 1e-6)
+
+
+def test_dense_grad_and_fused_path(rng):
+    # jax.grad's dense table gradient (histogram tables from counts^T x dout, the rest from the
+    # sorted runs) equals jax.grad of the XLA reference; the fused path equals apply_gradients.
+    tables, fmap, batch = _BWD_TABLES, _BWD_FMAP, 10
+    emb = _emb(tables, feature_table_map=fmap)
+    ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, weights_dtype="float16", impl="xla")
+    params = emb.init(jax.random.key(3))
+    idx, off, _ = testing.make_batch(rng, [tables[t].num_embeddings for t in fmap], [batch] * 5, (0, 300))
+    g = rng.standard_normal((batch, sum(emb.feature_dims))).astype(np.float32)
+
+    def loss(e):
+        return lambda p: jnp.sum(e(p, idx, off) * g)
+
+    got = jax.jit(jax.grad(loss(emb)))(params)
+    want = jax.grad(loss(ref))(params)
+    model, _ = testing.numpy_pooled_vjp(tables_f64(emb, params), fmap, [batch] * 5, idx, off, None, g, "sum", False)
+    for a, b, m in zip(emb.get_tables(got), emb.get_tables(want), model):
+        assert_close(a, m, 1e-3)  # the gradient is stored in fp16 (the table's dtype)
+        assert_close(a, b, 1e-3)
+
+    tx = tbe_jax.rowwise_adagrad(0.1, 1e-3)
+    state = tx.init(params)
+    fused = jax.jit(jax.grad(lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off) * g), argnums=(0, 1)))
+    new_p, new_s = fused(params, state)
+    want_p, want_s = emb.apply_gradients(params, state, tx.opt, idx, off, g)
+    for a, b in zip(jax.tree_util.tree_leaves((new_p, new_s)), jax.tree_util.tree_leaves((want_p, want_s))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_histogram_lookups_form_no_runs(rng):
+    # The histogram features' lookups get the sentinel key: the sorted-run backward never sees
+    # their tables; with only histogram features there are no runs at all.
+    tables = [tbe_jax.TableSpec(16, 64, bag_size_hint=64), tbe_jax.TableSpec(50, 64)]
+    emb = _emb(tables)
+    idx, off, _ = testing.make_batch(rng, [16, 50], [6, 6], (1, 40))
+    plan = emb.plan_for(len(off))
+    runs = emb._runs(plan, jnp.asarray(idx), jnp.asarray(off), None)
+    n = int(runs.num_runs)
+    keys = np.asarray(runs.run_key)[:n]
+    assert np.all(keys >= 16) and n == len(np.unique(idx[off[6]:]))
+    solo = _emb(tables[:1])
+    assert solo._runs(solo.plan_for(7), jnp.asarray(idx[: off[6]]), jnp.asarray(off[:7]), None) is None

@@ -68,7 +68,9 @@ class HistogramConfig:
         kernel), reduced by one dot at the end.
       half_compare: build the one-hot by comparing ids and row numbers as fp16
         (exact: rows < 64, and no id >= 64 rounds below 64) instead of int32.
-      prefetch: load the next step's ids while the current step counts.
+      lookahead: steps of ids loaded ahead of the one being counted (0: none; each
+        step's load then waits a full memory latency). Bytes in flight per
+        program: `lookahead * bags * C * 4`.
       tail_unroll: ids per bag loaded together on the gather path (ids >= 256).
       num_warps, num_stages: launch knobs of the forward kernel.
 
@@ -76,23 +78,27 @@ class HistogramConfig:
     the fused path):
       grad_programs: programs of the gradient kernel; each sums `counts^T @ dout`
         over a contiguous range of tiles and writes one fp32 `[E, D]` partial.
-      grad_bags, grad_ids_per_step, grad_num_warps: its tile and warps.
-      update_partials: partials summed per step by the reduction/update kernel.
+      grad_bags, grad_ids_per_step, grad_lookahead, grad_num_warps: its tile,
+        id lookahead and warps.
+      update_partials, update_num_warps: partials summed per step by the
+        reduction/update kernel (one program per table row), and its warps.
     """
 
     bags: int = BAGS
     ids_per_step: int = 16
     counting: int = 1
     half_compare: bool = True
-    prefetch: bool = True
+    lookahead: int = 2
     tail_unroll: int = 4
     num_warps: int = 4
     num_stages: int = 1
-    grad_programs: int = 528  # 4 per SM on an H200 (132 SMs)
+    grad_programs: int = 264  # 2 per SM on an H200 (132 SMs)
     grad_bags: int = BAGS
     grad_ids_per_step: int = 16
+    grad_lookahead: int = 2
     grad_num_warps: int = 4
-    update_partials: int = 32
+    update_partials: int = 64
+    update_num_warps: int = 4
 
     def __post_init__(self):
         for name in ("bags", "grad_bags"):
@@ -103,18 +109,19 @@ class HistogramConfig:
             v = getattr(self, name)
             if not _pow2(v) or v > HEAD:
                 raise ValueError(f"HistogramConfig.{name}={v!r} must be a power of 2 <= {HEAD}")
-        for name in ("num_warps", "grad_num_warps", "update_partials"):
+        for name in ("num_warps", "grad_num_warps", "update_partials", "update_num_warps"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"HistogramConfig.{name}={getattr(self, name)!r} must be a power of 2")
-        for name in ("tail_unroll", "num_stages", "grad_programs"):
+        for name, low in (("tail_unroll", 1), ("num_stages", 1), ("grad_programs", 1), ("lookahead", 0),
+                          ("grad_lookahead", 0)):
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"HistogramConfig.{name}={v!r} must be an int >= 1")
+            if not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError(f"HistogramConfig.{name}={v!r} must be an int >= {low}")
         if self.counting not in (0, 1):
             raise ValueError(f"HistogramConfig.counting={self.counting!r} must be 0 (compare) or 1 (tensor cores)")
-        for name in ("counting", "half_compare", "prefetch"):  # ints from a command line are fine
-            object.__setattr__(self, name, int(getattr(self, name)) if name == "counting" else
-                               bool(getattr(self, name)))
+        # 0/1 from a command line (bench --hist-configs) are fine for the flags.
+        object.__setattr__(self, "counting", int(self.counting))
+        object.__setattr__(self, "half_compare", bool(self.half_compare))
 
 
 def eligible(table: TableSpec, weights_dtype, output_dtype) -> bool:
@@ -196,28 +203,42 @@ def one_hot(ids, e, *, half: bool, rows_first: bool = False):
     return (ids[:, None] == e[None, :]).astype(jnp.float16)
 
 
-def _count_head(indices_ref, p_start, pc, p_head, membership, n_bad, *, c, rows, cfg):
-    """counts[bags, E_padded] (fp32, exact) of each bag's first HEAD ids, and the bad-id count."""
+def count_ids(indices_ref, p_start, pc, limit, k0, n_steps, membership, n_bad, *, c, rows, counting=1,
+              half=True, lookahead=1, rows_first=False):
+    """Counts of ids k0 .. k0 + n_steps * C - 1 (below `limit`) of each bag, fp32 and exact.
+
+    `membership` is S `[bags, K]` (or S^T `[K, bags]` with `rows_first`); the
+    result is `[bags, E_padded]` (or `[E_padded, bags]`). Also returns the
+    bad-id count (`n_bad(ids)` summed over the steps).
+    """
     e = jnp.arange(rows, dtype=jnp.int32)
-    n_steps = (jnp.max(p_head) + c - 1) // c
-    zeros = jnp.zeros((membership.shape[0], rows), jnp.float32)
-    if cfg.counting == 1:
-        init, add = zeros, lambda acc, ids: acc + jnp.dot(
-            membership, one_hot(ids, e, half=cfg.half_compare), preferred_element_type=jnp.float32)
+    if counting == 1:
+        shape = (rows, membership.shape[1]) if rows_first else (membership.shape[0], rows)
+        init = jnp.zeros(shape, jnp.float32)
+
+        def add(acc, ids):
+            o = one_hot(ids, e, half=half, rows_first=rows_first)
+            pair = (o, membership) if rows_first else (membership, o)
+            return acc + jnp.dot(*pair, preferred_element_type=jnp.float32)
     else:  # compare-and-add per (position, row); one dot reduces over each bag's positions at the end
+        if rows_first:
+            raise ValueError("counting=0 gives [bags, E] counts only")
         init = jnp.zeros((membership.shape[1], rows), jnp.int32)
         add = lambda acc, ids: acc + (ids[:, None] == e[None, :]).astype(jnp.int32)  # noqa: E731
 
     def ids_at(i):
-        return load_ids(indices_ref, p_start, pc, p_head, i * c)
+        return load_ids(indices_ref, p_start, pc, limit, k0 + i * c)
 
-    if cfg.prefetch:
+    if lookahead:
+        # Software pipelining by hand: the ids of the next `lookahead` steps are in flight
+        # (masked off past the limit) while this step's ids are counted.
         def step(i, carry):
-            acc, bad, ids = carry
-            nxt = ids_at(i + 1)  # issued before this step's compares; masked off past the head
-            return add(acc, ids), bad + n_bad(ids), nxt
+            acc, bad, queue = carry[0], carry[1], carry[2:]
+            nxt = ids_at(i + lookahead)
+            return (add(acc, queue[0]), bad + n_bad(queue[0])) + queue[1:] + (nxt,)
 
-        acc, bad, _ = jax.lax.fori_loop(0, n_steps, step, (init, jnp.int32(0), ids_at(0)))
+        init = (init, jnp.int32(0)) + tuple(ids_at(j) for j in range(lookahead))
+        acc, bad = jax.lax.fori_loop(0, n_steps, step, init)[:2]
     else:
         def step(i, carry):
             acc, bad = carry
@@ -225,7 +246,7 @@ def _count_head(indices_ref, p_start, pc, p_head, membership, n_bad, *, c, rows,
             return add(acc, ids), bad + n_bad(ids)
 
         acc, bad = jax.lax.fori_loop(0, n_steps, step, (init, jnp.int32(0)))
-    if cfg.counting == 0:  # hits per position <= HEAD / C: exact in fp16
+    if counting == 0:  # hits per position <= HEAD / C: exact in fp16
         acc = jnp.dot(membership, acc.astype(jnp.float16), preferred_element_type=jnp.float32)
     return acc, bad
 
@@ -262,8 +283,10 @@ def _hist_branch(
     c = cfg.ids_per_step
     pb, pc, p_start, p_len = tile_positions(offsets_ref, first, nbags, bags=bags, c=c)
     membership = (g[:, None] == pb[None, :]).astype(jnp.float16)  # S [bags, K], once per program
-    counts, bad = _count_head(indices_ref, p_start, pc, jnp.minimum(p_len, HEAD), membership, n_bad,
-                              c=c, rows=br.rows_padded, cfg=cfg)
+    head = jnp.minimum(p_len, HEAD)
+    counts, bad = count_ids(indices_ref, p_start, pc, head, 0, (jnp.max(head) + c - 1) // c, membership, n_bad,
+                            c=c, rows=br.rows_padded, counting=cfg.counting, half=cfg.half_compare,
+                            lookahead=cfg.lookahead)
 
     # 2. counts @ table on tensor cores (rows past the table's E are zero).
     e = jnp.arange(br.rows_padded, dtype=jnp.int32)
