@@ -14,8 +14,10 @@ Slices the batch does not touch are left bitwise unchanged, and so is their stat
 Adagrad instead updates every slice of a dense gradient; its zero-gradient slices then do not move either,
 so the two agree on values).
 
-The update is a gather of the touched slices, the formula, and a scatter back (`update_slices`): the
-float work is `O(touched slices)` per core, not `O(p_t)`. Under `jax.jit`, donate the cores and the state
+On the XLA backward the update is a gather of the touched slices, the formula, and a scatter back
+(`update_slices`): the float work is `O(touched slices)` per core, not `O(p_t)`. The Pallas backward gives
+dense core-shaped gradients (zero on untouched slices) and the update runs over the whole core
+(`update_dense`, O(p_t) per core; a zero gradient leaves a slice and its state bitwise unchanged). Under `jax.jit`, donate the cores and the state
 (`donate_argnums`) so XLA updates them in place instead of copying them first.
 """
 
@@ -151,6 +153,25 @@ def update_slices(opt, core: jax.Array, momentum: jax.Array | None, ids: jax.Arr
     if new_m is not None:
         momentum = momentum.at[ids].set(new_m, mode="drop")
     return core, momentum
+
+
+def update_dense(opt, core: jax.Array, momentum: jax.Array | None, grads: jax.Array):
+    """One step on every slice of one core from its dense batch gradient: returns (core, momentum).
+
+    The Pallas backward's form: `grads` has the core's shape, zeros on the slices the batch does not touch.
+    Such a slice, and its state, come back bitwise unchanged: SGD computes `w - lr * 0 = w`; Adagrad
+    `m + 0 = m` (m >= 0, so never -0.0) and `w - lr * 0 / (sqrt(m) + eps) = w` (eps > 0: no 0/0); row-wise
+    Adagrad `m + mean(0) = m`, then the same. The work is O(core size) (cores are small: O(p) slices).
+    """
+    g = grads.astype(jnp.float32)
+    if isinstance(opt, SGD):
+        return (core - opt.learning_rate * g).astype(core.dtype), None
+    if isinstance(opt, Adagrad):
+        m = momentum + g * g
+        return (core - opt.learning_rate * g / (jnp.sqrt(m) + opt.eps)).astype(core.dtype), m
+    m = momentum + jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
+    denom = (jnp.sqrt(m) + opt.eps).reshape((-1,) + (1,) * (g.ndim - 1))
+    return (core - opt.learning_rate * g / denom).astype(core.dtype), m
 
 
 class FusedOptimizer(NamedTuple):

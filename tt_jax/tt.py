@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from tt_jax import backward, optim, reference
+from tt_jax.kernels import backward as kernel_backward
 from tt_jax.kernels.forward import TTKernelConfig, flow_plans, pooled_forward
 from tt_jax.specs import TTSpec
 
@@ -26,9 +27,11 @@ class TTEmbeddingBag:
       pooling: "sum" or "mean" (an empty bag gives zeros).
       impl: "pallas" (the fused FlowTT kernel, `tt_jax.kernels.forward`),
         "xla" (the pure-jnp per-index chain) or "auto" (pallas on a GPU, xla
-        otherwise). Both are differentiable with the same backward
-        (`tt_jax.backward`: XLA, prefix reuse, on the forward's FlowPlans;
-        on the xla path the plans are built in the forward pass of `jax.grad`).
+        otherwise). Both are differentiable with prefix reuse on the forward's
+        FlowPlans (on the xla path the plans are built in the forward pass of
+        `jax.grad`): "pallas" uses the deterministic Pallas backward
+        (`tt_jax.kernels.backward`, unless `config.backward == "xla"`), "xla"
+        the XLA one (`tt_jax.backward`).
       interpret: run the Pallas kernels in interpret mode (CPU).
       config: `TTKernelConfig` of the Pallas path (None: its default).
 
@@ -172,6 +175,11 @@ class TTEmbeddingBag:
         self._check_backend()
         return _pooled(self, batch, params["cores"], indices, offsets, per_sample_weights)
 
+    @property
+    def pallas_backward(self) -> bool:
+        """Whether the backward (gradients and optimizer steps) runs the Pallas kernels."""
+        return self.resolved_impl == "pallas" and self.config.backward == "pallas"
+
     def _check_backend(self):
         if self.resolved_impl == "pallas" and not self.interpret and jax.default_backend() != "gpu":
             raise NotImplementedError(
@@ -213,8 +221,9 @@ class TTEmbeddingBag:
         `grad_output` is the gradient of the loss with respect to `emb(params, indices, offsets, ...)`.
         Every touched slice `G_t[i]` gets its exact batch gradient and one `opt` update (see
         `tt_jax.optim`); the other slices and their state are returned bitwise unchanged. The update is a
-        scatter to the touched slices: donate `params` and `opt_state` under `jax.jit` for an in-place
-        update. `per_sample_weights` are constants here.
+        scatter to the touched slices (XLA backward) or a dense pass over each core with zero gradients on
+        the untouched slices (Pallas backward): donate `params` and `opt_state` under `jax.jit` for an
+        in-place update. `per_sample_weights` are constants here.
         """
         optim.check_opt(opt)
         optim.check_state(opt, opt_state, params)
@@ -253,8 +262,9 @@ class TTEmbeddingBag:
 
 
 # -- differentiation ------------------------------------------------------------------
-# Both paths save the forward's FlowPlans (the one sort of the step) and differentiate with
-# `tt_jax.backward` (XLA, prefix reuse). The jnp reference's autodiff VJP is the tests' oracle.
+# Both paths save the forward's FlowPlans (the one sort of the step) and differentiate with prefix reuse:
+# `tt_jax.kernels.backward` (Pallas, deterministic) when `emb.pallas_backward`, else `tt_jax.backward` (XLA).
+# The jnp reference's autodiff VJP is the tests' oracle.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -269,6 +279,13 @@ def _pooled_fwd(emb, batch, all_cores, indices, offsets, per_sample_weights):
 
 def _pooled_bwd(emb, batch, res, g):
     all_cores, plans, offsets, per_sample_weights = res
+    if emb.pallas_backward:
+        d_cores, d_psw = kernel_backward.dense_core_grads(
+            all_cores, emb.specs, emb.feature_table_map, plans, offsets, per_sample_weights, g, batch=batch,
+            pooling=emb.pooling, want_psw=True, config=emb.config, interpret=emb.interpret)
+        d_cores = tuple(tuple(d if d is not None else jnp.zeros(c.shape, jnp.float32) for d, c in zip(ds, cs))
+                        for ds, cs in zip(d_cores, all_cores))
+        return d_cores, None, None, d_psw
     d_cores, d_psw = backward.pooled_vjp(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
                                          per_sample_weights, g, batch=batch, pooling=emb.pooling)
     return d_cores, None, None, d_psw
@@ -280,16 +297,27 @@ _pooled.defvjp(_pooled_fwd, _pooled_bwd)
 def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output):
     """The optimizer step from the plans: (params, opt_state)."""
     all_cores = params["cores"]
-    grads = backward.touched_core_grads(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
-                                        per_sample_weights, grad_output, batch=batch, pooling=emb.pooling)
     momentum = None if isinstance(opt, optim.SGD) else opt_state.momentum
+    if emb.pallas_backward:
+        grads, _ = kernel_backward.dense_core_grads(
+            all_cores, emb.specs, emb.feature_table_map, plans, offsets, per_sample_weights, grad_output,
+            batch=batch, pooling=emb.pooling, want_psw=False, config=emb.config, interpret=emb.interpret)
+
+        def update(core, m, g):
+            return optim.update_dense(opt, core, m, g)
+    else:
+        grads = backward.touched_core_grads(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
+                                            per_sample_weights, grad_output, batch=batch, pooling=emb.pooling)
+
+        def update(core, m, g):
+            return optim.update_slices(opt, core, m, *g)
     new_cores, new_mom = [], []
     for k, cores in enumerate(all_cores):
         cs, ms = [], []
         for t, core in enumerate(cores):
             m = None if momentum is None else momentum[k][t]
             if grads[k][t] is not None:
-                core, m = optim.update_slices(opt, core, m, *grads[k][t])
+                core, m = update(core, m, grads[k][t])
             cs.append(core)
             ms.append(m)
         new_cores.append(tuple(cs))
