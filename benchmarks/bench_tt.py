@@ -18,20 +18,22 @@ Variants (`--variants`, comma-separated):
 - pallas_unique_only: ... with prefix_reuse=False (ablation: every distinct row recomputes its prefix)
 - pallas_whole_groups: ... with chunk=0 (items are whole prefix groups: no splitting of hot prefixes)
 - pallas_ieee:        ... with precision="ieee" (fp32 FMA dots instead of TF32x3 tensor cores)
+- pallas_bwd_xla:     ... with backward="xla" (the XLA backward on the kernel's plans; --bwd compares the two)
 - pallas_plan:        preprocessing only (sort, unique, prefix groups, work items, inverse map)
 - pallas_plan_rows:   preprocessing + the rows kernel (no pooling): with pallas_plan, the breakdown
 - train_sgd / train_adagrad / train_rowwise: one training step of the fused path: the forward, then
                       `jax.grad` of 0.5*sum(out**2) through `emb.fused_lookup`, whose backward is the
-                      prefix-reuse backward with the optimizer (SGD, element-wise Adagrad, row-wise Adagrad)
-                      applied to the touched core slices. "fwd_ms" of these is the whole step; with
+                      Pallas prefix-reuse backward (`tt_jax.kernels.backward`) with the optimizer (SGD,
+                      element-wise Adagrad, row-wise Adagrad) applied densely over each core (zero gradient
+                      on untouched slices). "fwd_ms" of these is the whole step; with
                       pallas_plan and pallas the breakdown is plan / forward / backward+optimizer.
 - pallas{k=v,...}:    one per `--configs` entry: the base config with those fields replaced (a sweep)
 
 Timing as bench_forward.py: `--iters` calls enqueued back to back over `--sets` rotating input
 sets, one block, median of `--reps` (launch overhead excluded). Forward for every variant;
-forward+backward (jax.grad of the cores) for the XLA variants and `pallas` (its backward is the
-XLA VJP) with `--bwd` (default on for workload a). Memory: the compiled executable's
-arguments + outputs + temporaries (`memory_analysis`), and the device's `peak_bytes_in_use`
+forward+backward (jax.grad of the cores) for the XLA variants, `pallas` (the Pallas backward) and
+`pallas_bwd_xla` (the XLA backward) with `--bwd` (default on for workload a). Memory: the compiled
+executable's arguments + outputs + temporaries (`memory_analysis`), and the device's `peak_bytes_in_use`
 after the variant (cumulative over the process, so order matters; null on CPU).
 
 Results: benchmarks/results/tt-<stamp>-<gpu>.json. Without a GPU the run is a smoke test: tiny
@@ -71,7 +73,8 @@ from bench_forward import time_calls  # noqa: E402
 
 XLA_VARIANTS = ("per_index", "unique_only", "prefix_reuse", "dense")
 PALLAS_VARIANTS = ("pallas", "pallas_static", "pallas_grid", "pallas_unique_only", "pallas_whole_groups",
-                   "pallas_ieee", "pallas_plan", "pallas_plan_rows", "train_sgd", "train_adagrad", "train_rowwise")
+                   "pallas_ieee", "pallas_bwd_xla", "pallas_plan", "pallas_plan_rows", "train_sgd", "train_adagrad",
+                   "train_rowwise")
 TRAIN_VARIANTS = ("train_sgd", "train_adagrad", "train_rowwise")
 SINGLE_TABLE_ONLY = ("unique_only", "prefix_reuse", "dense")
 
@@ -161,6 +164,7 @@ def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpre
         "pallas_unique_only": dataclasses.replace(base, prefix_reuse=False),
         "pallas_whole_groups": dataclasses.replace(base, chunk=0),
         "pallas_ieee": dataclasses.replace(base, precision="ieee"),
+        "pallas_bwd_xla": dataclasses.replace(base, backward="xla"),
     }.get(name, base)
     ftm = tuple(range(len(specs)))
     if name in TRAIN_VARIANTS:
@@ -286,7 +290,8 @@ def main():
         fields = {}
         for kv in entry.split(","):
             k, v = kv.split("=")
-            fields[k] = v if k in ("schedule", "precision") else (v == "True" if k == "prefix_reuse" else int(v))
+            fields[k] = (v if k in ("schedule", "precision", "backward")
+                         else (v == "True" if k == "prefix_reuse" else int(v)))
         sweep["pallas{" + entry + "}"] = dataclasses.replace(base, **fields)
     names += list(sweep)
 
@@ -345,7 +350,7 @@ def main():
                         out = np.asarray(fwd(*arg_sets[0]), np.float64)
                         ref = out if ref is None else ref
                         res["max_rel_err_vs_first"] = float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
-                    if bwd and name in ("per_index", "unique_only", "prefix_reuse", "pallas"):
+                    if bwd and name in ("per_index", "unique_only", "prefix_reuse", "pallas", "pallas_bwd_xla"):
                         g = jax.jit(jax.grad(lambda c, i, o, fn=fn: jnp.sum(fn(c, i, o) ** 2)))
                         res["fwd_bwd_ms"] = time_calls(g, arg_sets, args.iters, args.reps)
             except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory at large B)

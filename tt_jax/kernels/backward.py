@@ -226,8 +226,7 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     n_runs = run_start.shape[0] - 1
     n_tiles = -(-m_total // tile)
     e = e_a * e_b
-    interp_prec = jax.lax.Precision.HIGHEST
-    precision = interp_prec if interpret else _PRECISIONS[config.precision]
+    precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[config.precision]
     names, args = ["run"], [run]
     if run_seg is not None:
         names.append("run_seg")
@@ -296,7 +295,7 @@ def _runs(keys, live, bound):
 # -----------------------------------------------------------------------------
 
 
-def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, n_groups_max, cap, precision, interpret):
+def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, interpret):
     ref = dict(zip(names, refs))
     meta_ref, ngroups_ref, suffix_ref, drows_ref = ref["meta"], ref["ngroups"], ref["suffix"], ref["d_rows"]
     cores = [ref[f"core{t}"] for t in range(t_cores)]
@@ -408,7 +407,7 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
     names += list(outs)
     kernel = functools.partial(
         _group_kernel, names=tuple(names), t_cores=nc, q=q, r=r, dim=layout.dim,
-        rows_per_step=max(config.bwd_rows, 16 // _next_pow2(q[-1])), n_groups_max=n_groups, cap=cap, precision=precision, interpret=interpret)
+        rows_per_step=max(config.bwd_rows, 16 // _next_pow2(q[-1])), precision=precision, interpret=interpret)
     res = pl.pallas_call(
         kernel, out_shape=tuple(jax.ShapeDtypeStruct((n,), dt) for n, dt in outs.values()), grid=(n_groups,),
         compiler_params=_params(config), interpret=interpret, name="tt_bwd_groups",
