@@ -18,7 +18,8 @@ On the XLA backward the update is a gather of the touched slices, the formula, a
 (`update_slices`): the float work is `O(touched slices)` per core, not `O(p_t)`. The Pallas backward gives
 dense core-shaped gradients (zero on untouched slices) and the update runs over the whole core
 (`update_dense`, O(p_t) per core; a zero gradient leaves a slice and its state bitwise unchanged).
-Under `jax.jit`, donate the cores and the state (`donate_argnums`) so XLA updates them in place instead of copying them first.
+Under `jax.jit`, donate the cores and the state (`donate_argnums`) so XLA updates them in place instead
+of copying them first.
 """
 
 from __future__ import annotations
