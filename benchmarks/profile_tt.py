@@ -1,0 +1,139 @@
+"""Where a TT training step's time goes: each stage of the fused path timed alone (GPU).
+
+Stages (workload a by default, one table group): the plan (sort, unique, groups, items), the forward
+kernels, and the Pallas backward's pieces: per-lookup sources, the per-row gradient sum (`d_rows`),
+the per-group kernel, per core the member sort (`_runs`) and the per-slice sums, and the dense optimizer
+update. Each is jitted on its own inputs (computed once), timed as bench_forward (enqueue many, block
+once, median). The sum of the parts can exceed the step: XLA fuses and overlaps inside one program.
+
+  python benchmarks/profile_tt.py --batches 32768 --out benchmarks/results/profile-tt-<stamp>.json
+  python benchmarks/profile_tt.py --workload meta-240 --batches 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import tt_jax  # noqa: E402
+from tt_jax import optim, prefix, workloads  # noqa: E402
+from tt_jax.kernels import backward as kb  # noqa: E402
+from tt_jax.kernels import forward as kf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_forward import time_calls  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="a", choices=sorted(workloads.PRESETS))
+    ap.add_argument("--batches", default="32768")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one profile each)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    interpret = not on_gpu
+    wl = workloads.PRESETS[args.workload]()
+    specs = list(wl.specs)
+    ftm = tuple(range(len(specs)))
+    all_res = []
+    cfgs = [("default", kf.TTKernelConfig())]
+    for c in args.configs:
+        kw = {}
+        for item in c.split(","):
+            k, v = item.split("=")
+            kw[k] = type(getattr(kf.TTKernelConfig(), k))(v) if not v.isdigit() else int(v)
+        cfgs.append((c, kf.TTKernelConfig(**kw)))
+    rng0 = np.random.default_rng(0)
+    sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
+    all_cores = tuple(tuple(jnp.asarray(rng0.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
+                      for s, sg in zip(specs, sig))
+    for batch in [int(b) for b in args.batches.split(",")]:
+        rng = np.random.default_rng(batch)
+        perms = [np.random.default_rng(1).permutation(s.num_embeddings) for s in specs] if wl.exact_zipf else None
+        i_np, o_np = wl.make_batch(rng, batch, perms=perms)
+        idx, off = jnp.asarray(i_np), jnp.asarray(o_np)
+        total = sum(s.embedding_dim for s in specs)
+        g_out = jnp.asarray(np.random.default_rng(2).normal(size=(batch, total)), jnp.float32)
+        for cname, cfg in cfgs:
+            res = {"B": batch, "config": cname}
+
+            def t(name, f, *a):
+                res[name] = time_calls(jax.jit(f), [a], args.iters, args.reps)
+
+            (layout, feats), = prefix.stack_tables(specs, ftm)
+            build = lambda i, o: prefix.build_flow(layout, i, o, features=feats, feature_table_map=ftm,  # noqa: E731
+                                                   batch=batch, chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse)
+            t("plan", build, idx, off)
+            plan = jax.jit(build)(idx, off)
+            emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)
+            t("forward_total", lambda c, i, o: emb({"cores": c}, i, o), all_cores, idx, off)
+            stacked = jax.jit(lambda c: prefix.stack_cores(layout, c))(all_cores)
+            t("fwd_rows_kernel", lambda s, p: kf.tt_rows(s, p, layout, config=cfg, interpret=interpret), stacked, plan)
+            col0 = kb._col0(specs, ftm)
+            t("bwd_total_dense_grads", lambda c, p, o, g: kb.dense_core_grads(
+                c, specs, ftm, [p], o, None, g, batch=batch, pooling="sum", want_psw=False, config=cfg,
+                interpret=interpret), all_cores, plan, off, g_out)
+            srcs = lambda p, o: kb._lookup_sources(p, o, None, batch=batch, col0=col0, total=total,  # noqa: E731
+                                                   pooling="sum")
+            t("bwd_lookup_sources", srcs, plan, off)
+            src, _, _ = jax.jit(srcs)(plan, off)
+            cap = plan.row_suffix.shape[0]
+            dim = layout.dim
+
+            def drows(p, s, g):
+                return kb._segment_sum("lookups", p.sorted_row, p.row_start, data={"src": s, "g": g.reshape(-1)},
+                                       out_slots=cap, e_a=1, e_b=dim, tile=cfg.bwd_lookup_tile, config=cfg,
+                                       interpret=interpret)
+            t("bwd_d_rows", drows, plan, src, g_out)
+            d_rows = jax.jit(drows)(plan, src, g_out)
+            n_groups = max(1, min(cap, layout.prefix_base[-1]))
+            gp = lambda s, p, d: kb._group_pass(layout, s, p, d, n_groups, config=cfg,  # noqa: E731
+                                                interpret=interpret)
+            t("bwd_group_pass", gp, stacked, plan, d_rows)
+            nc = layout.num_cores
+            p_stacked = [layout.core_base[k][-1] for k in range(nc)]
+            meta = plan.group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
+            live_g = jnp.arange(n_groups, dtype=jnp.int32) < plan.num_groups
+            for k in range(nc - 1):
+                t(f"bwd_sort_core{k}", lambda m, lv, k=k: kb._runs(m[:, 1 + k], lv, min(n_groups, p_stacked[k])),
+                  meta, live_g)
+            live_u = jnp.arange(cap, dtype=jnp.int32) < plan.num_rows
+            bufs = jax.jit(gp)(stacked, plan, d_rows)
+            t(f"bwd_sort_core{nc - 1}", lambda rs, lv: kb._runs(rs, lv, min(cap, p_stacked[-1])),
+              bufs["row_slice"], live_u)
+            grads, _ = jax.jit(lambda c, p, o, g: kb.dense_core_grads(
+                c, specs, ftm, [p], o, None, g, batch=batch, pooling="sum", want_psw=False, config=cfg,
+                interpret=interpret))(all_cores, plan, off, g_out)
+            opt = optim.Adagrad(0.01)
+            mom = [jnp.zeros(c.shape, jnp.float32) for c in all_cores[0]]
+            t("optimizer_dense_adagrad", lambda cs, ms, gs: [optim.update_dense(opt, c, m, g)
+                                                             for c, m, g in zip(cs, ms, gs)],
+              list(all_cores[0]), mom, list(grads[0]))
+            tx = tt_jax.adagrad(0.01)
+
+            def step(c, i, o):
+                params = {"cores": c}
+                state = tx.init(params)
+                loss = lambda p, s: 0.5 * jnp.sum(emb.fused_lookup(p, s, tx, i, o) ** 2)  # noqa: E731
+                return jax.grad(loss, argnums=(0, 1))(params, state)
+            t("train_step_adagrad", step, all_cores, idx, off)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+            all_res.append(res)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                       "workload": args.workload, "results": all_res}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
