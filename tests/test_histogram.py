@@ -97,9 +97,10 @@ def test_ineligible_dtypes_weighted_and_vbe_plan_generic(rng):
     assert_close(out, model, tolerance("float16", 300))
 
 
-def test_bad_ids_warning_mode(rng):
+@pytest.mark.parametrize("mode", ["tile_compare", "packed_c2_align", "tile_tc_align", "flat_tc"])
+def test_bad_ids_warning_mode(rng, mode):
     t = [tbe_jax.TableSpec(20, 64, bag_size_hint=128)]
-    emb = _emb(t, bounds_check="warning")
+    emb = _emb(t, bounds_check="warning", histogram_config=histogram.HistogramConfig(**_MODES[mode]))
     params = emb.init(jax.random.key(0))
     idx = rng.integers(0, 20, 700).astype(np.int32)
     idx[[3, 300, 600]] = [20, -7, 25]  # bad in the head and in the tail
@@ -144,13 +145,77 @@ def test_config_variants_match_model(rng, cfg):
     assert_close(emb(params, idx, off), model, tolerance("float32", 300))
 
 
+# Every counting mode, with its pipelining knobs: bags of 0..600 ids (head and tail), E and D
+# across the limits (E_padded 16, 64, 64; one to four packed bytes in mode 3).
+_MODES = {
+    "flat_compare": dict(counting=0, ids_per_step=8),
+    "flat_tc": dict(counting=1),
+    "tile_compare": dict(counting=2),
+    "tile_compare_old": dict(counting=2, lookahead=0),
+    "tile_compare_align": dict(counting=2, ids_per_step=16, align=4, num_warps=8),
+    "packed": dict(counting=3),
+    "packed_c2_align": dict(counting=3, bags=32, ids_per_step=2, align=4, lookahead=3),
+    "packed_c64_align8": dict(counting=3, ids_per_step=64, align=8, lookahead=0),
+    "tile_tc": dict(counting=4, half_compare=False),
+    "tile_tc_align": dict(counting=4, ids_per_step=32, align=4, lookahead=1),
+}
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
+@pytest.mark.parametrize("rows,dim", [(1, 64), (33, 100), (64, 128)])
+def test_counting_modes_match_model(rng, mode, rows, dim):
+    t = tbe_jax.TableSpec(rows, dim, bag_size_hint=64)
+    emb = _emb([t], histogram_config=histogram.HistogramConfig(**_MODES[mode]))
+    assert emb.plan() == ("histogram",)
+    params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
+    idx, off, _ = testing.make_batch(rng, [rows], [18], (0, 600))
+    model = testing.numpy_pooled(tables_f64(emb, params), [0], [18], idx, off, None, "sum", False)
+    assert_close(emb(params, idx, off), model, tolerance("float32", 600))
+
+
+@pytest.mark.parametrize("mode", ["tile_compare_align", "packed", "packed_c2_align", "tile_tc_align"])
+def test_saved_counts_all_one_row(rng, mode):
+    # Heavy single-row bags: a bag's count of one row reaches 256 (mode 3: the top byte of a
+    # word, 128 per 8-bit counter at C = 2, must neither carry nor sign-extend).
+    cfg = histogram.HistogramConfig(**_MODES[mode])
+    t = tbe_jax.TableSpec(64, 64, bag_size_hint=64)
+    emb = _emb([t], histogram_config=cfg)
+    params = emb.init(jax.random.key(0))
+    lengths = np.array([600, 256, 255, 3, 0, 300, 257, 1, 130, 600, 77])
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    fill = [63, 48, 0, 15, 1, 63, 47, 62, 16, 31, 5]
+    idx = np.concatenate([np.full(n, v) for n, v in zip(lengths, fill)]).astype(np.int32)
+    idx[off[9]:off[10]:7] = rng.integers(0, 64, len(idx[off[9]:off[10]:7]))  # bag 9 mixed
+    plan = emb.plan_for(len(off))
+    out, counts = histogram.histogram_forward(
+        None, params, emb.layout, plan, [0], jnp.asarray(idx), jnp.asarray(off), pooling="sum",
+        check_upper=False, interpret=KERNEL_KW["interpret"], config=cfg, save_counts=True)
+    counts = np.asarray(counts)
+    for r, (f, b) in enumerate(histogram.histogram_programs(plan, [0], cfg.bags)):
+        if b >= 0:
+            ids = idx[off[b] : off[b + 1]][: histogram.HEAD]
+            np.testing.assert_array_equal(counts[r], np.bincount(ids, minlength=64))
+    model = testing.numpy_pooled(tables_f64(emb, params), [0], [len(lengths)], idx, off, None, "sum", False)
+    assert_close(np.asarray(out).reshape(model.shape), model, tolerance("float32", 600))
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="bags=8 must be a power of 2 >= 16"):
         histogram.HistogramConfig(bags=8)
     with pytest.raises(ValueError, match="ids_per_step=512"):
         histogram.HistogramConfig(ids_per_step=512)
-    with pytest.raises(ValueError, match="counting=2"):
-        histogram.HistogramConfig(counting=2)
+    with pytest.raises(ValueError, match="counting=5"):
+        histogram.HistogramConfig(counting=5)
+    with pytest.raises(ValueError, match="ids_per_step=1 with counting=3"):
+        histogram.HistogramConfig(counting=3, ids_per_step=1)
+    with pytest.raises(ValueError, match="align=3"):
+        histogram.HistogramConfig(align=3)
+    with pytest.raises(ValueError, match="grad_ids_per_step=0"):
+        histogram.HistogramConfig(grad_ids_per_step=0)
+    cfg = histogram.HistogramConfig()
+    assert (cfg.counting, cfg.ids_per_step_for(64), cfg.ids_per_step_for(16)) == (2, 8, 32)
+    assert histogram.HistogramConfig(counting=3).ids_per_step_for(64) == 32
+    assert histogram.HistogramConfig(counting=1, bags=32).ids_per_step_for(64) == 16
     with pytest.raises(ValueError, match="lookahead=-1"):
         histogram.HistogramConfig(lookahead=-1)
     assert histogram.HistogramConfig(half_compare=0) == histogram.HistogramConfig(half_compare=False)
