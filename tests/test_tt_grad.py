@@ -299,11 +299,12 @@ def test_fused_lookup_equals_apply_gradients(rng, tx, impl):
     assert_close(out, emb(params, idx, off, psw), 1e-6)  # two XLA programs: ulps apart on a GPU
 
 
-def test_fused_lookup_through_pallas_forward(rng):
-    # The Pallas path end to end against the XLA one.
+@pytest.mark.parametrize("group_kernel", ["tiles3", "general"])
+def test_fused_lookup_through_pallas_forward(rng, group_kernel):
+    # The Pallas path end to end against the XLA one (T = 3: both per-group backward kernels).
     tx = tt_jax.rowwise_adagrad(0.05, 1e-6)
     specs = [T3]
-    kernel = make_emb(specs, "pallas", config=dict(chunk=3))
+    kernel = make_emb(specs, "pallas", config=dict(chunk=3, bwd_group_kernel=group_kernel))
     xla = tt_jax.TTEmbeddingBag(specs, config=TTKernelConfig(chunk=3), impl="xla")
     params = make_params(kernel, rng)
     state = tx.init(params)

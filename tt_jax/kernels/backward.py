@@ -47,7 +47,8 @@ import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
 from tt_jax import prefix
-from tt_jax.kernels.forward import _PRECISIONS, TTKernelConfig, _next_pow2, _store, tt_rows
+from tt_jax.kernels.forward import (_PRECISIONS, TTKernelConfig, _load_last, _load_suffixes, _next_pow2, _prefix_loads,
+                                    _store, _Tiles, tt_rows)
 
 _BIG = 2**31 - 1
 
@@ -273,14 +274,18 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     return (out, res[2]) if want_psw else out
 
 
-def _runs(keys, live, bound):
+def _runs(keys, live, bound, *, presorted: bool = False):
     """Members sorted by key (stable): (order, run per sorted member, run -> key, run starts `[R + 1]`).
 
     `bound` is a static bound on the runs; dead members (not `live`) sort last with run = bound.
+    `presorted`: the live members are a prefix and their keys are already non-decreasing (no sort).
     """
     m = keys.shape[0]
     pos = jnp.arange(m, dtype=jnp.int32)
-    skey, order = jax.lax.sort((jnp.where(live, keys, _BIG), pos), num_keys=1, is_stable=True)
+    if presorted:
+        skey, order = jnp.where(live, keys, _BIG), pos
+    else:
+        skey, order = jax.lax.sort((jnp.where(live, keys, _BIG), pos), num_keys=1, is_stable=True)
     ok = skey != _BIG
     new = ok & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
     run = jnp.where(ok, jnp.cumsum(new.astype(jnp.int32)) - 1, bound)
@@ -390,6 +395,79 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
                j_ok[:, None] & (aa < r[1])[None, :], interpret)
 
 
+def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret):
+    """T = 3, the forward's tile layout (`forward._prefix_loads`): one program per prefix group.
+
+    C = X @ Y with X `[(j1, j2), (j, a)]` = G1[i1, 0, j1, a] if j == j2 (else 0) and Y `[(j, a), b]` =
+    G2[i2, a, j, b], so C is `[q1 q2, r2]` in one tile (rows (j1, j2)). Per step of S rows, with H `[r2,
+    (s, j3)]` their last-core slices and Xd `[(j1, j2), (s, j3)]` their dR:
+      dC += Xd H^T (contract (s, j3)),   dlast = C^T Xd  `[r2, (s, j3)]` (each row's last-core contribution).
+    Then dP1 (the first core's contribution): dX = dC Y^T is `[(j1, j2), (j, a)]`; its blocks with j == j2
+    summed over j2 are dP1[j1, a], taken with two 0/1 dots (R `[j1', (j1, j2)]`, F `[(j, a), a']`), no
+    register reshape. Six dots per group plus two per step, against 4 + 8 per step + 8 in the general kernel.
+    Stores the same buffers as `_group_kernel`.
+    """
+    ref = dict(zip(names, refs))
+    meta_ref, ngroups_ref, suffix_ref, drows_ref = ref["meta"], ref["ngroups"], ref["suffix"], ref["d_rows"]
+    cores = [ref[f"core{t}"] for t in range(3)]
+    q, r = tl.q, tl.r
+    g = pl.program_id(0)
+
+    @pl.when(g < plgpu.load(ngroups_ref.at[g * 0]))
+    def _():
+        base = g * 4
+        first = plgpu.load(meta_ref.at[base])
+        count = plgpu.load(meta_ref.at[base + 4]) - first
+        digits = [plgpu.load(meta_ref.at[base + 1]), plgpu.load(meta_ref.at[base + 2])]
+        last_base = plgpu.load(meta_ref.at[base + 3])
+        x_op, y_op = _prefix_loads(cores, digits, tl)  # [rows_m, k_x], [k_x, r_pad2]
+        c = _dot(x_op, y_op, 1, 0, precision)  # [rows_m, r_pad2]
+        jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
+        j_ok = jj < tl.rows_valid
+        bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32)
+        b_ok = bb < r[2]
+        ss = jnp.arange(tl.sub_rows, dtype=jnp.int32)
+
+        def step(k, dc):
+            suffix, lane, jt, col_ok = _load_suffixes(suffix_ref, first, count, k, tl)
+            h = _load_last(cores[2], last_base, suffix, jt, col_ok, tl)  # [r_pad2, n_cols]
+            row = first + lane
+            xd = plgpu.load(drows_ref.at[(row * tl.dim + jt)[None, :] + (jj * q[2])[:, None]],
+                            mask=j_ok[:, None] & col_ok[None, :], other=0.0)  # [rows_m, n_cols]
+            dlast = _dot(c, xd, 0, 0, precision)  # [r_pad2, n_cols]
+            _store(ref["dlast"], (row * (r[2] * q[2]) + jt)[None, :] + (bb * q[2])[:, None], dlast,
+                   b_ok[:, None] & col_ok[None, :], interpret)
+            rows1 = first + k * tl.sub_rows + ss
+            ok1 = k * tl.sub_rows + ss < count
+            suffix1 = plgpu.load(suffix_ref.at[rows1], mask=ok1, other=0)
+            _store(ref["row_slice"], rows1, last_base + suffix1, ok1, interpret)
+            return dc + _dot(xd, h, 1, 1, precision)
+
+        dc = jax.lax.fori_loop(0, (count + tl.sub_rows - 1) // tl.sub_rows, step,
+                               jnp.zeros((tl.rows_m, tl.r_pad[2]), jnp.float32))
+        # The middle core's members: P1 = G1[i1] `[q1, r1]` and dP1 = dC as `[q1, (j2, b)]`.
+        q1p = _pad(q[0])
+        j1 = jnp.arange(q1p, dtype=jnp.int32)
+        aa = jnp.arange(tl.r_pad[1], dtype=jnp.int32)
+        a_ok = aa < r[1]
+        p1_mask = (j1 < q[0])[:, None] & a_ok[None, :]
+        p1 = plgpu.load(cores[0].at[digits[0] * (q[0] * r[1]) + (j1 * r[1])[:, None] + aa[None, :]], mask=p1_mask,
+                        other=0.0)
+        _store(ref["p1"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], p1, p1_mask, interpret)
+        _store(ref["dp1"], g * (tl.rows_valid * r[2]) + (jj * r[2])[:, None] + bb[None, :], dc,
+               j_ok[:, None] & b_ok[None, :], interpret)
+        # dP1[j1, a] = sum_{j2} (dC Y^T)[(j1, j2), (j2, a)].
+        kk = jnp.arange(tl.k_x, dtype=jnp.int32)
+        dx = _dot(dc, y_op, 1, 1, precision)  # [rows_m, k_x]
+        diag = (j_ok[:, None] & (kk < q[1] * r[1])[None, :] & ((jj % q[1])[:, None] == (kk // r[1])[None, :]))
+        dx = jnp.where(diag, dx, 0.0)
+        sel = ((jj // q[1])[None, :] == j1[:, None]) & j_ok[None, :]  # R [q1p, rows_m]
+        fold = ((kk % r[1])[:, None] == aa[None, :]) & (kk < q[1] * r[1])[:, None]  # F [k_x, r_pad1]
+        tmp = _dot(sel.astype(jnp.float32), dx, 1, 0, precision)  # [q1p, k_x]
+        dfirst = _dot(tmp, fold.astype(jnp.float32), 1, 0, precision)  # [q1p, r_pad1]
+        _store(ref["dfirst"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], dfirst, p1_mask, interpret)
+
+
 def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, *,
                 config: TTKernelConfig, interpret: bool):
     nc = layout.num_cores
@@ -405,9 +483,13 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
         outs[f"p{t}"] = (n_groups * j_rows * r[t], jnp.float32)
         outs[f"dp{t}"] = (n_groups * j_rows * q[t] * r[t + 1], jnp.float32)
     names += list(outs)
-    kernel = functools.partial(
-        _group_kernel, names=tuple(names), t_cores=nc, q=q, r=r, dim=layout.dim,
-        rows_per_step=max(config.bwd_rows, 16 // _next_pow2(q[-1])), precision=precision, interpret=interpret)
+    if nc == 3 and config.bwd_group_kernel == "tiles3":
+        kernel = functools.partial(_group_kernel3, names=tuple(names), tl=_Tiles.make(layout, config.bwd_rows),
+                                   precision=precision, interpret=interpret)
+    else:
+        kernel = functools.partial(
+            _group_kernel, names=tuple(names), t_cores=nc, q=q, r=r, dim=layout.dim,
+            rows_per_step=max(config.bwd_rows, 16 // _next_pow2(q[-1])), precision=precision, interpret=interpret)
     res = pl.pallas_call(
         kernel, out_shape=tuple(jax.ShapeDtypeStruct((n,), dt) for n, dt in outs.values()), grid=(n_groups,),
         compiler_params=_params(config), interpret=interpret, name="tt_bwd_groups",
@@ -474,7 +556,10 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     tile = config.bwd_member_tile
     grads = [None] * nc
     for t in range(nc - 1):
-        order, run, run_seg, run_start = _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]))
+        # Groups are numbered in sorted-key order ((table, i_1, ..., i_{T-1}), the table's stacked slices
+        # ascending with the table), so their first-core slices are already non-decreasing: no sort.
+        order, run, run_seg, run_start = _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]),
+                                               presorted=t == 0)
         if t == 0:
             out = _segment_sum("dense", run, run_start, data={"ids": order, "buf": bufs["dfirst"]},
                                out_slots=p_stacked[0], e_a=1, e_b=q[0] * r[1], tile=tile, config=config,

@@ -93,6 +93,9 @@ class TTKernelConfig:
         program of the per-slice core-gradient sums (a power of 2 >= 16).
       bwd_rows: distinct rows per step of the backward's per-group kernel.
       bwd_num_warps: warps per program of the backward kernels.
+      bwd_group_kernel: the backward's per-group kernel for T = 3: "tiles3" (the forward's
+        `[q1 q2, r2]` prefix tile: 6 dots per group + 2 per step of rows) or "general" (the
+        any-T kernel, `[q1, r]` tiles per middle digit). T = 2 and 4 always use "general".
     """
 
     schedule: str = "queue"
@@ -112,8 +115,12 @@ class TTKernelConfig:
     bwd_member_tile: int = 32
     bwd_rows: int = 8
     bwd_num_warps: int = 4
+    bwd_group_kernel: str = "tiles3"
 
     def __post_init__(self):
+        if self.bwd_group_kernel not in ("tiles3", "general"):
+            raise ValueError("TTKernelConfig.bwd_group_kernel must be 'tiles3' or 'general', "
+                             f"got {self.bwd_group_kernel!r}")
         if self.backward not in ("pallas", "xla"):
             raise ValueError(f"TTKernelConfig.backward must be 'pallas' or 'xla', got {self.backward!r}")
         for name in ("bwd_lookup_tile", "bwd_member_tile"):
