@@ -12,6 +12,12 @@
 #   tt        bench_tt.py workload a, B 2048..131072, forward -> tt-*.json, tt.log
 #   ttab      workload a at B 32768: every variant (the ablation)   -> ttab.log
 #   ttmeta    meta-240/480/788 at B 4096: forward and ablation -> ttmeta.log
+#   ttrain    TT training steps (SGD, Adagrad, row-wise) at B 32768 -> ttrain.log
+#   ttprofile profile_tt.py at B 32768 (two group kernels)  -> profile-tt-a.json
+#   ttmetatrain profile_tt.py on meta-240 and meta-788, B 4096 -> profile-tt-meta-*.json
+#   histsweep histogram forward configs on smalltable, mixed -> histsweep.log
+#   bwdsweep  backward configs on smalltable, mixed, fp32    -> bwdsweep.log
+#   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -46,6 +52,22 @@ for stage in "$@"; do
           timeout 120 python3 benchmarks/bench_tt.py --workload $w --batches 4096 --iters 3 --reps 2 --sets 1 --no-bwd \
             --variants per_index,pallas_plan,pallas_plan_rows,pallas,pallas_static,pallas_grid,pallas_unique_only \
             --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/ttmeta.log" | grep "^  "; done ;;
+    ttrain) timeout 80 python3 benchmarks/bench_tt.py --batches 32768 --bwd \
+          --variants per_index,pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" \
+          2>&1 | grep -v Warning | tee "$OUT/ttrain.log" | grep "^  " ;;
+    ttprofile) timeout 60 python3 benchmarks/profile_tt.py --batches 32768 --configs bwd_group_kernel=general \
+          --out "$OUT/profile-tt-a.json" 2>&1 | grep -v Warning | tee "$OUT/ttprofile.log" ;;
+    ttmetatrain) for w in meta-240 meta-788; do
+          timeout 100 python3 benchmarks/profile_tt.py --workload $w --batches 4096 --iters 2 --reps 1 \
+            --out "$OUT/profile-tt-$w.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetatrain.log"; done ;;
+    histsweep) timeout 100 python3 benchmarks/bench_forward.py --presets smalltable,mixed --no-torch --iters 20 --reps 3 \
+          --hist-configs "default;counting=2,lookahead=0;counting=3;counting=3,align=4;counting=3,ids_per_step=64,lookahead=1,num_warps=8;counting=3,bags=32,ids_per_step=32,num_warps=8,align=4;counting=3,ids_per_step=16,lookahead=3,align=4;counting=2,ids_per_step=16,num_warps=8,align=4;counting=4,align=4" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep.log" | tail -6 ;;
+    bwdsweep) timeout 80 python3 benchmarks/bench_backward.py --presets smalltable,mixed,fp32 --iters 10 --reps 3 \
+          --configs "default;prefetch=0;lookups_per_step=16" --out "$OUT" \
+          2>&1 | grep -v Warning | tee "$OUT/bwdsweep.log" | tail -8 ;;
+    testsfast) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests 2>&1 | tail -40 > "$OUT/tests.log";
+           tail -5 "$OUT/tests.log" ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
     *) echo "unknown stage $stage" ;;

@@ -61,10 +61,13 @@ class BackwardConfig:
         a prefix sum over positions, then gathers). Pooled lookups only.
       keys_bags: bags per program of that pass.
       prefetch: the mid-run and chunk kernels load step i+1's source offsets
-        while step i's gradient rows arrive (software pipelining).
+        while step i's gradient rows arrive (software pipelining). None (default):
+        on for tables with 4-byte rows elements (fp32), off for fp16/bf16: measured
+        on the H200, it saved 4% on `fp32` and cost 3-4% on the fp16 `base` and
+        `weighted` presets (benchmarks/NOTES.md).
 
-    `keys_kernel`, `prefetch` and `small_unroll` > 1 are off by default until they
-    have been compiled and timed on a GPU (all pass the interpret-mode tests).
+    `keys_kernel` and `small_unroll` > 1 are off by default: compiled and timed on the
+    H200, neither was faster on the presets (benchmarks/NOTES.md).
     """
 
     small_block: int = 32
@@ -76,7 +79,7 @@ class BackwardConfig:
     sort_in_forward: bool = False
     keys_kernel: bool = False
     keys_bags: int = 32
-    prefetch: bool = False
+    prefetch: bool | None = None
 
     def __post_init__(self):
         for name in ("small_block", "lookups_per_step", "keys_bags", "small_unroll"):
@@ -344,6 +347,7 @@ def fused_update(
         rng = ranges[g]
         base = int(bases[g])
         state = [new_w[key]] + ([new_m[key]] if adagrad else [])
+        prefetch = config.prefetch if config.prefetch is not None else jnp.dtype(new_w[key].dtype).itemsize == 4
         state = aliased(
             functools.partial(_small_kernel, opt=opt, dim=dim, base=base, block=blk, programs=p_small,
                               scaled=scaled, unroll=config.small_unroll),
@@ -351,12 +355,12 @@ def fused_update(
             [rng, runs.run_start, runs.run_key] + common, state)
         state = aliased(
             functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid, scaled=scaled,
-                              prefetch=config.prefetch),
+                              prefetch=bool(prefetch)),
             "tbe_backward_mid_runs", p_mid,
             [rng, runs.mid, runs.run_start, runs.run_key] + common, state)
         part = pl.pallas_call(
             functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long, scaled=scaled,
-                              prefetch=config.prefetch),
+                              prefetch=bool(prefetch)),
             out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(dim)), jnp.float32),
             grid=(p_long,),
             compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
