@@ -134,7 +134,7 @@ def test_saved_counts_match_numpy(rng):
 
 
 @pytest.mark.parametrize("cfg", [dict(counting=0, ids_per_step=8), dict(lookahead=0, half_compare=False),
-                                 dict(bags=32, ids_per_step=64, lookahead=3), dict(ids_per_step=1)],
+                                 dict(bags=32, ids_per_step=64, lookahead=3), dict(counting=2, ids_per_step=1)],
                          ids=["compare", "no_lookahead_int_compare", "bags32_c64", "c1"])
 def test_config_variants_match_model(rng, cfg):
     t = tbe_jax.TableSpec(40, 64, bag_size_hint=64)
@@ -212,9 +212,10 @@ def test_config_errors():
         histogram.HistogramConfig(align=3)
     with pytest.raises(ValueError, match="grad_ids_per_step=0"):
         histogram.HistogramConfig(grad_ids_per_step=0)
-    cfg = histogram.HistogramConfig()
-    assert (cfg.counting, cfg.ids_per_step_for(64), cfg.ids_per_step_for(16)) == (2, 8, 32)
-    assert histogram.HistogramConfig(counting=3).ids_per_step_for(64) == 32
+    assert histogram.HistogramConfig().counting == 3
+    cfg = histogram.HistogramConfig(counting=2)
+    assert (cfg.ids_per_step_for(64), cfg.ids_per_step_for(16)) == (8, 32)
+    assert histogram.HistogramConfig().ids_per_step_for(64) == 32
     assert histogram.HistogramConfig(counting=1, bags=32).ids_per_step_for(64) == 16
     with pytest.raises(ValueError, match="lookahead=-1"):
         histogram.HistogramConfig(lookahead=-1)

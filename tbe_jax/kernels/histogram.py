@@ -80,7 +80,9 @@ class HistogramConfig:
         compare tile at 8192 elements (C = 8 for E_padded = 64, bags = 16); mode 3:
         the `[bags, C, 16]` packed tile at 8192 elements (C = 32 for bags = 16).
       counting: how a step's ids become counts (see the module docstring):
-        2 (default) 2-D `[bags, C]` id tile (each bag's C ids contiguous), compare
+        3 (default; the fastest on the H200 `smalltable` sweep, 0.115 ms vs 0.134 for
+        mode 2, `benchmarks/results/forward-20261129-155208-*`), see below;
+        2 2-D `[bags, C]` id tile (each bag's C ids contiguous), compare
         and int32 add into a deferred `[bags, C, E_padded]` accumulator, summed
         over C once at the end (the scheme of the 0.153 ms kernel);
         3 the same 2-D tile, compare on the id's word (`id % 16`) and add the
@@ -115,7 +117,7 @@ class HistogramConfig:
 
     bags: int = BAGS
     ids_per_step: int = 0
-    counting: int = 2
+    counting: int = 3
     half_compare: bool = True
     lookahead: int = 2
     align: int = 1
