@@ -43,14 +43,14 @@ for stage in "$@"; do
     profile) timeout 120 python3 benchmarks/profile_backward.py --presets base,zipf --out "$OUT/profile.json" ;;
     forward) timeout 300 python3 benchmarks/bench_forward.py --out "$OUT" 2>&1 | tee "$OUT/forward.log" | tail -12 ;;
     tt) timeout 240 python3 benchmarks/bench_tt.py --batches 2048,4096,8192,16384,32768,65536,131072 --no-bwd \
-          --variants per_index,pallas_plan,pallas,pallas_static --out "$OUT" \
+          --variants per_index,pallas_plan,pallas,pallas_queue --out "$OUT" \
           2>&1 | grep -v Warning | tee "$OUT/tt.log" | grep "^  " ;;
     ttab) timeout 200 python3 benchmarks/bench_tt.py --batches 32768 --bwd \
-          --variants per_index,unique_only,prefix_reuse,dense,pallas,pallas_static,pallas_grid,pallas_unique_only,pallas_whole_groups,pallas_plan,pallas_plan_rows,train_adagrad \
+          --variants per_index,unique_only,prefix_reuse,dense,pallas,pallas_queue,pallas_grid,pallas_unique_only,pallas_whole_groups,pallas_plan,pallas_plan_rows,train_adagrad \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/ttab.log" | grep "^  " ;;
     ttmeta) for w in meta-240 meta-480 meta-788; do
           timeout 120 python3 benchmarks/bench_tt.py --workload $w --batches 4096 --iters 3 --reps 2 --sets 1 --no-bwd \
-            --variants per_index,pallas_plan,pallas_plan_rows,pallas,pallas_static,pallas_grid,pallas_unique_only \
+            --variants per_index,pallas_plan,pallas_plan_rows,pallas,pallas_queue,pallas_grid,pallas_unique_only \
             --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/ttmeta.log" | grep "^  "; done ;;
     ttrain) timeout 80 python3 benchmarks/bench_tt.py --batches 32768 --bwd \
           --variants per_index,pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" \

@@ -66,8 +66,12 @@ class TTKernelConfig:
     """Knobs of the fused TT forward.
 
     Attributes:
-      schedule: "queue" (persistent programs + atomic work counter), "static"
-        (persistent, round-robin items) or "grid" (one program per item slot).
+      schedule: "static" (default: persistent programs, round-robin items),
+        "queue" (persistent programs + atomic work counter: FlowTT's work
+        stealing) or "grid" (one program per item slot). On the H200 "static"
+        was faster than "queue" in every measured run (workload a at every B
+        from 2048 to 131072, meta-240/480/788: 8-15%; benchmarks/results/
+        tt-20261129-150311-*, tt-2026112915*), hence the default.
       chunk: most distinct rows per work item (0: whole prefix groups, which
         can be p_T rows long). Items are the unit of load balancing; each item
         recomputes its prefix product.
@@ -98,7 +102,7 @@ class TTKernelConfig:
         any-T kernel, `[q1, r]` tiles per middle digit). T = 2 and 4 always use "general".
     """
 
-    schedule: str = "queue"
+    schedule: str = "static"
     chunk: int = 64
     tile_rows: int = 16
     prefix_reuse: bool = True
