@@ -66,8 +66,8 @@ for stage in "$@"; do
     bwdsweep) timeout 80 python3 benchmarks/bench_backward.py --presets smalltable,mixed,fp32 --iters 10 --reps 3 \
           --configs "default;prefetch=0;lookups_per_step=16" --out "$OUT" \
           2>&1 | grep -v Warning | tee "$OUT/bwdsweep.log" | tail -8 ;;
-    testsfast) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests 2>&1 | tail -40 > "$OUT/tests.log";
-           tail -5 "$OUT/tests.log" ;;
+    testsfast) timeout 400 python3 -m pytest -v -n 8 -p no:benchmark tests > "$OUT/tests.log" 2>&1;
+           grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -12 ;;  # -v: a cut run still names its failures
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
     *) echo "unknown stage $stage" ;;
