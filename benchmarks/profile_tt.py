@@ -72,7 +72,8 @@ def main():
 
             (layout, feats), = prefix.stack_tables(specs, ftm)
             build = lambda i, o: prefix.build_flow(layout, i, o, features=feats, feature_table_map=ftm,  # noqa: E731
-                                                   batch=batch, chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse)
+                                                   batch=batch, chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse,
+                                                   middle_major=cfg.order == "middle")
             t("plan", build, idx, off)
             plan = jax.jit(build)(idx, off)
             emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)

@@ -17,6 +17,7 @@
 #   ttmetatrain profile_tt.py on meta-240 and meta-788, B 4096 -> profile-tt-meta-*.json
 #   histsweep histogram forward configs on smalltable, mixed -> histsweep.log
 #   bwdsweep  backward configs on smalltable, mixed, fp32    -> bwdsweep.log
+#   ttblocked the blocked schedule + middle-major order vs the default (a, meta-788, training) -> ttblocked.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 set -u
@@ -68,6 +69,13 @@ for stage in "$@"; do
           2>&1 | grep -v Warning | tee "$OUT/bwdsweep.log" | tail -8 ;;
     testsfast) timeout 400 python3 -m pytest -v -n 8 -p no:benchmark tests > "$OUT/tests.log" 2>&1;
            grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -12 ;;  # -v: a cut run still names its failures
+    ttblocked) timeout 150 python3 benchmarks/bench_tt.py --batches 4096,32768,131072 --no-bwd \
+          --variants pallas,pallas_blocked --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/ttblocked.log" | grep "^  ";
+        timeout 100 python3 benchmarks/bench_tt.py --workload meta-788 --batches 4096 --iters 3 --reps 2 --sets 1 \
+          --no-bwd --variants pallas,pallas_blocked --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/ttblocked.log" \
+          | grep "^  ";
+        timeout 80 python3 benchmarks/profile_tt.py --batches 32768 --configs schedule=blocked,order=middle \
+          --out "$OUT/profile-tt-blocked.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttblocked.log" ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
     *) echo "unknown stage $stage" ;;

@@ -299,12 +299,14 @@ def test_fused_lookup_equals_apply_gradients(rng, tx, impl):
     assert_close(out, emb(params, idx, off, psw), 1e-6)  # two XLA programs: ulps apart on a GPU
 
 
-@pytest.mark.parametrize("group_kernel", ["tiles3", "general"])
-def test_fused_lookup_through_pallas_forward(rng, group_kernel):
-    # The Pallas path end to end against the XLA one (T = 3: both per-group backward kernels).
+@pytest.mark.parametrize("extra", [dict(bwd_group_kernel="tiles3"), dict(bwd_group_kernel="general"),
+                                   dict(schedule="blocked", order="middle")], ids=["tiles3", "general", "middle"])
+def test_fused_lookup_through_pallas_forward(rng, extra):
+    # The Pallas path end to end against the XLA one (T = 3: both per-group backward kernels, and the
+    # middle-major plan order, whose backward skips the middle core's member sort instead of the first's).
     tx = tt_jax.rowwise_adagrad(0.05, 1e-6)
     specs = [T3]
-    kernel = make_emb(specs, "pallas", config=dict(chunk=3, bwd_group_kernel=group_kernel))
+    kernel = make_emb(specs, "pallas", config=dict(chunk=3, **extra))
     xla = tt_jax.TTEmbeddingBag(specs, config=TTKernelConfig(chunk=3), impl="xla")
     params = make_params(kernel, rng)
     state = tx.init(params)

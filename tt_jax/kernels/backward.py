@@ -555,11 +555,13 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
     tile = config.bwd_member_tile
     grads = [None] * nc
+    major = 1 if (config.order == "middle" and nc == 3) else 0
     for t in range(nc - 1):
-        # Groups are numbered in sorted-key order ((table, i_1, ..., i_{T-1}), the table's stacked slices
-        # ascending with the table), so their first-core slices are already non-decreasing: no sort.
+        # Groups are numbered in sorted-key order ((table, i_1, ..., i_{T-1}), or (table, i_2, i_1) with
+        # `order="middle"`; a table's stacked slices ascend with the table), so the major digit's core
+        # slices are already non-decreasing: no sort for that core.
         order, run, run_seg, run_start = _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]),
-                                               presorted=t == 0)
+                                               presorted=t == major)
         if t == 0:
             out = _segment_sum("dense", run, run_start, data={"ids": order, "buf": bufs["dfirst"]},
                                out_slots=p_stacked[0], e_a=1, e_b=q[0] * r[1], tile=tile, config=config,

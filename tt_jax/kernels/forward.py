@@ -50,7 +50,8 @@ import numpy as np
 from tbe_jax._pallas import pl, plgpu
 from tt_jax import prefix
 
-_SCHEDULES = ("queue", "static", "grid")
+_SCHEDULES = ("queue", "static", "grid", "blocked")
+_ORDERS = ("prefix", "middle")
 _PRECISIONS = {
     "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
     "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
@@ -71,7 +72,14 @@ class TTKernelConfig:
         stealing) or "grid" (one program per item slot). On the H200 "static"
         was faster than "queue" in every measured run (workload a at every B
         from 2048 to 131072, meta-240/480/788: 8-15%; benchmarks/results/
-        tt-20261129-150311-*, tt-2026112915*), hence the default.
+        tt-20261129-150311-*, tt-2026112915*), hence the default. "blocked":
+        persistent programs, each a contiguous range of items; for T = 3 a
+        program keeps the middle core's slice G2[i2] in registers while
+        consecutive items share i2 (with `order="middle"` most do). Not yet
+        compiled on a GPU (interpret-tested only).
+      order: the plan's group order: "prefix" ((table, i1, i2, ..)) or "middle"
+        (T = 3: (table, i2, i1, i3), so consecutive groups share G2[i2]; see
+        `prefix.build_flow(middle_major=...)`). Not yet timed on a GPU.
       chunk: most distinct rows per work item (0: whole prefix groups, which
         can be p_T rows long). Items are the unit of load balancing; each item
         recomputes its prefix product.
@@ -103,6 +111,7 @@ class TTKernelConfig:
     """
 
     schedule: str = "static"
+    order: str = "prefix"
     chunk: int = 64
     tile_rows: int = 16
     prefix_reuse: bool = True
@@ -131,6 +140,8 @@ class TTKernelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"TTKernelConfig.{name} must be a power of 2 >= 16, got {v!r}")
+        if self.order not in _ORDERS:
+            raise ValueError(f"TTKernelConfig.order must be one of {_ORDERS}, got {self.order!r}")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"TTKernelConfig.schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
         if self.precision not in _PRECISIONS:
@@ -221,8 +232,12 @@ def _dot(a, b, precision):
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _prefix_loads(core_refs, digits, tl: _Tiles):
-    """The core slices of the prefix product, as dot operands (see the module docstring)."""
+def _prefix_loads(core_refs, digits, tl: _Tiles, reuse=None):
+    """The core slices of the prefix product, as dot operands (see the module docstring).
+
+    `reuse` (T >= 3): `(y_prev, same)`: when `same` (a traced bool) holds, the middle slice Y is taken from
+    `y_prev` and its load is masked off entirely (no memory traffic).
+    """
     q, r = tl.q, tl.r
     if tl.t == 2:
         jj = jnp.arange(tl.rows_m, dtype=jnp.int32)[:, None]
@@ -241,8 +256,12 @@ def _prefix_loads(core_refs, digits, tl: _Tiles):
     y_ok = k_ok[:, None] & (bb < r[2])[None, :]
     y_addr = (digits[1].astype(tl.addr) * (r[1] * q[1] * r[2]) + (ak * (q[1] * r[2]) + jk * r[2])[:, None]
               + bb[None, :])
-    ops = [plgpu.load(core_refs[0].at[x_addr], mask=x_ok, other=0.0),
-           plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)]
+    if reuse is None:
+        y = plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)
+    else:
+        y_prev, same = reuse
+        y = jnp.where(same, y_prev, plgpu.load(core_refs[1].at[y_addr], mask=y_ok & ~same, other=0.0))
+    ops = [plgpu.load(core_refs[0].at[x_addr], mask=x_ok, other=0.0), y]
     if tl.t == 4:
         cc = jnp.arange(tl.r_pad[3], dtype=jnp.int32)
         g_ok = (bb < r[2])[:, None] & (cc < r[3])[None, :]
@@ -312,12 +331,13 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, 
         last_base = plgpu.load(meta_ref.at[base + tl.t])
         return (first, count, last_base) + tuple(plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1))
 
-    def do_item(meta, prefetch=None):
+    def do_item(meta, prefetch=None, reuse=None):
         """One item. Program order is issue order on a GPU: this item's loads first, then `prefetch()` (the
-        next item's metadata, whose latency then overlaps them), then the dependent loads and the dots."""
+        next item's metadata, whose latency then overlaps them), then the dependent loads and the dots.
+        With `reuse` (the "blocked" schedule, T = 3) returns (next meta, the middle slice operand)."""
         first, count, last_base, *digits = meta
         suffix, lane, jt, col_ok = _load_suffixes(suffix_ref, first, count, 0, tl)  # the first S rows (peeled)
-        ops = _prefix_loads(core_refs, digits, tl)
+        ops = _prefix_loads(core_refs, digits, tl, reuse)
         nxt = prefetch() if prefetch is not None else None
         g = _load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
         tiles = _prefix_product(ops, tl, precision)
@@ -330,9 +350,27 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, 
             return carry
 
         jax.lax.fori_loop(1, (count + tl.sub_rows - 1) // tl.sub_rows, sub, jnp.int32(0))
-        return nxt
+        return nxt if reuse is None else (nxt, ops[1])
 
-    if schedule == "grid":
+    if schedule == "blocked":
+        # Program pid: items [pid * per, min((pid + 1) * per, num_items)), in order. For T = 3 the middle slice
+        # operand rides in the loop carry and is reloaded only when the middle digit changes.
+        per = (num_items + programs - 1) // programs
+        lo = pid * per
+        n_mine = jnp.clip(num_items - lo, 0, per)
+        if tl.t == 3:
+            y0 = jnp.zeros((tl.k_x, tl.r_pad[2]), jnp.float32)
+
+            def step(i, carry):
+                meta, y_prev, d_prev = carry
+                same = (meta[4] == d_prev) & (i > 0)
+                nxt, y = do_item(meta, lambda: load_meta(lo + i + 1), reuse=(y_prev, same))
+                return nxt, y, meta[4]
+
+            jax.lax.fori_loop(0, n_mine, step, (load_meta(lo), y0, jnp.int32(-1)))
+        else:
+            jax.lax.fori_loop(0, n_mine, lambda i, meta: do_item(meta, lambda: load_meta(lo + i + 1)), load_meta(lo))
+    elif schedule == "grid":
         @pl.when(pid < num_items)
         def _():
             do_item(load_meta(pid))
@@ -495,7 +533,8 @@ def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, b
     """Per table group of `prefix.stack_tables` (in order), the batch's `FlowPlan`."""
     return tuple(
         prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=feature_table_map,
-                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse)
+                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse,
+                          middle_major=config.order == "middle")
         for layout, feats in prefix.stack_tables(specs, feature_table_map)
     )
 
