@@ -395,8 +395,10 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
                j_ok[:, None] & (aa < r[1])[None, :], interpret)
 
 
-def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret):
-    """T = 3, the forward's tile layout (`forward._prefix_loads`): one program per prefix group.
+def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret, programs=None):
+    """T = 3, the forward's tile layout (`forward._prefix_loads`): one program per prefix group, or with
+    `programs` (the "blocked" schedule) persistent programs over contiguous ranges of groups, which keep the
+    middle slice operand Y in registers while consecutive groups share i2 (`order="middle"`).
 
     C = X @ Y with X `[(j1, j2), (j, a)]` = G1[i1, 0, j1, a] if j == j2 (else 0) and Y `[(j, a), b]` =
     G2[i2, a, j, b], so C is `[q1 q2, r2]` in one tile (rows (j1, j2)). Per step of S rows, with H `[r2,
@@ -411,16 +413,19 @@ def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret):
     meta_ref, ngroups_ref, suffix_ref, drows_ref = ref["meta"], ref["ngroups"], ref["suffix"], ref["d_rows"]
     cores = [ref[f"core{t}"] for t in range(3)]
     q, r = tl.q, tl.r
-    g = pl.program_id(0)
+    pid = pl.program_id(0)
+    n_groups = plgpu.load(ngroups_ref.at[pid * 0])
 
-    @pl.when(g < plgpu.load(ngroups_ref.at[g * 0]))
-    def _():
+    def do_group(g, reuse):
         base = g * 4
         first = plgpu.load(meta_ref.at[base])
         count = plgpu.load(meta_ref.at[base + 4]) - first
         digits = [plgpu.load(meta_ref.at[base + 1]), plgpu.load(meta_ref.at[base + 2])]
         last_base = plgpu.load(meta_ref.at[base + 3])
-        x_op, y_op = _prefix_loads(cores, digits, tl)  # [rows_m, k_x], [k_x, r_pad2]
+        if reuse is not None:
+            y_prev, d_prev, not_first = reuse
+            reuse = (y_prev, (digits[1] == d_prev) & not_first)
+        x_op, y_op = _prefix_loads(cores, digits, tl, reuse)  # [rows_m, k_x], [k_x, r_pad2]
         c = _dot(x_op, y_op, 1, 0, precision)  # [rows_m, r_pad2]
         jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
         j_ok = jj < tl.rows_valid
@@ -466,6 +471,22 @@ def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret):
         tmp = _dot(sel.astype(jnp.float32), dx, 1, 0, precision)  # [q1p, k_x]
         dfirst = _dot(tmp, fold.astype(jnp.float32), 1, 0, precision)  # [q1p, r_pad1]
         _store(ref["dfirst"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], dfirst, p1_mask, interpret)
+        return y_op, digits[1]
+
+    if programs is None:
+        @pl.when(pid < n_groups)
+        def _():
+            do_group(pid, None)
+    else:
+        per = (n_groups + programs - 1) // programs
+        lo = pid * per
+
+        def step(i, carry):
+            y, d = do_group(lo + i, carry + (i > 0,))
+            return y, d
+
+        jax.lax.fori_loop(0, jnp.clip(n_groups - lo, 0, per), step,
+                          (jnp.zeros((tl.k_x, tl.r_pad[2]), jnp.float32), jnp.int32(-1)))
 
 
 def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, *,
@@ -483,15 +504,19 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
         outs[f"p{t}"] = (n_groups * j_rows * r[t], jnp.float32)
         outs[f"dp{t}"] = (n_groups * j_rows * q[t] * r[t + 1], jnp.float32)
     names += list(outs)
+    grid = n_groups
     if nc == 3 and config.bwd_group_kernel == "tiles3":
+        programs = None
+        if config.schedule == "blocked":
+            grid = programs = config.programs(n_groups)
         kernel = functools.partial(_group_kernel3, names=tuple(names), tl=_Tiles.make(layout, config.bwd_rows),
-                                   precision=precision, interpret=interpret)
+                                   precision=precision, interpret=interpret, programs=programs)
     else:
         kernel = functools.partial(
             _group_kernel, names=tuple(names), t_cores=nc, q=q, r=r, dim=layout.dim,
             rows_per_step=max(config.bwd_rows, 16 // _next_pow2(q[-1])), precision=precision, interpret=interpret)
     res = pl.pallas_call(
-        kernel, out_shape=tuple(jax.ShapeDtypeStruct((n,), dt) for n, dt in outs.values()), grid=(n_groups,),
+        kernel, out_shape=tuple(jax.ShapeDtypeStruct((n,), dt) for n, dt in outs.values()), grid=(grid,),
         compiler_params=_params(config), interpret=interpret, name="tt_bwd_groups",
     )(*args)
     return dict(zip(outs, res))
