@@ -47,15 +47,10 @@ import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
 from tt_jax import prefix
-from tt_jax.kernels.forward import (_PRECISIONS, TTKernelConfig, _load_last, _load_suffixes, _next_pow2, _prefix_loads,
-                                    _store, _Tiles, tt_rows)
+from tt_jax.kernels.forward import (_PRECISIONS, TTKernelConfig, _load_last, _load_suffixes, _next_pow2, _pad,
+                                    _prefix_loads, _store, _Tiles, tt_rows)
 
 _BIG = 2**31 - 1
-
-
-def _pad(x: int) -> int:
-    """Next power of 2, at least 16 (Triton's smallest dot dimension)."""
-    return max(16, _next_pow2(x))
 
 
 def _dot(a, b, ca, cb, precision):
