@@ -158,6 +158,17 @@ def xla_per_index_multi(specs, batch, block):
     return f
 
 
+def config_fields(entry: str) -> dict:
+    """'k=v,k=v' -> TTKernelConfig fields, each value parsed by its field's default type (str, bool, int)."""
+    defaults = tt_kernels.TTKernelConfig()
+    fields = {}
+    for kv in entry.split(","):
+        k, v = kv.split("=")
+        kind = type(getattr(defaults, k)) if getattr(defaults, k) is not None else int
+        fields[k] = v in ("True", "true", "1") if kind is bool else (v if kind is str else int(v))
+    return fields
+
+
 def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpret):
     """fn(all_cores, idx, off) for a fused-kernel variant (or a part of its pipeline)."""
     cfg = {
@@ -293,12 +304,7 @@ def main():
     base = tt_kernels.TTKernelConfig(schedule=args.schedule, **overrides)
     sweep = {}
     for entry in args.configs:
-        fields = {}
-        for kv in entry.split(","):
-            k, v = kv.split("=")
-            fields[k] = (v if k in ("schedule", "precision", "backward")
-                         else (v == "True" if k == "prefix_reuse" else int(v)))
-        sweep["pallas{" + entry + "}"] = dataclasses.replace(base, **fields)
+        sweep["pallas{" + entry + "}"] = dataclasses.replace(base, **config_fields(entry))
     names += list(sweep)
 
     emb = tt_jax.TTEmbeddingBag(specs, impl="xla")

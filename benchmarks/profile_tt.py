@@ -29,6 +29,7 @@ from tt_jax.kernels import forward as kf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_forward import time_calls  # noqa: E402
+from bench_tt import config_fields  # noqa: E402
 
 
 def main():
@@ -48,11 +49,7 @@ def main():
     all_res = []
     cfgs = [("default", kf.TTKernelConfig())]
     for c in args.configs:
-        kw = {}
-        for item in c.split(","):
-            k, v = item.split("=")
-            kw[k] = type(getattr(kf.TTKernelConfig(), k))(v) if not v.isdigit() else int(v)
-        cfgs.append((c, kf.TTKernelConfig(**kw)))
+        cfgs.append((c, kf.TTKernelConfig(**config_fields(c))))
     rng0 = np.random.default_rng(0)
     sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
     all_cores = tuple(tuple(jnp.asarray(rng0.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())

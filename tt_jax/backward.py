@@ -59,16 +59,22 @@ def stacked_shapes(layout: prefix.StackedTables) -> list[tuple[int, int, int, in
     return [(layout.core_base[t][-1], r[t], q[t], r[t + 1]) for t in range(layout.num_cores)]
 
 
+def position_bags(offsets, n):
+    """Bag of each of `n` positions (clipped to the last bag): the number of bag starts offsets[1..FB-1] at
+    or before it, by a histogram and a prefix sum (no binary search: jnp.searchsorted's default is a device
+    while loop that syncs with the host on GPU)."""
+    nb = offsets.shape[0] - 1
+    bag = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[offsets[1:-1]].add(1, mode="drop"))
+    return jnp.minimum(bag, nb - 1)
+
+
 def lookup_grads(g_out, offsets, n, *, batch, features_col0, dim, pooling):
     """Per lookup: its bag's output gradient in its feature's columns `[n, dim]`, and 1/len (mean) or 1.
 
     `features_col0`: per feature (all F), its first output column. Positions outside
     `[offsets[0], offsets[-1])` get garbage (their `inverse` is -1, so they are dropped).
     """
-    nb = offsets.shape[0] - 1
-    # Bag of each position: the number of bag starts offsets[1..FB-1] at or before it (no binary search).
-    bag = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[offsets[1:-1]].add(1, mode="drop"))
-    bag = jnp.minimum(bag, nb - 1)
+    bag = position_bags(offsets, n)
     feat = bag // batch
     total = g_out.shape[1]
     col = jnp.asarray(np.asarray(features_col0, np.int32))[feat]

@@ -47,6 +47,7 @@ import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
 from tt_jax import prefix
+from tt_jax.backward import _col0, position_bags
 from tt_jax.kernels.forward import (_PRECISIONS, TTKernelConfig, _load_last, _load_suffixes, _next_pow2, _pad,
                                     _prefix_loads, _store, _Tiles, tt_rows)
 
@@ -524,10 +525,7 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
 
 def _lookup_sources(plan, offsets, per_sample_weights, *, batch, col0, total, pooling):
     """Per sorted lookup: its output-gradient offset in the flat `[B * total]` g, scale, and coef."""
-    n = plan.perm.shape[0]
-    nb = offsets.shape[0] - 1
-    bag = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[offsets[1:-1]].add(1, mode="drop"))
-    bag = jnp.minimum(bag, nb - 1)[plan.perm]
+    bag = position_bags(offsets, plan.perm.shape[0])[plan.perm]
     feat = bag // batch
     src = (bag - feat * batch) * total + jnp.asarray(np.asarray(col0, np.int32))[feat]
     coef = None
@@ -598,11 +596,6 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
                        zero_out=True)
     grads[-1] = out.reshape(p_stacked[-1], r[-2], q[-1], 1)
     return grads, d_psw
-
-
-def _col0(specs, feature_table_map):
-    dims = [specs[t].embedding_dim for t in feature_table_map]
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
 
 
 def dense_core_grads(all_cores, specs, feature_table_map, plans, offsets, per_sample_weights, g_out, *, batch: int,
