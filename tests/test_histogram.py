@@ -322,7 +322,7 @@ def test_backward_gradient_is_fp32_accurate(rng):
             np.testing.assert_allclose(got[lo:hi], want[t], rtol=2e-6, atol=2e-6 * np.abs(want[t]).max())
 
 
-@pytest.mark.parametrize("cfg", [dict(grad_bags=32, grad_ids_per_step=64, grad_lookahead=0, update_partials=1),
+@pytest.mark.parametrize("cfg", [dict(grad_bags=32, grad_ids_per_step=16, grad_lookahead=0, update_partials=1),
                                  dict(grad_programs=1, half_compare=False, grad_ids_per_step=4)],
                          ids=["tiles", "one_program"])
 def test_backward_config_variants(rng, cfg):
