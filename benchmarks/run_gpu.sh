@@ -18,6 +18,14 @@
 #   histsweep histogram forward configs on smalltable, mixed -> histsweep.log
 #   bwdsweep  backward configs on smalltable, mixed, fp32    -> bwdsweep.log
 #   ttblocked the blocked schedule + middle-major order vs the default (a, meta-788, training) -> ttblocked.log
+#   ttmetab   meta-240/480/788 forward at B 8192..32768 (per-index and ours) -> ttmetab.log
+#   ttbwdsweep backward-kernel knobs of the TT training step on workload a, B 32768 -> ttbwdsweep.log
+#   ttmeta788 meta-788 forward at B 32768 alone (per-index and ours)   -> ttmeta788.log
+#   ttmetatrain2 profile_tt.py on meta-480 and meta-788, B 4096 -> profile-tt-meta-*.json
+#   ttbwdsweep2 more backward knobs (after bwd_num_warps=2 became the default)  -> ttbwdsweep2.log
+#   tttests   the TT test files compiled (8 workers)                -> tttests.log
+#   ttmetatrain240 profile_tt.py on meta-240, B 4096             -> profile-tt-meta-240.json
+#   fixcheck  the two tests that failed compiled in this session's first run -> fixcheck.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 set -u
@@ -76,6 +84,27 @@ for stage in "$@"; do
           | grep "^  ";
         timeout 80 python3 benchmarks/profile_tt.py --batches 32768 --configs schedule=blocked,order=middle \
           --out "$OUT/profile-tt-blocked.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttblocked.log" ;;
+    ttmetab) for w in meta-240 meta-480 meta-788; do
+          timeout 150 python3 benchmarks/bench_tt.py --workload $w --batches 8192,16384,32768 --iters 3 --reps 2 --sets 1 \
+            --no-bwd --variants per_index,pallas --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetab.log" \
+            | grep "^  "; done ;;
+    ttbwdsweep) timeout 200 python3 benchmarks/profile_tt.py --batches 32768 --iters 10 --reps 3 --configs \
+          bwd_rows=4 bwd_rows=16 bwd_num_warps=2 bwd_num_warps=8 bwd_member_tile=64 bwd_lookup_tile=128 \
+          --out "$OUT/profile-tt-bwdsweep.json" 2>&1 | grep -v Warning | tee "$OUT/ttbwdsweep.log" | grep train_step ;;
+    ttmeta788) timeout 240 python3 benchmarks/bench_tt.py --workload meta-788 --batches 32768 --iters 3 --reps 2 --sets 1 \
+          --no-bwd --variants per_index,pallas --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/ttmeta788.log" | grep "^  " ;;
+    ttmetatrain2) for w in meta-480 meta-788; do
+          timeout 150 python3 benchmarks/profile_tt.py --workload $w --batches 4096 --iters 2 --reps 1 \
+            --out "$OUT/profile-tt-$w.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetatrain.log"; done ;;
+    ttbwdsweep2) timeout 100 python3 benchmarks/profile_tt.py --batches 32768 --iters 10 --reps 3 --configs \
+          bwd_num_warps=1 bwd_rows=4 bwd_rows=16 \
+          --out "$OUT/profile-tt-bwdsweep2.json" 2>&1 | grep -v Warning | tee "$OUT/ttbwdsweep2.log" | grep train_step ;;
+    tttests) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
+          tests/test_tt_layers.py > "$OUT/tttests.log" 2>&1; tail -3 "$OUT/tttests.log" ;;
+    ttmetatrain240) timeout 100 python3 benchmarks/profile_tt.py --workload meta-240 --batches 4096 --iters 2 --reps 1 \
+            --out "$OUT/profile-tt-meta-240.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetatrain.log" ;;
+    fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
+          "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
     *) echo "unknown stage $stage" ;;
