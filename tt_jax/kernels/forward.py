@@ -127,7 +127,7 @@ class TTKernelConfig:
     bwd_lookup_tile: int = 64
     bwd_member_tile: int = 32
     bwd_rows: int = 8
-    bwd_num_warps: int = 4
+    bwd_num_warps: int = 2
     bwd_group_kernel: str = "tiles3"
 
     def __post_init__(self):
