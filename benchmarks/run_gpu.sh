@@ -26,6 +26,8 @@
 #   tttests   the TT test files compiled (8 workers)                -> tttests.log
 #   ttmetatrain240 profile_tt.py on meta-240, B 4096             -> profile-tt-meta-240.json
 #   fixcheck  the two tests that failed compiled in this session's first run -> fixcheck.log
+#   ttfwdsweep forward knobs never swept (num_warps, tile_rows) on a and meta-240 -> ttfwdsweep.log
+#   bwdsweep2 TBE backward launch knobs on fp32 (the one backward bar still missed), base, zipf -> bwdsweep2.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 set -u
@@ -103,6 +105,15 @@ for stage in "$@"; do
           tests/test_tt_layers.py > "$OUT/tttests.log" 2>&1; tail -3 "$OUT/tttests.log" ;;
     ttmetatrain240) timeout 100 python3 benchmarks/profile_tt.py --workload meta-240 --batches 4096 --iters 2 --reps 1 \
             --out "$OUT/profile-tt-meta-240.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetatrain.log" ;;
+    ttfwdsweep) timeout 120 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd --variants pallas \
+          --configs num_warps=2 tile_rows=8 tile_rows=8,num_warps=2 num_warps=8 --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/ttfwdsweep.log" | grep "^  ";
+        timeout 120 python3 benchmarks/bench_tt.py --workload meta-240 --batches 4096 --iters 3 --reps 2 --sets 1 \
+          --no-bwd --variants pallas --configs num_warps=2 tile_rows=8 tile_rows=4 tile_rows=8,num_warps=2 --out "$OUT" \
+          2>&1 | grep -v Warning | tee -a "$OUT/ttfwdsweep.log" | grep "^  " ;;
+    bwdsweep2) timeout 150 python3 benchmarks/bench_backward.py --presets fp32,base,zipf --iters 10 --reps 3 \
+          --configs "default;num_warps=2;small_num_warps=2;small_block=16;small_block=16,small_num_warps=2;lookups_per_step=4" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep2.log" | tail -12 ;;
     fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
           "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
