@@ -28,6 +28,7 @@
 #   fixcheck  the two tests that failed compiled in this session's first run -> fixcheck.log
 #   ttfwdsweep forward knobs never swept (num_warps, tile_rows) on a and meta-240 -> ttfwdsweep.log
 #   bwdsweep2 TBE backward launch knobs on fp32 (the one backward bar still missed), base, zipf -> bwdsweep2.log
+#   histsweep2 histogram forward at fewer warps (2, 1; never swept below 4) on smalltable, mixed -> histsweep2.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 set -u
@@ -114,6 +115,9 @@ for stage in "$@"; do
     bwdsweep2) timeout 150 python3 benchmarks/bench_backward.py --presets fp32,base,zipf --iters 10 --reps 3 \
           --configs "default;num_warps=2;small_num_warps=2;small_block=16;small_block=16,small_num_warps=2;lookups_per_step=4" \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep2.log" | tail -12 ;;
+    histsweep2) timeout 100 python3 benchmarks/bench_forward.py --presets smalltable,mixed --no-torch --iters 20 --reps 3 \
+          --hist-configs "default;num_warps=2;num_warps=2,lookahead=3;num_warps=1;num_warps=2,align=4;num_warps=2,ids_per_step=32" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep2.log" | tail -8 ;;
     fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
           "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \

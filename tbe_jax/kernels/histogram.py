@@ -110,7 +110,9 @@ class HistogramConfig:
       grad_programs: programs of the gradient kernel; each sums `counts^T @ dout`
         over a contiguous range of tiles and writes one fp32 `[E, D]` partial.
       grad_bags, grad_ids_per_step, grad_lookahead, grad_num_warps: its tile,
-        id lookahead and warps.
+        id lookahead and warps. The one-hot of a step is `grad_bags * grad_ids_per_step`
+        x E; 32 x 64 asks about 274 KB of shared memory on an H200 (limit 227 KB) and
+        fails to compile with RESOURCE_EXHAUSTED (the default 16 x 16 fits).
       update_partials, update_num_warps: partials summed per step by the
         reduction/update kernel (one program per table row), and its warps.
     """
