@@ -103,7 +103,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tbe_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
-from tbe_jax._layers import check_ids
+from tbe_jax._layers import check_ids, check_optimizer
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import FusedOptimizer
@@ -115,6 +115,7 @@ from tbe_jax.tbe import TableBatchedEmbedding
 FUSED_PREFIX = "fused_"
 
 __all__ = ["FUSED_PREFIX", "TableBatchedEmbed", "drop_fused", "fused_opt_state", "fused_params", "is_fused"]
+_MAKERS = "tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)"  # in the error for a bad optimizer
 
 
 def is_fused(module_name: str, name: str, value) -> bool:
@@ -216,11 +217,7 @@ class TableBatchedEmbed(hk.Module):
         name: str | None = None,
     ):
         super().__init__(name=name)
-        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(
-                "optimizer must come from tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...), "
-                f"got {type(optimizer).__name__}"
-            )
+        check_optimizer(optimizer, FusedOptimizer, _MAKERS)
         # backward_config is passed only when set (a core without that option still builds).
         extra = {} if backward_config is None else {"backward_config": backward_config}
         self.tbe = TableBatchedEmbedding(

@@ -103,7 +103,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import check_ids
+from tbe_jax._layers import check_ids, check_optimizer
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import FusedOptimizer
@@ -113,6 +113,7 @@ from tbe_jax.tbe import TableBatchedEmbedding
 FUSED_COLLECTION = "tbe_fused"
 
 __all__ = ["FUSED_COLLECTION", "TableBatchedEmbed"]
+_MAKERS = "tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)"  # in the error for a bad optimizer
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,11 +184,7 @@ class TableBatchedEmbed(nn.Module):
     optimizer: FusedOptimizer | None = None
 
     def __post_init__(self):
-        if self.optimizer is not None and not isinstance(self.optimizer, FusedOptimizer):
-            raise TypeError(
-                "optimizer must come from tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...), "
-                f"got {type(self.optimizer).__name__}"
-            )
+        check_optimizer(self.optimizer, FusedOptimizer, _MAKERS)
         self.tbe  # noqa: B018  (builds the core: bad options fail here, with the core's messages)
         super().__post_init__()
 

@@ -86,7 +86,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import check_ids
+from tbe_jax._layers import check_ids, check_optimizer
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import FusedOptimizer
@@ -94,6 +94,7 @@ from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
 __all__ = ["DIFF_FILTER", "Fused", "TableBatchedEmbed", "apply_fused"]
+_MAKERS = "tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)"  # in the error for a bad optimizer
 
 
 class Fused(nnx.Variable):
@@ -178,11 +179,7 @@ class TableBatchedEmbed(nnx.Module):
         optimizer: FusedOptimizer | None = None,
         rngs: nnx.Rngs,
     ):
-        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(
-                "optimizer must come from tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...), "
-                f"got {type(optimizer).__name__}"
-            )
+        check_optimizer(optimizer, FusedOptimizer, _MAKERS)
         # backward_config is passed only when set (a core without that option still builds).
         extra = {} if backward_config is None else {"backward_config": backward_config}
         self.tbe = TableBatchedEmbedding(

@@ -107,7 +107,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tt_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
-from tbe_jax._layers import check_ids
+from tbe_jax._layers import check_ids, check_optimizer
 from tbe_jax.haiku import FUSED_PREFIX, drop_fused, is_fused
 from tt_jax.kernels.forward import TTKernelConfig
 from tt_jax.optim import FusedOptimizer
@@ -118,6 +118,7 @@ __all__ = [
     "FUSED_PREFIX", "TTEmbeddingBag", "core_params", "drop_fused", "fused_opt_state", "fused_params", "is_fused",
     "module_params", "module_state",
 ]
+_MAKERS = "tt_jax.rowwise_adagrad(...), tt_jax.adagrad(...) or tt_jax.sgd(...)"  # in the error for a bad optimizer
 
 
 def _param_shapes(emb: _TTCore) -> dict:
@@ -222,11 +223,7 @@ class TTEmbeddingBag(hk.Module):
         name: str | None = None,
     ):
         super().__init__(name=name)
-        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(
-                "optimizer must come from tt_jax.rowwise_adagrad(...), tt_jax.adagrad(...) or tt_jax.sgd(...), "
-                f"got {type(optimizer).__name__}"
-            )
+        check_optimizer(optimizer, FusedOptimizer, _MAKERS)
         self.tt = _TTCore(specs, feature_table_map=feature_table_map, pooling=pooling, impl=impl,
                           interpret=interpret, config=config)
         self.initializer = initializer

@@ -104,7 +104,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import check_ids
+from tbe_jax._layers import check_ids, check_optimizer
 from tbe_jax.linen import FUSED_COLLECTION
 from tt_jax.kernels.forward import TTKernelConfig
 from tt_jax.optim import FusedOptimizer
@@ -112,14 +112,7 @@ from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
 __all__ = ["FUSED_COLLECTION", "TTEmbeddingBag"]
-
-
-def _check_optimizer(optimizer):
-    if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
-        raise TypeError(
-            "optimizer must come from tt_jax.rowwise_adagrad(...), tt_jax.adagrad(...) or tt_jax.sgd(...), "
-            f"got {type(optimizer).__name__}"
-        )
+_MAKERS = "tt_jax.rowwise_adagrad(...), tt_jax.adagrad(...) or tt_jax.sgd(...)"  # in the error for a bad optimizer
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,7 +175,7 @@ class TTEmbeddingBag(nn.Module):
     optimizer: FusedOptimizer | None = None
 
     def __post_init__(self):
-        _check_optimizer(self.optimizer)
+        check_optimizer(self.optimizer, FusedOptimizer, _MAKERS)
         self.tt  # noqa: B018  (builds the core: bad options fail here, with the core's messages)
         super().__post_init__()
 

@@ -87,7 +87,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import check_ids
+from tbe_jax._layers import check_ids, check_optimizer
 from tbe_jax.nnx import DIFF_FILTER, Fused, apply_fused
 from tt_jax.kernels.forward import TTKernelConfig
 from tt_jax.optim import FusedOptimizer
@@ -95,6 +95,7 @@ from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
 __all__ = ["DIFF_FILTER", "Fused", "TTEmbeddingBag", "apply_fused"]
+_MAKERS = "tt_jax.rowwise_adagrad(...), tt_jax.adagrad(...) or tt_jax.sgd(...)"  # in the error for a bad optimizer
 
 
 def _flatten(tree) -> tuple[tuple[str, ...], list, object]:
@@ -159,11 +160,7 @@ class TTEmbeddingBag(nnx.Module):
         optimizer: FusedOptimizer | None = None,
         rngs: nnx.Rngs,
     ):
-        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(
-                "optimizer must come from tt_jax.rowwise_adagrad(...), tt_jax.adagrad(...) or tt_jax.sgd(...), "
-                f"got {type(optimizer).__name__}"
-            )
+        check_optimizer(optimizer, FusedOptimizer, _MAKERS)
         self.tt = _TTCore(specs, feature_table_map=feature_table_map, pooling=pooling, impl=impl,
                           interpret=interpret, config=config)
         self.optimizer = optimizer
