@@ -116,7 +116,7 @@ for stage in "$@"; do
           --configs "default;num_warps=2;small_num_warps=2;small_block=16;small_block=16,small_num_warps=2;lookups_per_step=4" \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep2.log" | tail -12 ;;
     histsweep2) timeout 100 python3 benchmarks/bench_forward.py --presets smalltable,mixed --no-torch --iters 20 --reps 3 \
-          --hist-configs "default;num_warps=2;num_warps=2,lookahead=3;num_warps=1;num_warps=2,align=4;num_warps=2,ids_per_step=32" \
+          --hist-configs "default;num_warps=2;num_warps=2,ids_per_step=16;num_warps=2,ids_per_step=16,lookahead=3;num_warps=1,ids_per_step=8;num_warps=2,lookahead=3" \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep2.log" | tail -8 ;;
     fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
           "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
