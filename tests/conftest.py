@@ -36,6 +36,22 @@ def tables_f64(emb, params):
     return [np.asarray(t, np.float64) for t in emb.get_tables(params)]
 
 
+def model_step_f64(tables, momentum, touched, grads, opt):
+    """Float64 model of one exact row-wise Adagrad / SGD step on the touched rows: (tables, momentum or None)."""
+    new_t, new_m = [], []
+    for t, (w, g, hit) in enumerate(zip(tables, grads, touched)):
+        w = w.copy()
+        if isinstance(opt, tbe_jax.RowwiseAdagrad):
+            m = momentum[t].copy()
+            m[hit] += np.mean(g[hit] ** 2, axis=1)
+            w[hit] -= opt.learning_rate * g[hit] / (np.sqrt(m[hit])[:, None] + opt.eps)
+            new_m.append(m)
+        else:
+            w[hit] -= opt.learning_rate * g[hit]
+        new_t.append(w)
+    return new_t, (new_m if isinstance(opt, tbe_jax.RowwiseAdagrad) else None)
+
+
 @pytest.fixture
 def rng(request):
     # Fresh data for every test, reproducible run to run: seeded from the test's id

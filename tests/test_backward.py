@@ -12,23 +12,9 @@ import pytest
 import tbe_jax
 from tbe_jax import runs as runs_lib
 from tbe_jax import testing
-from conftest import KERNEL_KW, assert_close, specs, tables_f64
+from conftest import KERNEL_KW, assert_close, model_step_f64, specs, tables_f64
 
 
-def _model_step(tables, momentum, touched, grads, opt):
-    """Float64 model of one exact row-wise Adagrad / SGD step."""
-    new_t, new_m = [], []
-    for t, (w, g, hit) in enumerate(zip(tables, grads, touched)):
-        w = w.copy()
-        if isinstance(opt, tbe_jax.RowwiseAdagrad):
-            m = momentum[t].copy()
-            m[hit] += np.mean(g[hit] ** 2, axis=1)
-            w[hit] -= opt.learning_rate * g[hit] / (np.sqrt(m[hit])[:, None] + opt.eps)
-            new_m.append(m)
-        else:
-            w[hit] -= opt.learning_rate * g[hit]
-        new_t.append(w)
-    return new_t, (new_m if isinstance(opt, tbe_jax.RowwiseAdagrad) else None)
 
 
 def _touched(fmap, num_rows, batch, idx, off):
@@ -74,7 +60,7 @@ def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype
         else:
             grads, _ = testing.numpy_pooled_vjp(tabs, fmap, batch, idx, off, psw, g, pooling, vbe)
         hit = _touched(fmap, num_rows, batch, idx, off)
-        tabs, mom = _model_step(tabs, mom, hit, grads, opt)
+        tabs, mom = model_step_f64(tabs, mom, hit, grads, opt)
     # fp16/bf16 tables are rounded on every store; the model is not: a few ulp apart after 2 steps.
     tol = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 2e-2}[wdtype]
     for got, want, got_ref in zip(emb.get_tables(params), tabs, emb.get_tables(ref_params)):

@@ -11,7 +11,7 @@ import pytest
 import tbe_jax
 from tbe_jax import testing
 from tbe_jax.kernels import histogram
-from conftest import KERNEL_KW, assert_close, tables_f64, tolerance
+from conftest import KERNEL_KW, assert_close, model_step_f64, tables_f64, tolerance
 
 
 def _emb(tables, **kw):
@@ -224,20 +224,6 @@ def test_config_errors():
 
 # -- backward: counts^T x dout, then the optimizer -----------------------------------
 
-def _model_step(tables, momentum, touched, grads, opt):
-    """Float64 row-wise Adagrad / SGD step on the touched rows (as tests/test_backward.py)."""
-    new_t, new_m = [], []
-    for t, (w, g, hit) in enumerate(zip(tables, grads, touched)):
-        w = w.copy()
-        if isinstance(opt, tbe_jax.RowwiseAdagrad):
-            m = momentum[t].copy()
-            m[hit] += np.mean(g[hit] ** 2, axis=1)
-            w[hit] -= opt.learning_rate * g[hit] / (np.sqrt(m[hit])[:, None] + opt.eps)
-            new_m.append(m)
-        else:
-            w[hit] -= opt.learning_rate * g[hit]
-        new_t.append(w)
-    return new_t, new_m
 
 
 def _touched(tables, fmap, batch, idx, off):
@@ -281,7 +267,7 @@ def test_backward_update_matches_model(rng, opt, pooling):
     mom = [np.asarray(m, np.float64) for m in emb.get_momentum(state)] if adagrad else None
     grads, _ = testing.numpy_pooled_vjp(tabs, fmap, [batch] * 5, idx, off, None, g, pooling, False)
     hit = _touched(tables, fmap, batch, idx, off)
-    want, want_m = _model_step(tabs, mom, hit, grads, opt)
+    want, want_m = model_step_f64(tabs, mom, hit, grads, opt)
     before = [np.asarray(t) for t in emb.get_tables(params)]
     for t, (got, w, r, was) in enumerate(zip(emb.get_tables(p1), want, emb.get_tables(ref_p), before)):
         assert_close(got, w, 2e-3)  # one fp16 rounding of the stored row
