@@ -29,6 +29,10 @@
 #   ttfwdsweep forward knobs never swept (num_warps, tile_rows) on a and meta-240 -> ttfwdsweep.log
 #   bwdsweep2 TBE backward launch knobs on fp32 (the one backward bar still missed), base, zipf -> bwdsweep2.log
 #   histsweep2 histogram forward at fewer warps (2, 1; never swept below 4) on smalltable, mixed -> histsweep2.log
+#   histsweep3 histogram forward around the one-warp default (C, lookahead, bags, mode 2) -> histsweep3.log
+#   bwdsweep3 TBE backward around small_block=16 (block 8, warps, K, prefetch)    -> bwdsweep3.log
+#   bwdsweep4 TBE backward persistent programs (2048, 8192) and prefetch at the new defaults -> bwdsweep4.log
+#   trace     per-kernel device time of the backward step (profiler trace) on base, zipf, fp32 -> trace.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 set -u
@@ -118,6 +122,19 @@ for stage in "$@"; do
     histsweep2) timeout 100 python3 benchmarks/bench_forward.py --presets smalltable,mixed --no-torch --iters 20 --reps 3 \
           --hist-configs "default;num_warps=2;num_warps=2,ids_per_step=16;num_warps=2,ids_per_step=16,lookahead=3;num_warps=1,ids_per_step=8;num_warps=2,lookahead=3" \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep2.log" | tail -8 ;;
+    histsweep3) timeout 150 python3 benchmarks/bench_forward.py --presets smalltable,mixed --no-torch --iters 20 --reps 3 \
+          --hist-configs "default;ids_per_step=4;ids_per_step=16;lookahead=1;lookahead=3;lookahead=4;bags=32;num_warps=2;counting=2,ids_per_step=2" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep3.log" | tail -8 ;;
+    bwdsweep3) timeout 220 python3 benchmarks/bench_backward.py --presets fp32,base,zipf --iters 10 --reps 3 \
+          --configs "default;small_block=8;small_block=8,small_num_warps=2;small_num_warps=8;num_warps=2;lookups_per_step=16;prefetch=1;prefetch=0" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep3.log" | tail -12 ;;
+    bwdsweep4) timeout 150 python3 benchmarks/bench_backward.py --presets fp32,zipf,base --iters 10 --reps 3 \
+          --configs "default;programs=2048;programs=8192;prefetch=1" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep4.log" | tail -12 ;;
+    trace) timeout 150 python3 benchmarks/trace_backward.py --presets base,zipf,fp32 --out "$OUT/trace-backward.json" \
+          2>&1 | grep -v Warning | tee "$OUT/trace.log" ;
+        timeout 60 python3 benchmarks/trace_backward.py --presets fp32 --fwd-bwd --out "$OUT/trace-fwdbwd.json" \
+          2>&1 | grep -v Warning | tee -a "$OUT/trace.log" ;;
     fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
           "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \

@@ -33,7 +33,8 @@ LONG = 256  # runs this long or longer take the chunked two-pass path
 class Runs(NamedTuple):
     """Sorted runs of one batch (device arrays; N = len(indices))."""
 
-    pos: jax.Array  # [N] int32: lookup positions sorted by key (invalid ones last)
+    pos: jax.Array | None  # [N] int32: lookup positions sorted by key (invalid ones last); None when `scale` is
+    #                      None (the sort then carries `src` itself)
     src: jax.Array  # [N] int32: per sorted lookup, flat offset of its bag's output row (column 0)
     scale: jax.Array | None  # [N] f32: per sorted lookup, per-sample weight x 1/len (mean) x valid;
     #                        None when every valid lookup's scale is 1 (unweighted sum pooling or sequence)
@@ -109,9 +110,15 @@ def build_runs(
     if keys is None:
         keys = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling, sequence=sequence)
     key, src, scale = keys
-    pos = jnp.arange(n, dtype=jnp.int32)
-
-    skey, spos = jax.lax.sort((key, pos), num_keys=1, is_stable=True)
+    unit = per_sample_weights is None and (sequence or pooling == "sum")
+    if unit:
+        # No scale to carry: sort the output offsets themselves (the stable sort keeps
+        # batch order within a run), saving the gather `src[sorted positions]`.
+        skey, ssrc = jax.lax.sort((key, src), num_keys=1, is_stable=True)
+        spos = None
+    else:
+        skey, spos = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
+        ssrc = src[spos]
     is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
     starts, num_runs = _compact(is_start, n, n)
     n_valid = jnp.sum((skey < total).astype(jnp.int32))
@@ -142,6 +149,5 @@ def build_runs(
     chunk_run = jnp.clip(chunk_run - 1, 0, n_long_max - 1)
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
-    unit = per_sample_weights is None and (sequence or pooling == "sum")
-    return Runs(spos, src[spos], None if unit else scale[spos], run_start, run_key, num_runs, mid, long, chunk_run,
+    return Runs(spos, ssrc, None if unit else scale[spos], run_start, run_key, num_runs, mid, long, chunk_run,
                 chunk_first, long_chunk0, counts)

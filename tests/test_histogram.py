@@ -215,7 +215,9 @@ def test_config_errors():
     assert histogram.HistogramConfig().counting == 3
     cfg = histogram.HistogramConfig(counting=2)
     assert (cfg.ids_per_step_for(64), cfg.ids_per_step_for(16)) == (8, 32)
-    assert histogram.HistogramConfig().ids_per_step_for(64) == 32
+    assert histogram.HistogramConfig().ids_per_step_for(64) == 8  # mode 3: [16, C, 16] at 2048 elements
+    assert histogram.HistogramConfig(bags=64).ids_per_step_for(64) == 2  # and never below 2 (8-bit counters)
+    assert histogram.HistogramConfig(bags=256).ids_per_step_for(64) == 2
     assert histogram.HistogramConfig(counting=1, bags=32).ids_per_step_for(64) == 16
     with pytest.raises(ValueError, match="lookahead=-1"):
         histogram.HistogramConfig(lookahead=-1)

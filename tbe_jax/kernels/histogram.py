@@ -78,7 +78,10 @@ class HistogramConfig:
         `bags x C` ids. A power of 2 <= 256, or 0 (default) for the mode's own
         choice (`ids_per_step_for`): modes 0, 1, 4: 16; mode 2: the `[bags, C, E_padded]`
         compare tile at 8192 elements (C = 8 for E_padded = 64, bags = 16); mode 3:
-        the `[bags, C, 16]` packed tile at 8192 elements (C = 32 for bags = 16).
+        the `[bags, C, 16]` packed tile at 2048 elements (C = 8 for bags = 16; with
+        one warp, C = 8 measured 0.070 ms on the H200 `smalltable` against 0.091 for
+        C = 16 at 2 warps and 0.115 for C = 32 at 4 warps,
+        `benchmarks/results/histsweep2-20261129-1808-*`).
       counting: how a step's ids become counts (see the module docstring):
         3 (default; the fastest on the H200 `smalltable` sweep, 0.115 ms vs 0.134 for
         mode 2, `benchmarks/results/forward-20261129-155208-*`), see below;
@@ -103,7 +106,8 @@ class HistogramConfig:
         before the bag's start are masked after the load, and the last < `align`
         ids of each bag's head come in one extra narrow tile.
       tail_unroll: ids per bag loaded together on the gather path (ids >= 256).
-      num_warps, num_stages: launch knobs of the forward kernel.
+      num_warps, num_stages: launch knobs of the forward kernel (one warp: a program
+        is a short latency-bound chain, and more resident programs hide more of it).
 
     Backward attributes (`histogram_backward`, `apply_gradients`, `jax.grad`,
     the fused path):
@@ -121,10 +125,10 @@ class HistogramConfig:
     ids_per_step: int = 0
     counting: int = 3
     half_compare: bool = True
-    lookahead: int = 2
+    lookahead: int = 3
     align: int = 1
     tail_unroll: int = 4
-    num_warps: int = 4
+    num_warps: int = 1
     num_stages: int = 1
     grad_programs: int = 264  # 2 per SM on an H200 (132 SMs)
     grad_bags: int = BAGS
@@ -169,8 +173,8 @@ class HistogramConfig:
             return self.ids_per_step
         if self.counting == 2:  # the [bags, C, E_padded] int32 compare tile at 8192 elements
             return _pow2_floor(max(1, 8192 // (self.bags * rows_padded)))
-        if self.counting == 3:  # the [bags, C, 16] packed tile at 8192 elements
-            return max(2, _pow2_floor(max(1, 8192 // (self.bags * WORDS))))
+        if self.counting == 3:  # the [bags, C, 16] packed tile at 2048 elements (64 registers a thread at 1 warp)
+            return max(2, _pow2_floor(max(1, 2048 // (self.bags * WORDS))))
         return 16
 
 

@@ -1,0 +1,105 @@
+"""Per-kernel GPU time of the TBE backward step (`apply_gradients`), from a profiler trace.
+
+Runs `--iters` donated `apply_gradients` steps (or, with --fwd-bwd, training steps
+through `fused_lookup` under `jax.grad`) under `jax.profiler.trace`, reads the
+trace's JSON (`plugins/profile/*/*.trace.json.gz`) and sums the device events by
+kernel name: ms per step for each kernel (XLA fusions, CUB sort passes, the
+Pallas kernels), sorted by time. Saves JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import tbe_jax  # noqa: E402
+from tbe_jax import testing  # noqa: E402
+from bench_backward import EPS, LR, fused_train_step, make_sets  # noqa: E402
+
+
+def device_events(log_dir: str) -> list[dict]:
+    """The complete ('X') events of the trace's device processes."""
+    (path,) = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    with gzip.open(path, "rb") as fh:
+        trace = json.load(fh)
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev = {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
+    if not dev:
+        print("no device process in the trace; processes:", sorted(names.values()))
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in dev and "dur" in e]
+
+
+def profile(step, carry, sets, iters):
+    for a in sets:  # compile + warm-up
+        carry = step(carry, *a)
+    jax.block_until_ready(carry)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for i in range(iters):
+                carry = step(carry, *sets[i % len(sets)])
+            jax.block_until_ready(carry)
+        events = device_events(d)
+    per = collections.defaultdict(float)
+    count = collections.Counter()
+    for e in events:
+        per[e["name"]] += e["dur"] / 1e3 / iters
+        count[e["name"]] += 1
+    return {k: {"ms": per[k], "calls_per_step": count[k] / iters} for k in sorted(per, key=per.get, reverse=True)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="base,zipf,fp32")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--fwd-bwd", action="store_true")
+    ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_block=16,num_warps=2")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    kw = {}
+    for item in filter(None, args.config.split(",")):
+        k, v = item.split("=")
+        kw[k] = int(v)
+    cfg = tbe_jax.BackwardConfig(**kw)
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": args.config, "presets": {}}
+    for name in args.presets.split(","):
+        wl = testing.PRESETS[name]
+        feats = wl.features()
+        sets = make_sets(wl, 2)
+        tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
+        emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", weights_dtype=wl.weights_dtype,
+                                            output_dtype=wl.output_dtype, backward_config=cfg)
+        opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
+        params = emb.init(jax.random.key(0))
+        state = emb.init_opt_state(params, opt)
+        if args.fwd_bwd:
+            step = fused_train_step(emb, tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS))
+        else:
+            @functools.partial(jax.jit, donate_argnums=(0,))
+            def step(carry, i, o, s, g):
+                return emb.apply_gradients(*carry, opt, i, o, g, s)
+        kernels = profile(step, (params, state), sets, args.iters)
+        total = sum(v["ms"] for v in kernels.values())
+        res["presets"][name] = {"total_ms": total, "kernels": kernels}
+        print(f"== {name}: {total:.3f} ms of device events per step")
+        for k, v in list(kernels.items())[:25]:
+            print(f"  {v['ms']:7.4f} ms  x{v['calls_per_step']:.0f}  {k[:110]}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
