@@ -32,6 +32,9 @@
 #   histsweep3 histogram forward around the one-warp default (C, lookahead, bags, mode 2) -> histsweep3.log
 #   bwdsweep3 TBE backward around small_block=16 (block 8, warps, K, prefetch)    -> bwdsweep3.log
 #   bwdsweep4 TBE backward persistent programs (2048, 8192) and prefetch at the new defaults -> bwdsweep4.log
+#   bwdtests  test_backward, test_grad, test_layers compiled                   -> bwdtests.log
+#   bwdsweep5 the Pallas run-length encoding (rle_kernel) against the XLA ops      -> bwdsweep5.log
+#   bwdsweep6 persistent programs of the mid/chunk kernels apart from the small-run kernel's -> bwdsweep6.log
 #   trace     per-kernel device time of the backward step (profiler trace) on base, zipf, fp32 -> trace.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
@@ -131,6 +134,14 @@ for stage in "$@"; do
     bwdsweep4) timeout 150 python3 benchmarks/bench_backward.py --presets fp32,zipf,base --iters 10 --reps 3 \
           --configs "default;programs=2048;programs=8192;prefetch=1" \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep4.log" | tail -12 ;;
+    bwdtests) timeout 250 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_grad.py \
+          tests/test_layers.py > "$OUT/bwdtests.log" 2>&1; tail -3 "$OUT/bwdtests.log" ;;
+    bwdsweep5) timeout 200 python3 benchmarks/bench_backward.py --presets fp32,zipf,base,weighted --iters 10 --reps 3 \
+          --configs "default;rle_kernel=0;programs=8192" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep5.log" | tail -12 ;;
+    bwdsweep6) timeout 200 python3 benchmarks/bench_backward.py --presets fp32,zipf,base --iters 10 --reps 3 \
+          --configs "default;programs=8192;programs=16384;small_programs=2048" \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdsweep6.log" | tail -12 ;;
     trace) timeout 150 python3 benchmarks/trace_backward.py --presets base,zipf,fp32 --out "$OUT/trace-backward.json" \
           2>&1 | grep -v Warning | tee "$OUT/trace.log" ;
         timeout 60 python3 benchmarks/trace_backward.py --presets fp32 --fwd-bwd --out "$OUT/trace-fwdbwd.json" \

@@ -95,12 +95,14 @@ def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_
 
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
-    sequence: bool = False, keys=None,
+    sequence: bool = False, keys=None, rle_kernel: bool = False, interpret: bool = False,
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
     `keys`: the `(key, src, scale)` of `lookup_keys` when already computed (e.g. by
     the Pallas pass `kernels.backward.lookup_keys`).
+    `rle_kernel`: find the runs and the long-run list with the two Pallas passes of
+    `kernels.rle` instead of XLA ops (same result).
     """
     n = indices.shape[0]
     bases = group_bases(layout)
@@ -119,21 +121,27 @@ def build_runs(
     else:
         skey, spos = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
         ssrc = src[spos]
-    is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
-    starts, num_runs = _compact(is_start, n, n)
-    n_valid = jnp.sum((skey < total).astype(jnp.int32))
-    run_start = jnp.concatenate([starts, jnp.full((1,), n, jnp.int32)])
-    run_start = jnp.where(jnp.arange(n + 1) < num_runs, run_start, n_valid)
-    run_len = run_start[1:] - run_start[:-1]
-    run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
-
     # Small runs need no list: the small-run kernel walks all runs in blocks and
     # skips the others. Only runs longer than SMALL (at most n / (SMALL + 1)) are
     # compacted over n; the mid/long split then works on that short list.
-    live = jnp.arange(n) < num_runs
     n_big_max = n // (SMALL + 1) + 1
     n_long_max = n // LONG + 1
-    big, n_big = _compact(live & (run_len > SMALL), n_big_max, n)
+    if rle_kernel:
+        from tbe_jax.kernels import rle
+
+        run_start, run_key, num_runs, n_valid, big, n_big = rle.encode(
+            skey, total=total, small=SMALL, n_big_max=n_big_max, interpret=interpret)
+        run_len = run_start[1:] - run_start[:-1]
+    else:
+        is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
+        starts, num_runs = _compact(is_start, n, n)
+        n_valid = jnp.sum((skey < total).astype(jnp.int32))
+        run_start = jnp.concatenate([starts, jnp.full((1,), n, jnp.int32)])
+        run_start = jnp.where(jnp.arange(n + 1) < num_runs, run_start, n_valid)
+        run_len = run_start[1:] - run_start[:-1]
+        run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
+        live = jnp.arange(n) < num_runs
+        big, n_big = _compact(live & (run_len > SMALL), n_big_max, n)
     big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
     mid_at, n_mid = _compact((big_len > SMALL) & (big_len < LONG), n_big_max, n_big_max - 1)
     mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)

@@ -496,7 +496,8 @@ class TableBatchedEmbedding:
                 plan, runs_lib.feature_keys(self.layout, plan), int(runs_lib.group_bases(self.layout)[-1]),
                 indices, offsets, per_sample_weights, pooling=self.pooling, config=cfg, interpret=self.interpret)
         return runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
-                                   pooling=self.pooling, sequence=sequence, keys=keys)
+                                   pooling=self.pooling, sequence=sequence, keys=keys,
+                                   rle_kernel=cfg.rle_kernel, interpret=self.interpret)
 
     def _update_impl(self, plan, opt, params, momentum, indices, offsets, per_sample_weights, grad_output,
                      backward_config=None, runs=None):

@@ -4,6 +4,8 @@ Kernels run compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW);
 both are checked against the jnp reference and a float64 NumPy model.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,6 +147,73 @@ def test_runs_preprocessing(rng):
     assert n_chunks == np.sum(-(-counts[counts >= runs_lib.LONG] // runs_lib.LONG))
 
 
+def _sorted_keys(rng, lengths, n_invalid, total):
+    """Sorted keys with runs of the given lengths (distinct random rows) and an invalid tail."""
+    rows = np.sort(rng.choice(total, size=len(lengths), replace=False))
+    return np.concatenate([np.repeat(rows, lengths), np.full(n_invalid, total)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("case", ["boundaries", "one_row", "all_invalid", "block_multiple", "random"])
+def test_rle_kernel_matches_xla_ops(rng, case):
+    """kernels.rle.encode against the XLA ops of build_runs and a NumPy model: runs of
+    length 1, SMALL, SMALL + 1, LONG - 1, LONG, LONG + 1, runs across the kernel's
+    block boundary, a single row hit by every lookup, no valid lookup, N a multiple of
+    the block (run_start[N] written by the extra program)."""
+    from tbe_jax.kernels import rle
+
+    total = 5000
+    s, lg = runs_lib.SMALL, runs_lib.LONG
+    if case == "boundaries":
+        skey = _sorted_keys(rng, [1, s, s + 1, lg - 1, lg, lg + 1, 1, 700, 2, 1, s + 1], 37, total)
+    elif case == "one_row":
+        skey = _sorted_keys(rng, [3000], 0, total)
+    elif case == "all_invalid":
+        skey = np.full(300, total, np.int32)
+    elif case == "block_multiple":
+        lengths = rng.integers(1, 20, size=400)
+        skey = _sorted_keys(rng, lengths, 0, total)[: 2 * rle.BLOCK]
+        skey = np.concatenate([skey, np.full(2 * rle.BLOCK - len(skey), total, np.int32)])
+    else:
+        lengths = rng.geometric(0.05, size=150)
+        skey = _sorted_keys(rng, lengths, int(rng.integers(0, 50)), total)
+    n = len(skey)
+    n_big_max = n // (s + 1) + 1
+    run_start, run_key, num_runs, n_valid, big, n_big = jax.jit(functools.partial(
+        rle.encode, total=total, small=s, n_big_max=n_big_max, interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
+    # NumPy model
+    valid = skey < total
+    starts = np.flatnonzero(valid & np.concatenate([[True], skey[1:] != skey[:-1]]))
+    nv = int(valid.sum())
+    lens = np.diff(np.append(starts, nv))
+    assert int(num_runs) == len(starts) and int(n_valid) == nv and int(n_big) == int(np.sum(lens > s))
+    want_start = np.full(n + 1, nv)
+    want_start[: len(starts)] = starts
+    want_key = np.full(n, total)
+    want_key[: len(starts)] = skey[starts]
+    want_big = np.full(n_big_max, n)
+    want_big[: int(np.sum(lens > s))] = np.flatnonzero(lens > s)
+    np.testing.assert_array_equal(np.asarray(run_start), want_start)
+    np.testing.assert_array_equal(np.asarray(run_key), want_key)
+    np.testing.assert_array_equal(np.asarray(big), want_big)
+
+
+def test_runs_rle_kernel_equals_xla_path(rng):
+    """build_runs with and without the RLE kernel: every field equal."""
+    tables = specs([7, 700, 3], [4, 4, 4])
+    emb = tbe_jax.TableBatchedEmbedding(tables)
+    idx, off, _ = testing.make_batch(rng, [7, 700, 3], [5, 5, 5], (0, 300))
+    idx[4] = -1
+    plan = emb.plan_for(len(off))
+    args = (emb.layout, plan, jnp.asarray(idx), jnp.asarray(off), None)
+    a = runs_lib.build_runs(*args, pooling="sum", rle_kernel=True, interpret=KERNEL_KW["interpret"])
+    b = runs_lib.build_runs(*args, pooling="sum", rle_kernel=False)
+    for name, x, y in zip(runs_lib.Runs._fields, a, b):
+        if x is None or y is None:
+            assert x is None and y is None, name
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
 def test_errors():
     emb = tbe_jax.TableBatchedEmbedding(specs([10], [4]), impl="xla")
     params = emb.init(jax.random.key(0))
@@ -254,7 +323,8 @@ def test_bitwise_reproducible(rng):
     outs = []
     for programs in (4096, 4096, 3):
         emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, **KERNEL_KW,
-                                            backward_config=tbe_jax.BackwardConfig(programs=programs))
+                                            backward_config=tbe_jax.BackwardConfig(programs=programs,
+                                                                                   small_programs=programs))
         params = emb.init(jax.random.key(0))
         state = emb.init_opt_state(params, opt)
         p, s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g, psw))(params, state)
@@ -389,6 +459,8 @@ def test_backward_config_errors():
         tbe_jax.BackwardConfig(small_block=24)
     with pytest.raises(ValueError, match="num_warps=0 must be >= 1"):
         tbe_jax.BackwardConfig(num_warps=0)
+    with pytest.raises(ValueError, match="small_programs=0 must be >= 1"):
+        tbe_jax.BackwardConfig(small_programs=0)
     with pytest.raises(TypeError, match="backward_config must be a tbe_jax.BackwardConfig"):
         tbe_jax.TableBatchedEmbedding(specs([10], [4]), backward_config={"programs": 8})
     a = tbe_jax.TableBatchedEmbedding(specs([10], [4]), backward_config=tbe_jax.BackwardConfig(programs=8))

@@ -55,7 +55,10 @@ class BackwardConfig:
         loads issued together; 1 is the configuration measured on the H200).
       lookups_per_step: output-gradient rows gathered together (K) by the mid-run
         and chunk kernels.
-      programs: persistent programs per kernel (capped by the task count bound).
+      programs: persistent programs of the mid-run, chunk and long-run kernels
+        (capped by the task count bound). 8192 against 4096 on the H200: fp32 -3.7%,
+        zipf -1.6%, weighted -4.4%, base +1.1% (`bwdsweep5/6-20261129-*`).
+      small_programs: persistent programs of the small-run kernel.
       num_warps: warps per program of the mid-run, chunk and long-run kernels.
       sort_in_forward: `fused_lookup` only: build the runs (sort, run-length
         encoding) in the forward and keep them as residuals for the backward,
@@ -69,6 +72,10 @@ class BackwardConfig:
         on for tables with 4-byte rows elements (fp32), off for fp16/bf16: measured
         on the H200, it saved 4% on `fp32` and cost 3-4% on the fp16 `base` and
         `weighted` presets (benchmarks/NOTES.md).
+      rle_kernel: run-length encode the sorted keys with the two Pallas passes of
+        `kernels.rle` (run starts, keys, the long-run list) instead of ~15 XLA ops
+        (on the H200: 8-11% off the whole backward on fp32, zipf, base, weighted,
+        `benchmarks/results/bwdsweep5-20261129-1832-*`).
 
     `keys_kernel` and `small_unroll` > 1 are off by default: compiled and timed on the
     H200, neither was faster on the presets (benchmarks/NOTES.md).
@@ -78,19 +85,21 @@ class BackwardConfig:
     small_num_warps: int = 2
     small_unroll: int = 1
     lookups_per_step: int = 8
-    programs: int = 4096
+    programs: int = 8192
+    small_programs: int = 4096
     num_warps: int = 1
     sort_in_forward: bool = False
     keys_kernel: bool = False
     keys_bags: int = 32
     prefetch: bool | None = None
+    rle_kernel: bool = True
 
     def __post_init__(self):
         for name in ("small_block", "lookups_per_step", "keys_bags", "small_unroll"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
-        for name in ("small_num_warps", "num_warps", "programs"):
+        for name in ("small_num_warps", "num_warps", "programs", "small_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -327,12 +336,13 @@ def fused_update(
     # Interpret mode runs programs one after another: few programs keep CPU tests
     # fast and make each program walk several tasks (the strided loop is tested).
     max_programs = min(config.programs, 16) if interpret else config.programs
+    max_small = min(config.small_programs, 16) if interpret else config.small_programs
     # Unweighted sum pooling: every lookup in a run has scale 1 (invalid ones are in no
     # run), so the runs carry no scales and the kernels skip those loads.
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
     max_chunks = runs.chunk_first.shape[0]
-    p_small = max(1, min(max_programs, -(-n // blk)))
+    p_small = max(1, min(max_small, -(-n // blk)))
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
 
