@@ -83,8 +83,9 @@ class HistogramConfig:
         C = 16 at 2 warps and 0.115 for C = 32 at 4 warps,
         `benchmarks/results/histsweep2-20261129-1808-*`).
       counting: how a step's ids become counts (see the module docstring):
-        3 (default; the fastest on the H200 `smalltable` sweep, 0.115 ms vs 0.134 for
-        mode 2, `benchmarks/results/forward-20261129-155208-*`), see below;
+        3 (default; the fastest on the H200 `smalltable` sweeps: 0.115 ms vs 0.134 for
+        mode 2 at 4 warps, `benchmarks/results/forward-20261129-155208-*`; 0.070 vs
+        0.190 at 1 warp, `histsweep3-20261129-1817-*`), see below;
         2 2-D `[bags, C]` id tile (each bag's C ids contiguous), compare
         and int32 add into a deferred `[bags, C, E_padded]` accumulator, summed
         over C once at the end (the scheme of the 0.153 ms kernel);
