@@ -33,8 +33,6 @@ LONG = 256  # runs this long or longer take the chunked two-pass path
 class Runs(NamedTuple):
     """Sorted runs of one batch (device arrays; N = len(indices))."""
 
-    pos: jax.Array | None  # [N] int32: lookup positions sorted by key (invalid ones last); None when `scale` is
-    #                      None (the sort then carries `src` itself)
     src: jax.Array  # [N] int32: per sorted lookup, flat offset of its bag's output row (column 0)
     scale: jax.Array | None  # [N] f32: per sorted lookup, per-sample weight x 1/len (mean) x valid;
     #                        None when every valid lookup's scale is 1 (unweighted sum pooling or sequence)
@@ -117,10 +115,10 @@ def build_runs(
         # No scale to carry: sort the output offsets themselves (the stable sort keeps
         # batch order within a run), saving the gather `src[sorted positions]`.
         skey, ssrc = jax.lax.sort((key, src), num_keys=1, is_stable=True)
-        spos = None
+        sscale = None
     else:
         skey, spos = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
-        ssrc = src[spos]
+        ssrc, sscale = src[spos], scale[spos]
     # Small runs need no list: the small-run kernel walks all runs in blocks and
     # skips the others. Only runs longer than SMALL (at most n / (SMALL + 1)) are
     # compacted over n; the mid/long split then works on that short list.
@@ -157,5 +155,5 @@ def build_runs(
     chunk_run = jnp.clip(chunk_run - 1, 0, n_long_max - 1)
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
-    return Runs(spos, ssrc, None if unit else scale[spos], run_start, run_key, num_runs, mid, long, chunk_run,
+    return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, chunk_run,
                 chunk_first, long_chunk0, counts)
