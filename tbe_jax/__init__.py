@@ -6,13 +6,17 @@ from tbe_jax.kernels.backward import BackwardConfig
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import (
-    SGD, FusedOptimizer, RowwiseAdagrad, RowwiseAdagradState, SGDState, rowwise_adagrad, sgd,
+    SGD, Adagrad, AdagradState, FusedOptimizer, Optimizer, RowwiseAdagrad, RowwiseAdagradState, SGDState, adagrad,
+    rowwise_adagrad, sgd,
 )
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
+from tbe_jax.train import SparseLookup, StepReport, TrainStepResult, train_step
 
 __all__ = [
-    "BackwardConfig", "BoundsReport", "ForwardConfig", "FusedOptimizer", "HistogramConfig", "RowwiseAdagrad",
-    "RowwiseAdagradState", "SGD", "SGDState", "TableBatchedEmbedding", "TableSpec", "rowwise_adagrad", "sgd",
+    "Adagrad", "AdagradState", "BackwardConfig", "BoundsReport", "ForwardConfig", "FusedOptimizer",
+    "HistogramConfig", "Optimizer", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "SparseLookup",
+    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "adagrad", "rowwise_adagrad", "sgd",
+    "train_step",
 ]
 __version__ = "0.1.0"

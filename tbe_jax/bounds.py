@@ -1,14 +1,20 @@
-"""Input validation and repair for the three `bounds_check` modes.
+"""Input validation and repair for the four `bounds_check` modes.
 
-- `"none"`: nothing is checked. Ids outside `[0, E_t)` are undefined behaviour
-  (negative ids, the pruned-row marker -1 included, are skipped by the kernels);
-  malformed offsets are undefined behaviour.
+- `"ignore"` (the default): ids outside `[0, E_t)` contribute nothing to the
+  forward and update nothing in the backward, silently, with identical results on
+  every `impl` and device (one compare per id in the kernels; measured on the
+  H200 in benchmarks/NOTES.md). Malformed offsets are not repaired (undefined).
+- `"none"`: no upper-bound check in the forward kernels: an id >= E_t reads
+  another table's row or past the buffer (undefined behaviour, fastest). Negative
+  ids, the pruned-row marker -1 included, are still skipped; the backward and the
+  XLA path skip every id outside `[0, E_t)` as in `"ignore"`.
 - `"warning"`: a small XLA pass repairs `offsets` by clamping (first entry 0,
   non-decreasing, at most `len(indices)`); ids outside `[0, E_t)` contribute
   nothing (-1, a pruned row, is skipped silently and not counted). The counts of
   repaired offsets and invalid ids are reported through `warnings.warn` from a
   `jax.debug.callback` (works under `jit`, no host sync in the step) and can be
-  read as device values with `TableBatchedEmbedding.bounds_report(...)`.
+  read as device values with `TableBatchedEmbedding.bounds_report(...)` (or the
+  `report` of `tbe_jax.train_step`).
 - `"fatal"`: a `ValueError` naming the feature, the bag and the bad value. With
   concrete inputs it is raised at once; under `jit` the check is a
   `jax.experimental.checkify.check`, so wrap the jitted function with

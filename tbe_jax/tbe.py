@@ -11,14 +11,14 @@ import numpy as np
 
 from tbe_jax import bounds, reference, runs as runs_lib
 from tbe_jax.kernels import backward as bwd_kernels
-from tbe_jax.optim import SGD, RowwiseAdagrad, RowwiseAdagradState, SGDState
+from tbe_jax import optim
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.kernels import histogram_backward as hist_bwd
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec
 
 _POOLINGS = ("sum", "mean", "none")
-_BOUNDS = ("none", "warning", "fatal")
+_BOUNDS = ("ignore", "none", "warning", "fatal")
 _IMPLS = ("auto", "pallas", "xla")
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -48,7 +48,11 @@ class TableBatchedEmbedding:
         index, in index order; all tables must have one embedding_dim).
       weights_dtype: storage dtype of the tables (float32, float16, bfloat16).
       output_dtype: dtype of the result (float32, float16, bfloat16).
-      bounds_check: "none", "warning" or "fatal"; see `tbe_jax.bounds`.
+      bounds_check: "ignore" (default: ids outside `[0, E_t)` contribute nothing to
+        the output and update nothing, on every `impl` and device, silently),
+        "warning" (the same, plus repaired offsets, with counts reported), "fatal"
+        (an error naming the feature, bag and id) or "none" (no upper-bound check:
+        an id >= E_t is undefined behaviour on the kernels); see `tbe_jax.bounds`.
       impl: "pallas" (the Triton kernels), "xla" (the pure-jnp reference) or
         "auto": the kernels on GPU (or when `interpret=True`), XLA elsewhere.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
@@ -80,7 +84,7 @@ class TableBatchedEmbedding:
         pooling: str = "sum",
         weights_dtype=jnp.float32,
         output_dtype=jnp.float32,
-        bounds_check: str = "none",
+        bounds_check: str = "ignore",
         impl: str = "auto",
         interpret: bool = False,
         kernel_config: fwd_kernels.ForwardConfig | None = None,
@@ -180,17 +184,17 @@ class TableBatchedEmbedding:
 
     # -- parameters -------------------------------------------------------------
     def init(self, key: jax.Array) -> dict:
-        """Tables drawn uniform in `[-1/sqrt(E), 1/sqrt(E)]` (FBGEMM's default)."""
-        per_table = []
-        for t, spec in enumerate(self.tables):
-            bound = 1.0 / np.sqrt(spec.num_embeddings)
-            per_table.append(
-                jax.random.uniform(
-                    jax.random.fold_in(key, t), (spec.num_embeddings, spec.embedding_dim),
-                    jnp.float32, -bound, bound,
-                ).astype(self.weights_dtype)
-            )
-        return self.set_tables(None, per_table)
+        """Tables drawn uniform in `[-1/sqrt(E_t), 1/sqrt(E_t)]` (FBGEMM's default).
+
+        One jitted draw per storage buffer, whatever the number of tables: each row's
+        bound comes from its table's size (a per-table array, repeated on the device).
+        """
+        out = {}
+        for g in range(len(self.layout.dims)):
+            rows = tuple(spec.num_embeddings for t, spec in enumerate(self.tables) if self.layout.table_group[t] == g)
+            out[self.layout.key(g)] = _init_buffer(jax.random.fold_in(key, g), rows, self.layout.dims[g],
+                                                   self.weights_dtype.name)
+        return out
 
     def get_tables(self, params: dict) -> list[jax.Array]:
         """Per table, its `[E_t, D_t]` array in `weights_dtype`."""
@@ -264,16 +268,7 @@ class TableBatchedEmbedding:
                 raise ValueError(
                     f"per_sample_weights has shape {per_sample_weights.shape}; it must match indices {indices.shape}"
                 )
-        for g, d in enumerate(self.layout.dims):
-            key = self.layout.key(g)
-            if key not in params:
-                raise ValueError(f"params lack buffer {key!r}; build them with emb.init or emb.set_tables")
-            shape = (self.layout.group_rows[g], d)
-            if params[key].shape != shape or params[key].dtype != self.weights_dtype:
-                raise ValueError(
-                    f"params[{key!r}] must be {self.weights_dtype.name}{list(shape)}, "
-                    f"got {params[key].dtype}{list(params[key].shape)}"
-                )
+        self._check_params(params)
 
     def bounds_report(self, indices, offsets, *, batch_size_per_feature=None) -> bounds.BoundsReport:
         """Counts of what `bounds_check="warning"` would repair (jittable, device values)."""
@@ -410,20 +405,19 @@ class TableBatchedEmbedding:
             flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
         return flat, n_bad
 
-    # -- fused optimizer step ------------------------------------------------------
+    # -- optimizer step ---------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):
-        """Optimizer state for `opt`: `RowwiseAdagradState` (one fp32 accumulator per row) or `SGDState()`."""
+        """The state of `opt` for these tables: `RowwiseAdagradState(momentum, count)`
+        (one fp32 accumulator per row, per storage buffer) or `SGDState(count)`."""
         self._check_opt(opt)
-        if isinstance(opt, SGD):
-            return SGDState()
-        return RowwiseAdagradState({
-            key: jnp.full((params[key].shape[0],), opt.initial_accumulator_value, jnp.float32) for key in params
-        })
+        self._check_params(params)
+        return opt.init(params)
 
     def get_momentum(self, opt_state) -> list[jax.Array]:
         """Per table, its `[E_t]` row-wise Adagrad accumulators."""
-        if not isinstance(opt_state, RowwiseAdagradState):
-            raise ValueError("opt_state holds no row-wise Adagrad accumulators (SGD keeps no state)")
+        if not isinstance(opt_state, optim.RowwiseAdagradState):
+            raise ValueError(
+                f"opt_state is a {type(opt_state).__name__}: it holds no row-wise Adagrad accumulators")
         out = []
         for t, spec in enumerate(self.tables):
             buf = opt_state.momentum[self.layout.key(self.layout.table_group[t])]
@@ -431,45 +425,82 @@ class TableBatchedEmbedding:
             out.append(buf[r0 : r0 + spec.num_embeddings])
         return out
 
-    @staticmethod
-    def _check_opt(opt):
-        if not isinstance(opt, (SGD, RowwiseAdagrad)):
-            raise TypeError(f"opt must be tbe_jax.RowwiseAdagrad or tbe_jax.SGD, got {type(opt).__name__}")
+    _KERNEL_KINDS = ("sgd", "rowwise_adagrad")
+
+    def _check_opt(self, opt):
+        if not isinstance(opt, optim.Optimizer):
+            raise TypeError(
+                f"opt must be a tbe_jax optimizer (tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)), "
+                f"got {type(opt).__name__}")
+        if opt.rule().kind not in self._KERNEL_KINDS:
+            raise TypeError(f"TableBatchedEmbedding does not support {type(opt).__name__} yet; "
+                            "use tbe_jax.RowwiseAdagrad or tbe_jax.SGD")
+
+    def _check_params(self, params):
+        if not isinstance(params, dict):
+            raise TypeError(f"params must be the dict emb.init/set_tables return, got {type(params).__name__}")
+        want = {self.layout.key(g) for g in range(len(self.layout.dims))}
+        if set(params) != want:
+            raise ValueError(f"params hold buffers {sorted(params)}; this embedding's are {sorted(want)} "
+                             "(build them with emb.init or emb.set_tables)")
+        for g, d in enumerate(self.layout.dims):
+            key = self.layout.key(g)
+            shape = (self.layout.group_rows[g], d)
+            if tuple(params[key].shape) != shape or params[key].dtype != self.weights_dtype:
+                raise ValueError(
+                    f"params[{key!r}] must be {self.weights_dtype.name}{list(shape)}, "
+                    f"got {params[key].dtype}{list(params[key].shape)}"
+                )
 
     def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None, *,
                         batch_size_per_feature=None, backward_config=None):
-        """One fused optimizer step on the rows looked up by this batch.
+        """One optimizer step on the rows looked up by this batch: returns `(params, opt_state)`.
 
         `grad_output` is the gradient of the loss with respect to this batch's
         output (the shape `emb(...)` returned). Every (table, row) in the batch is
         updated exactly once with `opt` (see `tbe_jax.optim`); other rows are not
-        touched. Returns `(params, opt_state)`.
+        touched. `opt`'s hyperparameters are read at run time (pass `opt` as an
+        ordinary argument of a jitted step: a new learning rate, or a schedule's
+        next value, does not recompile); `opt_state.count` goes up by one.
 
         With the Pallas path the tables and the accumulators are updated in place
         (input/output aliasing): donate them (`jax.jit(..., donate_argnums=...)`) so
         XLA need not copy them first. `backward_config` overrides the one given
-        to the constructor.
+        to the constructor. `tbe_jax.train_step` wraps the lookup, the loss
+        gradient and this step in one call.
         """
-        self._check_opt(opt)
-        adagrad = isinstance(opt, RowwiseAdagrad)
-        if adagrad and not isinstance(opt_state, RowwiseAdagradState):
-            raise ValueError("opt_state is not a RowwiseAdagradState: build it with emb.init_opt_state(params, opt)")
+        return self._apply_gradients(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
+                                     batch_size_per_feature, backward_config)
+
+    def _validated(self, params, indices, offsets, per_sample_weights, batch_size_per_feature):
+        """(plan, int32 indices, offsets, fp32 weights) after the bounds mode's checks and repairs."""
         plan, indices, offsets, per_sample_weights = self._prepare(
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
-        n = indices.shape[0]
-        grad_output = jnp.asarray(grad_output)
-        want = self._out_shape(plan, n)
-        if tuple(grad_output.shape) != want:
-            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
         if self.bounds_check == "warning":
-            offsets, _ = bounds.repair_offsets(offsets, n)
+            offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
         elif self.bounds_check == "fatal":
             self._check_fatal(plan, indices, offsets)
-        indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
-        momentum = opt_state.momentum if adagrad else None
-        new_w, new_m = self._update_impl(plan, opt, params, momentum, indices, offsets, per_sample_weights,
-                                         grad_output, backward_config)
-        return new_w, (RowwiseAdagradState(new_m) if adagrad else opt_state)
+        return (plan,) + self._narrow(indices, offsets, per_sample_weights)
+
+    def _apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
+                         batch_size_per_feature, backward_config, runs=None):
+        self._check_opt(opt)
+        self._check_params(params)
+        opt.check_state(opt_state, params)
+        plan, indices, offsets, per_sample_weights = self._validated(
+            params, indices, offsets, per_sample_weights, batch_size_per_feature)
+        grad_output = jnp.asarray(grad_output)
+        want = self._out_shape(plan, indices.shape[0])
+        if tuple(grad_output.shape) != want:
+            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
+        if not jnp.issubdtype(grad_output.dtype, jnp.floating):
+            raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
+        rule = opt.rule()
+        momentum = opt_state.momentum if rule.has_momentum else None
+        new_w, new_m = self._update_impl(plan, rule, opt.hyperparameters(opt_state.count), params, momentum,
+                                         indices, offsets, per_sample_weights, grad_output, backward_config,
+                                         runs=runs)
+        return new_w, opt.next_state(opt_state, new_m)
 
     def _histogram_features(self, plan, per_sample_weights) -> list[int]:
         """Features whose lookups take the histogram kernels (forward and backward) in this call."""
@@ -499,9 +530,12 @@ class TableBatchedEmbedding:
                                    pooling=self.pooling, sequence=sequence, keys=keys,
                                    rle_kernel=cfg.rle_kernel, interpret=self.interpret)
 
-    def _update_impl(self, plan, opt, params, momentum, indices, offsets, per_sample_weights, grad_output,
+    def _update_impl(self, plan, opt, hyper, params, momentum, indices, offsets, per_sample_weights, grad_output,
                      backward_config=None, runs=None):
         """The fused update on validated int32 inputs: (tables, accumulators or None).
+
+        `opt`: a `tbe_jax.optim.KernelRule` (None: store the true gradient); `hyper`:
+        the step's `[learning_rate, eps]`.
 
         `runs`: the batch's sorted runs when the forward already built them.
         Histogram features (see `plan()`) are left out of the runs: their tables
@@ -516,50 +550,52 @@ class TableBatchedEmbedding:
                 if runs is None:
                     runs = self._runs(plan, indices, offsets, per_sample_weights, backward_config)
                 params, momentum = bwd_kernels.fused_update(
-                    params, momentum, self.layout, runs, g32, opt,
+                    params, momentum, self.layout, runs, g32, opt, hyper,
                     config=backward_config or self.backward_config, interpret=self.interpret,
                 )
             if hist:  # their tables: counts^T x dout, then the optimizer (no sort)
                 params, momentum = hist_bwd.histogram_update(
-                    params, momentum, self.layout, plan, hist, indices, offsets, g32, opt,
+                    params, momentum, self.layout, plan, hist, indices, offsets, g32, opt, hyper,
                     pooling=self.pooling, config=self.histogram_config, interpret=self.interpret,
                 )
             return params, momentum
         return reference.apply_gradients(
             params, momentum, self.layout, plan, indices, offsets, per_sample_weights,
-            grad_output, opt, pooling=self.pooling,
+            grad_output, opt, hyper, pooling=self.pooling,
         )
 
     def fused_lookup(self, params, opt_state, tx, indices, offsets, per_sample_weights=None, *,
                      batch_size_per_feature=None):
-        """A lookup whose backward applies `tx` to the looked-up rows (the fused path).
+        """Removed as a training path; the forward remains (`emb(params, ...)`).
 
-        The forward is `emb(params, indices, offsets, ...)`. Under `jax.grad` (or
-        `jax.vjp`), the cotangents returned for `params` and `opt_state` are the
-        **updated** tables and optimizer state, computed by the sorted-run kernels
-        from this lookup's output gradient: take them as the new values (see
-        `tbe_jax.rowwise_adagrad`). Differentiate with respect to both. Rules:
-        use each table in one fused lookup per loss (two would add their "updates");
-        `per_sample_weights` are constants on this path (their gradient is zero).
-        Bounds checks behave as in `emb(...)`, except that `"warning"` repairs and
-        skips silently here (use `forward_with_report` to count).
-
-        Args:
-          tx: `tbe_jax.rowwise_adagrad(...)` or `tbe_jax.sgd(...)`.
-          opt_state: `tx.init(params)`.
+        It used to return the *updated* tables as the gradient under `jax.grad`,
+        which silently destroyed tables whenever that gradient was not taken as is
+        (an output that did not reach the loss, two lookups of one table, gradient
+        clipping, a data-parallel mean, accumulation). Differentiating it now raises
+        a `TypeError` at trace time; train with `tbe_jax.train_step` (or the
+        lookup, `jax.grad` with respect to its output, and `apply_gradients`).
         """
-        from tbe_jax.optim import FusedOptimizer
+        self._check_opt(tx)
+        return _no_grad_lookup(self, params, indices, offsets, per_sample_weights, batch_size_per_feature)
 
-        if not isinstance(tx, FusedOptimizer):
-            raise TypeError("tx must come from tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)")
-        plan, indices, offsets, per_sample_weights = self._prepare(
-            params, indices, offsets, per_sample_weights, batch_size_per_feature)
-        if self.bounds_check == "warning":
-            offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
-        elif self.bounds_check == "fatal":
-            self._check_fatal(plan, indices, offsets)
-        indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
-        return _fused_lookup(self, plan, tx.opt, params, opt_state, per_sample_weights, indices, offsets)
+    # -- the training step's halves (tbe_jax.train_step) ---------------------------
+    def _step_forward(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
+        """The lookup, and what `_step_update` needs of it: `(out, residuals)`."""
+        out, report = self.forward_with_report(params, indices, offsets, per_sample_weights,
+                                               batch_size_per_feature=batch_size_per_feature)
+        runs = None
+        if self.backward_config.sort_in_forward and self._use_kernel() and self.pooling != "none":
+            plan, idx, off, psw = self._validated(params, indices, offsets, per_sample_weights,
+                                                  batch_size_per_feature)
+            if idx.shape[0]:
+                runs = self._runs(plan, idx, off, psw)
+        return out, (indices, offsets, per_sample_weights, batch_size_per_feature, report, runs)
+
+    def _step_update(self, params, opt_state, opt, residuals, grad_output):
+        indices, offsets, per_sample_weights, batch_size_per_feature, report, runs = residuals
+        params, opt_state = self._apply_gradients(params, opt_state, opt, indices, offsets, grad_output,
+                                                  per_sample_weights, batch_size_per_feature, None, runs=runs)
+        return params, opt_state, report.invalid_indices
 
     def _sequence(self, params, plan, indices, offsets, per_sample_weights):
         if not self._use_kernel():
@@ -579,6 +615,23 @@ class TableBatchedEmbedding:
             params[self.layout.key(0)], rows, per_sample_weights,
             output_dtype=self.output_dtype, config=self.kernel_config, interpret=self.interpret,
         )
+
+
+def _init_buffer(key, rows: tuple, dim: int, dtype: str):
+    """One storage buffer: rows of table t uniform in +-1/sqrt(E_t), one draw for the whole buffer."""
+    starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int32)
+    bounds = (1.0 / np.sqrt(np.asarray(rows, np.float64))).astype(np.float32)
+    # The per-table arrays are arguments, not constants, so XLA does not constant-fold a
+    # buffer-sized row -> table map at compile time.
+    return _init_draw(key, jnp.asarray(starts), jnp.asarray(bounds), sum(rows), dim, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _init_draw(key, starts, bounds, num_rows: int, dim: int, dtype: str):
+    row = jax.lax.iota(jnp.int32, num_rows)
+    table = jnp.searchsorted(starts, row, side="right", method="scan_unrolled") - 1
+    u = jax.random.uniform(key, (num_rows, dim), jnp.float32, -1.0, 1.0)
+    return (u * bounds[table][:, None]).astype(dtype)
 
 
 # -- differentiation -------------------------------------------------------------
@@ -612,7 +665,7 @@ def _lookup_bwd(emb, plan, count, res, cotangents):
         )
         return d_params, d_psw, None, None
     zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in params.items()}
-    d_params, _ = emb._update_impl(plan, None, zeros, None, indices, offsets, per_sample_weights, g_out)
+    d_params, _ = emb._update_impl(plan, None, None, zeros, None, indices, offsets, per_sample_weights, g_out)
     d_psw = None
     if per_sample_weights is not None:
         d_psw = reference.per_sample_weight_grad(
@@ -623,30 +676,21 @@ def _lookup_bwd(emb, plan, count, res, cotangents):
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
-# The fused path: the VJP of the lookup *is* the optimizer step (see fused_lookup).
+# `fused_lookup`: a forward whose differentiation fails loudly, at trace time.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused_lookup(emb, plan, opt, params, opt_state, per_sample_weights, indices, offsets):
-    return emb._lookup_impl(plan, False, params, per_sample_weights, indices, offsets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _no_grad_lookup(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature):
+    return emb(params, indices, offsets, per_sample_weights, batch_size_per_feature=batch_size_per_feature)
 
 
-def _fused_fwd(emb, plan, opt, params, opt_state, per_sample_weights, indices, offsets):
-    out = emb._lookup_impl(plan, False, params, per_sample_weights, indices, offsets)[0]
-    runs = None
-    if emb.backward_config.sort_in_forward and emb._use_kernel() and indices.shape[0]:
-        runs = emb._runs(plan, indices, offsets, per_sample_weights)
-    return out, (params, opt_state, per_sample_weights, indices, offsets, runs)
+def _no_grad_fwd(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature):
+    raise TypeError(
+        "TableBatchedEmbedding.fused_lookup can no longer be differentiated: its gradient was the updated "
+        "tables, which any transform of the gradients (a disconnected output, two lookups of one table, "
+        "clipping, a data-parallel mean) silently corrupted. Train with tbe_jax.train_step(loss_fn, "
+        "dense_params, tbe_jax.SparseLookup(emb, opt, params, opt_state, indices, offsets)), or take "
+        "jax.grad with respect to the lookup's output and call emb.apply_gradients with it.")
 
 
-def _fused_bwd(emb, plan, opt, res, g_out):
-    params, opt_state, per_sample_weights, indices, offsets, runs = res
-    adagrad = isinstance(opt, RowwiseAdagrad)
-    momentum = opt_state.momentum if adagrad else None
-    new_w, new_m = emb._update_impl(plan, opt, params, momentum, indices, offsets, per_sample_weights, g_out,
-                                    runs=runs)
-    new_state = RowwiseAdagradState(new_m) if adagrad else opt_state
-    return new_w, new_state, None, None, None
-
-
-_fused_lookup.defvjp(_fused_fwd, _fused_bwd)
+_no_grad_lookup.defvjp(_no_grad_fwd, lambda *a: None)

@@ -2,12 +2,12 @@
 
 - `TTSpec`, `TTEmbeddingBag`: specs, initialisation, core access, the materialised table and pooled
   lookups in tbe_jax's input format (`impl="xla"`: the pure-jnp per-index chain; `impl="pallas"`: the
-  fused FlowTT forward, `tt_jax.kernels.forward`, on the prefix plan of `tt_jax.prefix.build_flow`).
+  fused FlowTT forward, `tt_jax.kernels.forward`, on the prefix plan of `tt_jax.prefix.build_flow`), with
+  tbe_jax's `bounds_check` modes.
 - Training: exact core gradients under `jax.grad` from a prefix-sharing backward that reuses the
-  forward's plan (`tt_jax.backward`, XLA); optimizers on the touched core slices (`SGD`, `Adagrad`,
-  `RowwiseAdagrad`, via `TTEmbeddingBag.apply_gradients`) and their fused forms (`sgd`, `adagrad`,
-  `rowwise_adagrad`, via `TTEmbeddingBag.fused_lookup`); see `tt_jax.optim`. The backward has no
-  Pallas kernel yet.
+  forward's plan (`tt_jax.kernels.backward`, Pallas, deterministic; `tt_jax.backward` on the XLA path);
+  optimizers on the touched core slices (`SGD`, `Adagrad`, `RowwiseAdagrad`: the optimizers of
+  `tbe_jax.optim`, re-exported) via `TTEmbeddingBag.apply_gradients` or `tbe_jax.train_step`.
 """
 
 from tt_jax.optim import (

@@ -5,16 +5,22 @@ from __future__ import annotations
 import functools
 import math
 from typing import Sequence
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from tbe_jax import bounds
+from tbe_jax.specs import FeaturePlan
 from tt_jax import backward, optim, reference
 from tt_jax.kernels import backward as kernel_backward
 from tt_jax.kernels.forward import TTKernelConfig, flow_plans, pooled_forward
 from tt_jax.specs import TTSpec
 
 _INITS = ("approx-normal", "approx-uniform")
+_BOUNDS = ("ignore", "none", "warning", "fatal")
+_INT32_MAX = 2**31 - 1
 
 
 class TTEmbeddingBag:
@@ -34,10 +40,39 @@ class TTEmbeddingBag:
         the XLA one (`tt_jax.backward`).
       interpret: run the Pallas kernels in interpret mode (CPU).
       config: `TTKernelConfig` of the Pallas path (None: its default).
+      bounds_check: what to do with bad inputs, as `tbe_jax` (see below):
+        "ignore" (default), "none", "warning" or "fatal".
 
-    Ids outside `[0, N)` contribute nothing. `offsets` are not validated (no
-    bounds_check option yet): they must start at 0, never decrease and end at
-    most at `len(indices)`.
+    Bad inputs. An id is bad when it lies outside `[0, N_t)` (N_t: the rows of
+    the table its feature reads; ids in `[N_t, prod(p_shapes))`, whose digits
+    would name valid core slices, are bad too). -1 marks a pruned row: it is
+    skipped silently in every mode (never counted, never an error). `offsets`
+    are malformed unless they start at 0, never decrease and end at most at
+    `len(indices)`. int64 ids (jax x64) are narrowed to int32 in every mode
+    without wrapping: an id outside the int32 range becomes a bad id (-2),
+    never another row. Per `bounds_check`:
+
+    - "ignore": bad ids contribute nothing to the output and get no gradient
+      and no optimizer update, on both impls. Silent, jittable, no host
+      synchronisation. Offsets are not checked: malformed offsets are
+      undefined behaviour (the Pallas pooling kernel reads through them
+      unchecked, and the impls may disagree), as in `tbe_jax`.
+    - "none": nothing is checked. Negative ids (-1 included) contribute
+      nothing; ids >= N_t are undefined behaviour (today the TT planner drops
+      them, as "ignore": the sort needs the check anyway, so "none" saves
+      nothing here); malformed offsets are undefined behaviour.
+    - "warning": bad ids are skipped as in "ignore", and offsets are repaired
+      by clamping (`tbe_jax.bounds.repair_offsets`: first entry 0,
+      non-decreasing, at most `len(indices)`); the counts of bad ids (other
+      than -1) and of repaired offsets entries are reported by `warnings.warn`
+      (RuntimeWarning) from a `jax.debug.callback` behind a `lax.cond` (works
+      under `jit`; a clean batch issues no callback). Lookups warn (`emb(...)`,
+      a training step's forward); `apply_gradients` repairs and skips silently.
+    - "fatal": a `ValueError` naming the feature, the bag and the bad value.
+      With concrete inputs it is raised at once; under `jit` it is a
+      `jax.experimental.checkify.check`: wrap the jitted function with
+      `checkify.checkify` and call `err.throw()` (a plain `jit` refuses to
+      trace it).
 
     The Pallas path (FlowTT): the lookups of each group of tables sharing
     (q_shapes, ranks) are sorted and deduplicated, grouped by prefix (the first
@@ -60,7 +95,8 @@ class TTEmbeddingBag:
     """
 
     def __init__(self, specs, *, feature_table_map: Sequence[int] | None = None, pooling: str = "sum",
-                 impl: str = "auto", interpret: bool = False, config: TTKernelConfig | None = None):
+                 impl: str = "auto", interpret: bool = False, config: TTKernelConfig | None = None,
+                 bounds_check: str = "ignore"):
         specs = (specs,) if isinstance(specs, TTSpec) else tuple(specs)
         if not specs or not all(isinstance(s, TTSpec) for s in specs):
             raise TypeError("specs must be a TTSpec or a non-empty list of TTSpec")
@@ -73,15 +109,19 @@ class TTEmbeddingBag:
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
         if impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+        if bounds_check not in _BOUNDS:
+            raise ValueError(f"bounds_check must be one of {_BOUNDS}, got {bounds_check!r}")
         self.specs = specs
         self.feature_table_map = ftm
         self.pooling = pooling
         self.impl = impl
         self.interpret = bool(interpret)
         self.config = config if config is not None else TTKernelConfig.get_default()
+        self.bounds_check = bounds_check
 
     def _key(self):
-        return (self.specs, self.feature_table_map, self.pooling, self.impl, self.interpret, self.config)
+        return (self.specs, self.feature_table_map, self.pooling, self.impl, self.interpret, self.config,
+                self.bounds_check)
 
     @property
     def resolved_impl(self) -> str:
@@ -145,10 +185,13 @@ class TTEmbeddingBag:
         return [reference.full_table(c, s) for c, s in zip(params["cores"], self.specs)]
 
     # -- forward -----------------------------------------------------------------
-    def _prepare(self, indices, offsets, per_sample_weights):
-        """Checked int32 inputs: (indices, offsets, per_sample_weights, batch, total_dim)."""
-        indices = jnp.asarray(indices)
-        offsets = jnp.asarray(offsets)
+    def _prepare(self, indices, offsets, per_sample_weights, *, warn: bool = True):
+        """Checked int32 inputs: (indices, offsets, per_sample_weights, batch, total_dim).
+
+        Applies `bounds_check` (see the class docstring); `warn`: issue the "warning" mode's report.
+        """
+        indices = _as_array(indices)
+        offsets = _as_array(offsets)
         for name, x in (("indices", indices), ("offsets", offsets)):
             if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
                 raise TypeError(f"{name} must be a 1-D integer array, got {x.dtype}{list(x.shape)}")
@@ -161,7 +204,46 @@ class TTEmbeddingBag:
                 raise ValueError("per_sample_weights must match indices in shape")
         batch = (offsets.shape[0] - 1) // nf
         total_dim = sum(self.specs[t].embedding_dim for t in self.feature_table_map)
-        return indices.astype(jnp.int32), offsets.astype(jnp.int32), per_sample_weights, batch, total_dim
+        indices, offsets = self._check_bounds(indices, offsets, batch, warn)
+        return indices, offsets, per_sample_weights, batch, total_dim
+
+    def _feature_plan(self, batch: int) -> FeaturePlan:
+        """The `tbe_jax.specs.FeaturePlan` facts `tbe_jax.bounds` reads (tables, rows, bags), for this batch."""
+        ftm = self.feature_table_map
+        nf = len(ftm)
+        dims = [self.specs[t].embedding_dim for t in ftm]
+        return FeaturePlan(
+            table=ftm, dim=tuple(dims), group=(0,) * nf, row_offset=(0,) * nf,
+            # ids are int32 and the planner's sort sentinel is 2**31 - 1: rows from there on are unreachable
+            num_rows=tuple(min(self.specs[t].num_embeddings, _INT32_MAX) for t in ftm),
+            batch=(batch,) * nf, bag_base=tuple(f * batch for f in range(nf)),
+            out_base=tuple(int(c) for c in np.concatenate([[0], np.cumsum(dims)[:-1]])),
+            out_stride=(sum(dims),) * nf, vbe=False, out_size=batch * sum(dims),
+        )
+
+    def _check_bounds(self, indices, offsets, batch: int, warn: bool):
+        """`bounds_check` on the raw inputs: int32 (indices, offsets) with bad ids never wrapped into valid ones.
+
+        Every mode narrows: an id outside the int32 range becomes -2 (bad, skipped by the planner and the
+        reference as every id outside `[0, N_t)`: no further masking is needed). "warning" repairs the offsets.
+        """
+        mode = self.bounds_check
+        plan = self._feature_plan(batch) if mode in ("warning", "fatal") else None
+        if mode == "fatal":
+            if not isinstance(indices, jax.core.Tracer) and not isinstance(offsets, jax.core.Tracer):
+                bounds.check_concrete(plan, np.asarray(indices), np.asarray(offsets),
+                                      [f"table {t}" for t in range(len(self.specs))])
+            else:  # signed ids are checked as given (the message names the value); unsigned ones narrowed
+                signed = jnp.issubdtype(indices.dtype, jnp.signedinteger)
+                bounds.check_traced(plan, jnp.asarray(indices if signed else _narrow_ids(indices)),
+                                    jnp.asarray(offsets))
+        indices = jnp.asarray(_narrow_ids(indices))
+        offsets = jnp.asarray(_narrow_offsets(offsets))
+        if mode == "warning":
+            offsets, rep = bounds.report(plan, indices, offsets)
+            if warn:
+                _warn_if_repaired(rep)
+        return indices, offsets
 
     def __call__(self, params, indices, offsets, per_sample_weights=None):
         """`[B, sum D]` pooled lookups; input format as `tbe_jax.TableBatchedEmbedding`.
@@ -205,60 +287,129 @@ class TTEmbeddingBag:
 
     # -- training ----------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):
-        """State of `opt` (`tt_jax.SGD`, `Adagrad` or `RowwiseAdagrad`): `SGDState()`, or per table per core
-        its accumulators (`[p_t, r, q, r']` element-wise, `[p_t]` row-wise), fp32."""
+        """State of `opt` (`tt_jax.SGD`, `Adagrad` or `RowwiseAdagrad`, the optimizers of `tbe_jax.optim`):
+        `SGDState(count)`, or the accumulators shaped like `params` (`{"cores": per table, per core}`:
+        `[p_t, r, q, r']` element-wise, `[p_t]` row-wise, fp32) and the step count."""
         return optim.init_state(opt, params)
 
     def get_momentum(self, opt_state) -> list[list[jax.Array]]:
         """Per table, per core, its Adagrad accumulators."""
         if not isinstance(opt_state, (optim.AdagradState, optim.RowwiseAdagradState)):
             raise ValueError(f"opt_state is a {type(opt_state).__name__}: it holds no accumulators")
-        return [list(m) for m in opt_state.momentum]
+        return [list(m) for m in opt_state.momentum["cores"]]
 
     def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None):
         """One optimizer step on the core slices this batch touches: returns `(params, opt_state)`.
 
         `grad_output` is the gradient of the loss with respect to `emb(params, indices, offsets, ...)`.
         Every touched slice `G_t[i]` gets its exact batch gradient and one `opt` update (see
-        `tt_jax.optim`); the other slices and their state are returned bitwise unchanged. The update is a
-        scatter to the touched slices (XLA backward) or a dense pass over each core with zero gradients on
-        the untouched slices (Pallas backward): donate `params` and `opt_state` under `jax.jit` for an
-        in-place update. `per_sample_weights` are constants here.
+        `tt_jax.optim`); the other slices and their state are returned bitwise unchanged. `opt`'s
+        hyperparameters are read at run time (a new learning rate or a schedule's next value does not
+        recompile) and `opt_state.count` goes up by one. The update is a scatter to the touched slices
+        (XLA backward) or a dense pass over each core with zero gradients on the untouched slices (Pallas
+        backward): donate `params` and `opt_state` under `jax.jit` for an in-place update.
+        `per_sample_weights` are constants here. `tbe_jax.train_step` wraps the lookup, the loss
+        gradient and this step in one call (and reuses the forward's plan).
         """
         optim.check_opt(opt)
         optim.check_state(opt, opt_state, params)
-        indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
-        grad_output = jnp.asarray(grad_output)
-        if tuple(grad_output.shape) != (batch, total_dim):
-            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is "
-                             f"{(batch, total_dim)}")
+        indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights,
+                                                                               warn=False)
+        self._check_grad_output(grad_output, batch, total_dim)
         if indices.shape[0] == 0 or batch == 0:
-            return params, opt_state
+            return params, opt.next_state(opt_state, getattr(opt_state, "momentum", None))
         self._check_backend()
         plans = self._plans(batch, indices, offsets)
         return _apply(self, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output)
 
+    @staticmethod
+    def _check_grad_output(grad_output, batch, total_dim):
+        grad_output = jnp.asarray(grad_output)
+        if tuple(grad_output.shape) != (batch, total_dim):
+            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is "
+                             f"{(batch, total_dim)}")
+        if not jnp.issubdtype(grad_output.dtype, jnp.floating):
+            raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
+
     def fused_lookup(self, params, opt_state, tx, indices, offsets, per_sample_weights=None):
-        """A lookup whose backward applies `tx` to the touched core slices (the fused path).
+        """Removed as a training path; the forward remains (`emb(params, ...)`).
 
-        The forward is `emb(params, indices, offsets, ...)`. Under `jax.grad` (or `jax.vjp`), the
-        cotangents returned for `params` and `opt_state` are their **updated values** (as
-        `apply_gradients` with this lookup's output gradient): take them as the new params and state.
-        Differentiate with respect to both; use the params in one fused lookup per loss (two would add
-        their "updates"). `per_sample_weights` are constants on this path (their gradient is zero).
-
-        Args:
-          tx: `tt_jax.sgd(...)`, `tt_jax.adagrad(...)` or `tt_jax.rowwise_adagrad(...)`.
-          opt_state: `tx.init(params)`.
+        Its gradient used to be the updated cores, which any transform of the gradients silently
+        corrupted. Differentiating it now raises a `TypeError` at trace time: train with
+        `tbe_jax.train_step` (or `jax.grad` with respect to the lookup's output and `apply_gradients`).
         """
-        if not isinstance(tx, optim.FusedOptimizer):
-            raise TypeError("tx must come from tt_jax.sgd(...), tt_jax.adagrad(...) or tt_jax.rowwise_adagrad(...)")
-        optim.check_state(tx.opt, opt_state, params)
+        optim.check_opt(tx)
+        return _no_grad_lookup(self, params, indices, offsets, per_sample_weights)
+
+    # -- the training step's halves (tbe_jax.train_step) ---------------------------
+    def _step_forward(self, params, indices, offsets, per_sample_weights=None):
+        """The lookup, and what `_step_update` needs of it (the forward's plans: one sort per step)."""
         indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
         if indices.shape[0] == 0 or batch == 0:
-            return _fused_empty(params, opt_state, batch, total_dim)
+            return jnp.zeros((batch, total_dim), jnp.float32), (batch, total_dim, None, offsets, per_sample_weights)
         self._check_backend()
-        return _fused_lookup(self, batch, tx.opt, params, opt_state, per_sample_weights, indices, offsets)
+        out, plans = self._forward(batch, params["cores"], indices, offsets, per_sample_weights, with_plans=True)
+        return out, (batch, total_dim, plans, offsets, per_sample_weights)
+
+    def _step_update(self, params, opt_state, opt, residuals, grad_output):
+        batch, total_dim, plans, offsets, per_sample_weights = residuals
+        optim.check_opt(opt)
+        optim.check_state(opt, opt_state, params)
+        self._check_grad_output(grad_output, batch, total_dim)
+        if plans is None:
+            return params, opt.next_state(opt_state, getattr(opt_state, "momentum", None)), jnp.int32(0)
+        params, opt_state = _apply(self, batch, opt, params, opt_state, plans, offsets, per_sample_weights,
+                                   grad_output)
+        return params, opt_state, jnp.int32(0)
+
+
+# -- input validation -----------------------------------------------------------------
+
+
+def _as_array(x):
+    """NumPy and JAX arrays as given (64-bit host ids are narrowed on the host, exactly); others via jnp."""
+    return x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
+
+
+def _narrow_ids(x):
+    """int32 ids: an id outside the int32 range becomes -2 (a bad id), never another row (as `tbe_jax`)."""
+    dt = np.dtype(x.dtype)
+    if dt == np.int32 or dt.itemsize < 4:
+        return x.astype(np.int32)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    bad = x > _INT32_MAX
+    if np.issubdtype(dt, np.signedinteger):
+        bad = bad | (x < -1)
+    return xp.where(bad, np.int32(-2), x.astype(np.int32))
+
+
+def _narrow_offsets(x):
+    """int32 offsets, clamped into the int32 range (a malformed entry stays malformed)."""
+    dt = np.dtype(x.dtype)
+    if dt == np.int32 or dt.itemsize < 4:
+        return x.astype(np.int32)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.clip(x, -1 if np.issubdtype(dt, np.signedinteger) else 0, _INT32_MAX).astype(np.int32)
+
+
+def _warn(invalid_indices, repaired_offsets):
+    if int(invalid_indices) or int(repaired_offsets):
+        warnings.warn(
+            f"tt_jax bounds_check='warning': {int(invalid_indices)} index(es) outside their table were skipped "
+            f"and {int(repaired_offsets)} offsets entr(ies) were clamped",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _warn_if_repaired(rep: bounds.BoundsReport) -> None:
+    """Warn from the host only when something was repaired (a `lax.cond`: a clean batch issues no callback)."""
+    jax.lax.cond(
+        (rep.invalid_indices > 0) | (rep.repaired_offsets > 0),
+        lambda r: jax.debug.callback(_warn, r.invalid_indices, r.repaired_offsets),
+        lambda r: None,
+        rep,
+    )
 
 
 # -- differentiation ------------------------------------------------------------------
@@ -297,20 +448,21 @@ _pooled.defvjp(_pooled_fwd, _pooled_bwd)
 def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output):
     """The optimizer step from the plans: (params, opt_state)."""
     all_cores = params["cores"]
-    momentum = None if isinstance(opt, optim.SGD) else opt_state.momentum
+    rule, hyper = opt.rule(), opt.hyperparameters(opt_state.count)
+    momentum = opt_state.momentum["cores"] if rule.has_momentum else None
     if emb.pallas_backward:
         grads, _ = kernel_backward.dense_core_grads(
             all_cores, emb.specs, emb.feature_table_map, plans, offsets, per_sample_weights, grad_output,
             batch=batch, pooling=emb.pooling, want_psw=False, config=emb.config, interpret=emb.interpret)
 
         def update(core, m, g):
-            return optim.update_dense(opt, core, m, g)
+            return optim.update_dense(rule, hyper, core, m, g)
     else:
         grads = backward.touched_core_grads(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
                                             per_sample_weights, grad_output, batch=batch, pooling=emb.pooling)
 
         def update(core, m, g):
-            return optim.update_slices(opt, core, m, *g)
+            return optim.update_slices(rule, hyper, core, m, *g)
     new_cores, new_mom = [], []
     for k, cores in enumerate(all_cores):
         cs, ms = [], []
@@ -323,36 +475,22 @@ def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weight
         new_cores.append(tuple(cs))
         new_mom.append(tuple(ms))
     new_params = dict(params, cores=tuple(new_cores))
-    if momentum is None:
-        return new_params, opt_state
-    return new_params, type(opt_state)(tuple(new_mom))
+    new_momentum = None if momentum is None else dict(opt_state.momentum, cores=tuple(new_mom))
+    return new_params, opt.next_state(opt_state, new_momentum)
 
 
-def _fused_empty(params, opt_state, batch, total_dim):
-    # No lookups: the output is zeros and the step changes nothing (the cotangents are the inputs).
-    @jax.custom_vjp
-    def f(p, s):
-        return jnp.zeros((batch, total_dim), jnp.float32)
-
-    f.defvjp(lambda p, s: (f(p, s), (p, s)), lambda res, g: res)
-    return f(params, opt_state)
+# `fused_lookup`: a forward whose differentiation fails loudly, at trace time.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _no_grad_lookup(emb, params, indices, offsets, per_sample_weights):
+    return emb(params, indices, offsets, per_sample_weights)
 
 
-# The fused path: the VJP of the lookup *is* the optimizer step (see `fused_lookup`).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused_lookup(emb, batch, opt, params, opt_state, per_sample_weights, indices, offsets):
-    return emb._forward(batch, params["cores"], indices, offsets, per_sample_weights, with_plans=False)[0]
+def _no_grad_fwd(emb, params, indices, offsets, per_sample_weights):
+    raise TypeError(
+        "TTEmbeddingBag.fused_lookup can no longer be differentiated: its gradient was the updated cores, "
+        "which any transform of the gradients silently corrupted. Train with tbe_jax.train_step(loss_fn, "
+        "dense_params, tbe_jax.SparseLookup(emb, opt, params, opt_state, indices, offsets)), or take "
+        "jax.grad with respect to the lookup's output and call emb.apply_gradients with it.")
 
 
-def _fused_fwd(emb, batch, opt, params, opt_state, per_sample_weights, indices, offsets):
-    out, plans = emb._forward(batch, params["cores"], indices, offsets, per_sample_weights, with_plans=True)
-    return out, (params, opt_state, plans, offsets, per_sample_weights)
-
-
-def _fused_bwd(emb, batch, opt, res, g):
-    params, opt_state, plans, offsets, per_sample_weights = res
-    new_params, new_state = _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, g)
-    return new_params, new_state, None, None, None
-
-
-_fused_lookup.defvjp(_fused_fwd, _fused_bwd)
+_no_grad_lookup.defvjp(_no_grad_fwd, lambda *a: None)
