@@ -145,17 +145,21 @@ def run_workload(wl, args, configs, hist_configs):
     row["xla_max_rel_err"] = float(np.abs(xla_out - ref).max() / np.abs(ref).max())
     row["xla_ms"] = time_calls(xla_fn, [(xla_args,) + s for s in dev_sets], args.iters, args.reps)
 
-    variants = {name: (cfg, True, None) for name, cfg in configs.items()}
+    variants = {name: (cfg, True, None, args.bounds_check) for name, cfg in configs.items()}
+    if args.compare_bounds:  # the default config under each bounds mode, twice, interleaved (noise check)
+        for rnd in (1, 2):
+            for mode in ("none", "ignore"):
+                variants[f"bounds:{mode}:{rnd}"] = (tbe_jax.ForwardConfig(), True, None, mode)
     probe = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype)
     row["plan"] = sorted(set(probe.plan(weighted=wl.weighted)))
     if "histogram" in row["plan"]:  # the generic kernel alone, in the same run, for the ratio
-        variants["generic-only"] = (tbe_jax.ForwardConfig(), False, None)
+        variants["generic-only"] = (tbe_jax.ForwardConfig(), False, None, args.bounds_check)
         for name, hcfg in hist_configs.items():
-            variants["hist:" + name] = (tbe_jax.ForwardConfig(), True, hcfg)
-    for name, (cfg, use_hist, hcfg) in variants.items():
+            variants["hist:" + name] = (tbe_jax.ForwardConfig(), True, hcfg, args.bounds_check)
+    for name, (cfg, use_hist, hcfg, bounds_check) in variants.items():
         emb = tbe_jax.TableBatchedEmbedding(
             tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype, impl="pallas",
-            bounds_check=args.bounds_check, kernel_config=cfg, use_histogram=use_hist, histogram_config=hcfg,
+            bounds_check=bounds_check, kernel_config=cfg, use_histogram=use_hist, histogram_config=hcfg,
             interpret=jax.default_backend() != "gpu")  # CPU: smoke test only
         if args.with_report:  # warning mode without the host callback: counts returned on device
             fn = jax.jit(lambda p, i, o, s, emb=emb: emb.forward_with_report(p, i, o, s))
@@ -166,8 +170,10 @@ def run_workload(wl, args, configs, hist_configs):
         err = float(np.abs(out - ref).max() / np.abs(ref).max())
         ms = time_calls(fn, [(params,) + s for s in dev_sets], args.iters, args.reps)
         row["variants"][name] = {"config": dataclasses.asdict(cfg), "use_histogram": use_hist, "ms": ms,
+                                 "bounds_check": bounds_check,
                                  "max_rel_err": err, "GBps": wl.bytes_moved() / ms / 1e6}
-    best = min((k for k in row["variants"] if k != "generic-only"), key=lambda k: row["variants"][k]["ms"])
+    best = min((k for k in row["variants"] if k != "generic-only" and not k.startswith("bounds:")),
+               key=lambda k: row["variants"][k]["ms"])
     row["best"] = best
     row["ms"] = row["variants"][best]["ms"]
     row["GBps"] = wl.bytes_moved() / row["ms"] / 1e6
@@ -215,7 +221,9 @@ def main():
                     help="';'-separated ForwardConfig overrides, e.g. 'unroll=2;unroll=4,tile_elems=4096'")
     ap.add_argument("--hist-configs", default=None,
                     help="extra ';'-separated HistogramConfig variants for presets with histogram features")
-    ap.add_argument("--bounds-check", default="none", choices=["none", "warning", "fatal"])
+    ap.add_argument("--bounds-check", default="ignore", choices=["ignore", "none", "warning", "fatal"])
+    ap.add_argument("--compare-bounds", action="store_true",
+                    help="also time the default config with bounds_check 'none' and 'ignore' (interleaved, twice)")
     ap.add_argument("--with-report", action="store_true",
                     help="time emb.forward_with_report (no host callback) instead of emb(...)")
     ap.add_argument("--iters", type=int, default=50)

@@ -4,8 +4,9 @@ It is also the `impl="xla"` path (the CPU default), so it is written to be
 reasonably fast under XLA: one gather and one sorted segment-sum per storage
 buffer. Inputs reaching these functions are already validated (see `bounds.py`):
 `offsets` is non-decreasing, starts at 0 and ends at most at `len(indices)`.
-Ids outside `[0, E)` contribute nothing here (the semantics of the checked modes;
-with `bounds_check="none"` the kernels leave such ids undefined).
+Ids outside `[0, E)` contribute nothing here (the semantics of the default
+`bounds_check="ignore"` and of the checked modes; with `bounds_check="none"` the
+forward kernels leave such ids undefined).
 """
 
 from __future__ import annotations
@@ -61,9 +62,15 @@ def pooled_forward(
     pooling: str,
     output_dtype,
 ) -> jax.Array:
-    """Pooled ("sum" or "mean") lookup; `[B, sum D]` or, with VBE, flat."""
+    """Pooled ("sum" or "mean") lookup; `[B, sum D]` or, with VBE, flat.
+
+    Vectorised over features: per storage buffer one gather and one segment-sum
+    into that buffer's features' pooled rows (laid out buffer-major), then one
+    gather that puts every value in its place of the output. The traced program
+    has a fixed number of ops per buffer, whatever the number of features.
+    """
     n = indices.shape[0]
-    nbags = plan.num_bags
+    nf = plan.num_features
     bag, feat = position_features(plan, offsets, n)
     valid = valid_lookups(plan, indices, offsets, feat)
     scale = valid.astype(jnp.float32)
@@ -71,26 +78,61 @@ def pooled_forward(
         scale = scale * per_sample_weights.astype(jnp.float32)
     lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
-    feat_group = np.asarray(plan.group)
-    blocks = [None] * plan.num_features
+    group = np.asarray(plan.group, np.int32)
+    batch = np.asarray(plan.batch, np.int64)
+    dims = np.asarray(plan.dim, np.int64)
+    bag_base = np.asarray(plan.bag_base, np.int64)
+    # Per feature: its rank among its buffer's features, the first pooled row of its
+    # bags in its buffer's block, and its first value in the buffer-major output.
+    rank = np.zeros(nf, np.int64)
+    seg_base = np.zeros(nf, np.int64)
+    major_base = np.zeros(nf, np.int64)
+    blocks, offset = [], 0
     for g, d in enumerate(layout.dims):
-        feats = [f for f in range(plan.num_features) if plan.group[f] == g]
-        if not feats:
+        feats = np.flatnonzero(group == g)
+        if feats.size == 0:
             continue
+        rank[feats] = np.arange(feats.size)
+        seg_base[feats] = np.concatenate([[0], np.cumsum(batch[feats])[:-1]])
+        major_base[feats] = offset + seg_base[feats] * d
+        nseg = int(batch[feats].sum())
+        offset += nseg * d
         w = buffers[layout.key(g)]
-        in_group = jnp.asarray(feat_group == g)[feat]
+        in_group = jnp.asarray(group == g)[feat]
         rows = jnp.where(valid & in_group, row_offset[feat] + indices.astype(jnp.int32), 0)
-        x = jnp.take(w, rows, axis=0).astype(jnp.float32)
-        x = x * jnp.where(in_group, scale, 0.0)[:, None]
-        pooled = jax.ops.segment_sum(x, bag, num_segments=nbags, indices_are_sorted=True)
+        x = jnp.take(w, rows, axis=0).astype(jnp.float32) * jnp.where(in_group, scale, 0.0)[:, None]
+        local = bag - jnp.asarray(bag_base.astype(np.int32))[feat]
+        seg = jnp.where(in_group, jnp.asarray(seg_base.astype(np.int32))[feat] + local, nseg)
+        pooled = jax.ops.segment_sum(x, seg, num_segments=nseg)  # [nseg, d]: the buffer's bags, feature-major
         if pooling == "mean":
-            pooled = pooled / jnp.maximum(lengths, 1.0)[:, None]
-        for f in feats:
-            blocks[f] = pooled[plan.bag_base[f] : plan.bag_base[f] + plan.batch[f]]
+            # The global bag of each pooled row: feature (searchsorted over the buffer's segment bases) + bag.
+            s_idx = jnp.arange(nseg, dtype=jnp.int32)
+            k = jnp.searchsorted(jnp.asarray(seg_base[feats].astype(np.int32)), s_idx, side="right",
+                                 method="scan_unrolled") - 1
+            gbag = jnp.asarray(bag_base[feats].astype(np.int32))[k] + s_idx - jnp.asarray(
+                seg_base[feats].astype(np.int32))[k]
+            pooled = pooled / jnp.maximum(lengths[gbag], 1.0)[:, None]
+        blocks.append(pooled.reshape(-1))
+    major = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
+    # Where each output value sits in `major` (computed on the device from per-feature facts).
     if plan.vbe:
-        out = jnp.concatenate([b.reshape(-1) for b in blocks]) if blocks else jnp.zeros((0,))
+        p = jnp.arange(plan.out_size, dtype=jnp.int32)
+        starts = jnp.asarray(np.asarray(plan.out_base, np.int32))
+        f = jnp.searchsorted(starts, p, side="right", method="scan_unrolled") - 1
+        src = jnp.asarray(major_base.astype(np.int32))[f] + p - starts[f]
+        out = major[src] if plan.out_size else jnp.zeros((0,), jnp.float32)
     else:
-        out = jnp.concatenate(blocks, axis=1)
+        b_total = plan.batch[0] if plan.batch else 0
+        width = int(dims.sum())
+        c = jnp.arange(width, dtype=jnp.int32)
+        col_base = jnp.asarray(np.asarray(plan.out_base, np.int32))
+        f = jnp.searchsorted(col_base, c, side="right", method="scan_unrolled") - 1
+        j = c - col_base[f]
+        d_f = jnp.asarray(dims.astype(np.int32))[f]
+        # value (b, c) sits at major_base[f] + b * D_f + j (a feature's block is [B, D_f], row-major)
+        src = (jnp.asarray(major_base.astype(np.int32))[f] + j)[None, :] + jnp.arange(b_total, dtype=jnp.int32)[
+            :, None] * d_f[None, :]
+        out = major[src] if b_total and width else jnp.zeros((b_total, width), jnp.float32)
     return out.astype(output_dtype)
 
 
@@ -205,31 +247,31 @@ def per_sample_weight_grad(buffers, layout, plan, indices, offsets, per_sample_w
     return d_psw
 
 
-def apply_gradients(buffers, momentum, layout, plan, indices, offsets, per_sample_weights, g_out, opt, *,
+def apply_gradients(buffers, momentum, layout, plan, indices, offsets, per_sample_weights, g_out, rule, hyper, *,
                     pooling: str):
-    """Reference fused update: `opt` applied once to every row looked up in the batch.
+    """Reference fused update: `rule` (a `tbe_jax.optim.KernelRule`) applied once to every row looked up.
 
-    Dense (work proportional to the tables): the semantics the kernels must match.
-    Returns (buffers, momentum) with untouched rows bitwise unchanged.
+    `hyper` is the step's `[learning_rate, eps]` (fp32). Dense (work proportional
+    to the tables): the semantics the kernels must match. Returns (buffers,
+    momentum) with untouched rows bitwise unchanged; with `rule.skip_nonfinite`,
+    rows whose gradient is not finite are unchanged too.
     """
-    from tbe_jax.optim import RowwiseAdagrad, stochastic_round
+    from tbe_jax.optim import apply_rule, stochastic_round
 
     grads, touched = pooled_backward(buffers, layout, plan, indices, offsets, per_sample_weights, g_out,
                                      pooling=pooling, keep_fp32=True)
+    lr, eps = hyper[0], hyper[1]
     new_w, new_m = {}, (None if momentum is None else {})
     for key, w in buffers.items():
         g = grads[key]
         hit = touched[key]
+        if rule.skip_nonfinite:
+            hit = hit & jnp.all(jnp.isfinite(g), axis=1)
         w32 = w.astype(jnp.float32)
-        salts = (g, w32)
-        if isinstance(opt, RowwiseAdagrad):
-            m = momentum[key] + jnp.mean(g * g, axis=1)
-            upd = w32 - opt.learning_rate * g / (jnp.sqrt(m)[:, None] + opt.eps)
-            new_m[key] = jnp.where(hit, m, momentum[key])
-            salts += (jnp.broadcast_to(m[:, None], g.shape),)
-        else:
-            upd = w32 - opt.learning_rate * g
-        if opt.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):
+        upd, m, salts = apply_rule(rule, w32, None if momentum is None else momentum[key], g, lr, eps)
+        if m is not None:
+            new_m[key] = jnp.where(hit.reshape(hit.shape + (1,) * (m.ndim - 1)), m, momentum[key])
+        if rule.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):
             rows = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0)
             cols = jax.lax.broadcasted_iota(jnp.int32, g.shape, 1)
             upd = stochastic_round(upd, w.dtype, rows, cols, *salts)

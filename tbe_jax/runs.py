@@ -151,8 +151,10 @@ def build_runs(
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     max_chunks = 2 * n // LONG + 1
     t = jnp.arange(max_chunks, dtype=jnp.int32)
-    chunk_run = jnp.searchsorted(long_chunk0, t, side="right", method="scan_unrolled").astype(jnp.int32)
-    chunk_run = jnp.clip(chunk_run - 1, 0, n_long_max - 1)
+    # chunk_run[t] = searchsorted(long_chunk0, t, "right") - 1: the long runs whose first chunk is <= t, as a
+    # scatter of each run's first chunk and a prefix sum (fixed-size ops, no search loop).
+    starts = jnp.zeros((max_chunks,), jnp.int32).at[long_chunk0[1:]].add(1, mode="drop")
+    chunk_run = jnp.clip(jnp.cumsum(starts), 0, n_long_max - 1)
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
     return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, chunk_run,

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
-from tbe_jax.optim import RowwiseAdagrad, stochastic_round
+from tbe_jax.kernels import programs
+from tbe_jax.optim import stochastic_round
 from tbe_jax.runs import LONG, SMALL, Runs, group_bases
 from tbe_jax.specs import StorageLayout, next_pow2
 
@@ -104,26 +105,35 @@ class BackwardConfig:
                 raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
 
 
-def _row_update(opt, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, row_ok, acc, cols, col_ok, dim):
-    """Apply `opt` to rows `row` ([R] int32, where `row_ok`) with gradients `acc` ([R, Dp] f32).
+def _row_update(rule, hyper_ref, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, row_ok, acc, cols, col_ok, dim):
+    """Apply `rule` to rows `row` ([R] int32, where `row_ok`) with gradients `acc` ([R, Dp] f32).
 
-    `opt=None` is the true-gradient mode: `acc` is stored as the row's gradient.
+    `hyper_ref` holds the step's `[learning_rate, eps]` (an operand: changing them
+    never recompiles). `rule=None` is the true-gradient mode: `acc` is stored as the
+    row's gradient. With `rule.skip_nonfinite`, a row whose gradient holds a NaN or
+    an infinity is not written (its weights and accumulator stay as they were).
     """
     rows = row[:, None]
-    mask = row_ok[:, None] & col_ok[None, :]
-    if opt is None:
+    if rule is None:
+        mask = row_ok[:, None] & col_ok[None, :]
         plgpu.store(w_out_ref.at[rows, cols[None, :]], acc.astype(w_out_ref.dtype), mask=mask)
         return
+    if rule.skip_nonfinite:
+        bad = jnp.sum(jnp.where(jnp.abs(acc) < jnp.inf, 0, 1), axis=1)  # NaN fails the compare too
+        row_ok = row_ok & (bad == 0)
+    mask = row_ok[:, None] & col_ok[None, :]
+    lr = plgpu.load(hyper_ref.at[jnp.int32(0)])
     w0 = plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32)
     salts = (acc, w0)
-    if isinstance(opt, RowwiseAdagrad):
+    if rule.kind == "rowwise_adagrad":
+        eps = plgpu.load(hyper_ref.at[jnp.int32(1)])
         m = plgpu.load(m_in_ref.at[row], mask=row_ok, other=0.0) + jnp.sum(acc * acc, axis=1) / dim  # [R]
-        w = w0 - opt.learning_rate * acc / (jnp.sqrt(m)[:, None] + opt.eps)
+        w = w0 - lr * acc / (jnp.sqrt(m)[:, None] + eps)
         plgpu.store(m_out_ref.at[row], m, mask=row_ok)
         salts += (jnp.broadcast_to(m[:, None], acc.shape),)
     else:
-        w = w0 - opt.learning_rate * acc
-    if opt.stochastic_rounding and w_out_ref.dtype in (jnp.float16, jnp.bfloat16):
+        w = w0 - lr * acc
+    if rule.stochastic_rounding and w_out_ref.dtype in (jnp.float16, jnp.bfloat16):
         w = stochastic_round(w, w_out_ref.dtype, jnp.broadcast_to(rows, acc.shape),
                              jnp.broadcast_to(cols[None, :], acc.shape), *salts)
     plgpu.store(w_out_ref.at[rows, cols[None, :]], w.astype(w_out_ref.dtype), mask=mask)
@@ -171,24 +181,60 @@ def _strided_tasks(lo, hi, programs, body):
     jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
 
 
-def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, dim, base, block, programs, scaled, unroll):
+class _Buffers:
+    """The storage buffers one backward launch updates: static facts and the state refs of each.
+
+    Every kernel below serves all buffers in one launch: a task belongs to the buffer whose
+    range (from `_task_ranges`, read from `rng_ref`, `[G, 8]` flattened) holds it, and runs in
+    that buffer's branch, compiled for its embedding dim (a compile-time row stride).
+    """
+
+    def __init__(self, refs, opt, dims, bases):
+        g = len(dims)
+        n_state = 2 if opt is not None and opt.has_momentum else 1
+        ins, outs = refs[: n_state * g], refs[n_state * g :]
+        self.state = [_state_refs(ins[i * n_state : (i + 1) * n_state] + outs[i * n_state : (i + 1) * n_state], opt)
+                      for i in range(g)]
+        self.dims, self.bases = dims, bases
+
+    def __len__(self):
+        return len(self.dims)
+
+
+def _ranges(rng_ref, num_buffers: int, col: int):
+    """(lo, hi) of column pair `col` of every buffer (scalars, loaded once per program)."""
+    lo = [plgpu.load(rng_ref.at[jnp.int32(8 * g + col)]) for g in range(num_buffers)]
+    hi = [plgpu.load(rng_ref.at[jnp.int32(8 * g + col + 1)]) for g in range(num_buffers)]
+    return lo, hi
+
+
+def _dispatch(t, lo, hi, body):
+    """Run `body(g, t)` in the branch of the buffer whose task range [lo[g], hi[g]) holds task `t`."""
+    for g in range(len(lo)):
+        pl.when((t >= lo[g]) & (t < hi[g]))(functools.partial(body, g, t))
+
+
+def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
+                  opt, dims, bases, block, programs, scaled, unroll):
     """Blocks of `block` consecutive runs; the small ones (<= SMALL lookups) are gathered in
     lockstep and updated, one row each; the others are left to the mid/long kernels.
 
+    Blocks walk all runs of all buffers; a block's lanes are processed in the branch of
+    their buffer (a block on a buffer boundary runs in both branches, each lane in one).
     Each loop step takes `unroll` lookups of every run: their source offsets are
     loaded first, then all their gradient tiles, so those loads are in flight together.
     """
-    w_in, m_in, w_out, m_out = _state_refs(refs, opt)
-    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-    col_ok = cols < dim
+    bufs = _Buffers(refs, opt, dims, bases)
     lane = jnp.arange(block, dtype=jnp.int32)
-    lo = plgpu.load(rng_ref.at[jnp.int32(0)])
-    hi = plgpu.load(rng_ref.at[jnp.int32(1)])
+    lo, hi = _ranges(rng_ref, len(bufs), 0)
 
-    def task(b):
-        r = lo + b * block + lane
-        ok = r < hi
+    def branch(gi, b0):
+        w_in, m_in, w_out, m_out = bufs.state[gi]
+        dim, base = bufs.dims[gi], bufs.bases[gi]
+        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+        col_ok = cols < dim
+        r = b0 + lane
+        ok = (r >= lo[gi]) & (r < hi[gi])
         first = plgpu.load(run_start_ref.at[r], mask=ok, other=0)
         length = plgpu.load(run_start_ref.at[r + 1], mask=ok, other=0) - first
         ok = ok & (length <= SMALL)
@@ -211,38 +257,48 @@ def _small_kernel(rng_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref
         # Masked lanes point one past the buffer: never stored on a GPU, and dropped
         # (not written back over a live row) by interpret mode's masked store.
         row = jnp.where(ok, plgpu.load(run_key_ref.at[r], mask=ok, other=0) - base, w_out.shape[0])
-        _row_update(opt, w_in, w_out, m_in, m_out, row, ok, acc, cols, col_ok, dim)
+        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, ok, acc, cols, col_ok, dim)
 
-    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task)
+    def task(b):
+        b0 = b * block
+        for gi in range(len(bufs)):
+            pl.when((b0 < hi[gi]) & (b0 + block > lo[gi]))(functools.partial(branch, gi, b0))
+
+    _strided_tasks(0, (hi[-1] + block - 1) // block, programs, task)
 
 
-def _mid_kernel(rng_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                opt, dim, base, k, programs, scaled, prefetch):
+def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
+                opt, dims, bases, k, programs, scaled, prefetch):
     """One mid run per task: its lookups gathered `k` at a time, one row update."""
-    w_in, m_in, w_out, m_out = _state_refs(refs, opt)
-    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-    col_ok = cols < dim
+    bufs = _Buffers(refs, opt, dims, bases)
     one = jnp.ones((1,), jnp.bool_)
+    lo, hi = _ranges(rng_ref, len(bufs), 2)
 
-    def task(t):
+    def body(gi, t):
+        w_in, m_in, w_out, m_out = bufs.state[gi]
+        dim = bufs.dims[gi]
+        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+        col_ok = cols < dim
         r = plgpu.load(mid_ref.at[t])
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
         acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
                           prefetch=prefetch)
-        row = plgpu.load(run_key_ref.at[r + jnp.zeros((1,), jnp.int32)]) - base
-        _row_update(opt, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
+        row = plgpu.load(run_key_ref.at[r + jnp.zeros((1,), jnp.int32)]) - bufs.bases[gi]
+        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
 
-    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(2)]), plgpu.load(rng_ref.at[jnp.int32(3)]), programs, task)
+    _strided_tasks(lo[0], hi[-1], programs, lambda t: _dispatch(t, lo, hi, body))
 
 
 def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, src_ref, scale_ref, g_ref,
-                  part_ref, *, dim, k, programs, scaled, prefetch):
+                  part_ref, *, dims, k, programs, scaled, prefetch):
     """One LONG-lookup chunk of a long run per task: its fp32 partial sum to the workspace."""
-    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-    col_ok = cols < dim
+    lo, hi = _ranges(rng_ref, len(dims), 4)
 
-    def task(t):
+    def body(gi, t):
+        dim = dims[gi]
+        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+        col_ok = cols < dim
         first = plgpu.load(chunk_first_ref.at[t])
         r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
@@ -250,17 +306,21 @@ def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_r
                           prefetch=prefetch)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
-    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(4)]), plgpu.load(rng_ref.at[jnp.int32(5)]), programs, task)
+    _strided_tasks(lo[0], hi[-1], programs, lambda t: _dispatch(t, lo, hi, body))
 
 
-def _long_kernel(rng_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, dim, base, programs):
+def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, dims, bases,
+                 programs):
     """One long run per task: the sum of its chunk partials (in chunk order), one row update."""
-    w_in, m_in, w_out, m_out = _state_refs(refs, opt)
-    cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-    col_ok = cols < dim
+    bufs = _Buffers(refs, opt, dims, bases)
     one = jnp.ones((1,), jnp.bool_)
+    lo, hi = _ranges(rng_ref, len(bufs), 6)
 
-    def task(li):
+    def body(gi, li):
+        w_in, m_in, w_out, m_out = bufs.state[gi]
+        dim = bufs.dims[gi]
+        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
+        col_ok = cols < dim
         c0 = plgpu.load(long_chunk0_ref.at[li])
         c1 = plgpu.load(long_chunk0_ref.at[li + 1])
 
@@ -269,15 +329,15 @@ def _long_kernel(rng_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *ref
 
         acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, cols.shape[0]), jnp.float32))
         r = plgpu.load(long_ref.at[li + jnp.zeros((1,), jnp.int32)])
-        row = plgpu.load(run_key_ref.at[r]) - base
-        _row_update(opt, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
+        row = plgpu.load(run_key_ref.at[r]) - bufs.bases[gi]
+        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
 
-    _strided_tasks(plgpu.load(rng_ref.at[jnp.int32(6)]), plgpu.load(rng_ref.at[jnp.int32(7)]), programs, task)
+    _strided_tasks(lo[0], hi[-1], programs, lambda t: _dispatch(t, lo, hi, body))
 
 
 def _state_refs(refs, opt):
     """(w_in, m_in, w_out, m_out) from the trailing refs; m_* are None for SGD."""
-    if isinstance(opt, RowwiseAdagrad):
+    if opt is not None and opt.has_momentum:
         w_in, m_in, w_out, m_out = refs
     else:
         (w_in, w_out), m_in, m_out = refs, None, None
@@ -298,7 +358,8 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
     long_keys = keys(runs.long, n_long)
     chunk_keys = jnp.where(jnp.arange(runs.chunk_run.shape[0]) < n_chunks, long_keys[runs.chunk_run], total)
 
-    def bounds(keys):  # searchsorted(keys, bases, "left") without a device while loop
+    def bounds(keys):  # searchsorted(keys, bases, "left") as one fused compare-and-count pass: no device
+        # while loop, and a program whose size does not depend on len(keys)
         edges = jnp.sum(keys[None, :] < bases[:, None], axis=1, dtype=jnp.int32)
         return edges[:-1], edges[1:]
 
@@ -314,20 +375,24 @@ def fused_update(
     runs: Runs,
     g_out: jax.Array,
     opt,
+    hyper: jax.Array | None = None,
     *,
     config: BackwardConfig,
     interpret: bool,
 ):
-    """Apply `opt` to every row in `runs` with its aggregated gradient; returns (buffers, momentum).
+    """Apply `opt` (a `tbe_jax.optim.KernelRule`) to every row in `runs` with its aggregated gradient;
+    returns (buffers, momentum). `hyper`: the step's `[learning_rate, eps]`, fp32.
 
     `opt=None` is the true-gradient mode: `buffers` must be zeros, and each row in
     the batch receives its aggregated gradient (cast to the buffer's dtype).
     """
+    if hyper is None:
+        hyper = jnp.zeros((2,), jnp.float32)
     n = runs.src.shape[0]
     ranges = _task_ranges(runs, layout, n)
     g_flat = g_out.reshape(-1)
     bases = group_bases(layout)
-    adagrad = isinstance(opt, RowwiseAdagrad)
+    adagrad = opt is not None and opt.has_momentum
     new_w, new_m = dict(buffers), dict(momentum) if momentum is not None else None
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
     small_params = plgpu.CompilerParams(num_warps=config.small_num_warps, num_stages=1)
@@ -346,6 +411,13 @@ def fused_update(
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
 
+    dims, gbases = tuple(layout.dims), tuple(int(x) for x in bases[:-1])
+    keys = [layout.key(g) for g in range(len(dims))]
+    state = [x for key in keys for x in ([new_w[key]] + ([new_m[key]] if adagrad else []))]
+    prefetch = config.prefetch if config.prefetch is not None else all(
+        jnp.dtype(new_w[key].dtype).itemsize == 4 for key in keys)
+    rng = ranges.reshape(-1)
+
     def aliased(kernel, name, grid, args, state):
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
         args = list(args) + list(state)
@@ -356,36 +428,32 @@ def fused_update(
             interpret=interpret, name=name,
         )(*args)
 
-    for g, dim in enumerate(layout.dims):
-        key = layout.key(g)
-        rng = ranges[g]
-        base = int(bases[g])
-        state = [new_w[key]] + ([new_m[key]] if adagrad else [])
-        prefetch = config.prefetch if config.prefetch is not None else jnp.dtype(new_w[key].dtype).itemsize == 4
-        state = aliased(
-            functools.partial(_small_kernel, opt=opt, dim=dim, base=base, block=blk, programs=p_small,
-                              scaled=scaled, unroll=config.small_unroll),
-            "tbe_backward_small_runs", p_small,
-            [rng, runs.run_start, runs.run_key] + common, state)
-        state = aliased(
-            functools.partial(_mid_kernel, opt=opt, dim=dim, base=base, k=k, programs=p_mid, scaled=scaled,
-                              prefetch=bool(prefetch)),
-            "tbe_backward_mid_runs", p_mid,
-            [rng, runs.mid, runs.run_start, runs.run_key] + common, state)
-        part = pl.pallas_call(
-            functools.partial(_chunk_kernel, dim=dim, k=k, programs=p_long, scaled=scaled,
-                              prefetch=bool(prefetch)),
-            out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(dim)), jnp.float32),
-            grid=(p_long,),
-            compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
-        )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, *common)
-        state = aliased(
-            functools.partial(_long_kernel, opt=opt, dim=dim, base=base, programs=p_long),
-            "tbe_backward_long_runs", p_long,
-            [rng, runs.long, runs.long_chunk0, runs.run_key, part], state)
-        new_w[key] = state[0]
+    # One launch per kernel for every buffer (each task runs in its buffer's branch).
+    state = aliased(
+        functools.partial(_small_kernel, opt=opt, dims=dims, bases=gbases, block=blk, programs=p_small,
+                          scaled=scaled, unroll=config.small_unroll),
+        "tbe_backward_small_runs", p_small,
+        [rng, hyper, runs.run_start, runs.run_key] + common, state)
+    state = aliased(
+        functools.partial(_mid_kernel, opt=opt, dims=dims, bases=gbases, k=k, programs=p_mid, scaled=scaled,
+                          prefetch=bool(prefetch)),
+        "tbe_backward_mid_runs", p_mid,
+        [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common, state)
+    part = pl.pallas_call(
+        functools.partial(_chunk_kernel, dims=dims, k=k, programs=p_long, scaled=scaled, prefetch=bool(prefetch)),
+        out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(max(dims))), jnp.float32),
+        grid=(p_long,),
+        compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
+    )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, *common)
+    state = aliased(
+        functools.partial(_long_kernel, opt=opt, dims=dims, bases=gbases, programs=p_long),
+        "tbe_backward_long_runs", p_long,
+        [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part], state)
+    per = 2 if adagrad else 1
+    for i, key in enumerate(keys):
+        new_w[key] = state[per * i]
         if adagrad:
-            new_m[key] = state[1]
+            new_m[key] = state[per * i + 1]
     return new_w, new_m
 
 
@@ -399,15 +467,12 @@ def fused_update(
 _K_KEY0, _K_ROWS, _K_OUT_BASE, _K_STRIDE = range(4)
 
 
-def _keys_kernel(prog_ref, ftab_ref, off_ref, idx_ref, *refs, bags, n, total, mean, weighted):
+def _keys_kernel(flist_ref, prefix_ref, ftab_ref, off_ref, idx_ref, *refs, seg, bags, n, total, mean, weighted):
     if weighted:
         psw_ref, refs = refs[0], refs[1:]
     key_out, src_out, scale_out = refs[3:]
     p = pl.program_id(0)
-    f = plgpu.load(prog_ref.at[p, jnp.int32(0)])
-    gb0 = plgpu.load(prog_ref.at[p, jnp.int32(1)])
-    nb = plgpu.load(prog_ref.at[p, jnp.int32(2)])
-    lb0 = plgpu.load(prog_ref.at[p, jnp.int32(3)])
+    f, gb0, nb, lb0 = programs.locate(seg, p, flist_ref, prefix_ref)
     key0 = plgpu.load(ftab_ref.at[f, jnp.int32(_K_KEY0)])
     num_rows = plgpu.load(ftab_ref.at[f, jnp.int32(_K_ROWS)])
     out_base = plgpu.load(ftab_ref.at[f, jnp.int32(_K_OUT_BASE)])
@@ -446,22 +511,20 @@ def lookup_keys(plan, key0: np.ndarray, total: int, indices, offsets, per_sample
     well formed (what the bounds checks guarantee); malformed offsets give
     undefined keys, as everywhere with `bounds_check="none"`.
     """
-    from tbe_jax.kernels.forward import program_rows
-
     n = indices.shape[0]
-    rows = program_rows(plan, range(plan.num_features), config.keys_bags)
-    prog = jnp.asarray(np.asarray(rows, np.int32).reshape(-1, 4))
+    pm = programs.build(plan.bag_base, plan.batch, [(range(plan.num_features), config.keys_bags)])
     ftab = jnp.asarray(np.stack([key0, plan.num_rows, plan.out_base, plan.out_stride], axis=1).astype(np.int32))
     init = [jnp.full((n,), total, jnp.int32), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)]
     weighted = per_sample_weights is not None
-    args = [prog, ftab, offsets, indices] + ([per_sample_weights.astype(jnp.float32)] if weighted else []) + init
-    if prog.shape[0] == 0:
+    if not pm.segments:
         return tuple(init)
+    args = [*programs.operands(pm), ftab, offsets, indices]
+    args += ([per_sample_weights.astype(jnp.float32)] if weighted else []) + init
     return tuple(pl.pallas_call(
-        functools.partial(_keys_kernel, bags=config.keys_bags, n=n, total=total, mean=pooling == "mean",
+        functools.partial(_keys_kernel, seg=pm.segments[0], bags=config.keys_bags, n=n, total=total, mean=pooling == "mean",
                           weighted=weighted),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in init],
-        grid=(prog.shape[0],),
+        grid=(pm.num_programs,),
         input_output_aliases={len(args) - 3 + i: i for i in range(3)},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="tbe_backward_lookup_keys",

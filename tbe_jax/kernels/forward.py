@@ -25,15 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
+from tbe_jax.kernels import programs
+from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
-
-# Columns of the per-feature metadata table handed to the kernel.
-_NUM_ROWS, _ROW_OFFSET, _OUT_BASE, _OUT_STRIDE = range(4)
-_META_COLS = 4
-# Columns of the per-program table: feature, its first bag's entry in offsets,
-# how many of the program's bags exist, the first bag's index within the feature.
-_P_FEATURE, _P_FIRST, _P_COUNT, _P_BAG = range(4)
-_PROG_COLS = 4
 _FP32_ACCUMULATION = ("fp64", "twosum", "naive")
 
 
@@ -89,42 +83,29 @@ class ForwardConfig:
 @dataclasses.dataclass(frozen=True)
 class _Branch:
     buffer: int  # position of the buffer among the kernel's weight refs
-    prog_start: int
-    prog_end: int
+    seg: programs.Segment  # its programs (prog_start, prog_end, bags per program, ...)
     dim: int
     block_dim: int
-    bags: int
 
-
-def program_rows(plan: FeaturePlan, feats, bags: int) -> list[tuple[int, int, int, int]]:
-    """Rows of the per-program table (`_P_*` columns) for `feats`, `bags` bags a program."""
-    return [
-        (f, plan.bag_base[f] + b0, min(bags, plan.batch[f] - b0), b0)
-        for f in feats
-        for b0 in range(0, plan.batch[f], bags)
-    ]
-
-
-def feature_table(plan: FeaturePlan) -> np.ndarray:
-    """The per-feature table (`_NUM_ROWS`.. `_OUT_STRIDE` columns), `[F, _META_COLS]` int32."""
-    cols = [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride]
-    return np.stack(cols, axis=1).astype(np.int32)
+    @property
+    def bags(self) -> int:
+        return self.seg.bags
 
 
 def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features):
-    """Static program table: per program (feature, first bag); per buffer a branch."""
-    progs, branches = [], []
+    """Per used buffer a branch (its segment of programs), the program map and the feature table."""
     used = sorted({plan.group[f] for f in features})
-    for pos, g in enumerate(used):
+    groups = []
+    for g in used:
         feats = [f for f in features if plan.group[f] == g]
-        d = layout.dims[g]
-        bags = cfg.bags_per_program(d, max(plan.batch[f] for f in feats))
-        start = len(progs)
-        progs += program_rows(plan, feats, bags)
-        if len(progs) > start:
-            branches.append(_Branch(pos, start, len(progs), d, next_pow2(d), bags))
-    prog_meta = np.asarray(progs, np.int32).reshape(-1, _PROG_COLS)
-    return used, tuple(branches), prog_meta, feature_table(plan)
+        groups.append((feats, cfg.bags_per_program(layout.dims[g], max(plan.batch[f] for f in feats))))
+    pm = programs.build(plan.bag_base, plan.batch, groups)
+    branches = []
+    for seg in pm.segments:
+        f0 = int(pm.flist[seg.feat_base, 0])
+        d = layout.dims[plan.group[f0]]
+        branches.append(_Branch(used.index(plan.group[f0]), seg, d, next_pow2(d)))
+    return used, tuple(branches), pm, feature_table(plan)
 
 
 def _two_sum(s, c, x):
@@ -134,17 +115,14 @@ def _two_sum(s, c, x):
 
 
 def _pool_branch(
-    pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
+    pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
-    # interpret mode rejects Python ints as ref indices. The program's row names
-    # its first bag in `offsets` directly, so the offsets load does not wait for
-    # the feature's row (each dependent load costs a full memory latency).
-    f = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_FEATURE])
-    first = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_FIRST])
-    nbags = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_COUNT])
-    b0 = plgpu.load(prog_ref.at[_PROG_COLS * pid + _P_BAG])
+    # interpret mode rejects Python ints as ref indices. The program's feature row
+    # names its first bag in `offsets` directly, so the offsets load waits for one
+    # load only (each dependent load costs a full memory latency).
+    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     bag_ok = g < nbags
@@ -152,12 +130,12 @@ def _pool_branch(
     end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
 
     def feat_meta(col):
-        return plgpu.load(feat_ref.at[_META_COLS * f + col])
+        return plgpu.load(feat_ref.at[META_COLS * f + col])
 
-    num_rows = feat_meta(_NUM_ROWS)
-    row_offset = feat_meta(_ROW_OFFSET)
-    out_base = feat_meta(_OUT_BASE)
-    out_stride = feat_meta(_OUT_STRIDE)
+    num_rows = feat_meta(NUM_ROWS)
+    row_offset = feat_meta(ROW_OFFSET)
+    out_base = feat_meta(OUT_BASE)
+    out_stride = feat_meta(OUT_STRIDE)
     bag = b0 + g
     length = end - start
     n_iter = (jnp.max(length) + unroll - 1) // unroll
@@ -244,17 +222,17 @@ def _pool_branch(
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
                    accumulation, count_invalid):
-    prog_ref, feat_ref, offsets_ref, indices_ref = refs[:4]
-    rest = refs[4:]
+    flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
+    rest = refs[5:]
     psw_ref = rest[0] if weighted else None
     w_refs = rest[int(weighted) : int(weighted) + n_buffers]
     out_ref, bad_ref = (rest[-2], rest[-1]) if count_invalid else (rest[-1], None)
     pid = pl.program_id(0)
     for br in branches:
-        @pl.when((pid >= br.prog_start) & (pid < br.prog_end))
+        @pl.when((pid >= br.seg.prog_start) & (pid < br.seg.prog_end))
         def _(br=br):
             _pool_branch(
-                pid, prog_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
+                pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
             )
 
@@ -285,7 +263,7 @@ def pooled_forward(
     """
     if features is None:
         features = range(plan.num_features)
-    used, branches, prog_meta, feat_meta = _schedule(layout, plan, config, tuple(features))
+    used, branches, pm, feat_meta = _schedule(layout, plan, config, tuple(features))
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype)
         return (out, jnp.int32(0)) if count_invalid else out
@@ -304,17 +282,17 @@ def pooled_forward(
         accumulation=accumulation,
         count_invalid=count_invalid,
     )
-    args = [jnp.asarray(prog_meta.reshape(-1)), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
+    args = [*programs.operands(pm), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)
     out_shape = jax.ShapeDtypeStruct((plan.out_size,), output_dtype)
     if count_invalid:
-        out_shape = (out_shape, jax.ShapeDtypeStruct((prog_meta.shape[0],), jnp.int32))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((pm.num_programs,), jnp.int32))
     call = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(prog_meta.shape[0],),
+        grid=(pm.num_programs,),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tbe_pooled_forward",

@@ -48,10 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
-from tbe_jax.kernels.forward import (  # the program and feature tables are shared with the generic kernel
-    _META_COLS, _NUM_ROWS, _OUT_BASE, _OUT_STRIDE, _P_BAG, _P_COUNT, _P_FEATURE, _P_FIRST, _PROG_COLS,
-    _ROW_OFFSET, feature_table, program_rows,
-)
+from tbe_jax.kernels import programs  # the program map and feature table are shared with the generic kernel
+from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2
 
 BAGS = 16  # default bags per program
@@ -195,8 +193,7 @@ def eligible(table: TableSpec, weights_dtype, output_dtype) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _Branch:
     buffer: int
-    prog_start: int
-    prog_end: int
+    seg: programs.Segment
     dim: int
     block_dim: int
     rows_padded: int  # >= 16: a tensor-core dot needs K >= 16
@@ -207,19 +204,24 @@ def rows_padded(num_rows: int) -> int:
     return max(16, next_pow2(num_rows))
 
 
-def _schedule(layout: StorageLayout, plan: FeaturePlan, features, bags: int):
-    progs, branches, used = [], [], []
+def _groups(plan: FeaturePlan, features, bags: int):
+    """One program segment per storage buffer: (buffer, its features, bags per program)."""
+    out = []
     for g in sorted({plan.group[f] for f in features}):
         feats = [f for f in features if plan.group[f] == g]
-        start = len(progs)
-        progs += program_rows(plan, feats, bags)
-        if len(progs) > start:
-            rows = rows_padded(max(plan.num_rows[f] for f in feats))
-            d = layout.dims[g]
-            branches.append(_Branch(len(used), start, len(progs), d, next_pow2(d), rows))
-            used.append(g)
-    prog_meta = np.asarray(progs, np.int32).reshape(-1, _PROG_COLS)
-    return used, tuple(branches), prog_meta, feature_table(plan)
+        if sum(plan.batch[f] for f in feats):
+            out.append((g, feats, bags))
+    return out
+
+
+def _schedule(layout: StorageLayout, plan: FeaturePlan, features, bags: int):
+    groups = _groups(plan, features, bags)
+    pm = programs.build(plan.bag_base, plan.batch, [(feats, b) for _, feats, b in groups])
+    branches = []
+    for pos, ((g, feats, _), seg) in enumerate(zip(groups, pm.segments)):
+        d = layout.dims[g]
+        branches.append(_Branch(pos, seg, d, next_pow2(d), rows_padded(max(plan.num_rows[f] for f in feats))))
+    return [g for g, _, _ in groups], tuple(branches), pm, feature_table(plan)
 
 
 # -- tile helpers shared with the backward ---------------------------------------------
@@ -422,25 +424,22 @@ def count_tiles(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, cou
 
 
 def _hist_branch(
-    pid, prog_ref, feat_ref, offsets_ref, indices_ref, w_ref, out_ref, bad_ref, counts_ref,
+    pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, w_ref, out_ref, bad_ref, counts_ref,
     *, br: _Branch, cfg: HistogramConfig, pooling: str, check_upper: bool,
 ):
     def meta(ref, cols, row, col):
         return plgpu.load(ref.at[cols * row + col])
 
     bags = cfg.bags
-    f = meta(prog_ref, _PROG_COLS, pid, _P_FEATURE)
-    first = meta(prog_ref, _PROG_COLS, pid, _P_FIRST)
-    nbags = meta(prog_ref, _PROG_COLS, pid, _P_COUNT)
-    b0 = meta(prog_ref, _PROG_COLS, pid, _P_BAG)
+    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
     g = jnp.arange(bags, dtype=jnp.int32)
     bag_ok = g < nbags
     start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
     end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
-    num_rows = meta(feat_ref, _META_COLS, f, _NUM_ROWS)
-    row_offset = meta(feat_ref, _META_COLS, f, _ROW_OFFSET)
-    out_base = meta(feat_ref, _META_COLS, f, _OUT_BASE)
-    out_stride = meta(feat_ref, _META_COLS, f, _OUT_STRIDE)
+    num_rows = meta(feat_ref, META_COLS, f, NUM_ROWS)
+    row_offset = meta(feat_ref, META_COLS, f, ROW_OFFSET)
+    out_base = meta(feat_ref, META_COLS, f, OUT_BASE)
+    out_stride = meta(feat_ref, META_COLS, f, OUT_STRIDE)
     length = end - start
 
     def n_bad(ids):
@@ -511,9 +510,9 @@ def _hist_branch(
 
 
 def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid, save_counts, cfg, aliased):
-    prog_ref, feat_ref, offsets_ref, indices_ref = refs[:4]
-    w_refs = refs[4 : 4 + n_buffers]
-    rest = list(refs[4 + n_buffers :])
+    flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
+    w_refs = refs[5 : 5 + n_buffers]
+    rest = list(refs[5 + n_buffers :])
     if aliased:
         rest.pop(0)  # the input side of the aliased output buffer
     out_ref = rest.pop(0)
@@ -521,10 +520,10 @@ def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid
     counts_ref = rest.pop(0) if save_counts else None
     pid = pl.program_id(0)
     for br in branches:
-        @pl.when((pid >= br.prog_start) & (pid < br.prog_end))
+        @pl.when((pid >= br.seg.prog_start) & (pid < br.seg.prog_end))
         def _(br=br):
             _hist_branch(
-                pid, prog_ref, feat_ref, offsets_ref, indices_ref, w_refs[br.buffer], out_ref, bad_ref,
+                pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, w_refs[br.buffer], out_ref, bad_ref,
                 counts_ref, br=br, cfg=cfg, pooling=pooling, check_upper=check_upper,
             )
 
@@ -554,8 +553,8 @@ def histogram_forward(
     `p * bags + b` is bag b of program p, in `histogram_programs` order), each when asked.
     """
     cfg = config or HistogramConfig()
-    used, branches, prog_meta, feat_meta = _schedule(layout, plan, tuple(features), cfg.bags)
-    n_prog = prog_meta.shape[0]
+    used, branches, pm, feat_meta = _schedule(layout, plan, tuple(features), cfg.bags)
+    n_prog = pm.num_programs
     out_shape = [jax.ShapeDtypeStruct((plan.out_size,), jnp.float32)]
     if count_invalid:
         out_shape.append(jax.ShapeDtypeStruct((n_prog,), jnp.int32))
@@ -566,7 +565,7 @@ def histogram_forward(
         _hist_kernel, branches=branches, n_buffers=len(used), pooling=pooling, check_upper=check_upper,
         count_invalid=count_invalid, save_counts=save_counts, cfg=cfg, aliased=out_flat is not None,
     )
-    args = [jnp.asarray(prog_meta.reshape(-1)), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
+    args = [*programs.operands(pm), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
     args += [buffers[layout.key(g)] for g in used]
     if out_flat is not None:
         args.append(out_flat)
@@ -590,7 +589,7 @@ def histogram_forward(
 def histogram_programs(plan: FeaturePlan, features, bags: int = BAGS) -> np.ndarray:
     """(feature, bag) of each row of the saved counts; bag -1 for padding rows."""
     out = []
-    for g in sorted({plan.group[f] for f in features}):
-        for f, _, count, b0 in program_rows(plan, [f for f in features if plan.group[f] == g], bags):
-            out.extend((f, b0 + i if i < count else -1) for i in range(bags))
+    pm = programs.build(plan.bag_base, plan.batch, [(feats, b) for _, feats, b in _groups(plan, features, bags)])
+    for f, _, count, b0 in programs.rows(pm).tolist():
+        out.extend((f, b0 + i if i < count else -1) for i in range(bags))
     return np.asarray(out, np.int32).reshape(-1, 2)

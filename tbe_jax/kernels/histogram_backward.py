@@ -40,12 +40,9 @@ import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
 from tbe_jax.kernels.backward import _row_update, _state_refs
-from tbe_jax.kernels.forward import (
-    _META_COLS, _OUT_BASE, _OUT_STRIDE, _P_BAG, _P_COUNT, _P_FEATURE, _P_FIRST, _PROG_COLS,
-    feature_table, program_rows,
-)
+from tbe_jax.kernels import programs
+from tbe_jax.kernels.programs import META_COLS, OUT_BASE, OUT_STRIDE, feature_table
 from tbe_jax.kernels.histogram import HEAD, HistogramConfig, count_ids, rows_padded, tile_positions
-from tbe_jax.optim import RowwiseAdagrad
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
 
@@ -58,9 +55,9 @@ def split3(x):
     return hi, mid, lo
 
 
-def _grad_kernel(tiles_ref, feat_ref, offsets_ref, indices_ref, g_ref,  # inputs
+def _grad_kernel(flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, g_ref,  # inputs
                  part_ref, occ_ref,  # outputs: [programs * rows * block_dim] f32, [programs * rows] int32
-                 *, n_tiles, per_program, bags, c, rows, dim, block_dim, mean, half, lookahead):
+                 *, seg, per_program, bags, c, rows, dim, block_dim, mean, half, lookahead):
     pid = pl.program_id(0)
     g = jnp.arange(bags, dtype=jnp.int32)
     e = jnp.arange(rows, dtype=jnp.int32)
@@ -70,15 +67,14 @@ def _grad_kernel(tiles_ref, feat_ref, offsets_ref, indices_ref, g_ref,  # inputs
 
     def tile(i, carry):
         acc, occ = carry
+        n_tiles = seg.prog_end
         t = pid * per_program + i
         live = t < n_tiles
         t = jnp.minimum(t, n_tiles - 1)
-        f = plgpu.load(tiles_ref.at[_PROG_COLS * t + _P_FEATURE])
-        first = plgpu.load(tiles_ref.at[_PROG_COLS * t + _P_FIRST])
-        nbags = jnp.where(live, plgpu.load(tiles_ref.at[_PROG_COLS * t + _P_COUNT]), 0)
-        b0 = plgpu.load(tiles_ref.at[_PROG_COLS * t + _P_BAG])
-        out_base = plgpu.load(feat_ref.at[_META_COLS * f + _OUT_BASE])
-        out_stride = plgpu.load(feat_ref.at[_META_COLS * f + _OUT_STRIDE])
+        f, first, nbags, b0 = programs.locate(seg, t, flist_ref, prefix_ref)
+        nbags = jnp.where(live, nbags, 0)
+        out_base = plgpu.load(feat_ref.at[META_COLS * f + OUT_BASE])
+        out_stride = plgpu.load(feat_ref.at[META_COLS * f + OUT_STRIDE])
         bag_ok = g < nbags
         length = jnp.where(
             bag_ok,
@@ -115,7 +111,7 @@ def _grad_kernel(tiles_ref, feat_ref, offsets_ref, indices_ref, g_ref,  # inputs
     plgpu.store(occ_ref.at[pid * rows + e], occ)
 
 
-def _update_kernel(part_ref, occ_ref, *refs, opt, n_parts, q, rows, dim, block_dim, num_rows, row_offset):
+def _update_kernel(part_ref, occ_ref, hyper_ref, *refs, opt, n_parts, q, rows, dim, block_dim, num_rows, row_offset):
     w_in, m_in, w_out, m_out = _state_refs(refs, opt)
     e = pl.program_id(0)
     cols = jnp.arange(block_dim, dtype=jnp.int32)
@@ -136,7 +132,7 @@ def _update_kernel(part_ref, occ_ref, *refs, opt, n_parts, q, rows, dim, block_d
     touched = jnp.zeros((1,), jnp.int32) + n > 0
     # Rows not in the batch point one past the buffer: never stored on a GPU, dropped in interpret mode.
     row = jnp.where(touched, row_offset + e, w_out.shape[0])
-    _row_update(opt, w_in, w_out, m_in, m_out, row, touched, acc, cols, col_ok, dim)
+    _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, touched, acc, cols, col_ok, dim)
 
 
 def histogram_update(
@@ -149,6 +145,7 @@ def histogram_update(
     offsets: jax.Array,
     g_out: jax.Array,
     opt,
+    hyper: jax.Array | None = None,
     *,
     pooling: str,
     config: HistogramConfig,
@@ -165,42 +162,45 @@ def histogram_update(
     new_w, new_m = dict(buffers), (dict(momentum) if momentum is not None else None)
     g_flat = g_out.reshape(-1).astype(jnp.float32)
     feat_meta = jnp.asarray(feature_table(plan).reshape(-1))
-    adagrad = isinstance(opt, RowwiseAdagrad)
+    adagrad = opt is not None and opt.has_momentum
+    if hyper is None:
+        hyper = jnp.zeros((2,), jnp.float32)
     for t in sorted({plan.table[f] for f in features}):
         feats = [f for f in features if plan.table[f] == t]
-        tiles = np.asarray(program_rows(plan, feats, cfg.grad_bags), np.int32).reshape(-1, _PROG_COLS)
-        n_tiles = tiles.shape[0]
-        if n_tiles == 0:
+        pm = programs.build(plan.bag_base, plan.batch, [(feats, cfg.grad_bags)])
+        if not pm.segments:
             continue
+        seg = pm.segments[0]
+        n_tiles = seg.prog_end
         grp = plan.group[feats[0]]
         key, dim = layout.key(grp), layout.dims[grp]
         num_rows, rows = plan.num_rows[feats[0]], rows_padded(plan.num_rows[feats[0]])
         block_dim = next_pow2(dim)
         # Interpret mode runs programs one after another: few programs keep CPU tests fast and
         # make each program walk several tiles (the loop is tested).
-        programs = min(cfg.grad_programs, 3 if interpret else cfg.grad_programs, n_tiles)
-        per_program = -(-n_tiles // programs)
-        programs = -(-n_tiles // per_program)
+        n_prog = min(cfg.grad_programs, 3 if interpret else cfg.grad_programs, n_tiles)
+        per_program = -(-n_tiles // n_prog)
+        n_prog = -(-n_tiles // per_program)
         part, occ = pl.pallas_call(
-            functools.partial(_grad_kernel, n_tiles=n_tiles, per_program=per_program, bags=cfg.grad_bags,
+            functools.partial(_grad_kernel, seg=seg, per_program=per_program, bags=cfg.grad_bags,
                               c=cfg.grad_ids_per_step, rows=rows, dim=dim, block_dim=block_dim,
                               mean=pooling == "mean", half=cfg.half_compare,
                               lookahead=cfg.grad_lookahead),
-            out_shape=(jax.ShapeDtypeStruct((programs * rows * block_dim,), jnp.float32),
-                       jax.ShapeDtypeStruct((programs * rows,), jnp.int32)),
-            grid=(programs,),
+            out_shape=(jax.ShapeDtypeStruct((n_prog * rows * block_dim,), jnp.float32),
+                       jax.ShapeDtypeStruct((n_prog * rows,), jnp.int32)),
+            grid=(n_prog,),
             compiler_params=plgpu.CompilerParams(num_warps=cfg.grad_num_warps, num_stages=1),
             interpret=interpret, name="tbe_histogram_grad",
-        )(jnp.asarray(tiles.reshape(-1)), feat_meta, offsets, indices, g_flat)
+        )(*programs.operands(pm), feat_meta, offsets, indices, g_flat)
         state = [new_w[key]] + ([new_m[key]] if adagrad else [])
-        args = [part, occ] + state
+        args = [part, occ, hyper] + state
         state = pl.pallas_call(
-            functools.partial(_update_kernel, opt=opt, n_parts=programs,
-                              q=min(cfg.update_partials, next_pow2(programs)), rows=rows, dim=dim,
+            functools.partial(_update_kernel, opt=opt, n_parts=n_prog,
+                              q=min(cfg.update_partials, next_pow2(n_prog)), rows=rows, dim=dim,
                               block_dim=block_dim, num_rows=num_rows, row_offset=plan.row_offset[feats[0]]),
             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
             grid=(num_rows,),
-            input_output_aliases={2 + i: i for i in range(len(state))},
+            input_output_aliases={3 + i: i for i in range(len(state))},
             compiler_params=plgpu.CompilerParams(num_warps=cfg.update_num_warps, num_stages=1),
             interpret=interpret, name="tbe_histogram_update",
         )(*args)

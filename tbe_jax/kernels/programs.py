@@ -1,0 +1,125 @@
+"""Which bags a program owns: found on the device, from per-feature facts only.
+
+The bag-parallel kernels (the pooled forward, the histogram forward and its
+gradient pass, the backward's per-lookup keys) give each program `bags`
+consecutive bags of one feature. Programs are laid out segment by segment (a
+segment: a list of features sharing one kernel branch, e.g. one storage buffer),
+feature by feature, `ceil(B_f / bags)` programs per feature.
+
+Nothing here grows with the batch: a kernel gets two small int32 operands,
+`flist` (per feature of each segment: feature id, first bag in `offsets`, bag
+count) and `prefix` (per segment, the running count of programs per feature), and
+each program locates itself with `locate`: a division when every feature of the
+segment has the same batch size (the usual case), else a binary search over the
+segment's prefix (a static number of steps, log2 of its feature count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax._pallas import plgpu
+
+FLIST_COLS = 3  # feature, first bag (its entry in offsets), number of bags
+# Columns of the per-feature table (`feature_table`) the kernels read a feature's facts from.
+NUM_ROWS, ROW_OFFSET, OUT_BASE, OUT_STRIDE = range(4)
+META_COLS = 4
+
+
+def feature_table(plan) -> np.ndarray:
+    """Per feature of a `FeaturePlan`: (E, first row in its buffer, output base, output stride), `[F, 4]` int32."""
+    cols = [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride]
+    return np.stack(cols, axis=1).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    prog_start: int
+    prog_end: int
+    bags: int  # bags per program
+    feat_base: int  # first row of the segment in `flist`
+    num_feats: int
+    ppf: int  # programs per feature if every feature of the segment has one batch size, else 0
+    prefix_base: int  # the segment's first entry in `prefix`
+
+
+class ProgramMap(NamedTuple):
+    segments: tuple[Segment, ...]
+    flist: np.ndarray  # [sum num_feats, FLIST_COLS] int32
+    prefix: np.ndarray  # [sum (num_feats + 1)] int32
+
+    @property
+    def num_programs(self) -> int:
+        return self.segments[-1].prog_end if self.segments else 0
+
+
+def build(bag_base: Sequence[int], batch: Sequence[int], groups) -> ProgramMap:
+    """The map for `groups`: a list of `(features, bags per program)`, one segment each.
+
+    Empty segments (no bags) are dropped.
+    """
+    segs, flist, prefix = [], [], []
+    start = 0
+    for feats, bags in groups:
+        feats = list(feats)
+        counts = [-(-batch[f] // bags) for f in feats]
+        n = sum(counts)
+        if n == 0:
+            continue
+        sizes = {batch[f] for f in feats}
+        ppf = counts[0] if len(sizes) == 1 else 0
+        segs.append(Segment(start, start + n, bags, len(flist), len(feats), ppf, len(prefix)))
+        flist += [(f, bag_base[f], batch[f]) for f in feats]
+        prefix += np.concatenate([[0], np.cumsum(counts)]).tolist()
+        start += n
+    flist_arr = np.asarray(flist, np.int32).reshape(-1, FLIST_COLS)
+    prefix_arr = np.asarray(prefix or [0], np.int32)
+    return ProgramMap(tuple(segs), flist_arr, prefix_arr)
+
+
+def locate(seg: Segment, q, flist_ref, prefix_ref):
+    """Program `q` of segment `seg` (0-based within it): (feature, first bag in offsets, bags, b0).
+
+    `b0` is the program's first bag within its feature; `bags` counts the bags that
+    exist (fewer than `seg.bags` at the end of a feature). Every index is a traced
+    int32 (interpret mode rejects Python ints as ref indices).
+    """
+    if seg.ppf:
+        i = q // seg.ppf
+        within = q - i * seg.ppf
+    else:  # the last feature whose first program is <= q
+        i = jnp.int32(0)
+        step = 1 << max(seg.num_feats - 1, 0).bit_length()
+        while step:
+            cand = i + step
+            ok = cand < seg.num_feats
+            first_prog = plgpu.load(prefix_ref.at[seg.prefix_base + jnp.minimum(cand, seg.num_feats)])
+            i = jnp.where(ok & (first_prog <= q), cand, i)
+            step //= 2
+        within = q - plgpu.load(prefix_ref.at[seg.prefix_base + i])
+    row = FLIST_COLS * (seg.feat_base + i)
+    f = plgpu.load(flist_ref.at[row])
+    bag_base = plgpu.load(flist_ref.at[row + 1])
+    batch = plgpu.load(flist_ref.at[row + 2])
+    b0 = within * seg.bags
+    return f, bag_base + b0, jnp.minimum(seg.bags, batch - b0), b0
+
+
+def rows(pm: ProgramMap) -> np.ndarray:
+    """The explicit `[programs, 4]` table (feature, first bag, bags, b0), on the host (tests, bookkeeping)."""
+    out = []
+    for seg in pm.segments:
+        for i in range(seg.num_feats):
+            f, base, batch = pm.flist[seg.feat_base + i]
+            for b0 in range(0, int(batch), seg.bags):
+                out.append((int(f), int(base) + b0, min(seg.bags, int(batch) - b0), b0))
+    return np.asarray(out, np.int32).reshape(-1, 4)
+
+
+def operands(pm: ProgramMap):
+    """The two kernel operands (flat int32 device arrays)."""
+    return jnp.asarray(pm.flist.reshape(-1)), jnp.asarray(pm.prefix)

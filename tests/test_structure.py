@@ -1,0 +1,116 @@
+"""Structure of what a many-feature model compiles to, checked without a GPU.
+
+The forward and the optimizer step are lowered for CUDA on this machine
+(`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs every Triton
+lowering rule without compiling PTX). Nothing in them may grow with the batch
+size, and the number of kernel launches may not grow with the feature count.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tbe_jax
+
+DIMS = (16, 32, 48, 64, 96, 128)
+
+
+def _model(num_features: int) -> tbe_jax.TableBatchedEmbedding:
+    rng = np.random.default_rng(num_features)
+    rows = np.exp(rng.uniform(np.log(100), np.log(200_000), num_features)).astype(int)
+    tables = [tbe_jax.TableSpec(int(e), DIMS[i % len(DIMS)]) for i, e in enumerate(rows)]
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, impl="pallas")
+    emb._use_kernel = lambda: True  # lowered for CUDA on this CPU machine: the kernel path, not run
+    return emb
+
+
+def _abstract(emb, batch, ids_per_bag=8):
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float16)
+              for k, s in ((emb.layout.key(g), (emb.layout.group_rows[g], d)) for g, d in enumerate(emb.layout.dims))}
+    n = emb.num_features * batch * ids_per_bag
+    indices = jax.ShapeDtypeStruct((n,), jnp.int32)
+    offsets = jax.ShapeDtypeStruct((emb.num_features * batch + 1,), jnp.int32)
+    return params, indices, offsets
+
+
+def _lowered_text(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _forward_hlo(emb, batch):
+    params, indices, offsets = _abstract(emb, batch)
+    return _lowered_text(lambda p, i, o: emb(p, i, o), params, indices, offsets)
+
+
+def _step_hlo(emb, batch):
+    params, indices, offsets = _abstract(emb, batch)
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01)
+    state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
+    grad = jax.ShapeDtypeStruct((batch, sum(emb.feature_dims)), jnp.float32)
+
+    def step(p, s, o, i, off, g):
+        return emb.apply_gradients(p, s, o, i, off, g)
+
+    return _lowered_text(step, params, state, opt, indices, offsets, grad)
+
+
+def _custom_calls(text: str) -> int:
+    return len(re.findall(r"stablehlo\.custom_call", text))
+
+
+@pytest.mark.parametrize("build", [_forward_hlo, _step_hlo], ids=["forward", "step"])
+def test_hlo_does_not_grow_with_batch(build):
+    emb = _model(10)
+    small, large = build(emb, 1024), build(emb, 8192)
+    # Only shapes may differ (digits in type signatures), never the amount of text.
+    assert abs(len(large) - len(small)) < 0.01 * len(small), (len(small), len(large))
+
+
+@pytest.mark.parametrize("build", [_forward_hlo, _step_hlo], ids=["forward", "step"])
+def test_launches_do_not_grow_with_features(build):
+    counts, sizes = {}, {}
+    for f in (10, 100, 1000):
+        text = build(_model(f), 1024)
+        counts[f] = _custom_calls(text)
+        sizes[f] = len(text)
+    assert counts[10] == counts[100] == counts[1000], counts
+    # At most a small constant per feature (the per-feature tables the kernels read).
+    per_feature = (sizes[1000] - sizes[100]) / 900
+    assert per_feature < 400, (sizes, per_feature)
+    assert sizes[1000] < 2_000_000, sizes
+
+
+def test_program_map_matches_explicit_table():
+    """The on-device program lookup (`programs.locate`) equals the explicit per-program table."""
+    from tbe_jax.kernels import programs
+
+    rng = np.random.default_rng(0)
+    for batch in ([5, 5, 5, 5], [3, 0, 7, 1, 9], [0, 0, 4], [33] * 7):
+        bag_base = np.concatenate([[0], np.cumsum(batch)[:-1]]).tolist()
+        feats = list(rng.permutation(len(batch)))
+        pm = programs.build(bag_base, batch, [(feats[:2], 2), (feats[2:], 4)])
+        table = programs.rows(pm)
+        flist, prefix = programs.operands(pm)
+        got = []
+        for seg in pm.segments:
+            for q in range(seg.prog_end - seg.prog_start):
+                got.append([int(v) for v in _locate_interpret(seg, q, flist, prefix)])
+        np.testing.assert_array_equal(np.asarray(got, np.int32).reshape(-1, 4), table)
+
+
+def _locate_interpret(seg, q, flist, prefix):
+    from jax.experimental import pallas as pl
+
+    from tbe_jax.kernels import programs
+
+    def kernel(flist_ref, prefix_ref, out_ref):
+        vals = programs.locate(seg, jnp.int32(q), flist_ref, prefix_ref)
+        for k, v in enumerate(vals):
+            out_ref[k] = v
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.int32), interpret=True)(flist, prefix)
