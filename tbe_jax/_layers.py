@@ -1,8 +1,51 @@
-"""What the framework layers (tbe_jax and tt_jax; Linen, NNX, Haiku) share."""
+"""What the framework layers (tbe_jax and tt_jax; Linen, NNX, Haiku) share.
+
+- Input and option checks (`check_ids`, `check_optimizer`), core construction
+  (`build_core`, `cached_core`) and leaf naming (`leaf_names`).
+- The sparse-mode training step, framework-independent. A layer built with an
+  `optimizer` keeps its tables and optimizer state out of the differentiated
+  parameters and looks up through `sparse_lookup`. Outside a training step that
+  is the plain forward (differentiating the tables raises: they are not
+  parameters). Inside one, a thread-local *recorder* is active: the layer reports
+  an entry (the core, optimizer, tables, state and the lookup's inputs) and
+  returns `out + tap`, where `tap` is a zeros array the recorder supplies for this
+  entry. `sparse_value_and_grad` (and `SparseStep`, its parts) runs the user's
+  loss twice: under `jax.eval_shape` to discover the entries' output shapes, then
+  under `value_and_grad` with respect to the dense parameters and the taps; a
+  tap's gradient is exactly its lookup's output gradient, which goes to the
+  core's sparse update (`_step_update`, i.e. `apply_gradients`). Entries are
+  matched by call order, which is the same in both traces of one function.
+
+Rules the recorder enforces: each sparse layer is called at most once per step
+(two calls would update a row twice, with two partial gradients: `ValueError`),
+and directly in the loss's trace, not inside an inner transformation (`jit`,
+`vmap`, `scan`, `remat`) of it (its values would be that transformation's
+tracers: `ValueError`). A sparse layer whose output does not reach the loss gets a
+zero output gradient, hence a zero update (its rows do not move; only the
+optimizer's step count advances).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, NamedTuple
+
+import jax
 import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax.optim import Optimizer
+from tbe_jax.train import StepReport
+
+try:
+    from jax.extend.core import get_opaque_trace_state as _trace_state
+except ImportError:  # pragma: no cover - older jax
+    from jax.core import get_opaque_trace_state as _trace_state
+
+
+# -- checks and construction -------------------------------------------------------------------
 
 
 def check_ids(indices, offsets) -> None:
@@ -13,7 +56,232 @@ def check_ids(indices, offsets) -> None:
             raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
 
 
-def check_optimizer(optimizer, fused_type: type, makers: str) -> None:
-    """A layer's `optimizer`: None or a `fused_type` (e.g. from `makers`); a TypeError naming the type otherwise."""
-    if optimizer is not None and not isinstance(optimizer, fused_type):
-        raise TypeError(f"optimizer must come from {makers}, got {type(optimizer).__name__}")
+def check_optimizer(optimizer, core, makers: str) -> None:
+    """A layer's `optimizer`: None or an optimizer of `tbe_jax.optim` that `core` supports (else TypeError)."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a sparse optimizer of tbe_jax.optim ({makers}), "
+                        f"got {type(optimizer).__name__}")
+    check = getattr(core, "_check_opt", None)  # e.g. TableBatchedEmbedding: no element-wise Adagrad
+    if check is not None:
+        check(optimizer)
+
+
+def build_core(core_cls, first, options: dict):
+    """`core_cls(first, **options)` with the None-valued options left out (the core picks its defaults)."""
+    return core_cls(first, **{k: v for k, v in options.items() if v is not None})
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_core(core_cls, first, options: tuple):
+    return build_core(core_cls, first, dict(options))
+
+
+def cached_core(core_cls, first, options: dict):
+    """`build_core`, memoised on hashable arguments (Linen rebuilds its layer's core on every access)."""
+    return _cached_core(core_cls, first, tuple(sorted(options.items())))
+
+
+def leaf_names(tree, prefix: str = "") -> tuple[list[str], list, Any]:
+    """(names, leaves, treedef): one name per leaf, `prefix` + its path joined by "_" ("d8", "momentum_d8")."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [prefix + jax.tree_util.keystr(p, simple=True, separator="_") for p, _ in leaves]
+    return names, [v for _, v in leaves], treedef
+
+
+def param_spec(core):
+    """The core's params pytree as `jax.ShapeDtypeStruct`s (its `init`'s, traced only)."""
+    return jax.eval_shape(lambda: core.init(jax.random.key(0)))
+
+
+# -- sparse mode: the recorder ---------------------------------------------------------------------
+
+_LOCAL = threading.local()
+
+_GRAD_OF_TABLES = (
+    "the tables (or optimizer state) of a sparse-mode embedding layer (built with optimizer=...) were "
+    "differentiated: they are not parameters, and their gradient is not their update. Train such layers "
+    "with the step helper of their framework: tbe_jax.linen.train_step, tbe_jax.nnx.train_step or "
+    "tbe_jax.haiku.train_step (see the layer module's docstring); differentiate only the dense parameters.")
+
+
+@jax.custom_vjp
+def _frozen(tree):
+    return tree
+
+
+def _frozen_fwd(tree):
+    raise TypeError(_GRAD_OF_TABLES)
+
+
+_frozen.defvjp(_frozen_fwd, lambda res, g: None)
+
+
+class _Entry(NamedTuple):
+    key: Any  # identifies the layer in a step (a second call raises); the helper writes back to it
+    core: Any
+    opt: Any
+    tables: Any
+    opt_state: Any
+    residuals: Any  # the core's _step_forward residuals
+    out: jax.ShapeDtypeStruct
+
+
+class _Recorder:
+    def __init__(self, taps=None, keys=None, resolve=None):
+        self.taps = taps  # None: the discovery pass (no taps yet)
+        self.keys = keys  # the discovery pass's keys, in call order
+        self.resolve = resolve  # the layer's key -> a key stable across the two traces (NNX: its path)
+        self.entries: list[_Entry] = []
+        self.trace = _trace_state()
+
+    def lookup(self, key, core, opt, tables, opt_state, indices, offsets, per_sample_weights, options):
+        if self.resolve is not None:
+            key = self.resolve(key)
+        name = "/".join(map(str, key[1])) if isinstance(key[1], tuple) else str(key[1])
+        if _trace_state() != self.trace:
+            raise ValueError(
+                f"sparse-mode layer {name!r} was called inside a transformation (jit, vmap, scan, remat, ...) "
+                "nested in the loss of a training step: call it directly in the loss function (jit the whole "
+                "step instead)")
+        if any(e.key == key for e in self.entries):
+            raise ValueError(
+                f"sparse-mode layer {name!r} was called twice in one training step: each of its rows must be "
+                "updated once per step, with the gradient summed over the step. Make one call (concatenate the "
+                "bags, or look a table up from several features with feature_table_map), or use separate layers")
+        i = len(self.entries)
+        if self.keys is not None and (i >= len(self.keys) or self.keys[i] != key):
+            raise RuntimeError("the loss function called its sparse-mode layers differently on its two traces "
+                               "(it must be a pure function of its arguments)")
+        out, residuals = core._step_forward(tables, indices, offsets, per_sample_weights, **(options or {}))
+        self.entries.append(_Entry(key, core, opt, tables, opt_state, residuals,
+                                   jax.ShapeDtypeStruct(out.shape, out.dtype)))
+        if self.taps is None:
+            return out
+        return out + self.taps[i]
+
+
+@contextlib.contextmanager
+def _recording(recorder: _Recorder):
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(recorder)
+    try:
+        yield recorder
+    finally:
+        stack.pop()
+
+
+def _current() -> _Recorder | None:
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+def sparse_lookup(key, core, opt, tables, opt_state, indices, offsets, per_sample_weights=None,
+                  options: dict | None = None):
+    """A sparse-mode layer's lookup: the forward, reported to the active training step if any.
+
+    `key` = `(framework, name)` identifies the layer within one step (Linen: its
+    module path; Haiku: its module name; NNX: its `id`, which the step resolves to
+    its path in the model); the framework's step helper writes the layer's new
+    tables and state back to it.
+    """
+    recorder = _current()
+    if recorder is None:
+        return core(_frozen(tables), indices, offsets, per_sample_weights, **(options or {}))
+    return recorder.lookup(key, core, opt, tables, opt_state, indices, offsets, per_sample_weights,
+                           options)
+
+
+class SparseUpdate(NamedTuple):
+    """One sparse layer's step: where to write (`key`), its new tables and state, and its report."""
+
+    key: Any
+    params: Any
+    opt_state: Any
+    report: StepReport
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class SparseStep:
+    """The parts of one sparse training step, for helpers that differentiate in their own way (NNX).
+
+    `taps = step.discover(fn, *args)`; `g = step.wrap(fn)`, differentiated as
+    `value_and_grad(g, argnums=(<dense>, len(args)), has_aux=True)(*args, taps)`,
+    gives `((loss, packed), (grads, tap_grads))`; `step.finish(loss, packed,
+    tap_grads)` returns `(value, [SparseUpdate, ...])`.
+    """
+
+    def __init__(self, has_aux: bool = False, resolve: Callable | None = None):
+        self.has_aux = has_aux
+        self.resolve = resolve
+        self.keys: list | None = None
+        self._static: list | None = None
+
+    def discover(self, fn: Callable, *args) -> list[jax.Array]:
+        entries = []
+
+        def run(*args):
+            # The recorder is built inside the trace: it records the trace's state.
+            with _recording(_Recorder(resolve=self.resolve)) as rec:
+                value = fn(*args)
+            entries.extend(rec.entries)
+            return value
+
+        jax.eval_shape(run, *args)
+        self.keys = [e.key for e in entries]
+        return [jnp.zeros(e.out.shape, e.out.dtype) for e in entries]
+
+    def wrap(self, fn: Callable) -> Callable:
+        def wrapped(*args):
+            *args, taps = args
+            with _recording(_Recorder(taps, self.keys, self.resolve)) as rec:
+                value = fn(*args)
+            if len(rec.entries) != len(taps):
+                raise RuntimeError("the loss function called its sparse-mode layers differently on its two "
+                                   "traces (it must be a pure function of its arguments)")
+            loss, aux = value if self.has_aux else (value, None)
+            # The entries' arrays leave the differentiated function as auxiliary outputs, so they are
+            # values of the step's level even where they depend on the dense parameters (per-sample
+            # weights computed by the model).
+            static, packed = [], []
+            for e in rec.entries:
+                leaves, treedef = jax.tree_util.tree_flatten((e.tables, e.opt_state, e.opt, e.residuals))
+                static.append((e.key, e.core, treedef, [None if _is_array(x) else x for x in leaves]))
+                packed.append([x for x in leaves if _is_array(x)])
+            self._static = static
+            return loss, (aux, packed)
+
+        return wrapped
+
+    def finish(self, loss, packed, tap_grads) -> tuple[Any, list[SparseUpdate]]:
+        aux, arrays = packed
+        updates = []
+        for (key, core, treedef, leaves), dyn, g in zip(self._static, arrays, tap_grads):
+            it = iter(dyn)
+            leaves = [next(it) if x is None else x for x in leaves]
+            tables, opt_state, opt, residuals = jax.tree_util.tree_unflatten(treedef, leaves)
+            params, opt_state, invalid = core._step_update(tables, opt_state, opt, residuals, g)
+            report = StepReport(jnp.asarray(invalid, jnp.int32), jnp.sum(~jnp.isfinite(g), dtype=jnp.int32))
+            updates.append(SparseUpdate(key, params, opt_state, report))
+        return ((loss, aux) if self.has_aux else loss), updates
+
+
+def sparse_value_and_grad(fn: Callable, dense, *, has_aux: bool = False):
+    """`fn(dense) -> loss` (or `(loss, aux)`) with sparse-mode layers inside: one step.
+
+    Returns `(value, grads, updates)`: `value` as `jax.value_and_grad` gives it,
+    `grads` the gradient with respect to `dense`, and one `SparseUpdate` per sparse
+    layer called (in call order), whose new tables and state the caller writes back.
+    """
+    step = SparseStep(has_aux)
+    taps = step.discover(fn, dense)
+    (loss, packed), (grads, tap_grads) = jax.value_and_grad(step.wrap(fn), argnums=(0, 1), has_aux=True)(
+        dense, taps)
+    value, updates = step.finish(loss, packed, tap_grads)
+    return value, grads, updates

@@ -1,4 +1,4 @@
-"""Haiku layer over `tbe_jax.TableBatchedEmbedding` (needs dm-haiku).
+"""Haiku layer over `tbe_jax.TableBatchedEmbedding` (needs dm-haiku), and the sparse training step.
 
 `TableBatchedEmbed` is an `hk.Module` wrapping one functional `TableBatchedEmbedding`
 (`layer.tbe`). It trains in one of two ways:
@@ -26,7 +26,7 @@
    >>> tx = optax.adam(0.05)
    >>> opt_state = tx.init(params)
    >>> @jax.jit
-   ... def train_step(params, opt_state):
+   ... def dense_step(params, opt_state):
    ...     def loss_fn(params):
    ...         return jnp.mean((model.apply(params, indices, offsets) - labels) ** 2)
    ...     loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -34,64 +34,66 @@
    ...     return optax.apply_updates(params, updates), opt_state, loss
    >>> losses = []
    >>> for _ in range(20):
-   ...     params, opt_state, loss = train_step(params, opt_state)
+   ...     params, opt_state, loss = dense_step(params, opt_state)
    ...     losses.append(float(loss))
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Fused row-wise Adagrad** (`optimizer=tbe_jax.rowwise_adagrad(...)` or
-   `tbe_jax.sgd(...)`). The layer calls `TableBatchedEmbedding.fused_lookup`, whose
-   backward applies the optimizer to the looked-up rows and returns, as the
-   "gradients" of the tables and of the optimizer state, their **updated values**.
-   So the tables leave the parameters: tables and optimizer state are Haiku *state*
+2. **Sparse optimizer** (`optimizer=tbe_jax.RowwiseAdagrad(...)` or `tbe_jax.SGD(...)`).
+   The tables are not parameters: tables and optimizer state are Haiku *state*
    (`hk.get_state`; use `hk.transform_with_state`), named `"fused_d8"`, ... (tables)
-   and `"fused_momentum_d8"`, ... (the state's leaves). A training step
-   differentiates the loss with respect to the params and to the fused state
-   (`hk.data_structures.partition(is_fused, state)` picks it out, should the model
-   have other state); the fused state's gradient **is** its next value:
+   and `"fused_momentum_d8"`, `"fused_count"` (the state's leaves). `train_step(loss_fn,
+   params, state, *args)` runs `loss_fn(params, state, *args)` (which calls
+   `model.apply(params, state, ...)`), differentiates it with respect to `params` and
+   to each sparse layer's output, applies the layer's optimizer to the rows the batch
+   looked up (once per row, with the gradient summed over the batch:
+   `TableBatchedEmbedding.apply_gradients`), and returns the loss, the dense gradient
+   and the state with the new tables and optimizer state:
 
    >>> model = hk.without_apply_rng(hk.transform_with_state(forward))
-   >>> adagrad = tbe_jax.rowwise_adagrad(learning_rate=0.5)
+   >>> adagrad = tbe_jax.RowwiseAdagrad(learning_rate=0.5)
    >>> params, state = model.init(jax.random.key(0), indices, offsets, adagrad)
    >>> sorted(state["embed"])
-   ['fused_d4', 'fused_d8', 'fused_momentum_d4', 'fused_momentum_d8']
+   ['fused_count', 'fused_d4', 'fused_d8', 'fused_momentum_d4', 'fused_momentum_d8']
    >>> opt_state = tx.init(params)                 # only the dense layer's params
+   >>> def loss_fn(params, state, indices, offsets):
+   ...     pred, _ = model.apply(params, state, indices, offsets, adagrad)
+   ...     return jnp.mean((pred - labels) ** 2)
    >>> @jax.jit
-   ... def fused_step(params, state, opt_state):
-   ...     fused, other = hk.data_structures.partition(tbe_jax.haiku.is_fused, state)
-   ...     def loss_fn(params, fused):
-   ...         pred, new_other = model.apply(params, hk.data_structures.merge(fused, other), indices, offsets,
-   ...                                       adagrad)
-   ...         return jnp.mean((pred - labels) ** 2), new_other
-   ...     (loss, other), (grads, fused) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(params, fused)
+   ... def sparse_step(params, state, opt_state, indices, offsets):
+   ...     loss, grads, state = tbe_jax.haiku.train_step(loss_fn, params, state, indices, offsets)
    ...     updates, opt_state = tx.update(grads, opt_state, params)
-   ...     state = hk.data_structures.merge(fused, tbe_jax.haiku.drop_fused(other))
    ...     return optax.apply_updates(params, updates), state, opt_state, loss
    >>> losses = []
    >>> for _ in range(20):
-   ...     params, state, opt_state, loss = fused_step(params, state, opt_state)
+   ...     params, state, opt_state, loss = sparse_step(params, state, opt_state, indices, offsets)
    ...     losses.append(float(loss))
    >>> losses[-1] < losses[0] / 2
    True
-   >>> emb_params = tbe_jax.haiku.fused_params(state["embed"])   # the core's params dict
-   >>> sorted(emb_params)
-   ['d4', 'd8']
+   >>> emb = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", impl="xla")   # the layer's core
+   >>> [t.shape for t in emb.get_tables(tbe_jax.haiku.fused_params(state["embed"], emb))]
+   [(100, 8), (50, 4)]
 
-   Rules of the fused path (those of `fused_lookup`): call each fused layer once per
-   loss, and let its output reach the loss (a fused layer whose output does not
-   influence the loss gets a zero "gradient", i.e. zeroed tables); per-sample weights
-   are constants.
+   Rules of the sparse path: call each sparse layer at most once per loss (a second
+   call raises `ValueError`), directly in the loss (not inside a nested `jit`/`vmap`/
+   `hk.remat`). A layer whose output does not reach the loss gets a zero gradient:
+   its rows do not move. Differentiating the sparse state yourself raises a
+   `TypeError`. Other state (batch statistics, ...) comes back from `train_step` as
+   given: return `apply`'s new state through `aux` (`has_aux=True`) and merge it
+   under the step's (`hk.data_structures.merge(aux_state, result.state)`).
 
 The functional core: `layer.tbe` (inside a transform) or, outside, a
 `tbe_jax.TableBatchedEmbedding` built with the same options: its params are
-`params["<module name>"]` (true-gradient mode) or `fused_params(state["<module name>"])`
-(fused mode), and `fused_opt_state(state["<module name>"], emb, optimizer)` rebuilds
-the optimizer state.
+`params["<module name>"]` (true-gradient mode) or `fused_params(state["<module name>"],
+emb)` (sparse mode), and `fused_opt_state(state["<module name>"], emb, optimizer)`
+rebuilds the optimizer state; `module_state(params, opt_state)` builds a layer's state
+entry from a core's. `tt_jax.haiku.TTEmbeddingBag` is the same layer over a
+tensor-train core; one `train_step` serves models holding both.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -103,63 +105,155 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tbe_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
-from tbe_jax._layers import check_ids, check_optimizer
+from tbe_jax._layers import (
+    build_core, check_ids, check_optimizer, leaf_names, param_spec, sparse_lookup, sparse_value_and_grad,
+)
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
-from tbe_jax.optim import FusedOptimizer
+from tbe_jax.optim import Optimizer
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
-# Fused-mode state names: tables "fused_<buffer>" ("fused_d8"), optimizer state leaves
-# "fused_<leaf path>" ("fused_momentum_d8").
+# Sparse-mode state names: tables "fused_<leaf path>" ("fused_d8", "fused_cores_0_1"),
+# optimizer state leaves likewise ("fused_momentum_d8", "fused_count").
 FUSED_PREFIX = "fused_"
 
-__all__ = ["FUSED_PREFIX", "TableBatchedEmbed", "drop_fused", "fused_opt_state", "fused_params", "is_fused"]
-_MAKERS = "tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)"  # in the error for a bad optimizer
+__all__ = [
+    "FUSED_PREFIX", "StepResult", "TableBatchedEmbed", "core_params", "fused_opt_state", "fused_params",
+    "is_fused", "module_params", "module_state", "train_step",
+]
+
+_REMOVED = {"drop_fused"}
+
+
+def __getattr__(name):
+    if name in _REMOVED:
+        raise AttributeError(f"tbe_jax.haiku.{name} was removed with the fused-gradient training path: "
+                             "train with tbe_jax.haiku.train_step, which returns the updated state")
+    raise AttributeError(f"module 'tbe_jax.haiku' has no attribute {name!r}")
+
+
+class StepResult(NamedTuple):
+    """What `train_step` returns."""
+
+    loss: Any  # the loss, or (loss, aux) with has_aux=True (as jax.value_and_grad)
+    grads: Any  # gradient of the loss with respect to params
+    state: Any  # the state with the sparse layers' new tables and optimizer state
+
+
+def train_step(loss_fn: Callable, params, state, *args, has_aux: bool = False) -> StepResult:
+    """One training step of a Haiku model holding sparse-mode embedding layers.
+
+    Args:
+      loss_fn: `loss_fn(params, state, *args) -> loss` (or `(loss, aux)` with
+        `has_aux`); it calls `transformed.apply(params, state, ...)`. It must call each
+        sparse layer at most once, and be a pure function of its arguments (it is
+        traced twice).
+      params: differentiated.
+      state: holds the sparse layers' tables and optimizer state (not differentiated).
+      *args: passed to `loss_fn` (not differentiated).
+      has_aux: as in `jax.value_and_grad`.
+
+    Returns:
+      `StepResult(loss, grads, state)`: the loss (or `(loss, aux)`), the gradient with
+      respect to `params` for your optax optimizer, and `state` with every sparse layer
+      that `loss_fn` called updated by its optimizer (the rows its batch looked up,
+      once, with the gradient of its output); other entries as given. Jittable.
+    """
+    value, grads, updates = sparse_value_and_grad(lambda p: loss_fn(p, state, *args), params, has_aux=has_aux)
+    if updates:
+        state = {name: dict(entry) for name, entry in state.items()}
+        for u in updates:
+            kind, module_name = u.key
+            if kind != "haiku":
+                raise TypeError(f"tbe_jax.haiku.train_step ran a sparse layer of another framework ({kind})")
+            state.setdefault(module_name, {}).update(module_state(u.params, u.opt_state))
+    return StepResult(value, grads, state)
 
 
 def is_fused(module_name: str, name: str, value) -> bool:
-    """Predicate for `hk.data_structures.partition`: a fused layer's tables or optimizer state."""
+    """Predicate for `hk.data_structures.partition`/`filter`: a sparse layer's tables or optimizer state."""
     del module_name, value
     return name.startswith(FUSED_PREFIX)
 
 
-def drop_fused(state):
-    """`state` without the fused entries (what to keep of `apply`'s returned state)."""
-    return hk.data_structures.filter(lambda m, n, v: not is_fused(m, n, v), state)
+def _gather(entry, spec_tree, prefix: str):
+    names, _, treedef = leaf_names(spec_tree, prefix)
+    missing = [n for n in names if n not in entry]
+    if missing:
+        raise ValueError(f"the layer's entry has no {missing}; it has {sorted(entry)}")
+    return jax.tree_util.tree_unflatten(treedef, [entry[n] for n in names])
 
 
-def _buffer_shapes(emb: TableBatchedEmbedding) -> dict:
-    return {
-        emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), emb.weights_dtype)
-        for g, d in enumerate(emb.layout.dims)
-    }
+def core_params(module_params, emb):
+    """True-gradient mode: the core's params from a layer's parameters (`params["<module name>"]`)."""
+    return _gather(module_params, param_spec(emb), "")
 
 
-def _leaf_names(tree) -> tuple[list[str], list, object]:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    names = [FUSED_PREFIX + jax.tree_util.keystr(p, simple=True, separator="_") for p, _ in leaves]
-    return names, [v for _, v in leaves], treedef
+def module_params(params) -> dict:
+    """True-gradient mode: a layer's parameter entry holding the core's `params` (`{"d8": ...}`)."""
+    names, leaves, _ = leaf_names(params)
+    return dict(zip(names, leaves))
 
 
-def fused_params(module_state) -> dict:
-    """A fused layer's tables, from its state entry (`state["<module name>"]`), as the core's params dict."""
-    out = {}
-    for name, value in module_state.items():
-        key = name[len(FUSED_PREFIX):]
-        if name.startswith(FUSED_PREFIX) and key[:1] == "d" and key[1:].isdigit():
-            out[key] = value
-    return out
+def fused_params(module_state, emb):
+    """Sparse mode: the core's params from a layer's state entry (`state["<module name>"]`)."""
+    return _gather(module_state, param_spec(emb), FUSED_PREFIX)
 
 
-def fused_opt_state(module_state, emb: TableBatchedEmbedding, optimizer: FusedOptimizer):
-    """A fused layer's optimizer state (e.g. `RowwiseAdagradState`), from its state entry."""
-    spec = jax.eval_shape(optimizer.init, _buffer_shapes(emb))
-    names, _, treedef = _leaf_names(spec)
-    return jax.tree_util.tree_unflatten(treedef, [module_state[n] for n in names])
+def fused_opt_state(module_state, emb, optimizer: Optimizer):
+    """Sparse mode: the optimizer state (e.g. `RowwiseAdagradState`) from a layer's state entry."""
+    return _gather(module_state, jax.eval_shape(optimizer.init, param_spec(emb)), FUSED_PREFIX)
 
 
-class TableBatchedEmbed(hk.Module):
+def module_state(params, opt_state) -> dict:
+    """Sparse mode: a layer's state entry (`{"fused_d8": ..., "fused_momentum_d8": ..., ...}`)."""
+    names, leaves, _ = leaf_names(params, FUSED_PREFIX)
+    opt_names, opt_leaves, _ = leaf_names(opt_state, FUSED_PREFIX)
+    return dict(zip(names + opt_names, leaves + opt_leaves))
+
+
+class SparseEmbedBase(hk.Module):
+    """The Haiku layer, generic over its functional core (subclassed by `TableBatchedEmbed` and
+    `tt_jax.haiku.TTEmbeddingBag`, which build the core, call `_setup`, and define `__call__`,
+    which calls `_embed`). Parameters (or, in sparse mode, `FUSED_PREFIX`-named state) are
+    named after the leaves of the core's params."""
+
+    _MAKERS = "tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)"  # named in the error for a bad optimizer
+
+    def _setup(self, core, optimizer) -> None:
+        check_optimizer(optimizer, core, self._MAKERS)
+        self._core = core
+        self.optimizer = optimizer
+
+    def _init_params(self, key):
+        return self._core.init(key)
+
+    def _embed(self, indices, offsets, per_sample_weights, options: dict):
+        check_ids(indices, offsets)
+        core = self._core
+        spec = param_spec(core)
+        # Draw every table from one key, as the core's init does, and only at init time.
+        init = self._init_params(hk.next_rng_key()) if hk.running_init() else None
+
+        def read(getter, tree, prefix, init_tree):
+            names, leaf_specs, treedef = leaf_names(tree, prefix)
+            init_leaves = None if init_tree is None else jax.tree_util.tree_leaves(init_tree)
+            leaves = [getter(n, s.shape, s.dtype, init=lambda shape, dtype, i=i: init_leaves[i])
+                      for i, (n, s) in enumerate(zip(names, leaf_specs))]
+            return jax.tree_util.tree_unflatten(treedef, leaves)
+
+        if self.optimizer is None:
+            params = read(hk.get_parameter, spec, "", init)
+            return core(params, indices, offsets, per_sample_weights, **options)
+        tables = read(hk.get_state, spec, FUSED_PREFIX, init)
+        opt_spec = jax.eval_shape(self.optimizer.init, spec)
+        opt_state = read(hk.get_state, opt_spec, FUSED_PREFIX, None if init is None else self.optimizer.init(init))
+        return sparse_lookup(("haiku", self.module_name), core, self.optimizer,
+                             tables, opt_state, indices, offsets, per_sample_weights, options)
+
+
+class TableBatchedEmbed(SparseEmbedBase):
     """Table-batched embedding bags as a Haiku module.
 
     Args (the options of `tbe_jax.TableBatchedEmbedding`, `tables` positional, the
@@ -167,11 +261,12 @@ class TableBatchedEmbed(hk.Module):
       tables: the `TableSpec`s.
       feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
         interpret, kernel_config, use_histogram, histogram_config, backward_config:
-        forwarded to `TableBatchedEmbedding` (backward_config only when not None).
+        forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
+        `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are parameters "d8", ...), or
-        `tbe_jax.rowwise_adagrad(...)` / `tbe_jax.sgd(...)` (fused mode: tables and
-        optimizer state are state entries "fused_d8", "fused_momentum_d8", ...; see the
-        module docstring for the training step).
+        `tbe_jax.RowwiseAdagrad(...)` / `tbe_jax.SGD(...)` (sparse mode: tables and
+        optimizer state are state entries "fused_d8", "fused_momentum_d8", ...,
+        trained by `tbe_jax.haiku.train_step`; see the module docstring).
       name: the module name (default "table_batched_embed").
 
     Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None)`,
@@ -206,55 +301,28 @@ class TableBatchedEmbed(hk.Module):
         pooling: str = "sum",
         weights_dtype=jnp.float32,
         output_dtype=jnp.float32,
-        bounds_check: str = "none",
+        bounds_check: str | None = None,
         impl: str = "auto",
         interpret: bool = False,
         kernel_config: ForwardConfig | None = None,
         use_histogram: bool = True,
         histogram_config: HistogramConfig | None = None,
         backward_config=None,
-        optimizer: FusedOptimizer | None = None,
+        optimizer: Optimizer | None = None,
         name: str | None = None,
     ):
         super().__init__(name=name)
-        check_optimizer(optimizer, FusedOptimizer, _MAKERS)
-        # backward_config is passed only when set (a core without that option still builds).
-        extra = {} if backward_config is None else {"backward_config": backward_config}
-        self.tbe = TableBatchedEmbedding(
-            tables, feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
+        self._setup(build_core(TableBatchedEmbedding, tables, dict(
+            feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
             output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
-            kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config, **extra,
-        )
-        self.optimizer = optimizer
+            kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
+            backward_config=backward_config)), optimizer)
+
+    @property
+    def tbe(self) -> TableBatchedEmbedding:
+        """The wrapped functional `TableBatchedEmbedding`."""
+        return self._core
 
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
-        check_ids(indices, offsets)
-        emb = self.tbe
-        shapes = _buffer_shapes(emb)
-        # Draw every table from one key, as emb.init does, and only at init time.
-        init = emb.init(hk.next_rng_key()) if hk.running_init() else None
-
-        def initial(value_of):
-            return lambda shape, dtype: value_of()
-
-        if self.optimizer is None:
-            params = {
-                k: hk.get_parameter(k, s.shape, s.dtype, init=initial(lambda k=k: init[k]))
-                for k, s in shapes.items()
-            }
-            return emb(params, indices, offsets, per_sample_weights, batch_size_per_feature=batch_size_per_feature)
-
-        params = {
-            k: hk.get_state(FUSED_PREFIX + k, s.shape, s.dtype, init=initial(lambda k=k: init[k]))
-            for k, s in shapes.items()
-        }
-        spec = jax.eval_shape(self.optimizer.init, shapes)
-        names, leaf_specs, treedef = _leaf_names(spec)
-        init_leaves = _leaf_names(self.optimizer.init(init))[1] if init is not None else None
-        leaves = [
-            hk.get_state(n, s.shape, s.dtype, init=initial(lambda i=i: init_leaves[i]))
-            for i, (n, s) in enumerate(zip(names, leaf_specs))
-        ]
-        opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
-        return emb.fused_lookup(params, opt_state, self.optimizer, indices, offsets, per_sample_weights,
-                                batch_size_per_feature=batch_size_per_feature)
+        options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
+        return self._embed(indices, offsets, per_sample_weights, options)

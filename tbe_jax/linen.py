@@ -1,4 +1,4 @@
-"""Flax Linen layer over `tbe_jax.TableBatchedEmbedding`.
+"""Flax Linen layer over `tbe_jax.TableBatchedEmbedding`, and the sparse training step.
 
 `TableBatchedEmbed` is an `nn.Module` wrapping one functional `TableBatchedEmbedding`
 (available as `layer.tbe`, also on an unbound module). It trains in one of two ways:
@@ -16,7 +16,7 @@
    >>> offsets = jnp.array([0, 2, 3, 3, 5], jnp.int32)
    >>> labels = jnp.array([1.0, -1.0])
    >>> class Model(nn.Module):
-   ...     optimizer: tbe_jax.FusedOptimizer | None = None
+   ...     optimizer: tbe_jax.Optimizer | None = None
    ...     @nn.compact
    ...     def __call__(self, indices, offsets):
    ...         pooled = TableBatchedEmbed(tables, pooling="mean", impl="xla", optimizer=self.optimizer,
@@ -29,7 +29,7 @@
    >>> tx = optax.adam(0.05)
    >>> opt_state = tx.init(params)
    >>> @jax.jit
-   ... def train_step(params, opt_state):
+   ... def dense_step(params, opt_state):
    ...     def loss_fn(params):
    ...         return jnp.mean((model.apply({"params": params}, indices, offsets) - labels) ** 2)
    ...     loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -37,98 +37,183 @@
    ...     return optax.apply_updates(params, updates), opt_state, loss
    >>> losses = []
    >>> for _ in range(20):
-   ...     params, opt_state, loss = train_step(params, opt_state)
+   ...     params, opt_state, loss = dense_step(params, opt_state)
    ...     losses.append(float(loss))
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Fused row-wise Adagrad** (`optimizer=tbe_jax.rowwise_adagrad(...)` or
-   `tbe_jax.sgd(...)`). The layer calls `TableBatchedEmbedding.fused_lookup`, whose
-   backward applies the optimizer to the looked-up rows and returns, as the
-   "gradients" of the tables and of the optimizer state, their **updated values**. So
-   the tables leave `"params"`: they and the optimizer state live in the separate
-   collection `FUSED_COLLECTION = "tbe_fused"`, as `{"embedding": {"d8": ...},
-   "opt_state": RowwiseAdagradState(...)}` under the layer's path. A training step
-   differentiates the loss with respect to both `"params"` and `"tbe_fused"`; the
-   gradient of `"tbe_fused"` **is** its next value (assign it, do not feed it to
-   optax), and the dense layers train with any optax optimizer as usual:
+2. **Sparse optimizer** (`optimizer=tbe_jax.RowwiseAdagrad(...)` or `tbe_jax.SGD(...)`).
+   The tables are not parameters: they and the optimizer state live in the collection
+   `FUSED_COLLECTION = "tbe_fused"`, as `{"embedding": {"d8": ...}, "opt_state":
+   RowwiseAdagradState(...)}` under the layer's path. `train_step(loss_fn, variables,
+   *args)` runs `loss_fn(variables, *args)` (which calls `model.apply`), differentiates
+   it with respect to `variables["params"]` and to each sparse layer's output, applies
+   the layer's optimizer to the rows the batch looked up (once per row, with the
+   gradient summed over the batch: `TableBatchedEmbedding.apply_gradients`), and
+   returns the loss, the dense gradient (for any optax optimizer) and the variables
+   with the new tables and state:
 
-   >>> model = Model(optimizer=tbe_jax.rowwise_adagrad(learning_rate=0.5))
+   >>> model = Model(optimizer=tbe_jax.RowwiseAdagrad(learning_rate=0.5))
    >>> variables = model.init(jax.random.key(0), indices, offsets)
-   >>> params, fused = variables["params"], variables["tbe_fused"]
-   >>> sorted(fused["embed"])
+   >>> sorted(variables["tbe_fused"]["embed"])
    ['embedding', 'opt_state']
-   >>> opt_state = tx.init(params)                 # no Adam moments for the tables
+   >>> opt_state = tx.init(variables["params"])     # no Adam moments for the tables
+   >>> def loss_fn(variables, indices, offsets):
+   ...     return jnp.mean((model.apply(variables, indices, offsets) - labels) ** 2)
    >>> @jax.jit
-   ... def fused_step(params, fused, opt_state):
-   ...     def loss_fn(params, fused):
-   ...         pred = model.apply({"params": params, "tbe_fused": fused}, indices, offsets)
-   ...         return jnp.mean((pred - labels) ** 2)
-   ...     loss, (grads, fused) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, fused)
-   ...     updates, opt_state = tx.update(grads, opt_state, params)
-   ...     return optax.apply_updates(params, updates), fused, opt_state, loss
+   ... def sparse_step(variables, opt_state, indices, offsets):
+   ...     loss, grads, variables = tbe_jax.linen.train_step(loss_fn, variables, indices, offsets)
+   ...     updates, opt_state = tx.update(grads, opt_state, variables["params"])
+   ...     variables = {**variables, "params": optax.apply_updates(variables["params"], updates)}
+   ...     return variables, opt_state, loss
    >>> losses = []
    >>> for _ in range(20):
-   ...     params, fused, opt_state, loss = fused_step(params, fused, opt_state)
+   ...     variables, opt_state, loss = sparse_step(variables, opt_state, indices, offsets)
    ...     losses.append(float(loss))
    >>> losses[-1] < losses[0] / 2
    True
    >>> core = TableBatchedEmbed(tables, pooling="mean", impl="xla").tbe   # what Model's layer wraps
-   >>> [m.shape for m in core.get_momentum(fused["embed"]["opt_state"])]   # row-wise accumulators
+   >>> [m.shape for m in core.get_momentum(variables["tbe_fused"]["embed"]["opt_state"])]
    [(100,), (50,)]
 
-   Rules of the fused path (those of `fused_lookup`): call each fused layer once per
-   loss, and let its output reach the loss (a fused layer whose output does not
-   influence the loss gets a zero "gradient", i.e. zeroed tables); per-sample weights
-   are constants. Donate `fused` to the jitted step (`donate_argnums`) so the tables
-   are updated without a copy on the kernel path.
+   Rules of the sparse path: call each sparse layer at most once per loss (a second
+   call raises `ValueError`), directly in the loss (not inside a nested `jit`/`vmap`/
+   `remat`). A layer whose output does not reach the loss gets a zero gradient: its
+   rows do not move. Differentiating the `"tbe_fused"` collection yourself raises a
+   `TypeError`. Donate `variables` to the jitted step (`donate_argnums`) so the tables
+   are updated without a copy on the kernel path. A learning rate that is a float is
+   part of the model (a new value recompiles); pass `jnp.asarray(lr)` through the
+   model's attributes, or an optax schedule (it reads the state's step count), to
+   change it without recompiling.
 
 The functional core: `layer.tbe` is the wrapped `TableBatchedEmbedding`, so
 `layer.tbe.get_tables(variables["params"]["embed"]["embedding"])` (or
-`variables["tbe_fused"]["embed"]["embedding"]` in fused mode) gives the per-table
-`[E_t, D_t]` arrays and `layer.tbe.get_momentum(fused["embed"]["opt_state"])` the
-row-wise accumulators.
+`variables["tbe_fused"]["embed"]["embedding"]` in sparse mode) gives the per-table
+`[E_t, D_t]` arrays and `layer.tbe.get_momentum(...["opt_state"])` the row-wise
+accumulators. `tt_jax.linen.TTEmbeddingBag` is the same layer over a tensor-train
+core; one `train_step` serves models holding both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax.numpy as jnp
 
 try:
     import flax.linen as nn
+    from flax.core import FrozenDict, freeze, unfreeze
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import check_ids, check_optimizer
+from tbe_jax._layers import cached_core, check_ids, check_optimizer, sparse_lookup, sparse_value_and_grad
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
-from tbe_jax.optim import FusedOptimizer
+from tbe_jax.optim import Optimizer
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
 FUSED_COLLECTION = "tbe_fused"
 
-__all__ = ["FUSED_COLLECTION", "TableBatchedEmbed"]
-_MAKERS = "tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)"  # in the error for a bad optimizer
+__all__ = ["FUSED_COLLECTION", "StepResult", "TableBatchedEmbed", "train_step"]
 
 
-@functools.lru_cache(maxsize=256)
-def _core(tables, feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl, interpret,
-          kernel_config, use_histogram, histogram_config, backward_config) -> TableBatchedEmbedding:
-    # backward_config is passed only when set (a core without that option still builds).
-    extra = {} if backward_config is None else {"backward_config": backward_config}
-    return TableBatchedEmbedding(
-        tables, feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
-        output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
-        kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config, **extra,
-    )
+class StepResult(NamedTuple):
+    """What `train_step` returns."""
+
+    loss: Any  # the loss, or (loss, aux) with has_aux=True (as jax.value_and_grad)
+    grads: Any  # gradient of the loss with respect to variables["params"]
+    variables: Any  # the variables with the sparse layers' new tables and optimizer state
 
 
-class TableBatchedEmbed(nn.Module):
+def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False) -> StepResult:
+    """One training step of a Linen model holding sparse-mode embedding layers.
+
+    Args:
+      loss_fn: `loss_fn(variables, *args) -> loss` (or `(loss, aux)` with `has_aux`);
+        it calls `model.apply(variables, ...)`. It must call each sparse layer at most
+        once, and be a pure function of its arguments (it is traced twice).
+      variables: the model's variables (`model.init`'s result): `"params"` is
+        differentiated, `FUSED_COLLECTION` holds the sparse layers' tables and state.
+      *args: passed to `loss_fn` (not differentiated).
+      has_aux: as in `jax.value_and_grad`.
+
+    Returns:
+      `StepResult(loss, grads, variables)`: the loss (or `(loss, aux)`), the gradient
+      with respect to `variables["params"]` for your optax optimizer (`{}` when the
+      model has no `"params"`), and `variables` with every sparse layer that
+      `loss_fn` called updated by its optimizer (the rows its batch looked up, once,
+      with the gradient of its output), the rest as given. Jittable; donate
+      `variables` for in-place table updates.
+    """
+    frozen = isinstance(variables, FrozenDict)
+    variables = unfreeze(variables) if frozen else dict(variables)
+    has_params = "params" in variables
+
+    def fn(params):
+        return loss_fn({**variables, "params": params} if has_params else variables, *args)
+
+    value, grads, updates = sparse_value_and_grad(fn, variables.get("params", {}), has_aux=has_aux)
+    if updates:
+        fused = _copy_tree(variables.get(FUSED_COLLECTION, {}))
+        for u in updates:
+            kind, path = u.key
+            if kind != "linen":
+                raise TypeError(f"tbe_jax.linen.train_step ran a sparse layer of another framework ({kind})")
+            node = fused
+            for name in path:
+                node = node.setdefault(name, {})
+            node["embedding"], node["opt_state"] = u.params, u.opt_state
+        variables[FUSED_COLLECTION] = fused
+    return StepResult(value, grads, freeze(variables) if frozen else variables)
+
+
+def _copy_tree(tree):
+    """Nested dicts copied (leaves shared), so writing into the copy leaves the caller's variables alone."""
+    if isinstance(tree, (dict, FrozenDict)):
+        return {k: _copy_tree(v) for k, v in tree.items()}
+    return tree
+
+
+class SparseEmbedBase(nn.Module):
+    """The Linen layer, generic over its functional core (subclassed by `TableBatchedEmbed` and
+    `tt_jax.linen.TTEmbeddingBag`).
+
+    A subclass declares the fields (its core's options and `optimizer`) and defines
+    `_build_core()` (the core, cached), `_init_params(key)` and `__call__` (decorated
+    with `nn.compact`), which calls `self._embed(indices, offsets, per_sample_weights,
+    options)`. Variables: `"params"/"embedding"` (true-gradient mode) or
+    `FUSED_COLLECTION/"embedding"` and `FUSED_COLLECTION/"opt_state"` (sparse mode).
+    """
+
+    _MAKERS = "tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)"  # named in the error for a bad optimizer
+
+    def __post_init__(self):
+        # Builds the core: bad options fail here, with the core's messages.
+        check_optimizer(self.optimizer, self._build_core(), self._MAKERS)
+        super().__post_init__()
+
+    def _build_core(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _init_params(self, key):
+        return self._build_core().init(key)
+
+    def _embed(self, indices, offsets, per_sample_weights, options: dict):
+        check_ids(indices, offsets)
+        core = self._build_core()
+        if self.optimizer is None:
+            params = self.param("embedding", self._init_params)
+            return core(params, indices, offsets, per_sample_weights, **options)
+        tables = self.variable(FUSED_COLLECTION, "embedding", lambda: self._init_params(self.make_rng("params")))
+        state = self.variable(FUSED_COLLECTION, "opt_state", lambda: self.optimizer.init(tables.value))
+        path = tuple(self.scope.path)
+        return sparse_lookup(("linen", path), core, self.optimizer, tables.value, state.value,
+                             indices, offsets, per_sample_weights, options)
+
+
+class TableBatchedEmbed(SparseEmbedBase):
     """Table-batched embedding bags as a Linen module.
 
     Args (the options of `tbe_jax.TableBatchedEmbedding`, `tables` positional, the
@@ -136,12 +221,13 @@ class TableBatchedEmbed(nn.Module):
       tables: the `TableSpec`s.
       feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
         interpret, kernel_config, use_histogram, histogram_config, backward_config:
-        forwarded to `TableBatchedEmbedding` (backward_config only when not None).
+        forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
+        `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are the parameter
-        `"embedding"` in `"params"`), or `tbe_jax.rowwise_adagrad(...)` /
-        `tbe_jax.sgd(...)` (fused mode: the tables, `"embedding"`, and the optimizer
-        state, `"opt_state"`, live in the `"tbe_fused"` collection, whose gradient is
-        its next value; see the module docstring for the training step).
+        `"embedding"` in `"params"`), or `tbe_jax.RowwiseAdagrad(...)` /
+        `tbe_jax.SGD(...)` (sparse mode: the tables, `"embedding"`, and the optimizer
+        state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
+        `tbe_jax.linen.train_step`, see the module docstring).
 
     Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None)`,
     with the functional core's input format and output (`[B, sum_f D_f]` for pooled
@@ -174,38 +260,29 @@ class TableBatchedEmbed(nn.Module):
     pooling: str = "sum"
     weights_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
-    bounds_check: str = "none"
+    bounds_check: str | None = None
     impl: str = "auto"
     interpret: bool = False
     kernel_config: ForwardConfig | None = None
     use_histogram: bool = True
     histogram_config: HistogramConfig | None = None
     backward_config: Any = None
-    optimizer: FusedOptimizer | None = None
+    optimizer: Optimizer | None = None
 
-    def __post_init__(self):
-        check_optimizer(self.optimizer, FusedOptimizer, _MAKERS)
-        self.tbe  # noqa: B018  (builds the core: bad options fail here, with the core's messages)
-        super().__post_init__()
+    def _build_core(self) -> TableBatchedEmbedding:
+        fmap = None if self.feature_table_map is None else tuple(int(t) for t in self.feature_table_map)
+        return cached_core(TableBatchedEmbedding, tuple(self.tables), dict(
+            feature_table_map=fmap, pooling=self.pooling, weights_dtype=self.weights_dtype,
+            output_dtype=self.output_dtype, bounds_check=self.bounds_check, impl=self.impl,
+            interpret=bool(self.interpret), kernel_config=self.kernel_config, use_histogram=bool(self.use_histogram),
+            histogram_config=self.histogram_config, backward_config=self.backward_config))
 
     @property
     def tbe(self) -> TableBatchedEmbedding:
         """The wrapped functional `TableBatchedEmbedding` (immutable, hashable)."""
-        fmap = None if self.feature_table_map is None else tuple(self.feature_table_map)
-        return _core(
-            tuple(self.tables), fmap, self.pooling, self.weights_dtype, self.output_dtype,
-            self.bounds_check, self.impl, bool(self.interpret), self.kernel_config, bool(self.use_histogram),
-            self.histogram_config, self.backward_config,
-        )
+        return self._build_core()
 
     @nn.compact
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
-        check_ids(indices, offsets)
-        emb = self.tbe
-        if self.optimizer is None:
-            params = self.param("embedding", emb.init)
-            return emb(params, indices, offsets, per_sample_weights, batch_size_per_feature=batch_size_per_feature)
-        tables = self.variable(FUSED_COLLECTION, "embedding", lambda: emb.init(self.make_rng("params")))
-        state = self.variable(FUSED_COLLECTION, "opt_state", lambda: self.optimizer.init(tables.value))
-        return emb.fused_lookup(tables.value, state.value, self.optimizer, indices, offsets, per_sample_weights,
-                                batch_size_per_feature=batch_size_per_feature)
+        options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
+        return self._embed(indices, offsets, per_sample_weights, options)

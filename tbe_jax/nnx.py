@@ -1,4 +1,4 @@
-"""Flax NNX layer over `tbe_jax.TableBatchedEmbedding`.
+"""Flax NNX layer over `tbe_jax.TableBatchedEmbedding`, and the sparse training step.
 
 `TableBatchedEmbed` is an `nnx.Module` wrapping one functional `TableBatchedEmbedding`
 (the static attribute `layer.tbe`). It trains in one of two ways:
@@ -24,59 +24,61 @@
    ...         return self.head(self.embed(indices, offsets))[:, 0]
    >>> model = Model(rngs=nnx.Rngs(0))
    >>> optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
-   >>> def loss_fn(model):
+   >>> def loss_fn(model, indices, offsets):
    ...     return jnp.mean((model(indices, offsets) - labels) ** 2)
    >>> @nnx.jit
-   ... def train_step(model, optimizer):
-   ...     loss, grads = nnx.value_and_grad(loss_fn)(model)
+   ... def dense_step(model, optimizer):
+   ...     loss, grads = nnx.value_and_grad(loss_fn)(model, indices, offsets)
    ...     optimizer.update(model, grads)
    ...     return loss
-   >>> losses = [float(train_step(model, optimizer)) for _ in range(20)]
+   >>> losses = [float(dense_step(model, optimizer)) for _ in range(20)]
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Fused row-wise Adagrad** (`optimizer=tbe_jax.rowwise_adagrad(...)` or
-   `tbe_jax.sgd(...)`). The layer calls `TableBatchedEmbedding.fused_lookup`, whose
-   backward applies the optimizer to the looked-up rows and returns, as the
-   "gradients" of the tables and of the optimizer state, their **updated values**.
-   Tables and optimizer state are then held as `Fused` variables (an `nnx.Variable`
-   type that is not an `nnx.Param`, so `nnx.Optimizer(..., wrt=nnx.Param)` leaves them
-   alone): `layer.embedding` (same keys as above) and `layer.opt_state` (the state's
-   leaves, e.g. `"momentum_d8"`). A training step differentiates with respect to
-   `DIFF_FILTER` (`nnx.Param` or `Fused`) and hands the result to `apply_fused`,
-   which writes the new tables and state into the model and returns the ordinary
-   gradients for the optimizer:
+2. **Sparse optimizer** (`optimizer=tbe_jax.RowwiseAdagrad(...)` or `tbe_jax.SGD(...)`).
+   Tables and optimizer state are `Fused` variables (an `nnx.Variable` type that is
+   not an `nnx.Param`, so `nnx.Optimizer(..., wrt=nnx.Param)` leaves them alone):
+   `layer.embedding` (same keys as above) and `layer.opt_state` (the state's leaves,
+   e.g. `"momentum_d8"`, `"count"`). `train_step(loss_fn, model, *args)` runs
+   `loss_fn(model, *args)`, differentiates it with respect to the model's
+   `nnx.Param`s and to each sparse layer's output, applies the layer's optimizer to
+   the rows the batch looked up (once per row, with the gradient summed over the
+   batch: `TableBatchedEmbedding.apply_gradients`), writes the new tables and state
+   into the model, and returns the loss and the dense gradients for `nnx.Optimizer`:
 
-   >>> model = Model(tbe_jax.rowwise_adagrad(learning_rate=0.5), rngs=nnx.Rngs(0))
+   >>> model = Model(tbe_jax.RowwiseAdagrad(learning_rate=0.5), rngs=nnx.Rngs(0))
    >>> optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)   # dense layers only
    >>> @nnx.jit
-   ... def fused_step(model, optimizer):
-   ...     diff = nnx.DiffState(0, tbe_jax.nnx.DIFF_FILTER)
-   ...     loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model)
-   ...     grads = tbe_jax.nnx.apply_fused(model, grads)   # new tables + state assigned
+   ... def sparse_step(model, optimizer, indices, offsets):
+   ...     loss, grads = tbe_jax.nnx.train_step(loss_fn, model, indices, offsets)   # tables updated
    ...     optimizer.update(model, grads)
    ...     return loss
-   >>> losses = [float(fused_step(model, optimizer)) for _ in range(20)]
+   >>> losses = [float(sparse_step(model, optimizer, indices, offsets)) for _ in range(20)]
    >>> losses[-1] < losses[0] / 2
    True
    >>> [m.shape for m in model.embed.tbe.get_momentum(model.embed.get_opt_state())]
    [(100,), (50,)]
 
-   Rules of the fused path (those of `fused_lookup`): call each fused layer once per
-   loss, and let its output reach the loss (a fused layer whose output does not
-   influence the loss gets a zero "gradient", i.e. zeroed tables); per-sample weights
-   are constants.
+   Rules of the sparse path: call each sparse layer at most once per loss (a second
+   call raises `ValueError`), directly in the loss (not inside a nested `nnx.jit`/
+   `vmap`/`remat`). A layer whose output does not reach the loss gets a zero
+   gradient: its rows do not move. Differentiating the `Fused` variables yourself
+   raises a `TypeError`. A float learning rate is static (a new value recompiles); a
+   `jnp` scalar is data and an optax schedule reads the state's step count: neither
+   recompiles.
 
 The functional core: `layer.tbe` is the wrapped `TableBatchedEmbedding`;
 `layer.get_params()` returns its params dict (either mode), so
 `layer.tbe.get_tables(layer.get_params())` gives the per-table `[E_t, D_t]` arrays and
 `layer.tbe(layer.get_params(), indices, offsets)` equals `layer(indices, offsets)`;
-`layer.set_params(emb_params)` copies a core's params in.
+`layer.set_params(emb_params)` copies a core's params in (`get_opt_state` /
+`set_opt_state` likewise for the optimizer state). `tt_jax.nnx.TTEmbeddingBag` is the
+same layer over a tensor-train core; one `train_step` serves models holding both.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,42 +88,161 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import check_ids, check_optimizer
+from tbe_jax._layers import SparseStep, build_core, check_ids, check_optimizer, leaf_names, sparse_lookup
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
-from tbe_jax.optim import FusedOptimizer
+from tbe_jax.optim import Optimizer
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
-__all__ = ["DIFF_FILTER", "Fused", "TableBatchedEmbed", "apply_fused"]
-_MAKERS = "tbe_jax.rowwise_adagrad(...) or tbe_jax.sgd(...)"  # in the error for a bad optimizer
+__all__ = ["Fused", "TableBatchedEmbed", "train_step"]
+
+_REMOVED = {"apply_fused", "DIFF_FILTER"}
+
+
+def __getattr__(name):
+    if name in _REMOVED:
+        raise AttributeError(f"tbe_jax.nnx.{name} was removed with the fused-gradient training path (its "
+                             "gradient-as-update corrupted tables): train with tbe_jax.nnx.train_step")
+    raise AttributeError(f"module 'tbe_jax.nnx' has no attribute {name!r}")
 
 
 class Fused(nnx.Variable):
-    """Tables and optimizer state of a `TableBatchedEmbed` trained by the fused path.
+    """Tables and optimizer state of a sparse-mode layer (not an `nnx.Param`: not differentiated;
+    `train_step` updates them)."""
 
-    Their gradient under `nnx.grad` is their next value (see `apply_fused`).
+
+def train_step(loss_fn: Callable, model: nnx.Module, *args, has_aux: bool = False, wrt=nnx.Param):
+    """One training step of an NNX model holding sparse-mode embedding layers.
+
+    Args:
+      loss_fn: `loss_fn(model, *args) -> loss` (or `(loss, aux)` with `has_aux`). It
+        must call each sparse layer at most once, and be a pure function of the model
+        and its arguments (it is traced twice; state updates of the second trace, e.g.
+        batch statistics or RNG counts, are kept, as with `nnx.value_and_grad`).
+      model: the model; updated in place.
+      *args: passed to `loss_fn` (not differentiated).
+      has_aux: as in `nnx.value_and_grad`.
+      wrt: the filter of the differentiated variables (default `nnx.Param`).
+
+    Returns:
+      `(loss, grads)`, as `nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt),
+      has_aux=has_aux)(model, *args)` gives it: hand `grads` to
+      `nnx.Optimizer.update(model, grads)`. Every sparse layer that `loss_fn` called
+      has been updated in `model` by its optimizer (the rows its batch looked up,
+      once, with the gradient of its output). Works inside `nnx.jit`.
+    """
+    # A layer reports its id (each trace runs on a copy of the model); the step keys it by its path.
+    paths = {}
+
+    def resolve(key):
+        kind, ident = key
+        if kind != "nnx" or ident not in paths:
+            raise TypeError(f"tbe_jax.nnx.train_step ran a sparse layer that is not part of the model ({kind})")
+        return kind, paths[ident]
+
+    def with_paths(m):
+        paths.clear()
+        paths.update(_sparse_layers(m, by_id=True))
+        return loss_fn(m, *args)
+
+    step = SparseStep(has_aux, resolve)
+    graphdef, diff, rest = nnx.split(model, wrt, ...)
+    taps = step.discover(lambda d: with_paths(nnx.merge(graphdef, d, rest)), diff)
+    (loss, packed), (grads, tap_grads) = nnx.value_and_grad(
+        step.wrap(with_paths), argnums=(nnx.DiffState(0, wrt), 1), has_aux=True)(model, taps)
+    value, updates = step.finish(loss, packed, tap_grads)
+    if updates:
+        layers = _sparse_layers(model, by_id=False)
+        for u in updates:
+            layer = layers[u.key[1]]
+            layer.set_params(u.params)
+            layer.set_opt_state(u.opt_state)
+    return value, grads
+
+
+def _sparse_layers(model, *, by_id: bool) -> dict:
+    """The model's sparse-mode layers: {id: path} (by_id) or {path: layer}."""
+    found = [(path, node) for path, node in nnx.iter_graph(model)
+             if isinstance(node, SparseEmbedBase) and node.optimizer is not None]
+    return {id(node): tuple(path) for path, node in found} if by_id else {tuple(path): node for path, node in found}
+
+
+class SparseEmbedBase(nnx.Module):
+    """The NNX layer, generic over its functional core (subclassed by `TableBatchedEmbed` and
+    `tt_jax.nnx.TTEmbeddingBag`, which build the core and call `_setup`, and define `__call__`,
+    which calls `_embed`).
+
+    Attributes:
+      embedding: `nnx.Dict` of one variable per leaf of the core's params (named by
+        its path: `"d8"`; `"cores_0_1"`): `nnx.Param`, or `Fused` in sparse mode.
+      opt_state: sparse mode only: `nnx.Dict` of `Fused` variables, one per leaf of
+        the optimizer state (`"momentum_d8"`, `"count"`, ...).
+      optimizer: the sparse optimizer (or None).
     """
 
+    _MAKERS = "tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)"  # named in the error for a bad optimizer
 
-# Differentiate a model holding fused layers with respect to this filter.
-DIFF_FILTER = nnx.Any(nnx.Param, Fused)
+    def _setup(self, core, params, optimizer) -> None:
+        check_optimizer(optimizer, core, self._MAKERS)
+        self._core = core
+        self.optimizer = nnx.data(optimizer)  # array hyperparameters are data, floats static
+        names, leaves, self._treedef = leaf_names(params)
+        self._names = tuple(names)
+        var = nnx.Param if optimizer is None else Fused
+        self.embedding = nnx.Dict({n: var(v) for n, v in zip(names, leaves)})
+        if optimizer is not None:
+            names, leaves, self._opt_treedef = leaf_names(optimizer.init(params))
+            self._opt_names = tuple(names)
+            self.opt_state = nnx.Dict({n: Fused(v) for n, v in zip(names, leaves)})
+
+    def get_params(self):
+        """The functional core's params (`{"d8": array, ...}`; `{"cores": ...}`) held by this layer."""
+        return jax.tree_util.tree_unflatten(self._treedef, [self.embedding[n][...] for n in self._names])
+
+    def set_params(self, params) -> None:
+        """Copy a functional core's params (from its `init`, `set_tables` / `set_cores`) into the layer."""
+        names, leaves, treedef = leaf_names(params)
+        if treedef != self._treedef:
+            raise ValueError(f"params have the structure {treedef}; this layer's is {self._treedef}")
+        for n, v in zip(names, leaves):
+            have = self.embedding[n]
+            if tuple(v.shape) != tuple(have.shape) or v.dtype != have.dtype:
+                raise ValueError(f"params[{n!r}] must be {have.dtype}{list(have.shape)}, got {v.dtype}{list(v.shape)}")
+            have[...] = v
+
+    def _check_sparse(self):
+        if self.optimizer is None:
+            raise ValueError("this layer has no sparse optimizer (optimizer=None): it holds no optimizer state")
+
+    def get_opt_state(self):
+        """Sparse mode: the optimizer state as the core expects it (e.g. `RowwiseAdagradState`)."""
+        self._check_sparse()
+        return jax.tree_util.tree_unflatten(self._opt_treedef, [self.opt_state[n][...] for n in self._opt_names])
+
+    def set_opt_state(self, opt_state) -> None:
+        """Sparse mode: copy an optimizer state (from `optimizer.init(params)`) into the layer."""
+        self._check_sparse()
+        names, leaves, treedef = leaf_names(opt_state)
+        if treedef != self._opt_treedef:
+            raise ValueError(f"opt_state has the structure {treedef}; this layer's is {self._opt_treedef}")
+        for n, v in zip(names, leaves):
+            have = self.opt_state[n]
+            if tuple(v.shape) != tuple(have.shape) or jnp.dtype(v.dtype) != jnp.dtype(have.dtype):
+                raise ValueError(f"opt_state[{n!r}] must be {have.dtype}{list(have.shape)}, "
+                                 f"got {v.dtype}{list(v.shape)}")
+            have[...] = v
+
+    def _embed(self, indices, offsets, per_sample_weights, options: dict):
+        check_ids(indices, offsets)
+        params = self.get_params()
+        if self.optimizer is None:
+            return self._core(params, indices, offsets, per_sample_weights, **options)
+        return sparse_lookup(("nnx", id(self)), self._core, self.optimizer, params,
+                             self.get_opt_state(), indices, offsets, per_sample_weights, options)
 
 
-def apply_fused(model: nnx.Module, grads: nnx.State) -> nnx.State:
-    """Assign the fused layers' new tables and state; return the remaining gradients.
-
-    `grads` comes from `nnx.grad(..., argnums=nnx.DiffState(0, DIFF_FILTER))(model)`.
-    Its `Fused` entries are the updated values computed inside the fused lookups'
-    backward: they are written into `model` (in place). The rest (the `nnx.Param`
-    gradients) is returned for `nnx.Optimizer.update`.
-    """
-    fused, rest = nnx.split_state(grads, Fused, ...)
-    nnx.update(model, fused)
-    return rest
-
-
-class TableBatchedEmbed(nnx.Module):
+class TableBatchedEmbed(SparseEmbedBase):
     """Table-batched embedding bags as an NNX module.
 
     Args (the options of `tbe_jax.TableBatchedEmbedding`, `tables` positional, the
@@ -129,19 +250,21 @@ class TableBatchedEmbed(nnx.Module):
       tables: the `TableSpec`s.
       feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
         interpret, kernel_config, use_histogram, histogram_config, backward_config:
-        forwarded to `TableBatchedEmbedding` (backward_config only when not None).
+        forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
+        `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are `nnx.Param`s), or
-        `tbe_jax.rowwise_adagrad(...)` / `tbe_jax.sgd(...)` (fused mode: tables and
-        optimizer state are `Fused` variables; see the module docstring).
+        `tbe_jax.RowwiseAdagrad(...)` / `tbe_jax.SGD(...)` (sparse mode: tables and
+        optimizer state are `Fused` variables, trained by `tbe_jax.nnx.train_step`;
+        see the module docstring).
       rngs: `nnx.Rngs`; the tables are `layer.tbe.init(rngs.params())` (uniform in
         `[-1/sqrt(E), 1/sqrt(E)]`), the same values as the functional core given that key.
 
     Attributes:
       tbe: the wrapped `TableBatchedEmbedding` (static).
       embedding: `nnx.Dict` of one variable per storage buffer ("d8", ...): `nnx.Param`,
-        or `Fused` in fused mode.
-      opt_state: fused mode only: `nnx.Dict` of `Fused` variables, one per leaf of the
-        optimizer state (`"momentum_d8"`, ...); `get_opt_state()` reassembles it.
+        or `Fused` in sparse mode.
+      opt_state: sparse mode only: `nnx.Dict` of `Fused` variables, one per leaf of the
+        optimizer state (`"momentum_d8"`, `"count"`, ...); `get_opt_state()` reassembles it.
 
     Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None)`,
     with the functional core's input format and output. Indices and offsets must be
@@ -169,60 +292,28 @@ class TableBatchedEmbed(nnx.Module):
         pooling: str = "sum",
         weights_dtype=jnp.float32,
         output_dtype=jnp.float32,
-        bounds_check: str = "none",
+        bounds_check: str | None = None,
         impl: str = "auto",
         interpret: bool = False,
         kernel_config: ForwardConfig | None = None,
         use_histogram: bool = True,
         histogram_config: HistogramConfig | None = None,
         backward_config=None,
-        optimizer: FusedOptimizer | None = None,
+        optimizer: Optimizer | None = None,
         rngs: nnx.Rngs,
     ):
-        check_optimizer(optimizer, FusedOptimizer, _MAKERS)
-        # backward_config is passed only when set (a core without that option still builds).
-        extra = {} if backward_config is None else {"backward_config": backward_config}
-        self.tbe = TableBatchedEmbedding(
-            tables, feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
+        core = build_core(TableBatchedEmbedding, tables, dict(
+            feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
             output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
-            kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config, **extra,
-        )
-        self.optimizer = optimizer
-        params = self.tbe.init(rngs.params())
-        var = nnx.Param if optimizer is None else Fused
-        self.embedding = nnx.Dict({k: var(v) for k, v in params.items()})
-        if optimizer is not None:
-            leaves, self._opt_treedef = jax.tree_util.tree_flatten_with_path(optimizer.init(params))
-            self._opt_names = tuple(jax.tree_util.keystr(p, simple=True, separator="_") for p, _ in leaves)
-            self.opt_state = nnx.Dict({n: Fused(v) for n, (_, v) in zip(self._opt_names, leaves)})
+            kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
+            backward_config=backward_config))
+        self._setup(core, core.init(rngs.params()), optimizer)
 
-    def get_params(self) -> dict:
-        """The functional core's params dict (`{"d8": array, ...}`) held by this layer."""
-        return {k: v[...] for k, v in self.embedding.items()}
-
-    def set_params(self, params: dict) -> None:
-        """Copy a functional core's params (from `layer.tbe.init`/`set_tables`) into the layer."""
-        if set(params) != set(self.embedding.keys()):
-            raise ValueError(f"params have buffers {sorted(params)}; this layer has {sorted(self.embedding.keys())}")
-        for k, v in params.items():
-            if tuple(v.shape) != tuple(self.embedding[k].shape) or v.dtype != self.embedding[k].dtype:
-                raise ValueError(
-                    f"params[{k!r}] must be {self.embedding[k].dtype}{list(self.embedding[k].shape)}, "
-                    f"got {v.dtype}{list(v.shape)}"
-                )
-            self.embedding[k][...] = v
-
-    def get_opt_state(self):
-        """Fused mode: the optimizer state as the core expects it (e.g. `RowwiseAdagradState`)."""
-        if self.optimizer is None:
-            raise ValueError("this layer has no fused optimizer (optimizer=None): it holds no optimizer state")
-        return jax.tree_util.tree_unflatten(self._opt_treedef, [self.opt_state[n][...] for n in self._opt_names])
+    @property
+    def tbe(self) -> TableBatchedEmbedding:
+        """The wrapped functional `TableBatchedEmbedding`."""
+        return self._core
 
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
-        check_ids(indices, offsets)
-        params = self.get_params()
-        if self.optimizer is None:
-            return self.tbe(params, indices, offsets, per_sample_weights,
-                            batch_size_per_feature=batch_size_per_feature)
-        return self.tbe.fused_lookup(params, self.get_opt_state(), self.optimizer, indices, offsets,
-                                     per_sample_weights, batch_size_per_feature=batch_size_per_feature)
+        options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
+        return self._embed(indices, offsets, per_sample_weights, options)

@@ -1,10 +1,10 @@
 """The Flax (Linen, NNX) and Haiku TT layers against the functional `tt_jax.TTEmbeddingBag`.
 
-Parameters are copied across (the core's params dict goes into each framework's
-structure), so outputs and gradients must agree exactly. Training under `jit` with optax
-(true gradient) and with the fused row-wise Adagrad is in each module's docstring, run
-here; those use impl="xla", and one short fused loop runs the FlowTT kernel (interpret
-mode on CPU, compiled on GPU: conftest.KERNEL_KW).
+The same layers as tbe_jax's over a tensor-train core (one base class per framework): true
+gradients equal the core's; the sparse `train_step` equals the functional `tbe_jax.train_step`
+(under `jit`, a schedule compiling once); a model holding a TBE and a TT sparse layer trains
+both in one step. The model harness is test_layers.py's. The XLA path mostly; one short step
+per framework runs the FlowTT kernels (interpret mode on CPU, compiled on GPU).
 """
 
 import dataclasses
@@ -19,44 +19,26 @@ import pytest
 
 import tbe_jax
 import tt_jax
-from conftest import KERNEL_KW, layer_build, layer_call
-from tbe_jax import testing
+from conftest import KERNEL_KW, ON_GPU, layer_build, layer_call
+from test_layers import close, functional_steps, head_loss, make_batch, make_head, module, sparse_runner
 
 FRAMEWORKS = ["linen", "nnx", "haiku"]
-# Tables 0 and 2 share (q_shapes, ranks) and are stacked into one kernel group; table 1 has two cores.
-SPECS = [tt_jax.TTSpec(60, 8, ranks=(3, 4)), tt_jax.TTSpec(40, 4, ranks=(2,)), tt_jax.TTSpec(30, 8, ranks=(3, 4))]
-FMAP = (0, 1, 2, 1)  # table 1 shared by two features
-ROWS = (60, 40, 30, 40)
+# Small on purpose (XLA compiles the TT chain slowly on CPU): a three-core and a two-core table.
+SPECS = [tt_jax.TTSpec(60, 8, ranks=(3, 4)), tt_jax.TTSpec(40, 4, ranks=(2,))]
+FMAP = (0, 1, 1)  # table 1 shared by two features
+ROWS = (60, 40, 40)
 BATCH = 3
-OUT_DIM = 24  # 8 + 4 + 8 + 4
+OUT_DIM = 16  # 8 + 4 + 4
 
 
-def _module(framework):
-    """The layer module, or a clean skip when its framework is not installed."""
-    pytest.importorskip("haiku" if framework == "haiku" else "flax")
-    return pytest.importorskip(f"tt_jax.{framework}")
-
-
-def _batch(rng, weighted):
-    idx, off, psw = testing.make_batch(rng, list(ROWS), [BATCH] * len(ROWS), (0, 5), weighted=weighted)
-    return jnp.asarray(idx), jnp.asarray(off), (None if psw is None else jnp.asarray(psw))
-
-
-def _params(kw, seed):
+def _params(core, seed):
     """Core params with entries of order 0.3 (the default init's are tiny: exact checks want sizeable values)."""
-    return tt_jax.TTEmbeddingBag(SPECS, **kw).init(jax.random.key(seed), std=0.3)
+    return core.init(jax.random.key(seed), std=0.3)
 
 
-def _close(got, want, err_msg, rtol=1e-6, atol=1e-7):
-    assert jax.tree.structure(got) == jax.tree.structure(want), err_msg
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=err_msg)
-
-
-# -- one adapter per framework --------------------------------------------------------------------
-# Each copies the core's params into the framework's own structure and returns, from one jitted
-# call, the output and the gradients of sum(out * cot) with respect to the cores (as a core params
-# dict) and to the per-sample weights.
+def tt_layer(framework, opt, **kw):
+    mod = module("tt_jax", framework)
+    return lambda **fkw: mod.TTEmbeddingBag(SPECS, optimizer=opt, **kw, **fkw)
 
 
 def _with_out(f, cot):
@@ -67,124 +49,185 @@ def _with_out(f, cot):
     return g
 
 
-def _out_and_grads(framework, kw, params, idx, off, psw, cot):
-    """(out, (d params, d per_sample_weights))."""
-    emb = tt_jax.TTEmbeddingBag(SPECS, **kw)
-    if framework == "core":
-        apply = lambda p, w: emb(p, idx, off, w)
-    elif framework == "nnx":
-        mod = _module(framework)
-        from flax import nnx
-
-        layer = mod.TTEmbeddingBag(SPECS, rngs=nnx.Rngs(0), **kw)
-        layer.set_params(params)
-        step = nnx.jit(nnx.value_and_grad(_with_out(lambda m, w: m(idx, off, w), cot), argnums=(0, 1), has_aux=True))
-        (_, out), (g_layer, g_psw) = step(layer, psw)
-        holder = mod.TTEmbeddingBag(SPECS, rngs=nnx.Rngs(1), **kw)  # reads the gradient State as core params
-        nnx.update(holder, g_layer)
-        return out, (holder.get_params(), g_psw)
-    elif framework == "linen":
-        layer = _module(framework).TTEmbeddingBag(SPECS, **kw)
-        assert layer.tt == emb
-        apply = lambda p, w: layer.apply({"params": {"embedding": p}}, idx, off, w)
-    else:
-        mod = _module(framework)  # skips before the import when Haiku is missing
-        import haiku as hk
-
-        model = hk.without_apply_rng(hk.transform(lambda w: mod.TTEmbeddingBag(SPECS, **kw)(idx, off, w)))
-        # Differentiated with respect to the core's params dict p, spread into the layer's names.
-        apply = lambda p, w: model.apply({"tt_embedding_bag": mod.module_params(p)}, w)
-    (_, out), grads = jax.jit(jax.value_and_grad(_with_out(apply, cot), (0, 1), has_aux=True))(params, psw)
-    return out, grads
-
-
-def test_matches_functional_core(rng):
-    # Outputs and gradients on the XLA path, mean pooling, weighted (the kernel path is the same
-    # option forwarded: it runs in test_fused_training_on_kernel; interpret mode is slow to compile).
+def test_true_gradient_matches_core(rng):
+    # Every framework's output and gradients (cores, per-sample weights) equal the core's.
     kw = dict(feature_table_map=FMAP, pooling="mean", impl="xla")
-    params = _params(kw, int(rng.integers(1 << 30)))
-    idx, off, psw = _batch(rng, weighted=True)
+    emb = tt_jax.TTEmbeddingBag(SPECS, **kw)
+    params = _params(emb, int(rng.integers(1 << 30)))
+    idx, off, psw, _ = make_batch(rng, ROWS, weighted=True)
     cot = jnp.asarray(rng.standard_normal((BATCH, OUT_DIM)).astype(np.float32))
-    want_out, want = _out_and_grads("core", kw, params, idx, off, psw, cot)
+
+    def grads(apply, p):
+        return jax.jit(jax.value_and_grad(_with_out(apply, cot), (0, 1), has_aux=True))(p, psw)
+
+    (_, want_out), want = grads(lambda p, w: emb(p, idx, off, w), params)
     assert float(jnp.abs(want_out).max()) > 1e-2 and float(jnp.abs(want[1]).max()) > 1e-3  # not zeros
-    skipped = []
     for framework in FRAMEWORKS:
-        try:
-            out, got = _out_and_grads(framework, kw, params, idx, off, psw, cot)
-        except pytest.skip.Exception:
-            skipped.append(framework)
-            continue
-        # Same math, separately compiled programs: XLA on a GPU may fuse them differently (1 ulp).
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-7, err_msg=framework)
-        _close(got, want, framework)
-    if skipped:
-        pytest.skip(f"not installed: {skipped}")
+        mod = module("tt_jax", framework)
+        if framework == "nnx":
+            from flax import nnx
+
+            layer = mod.TTEmbeddingBag(SPECS, rngs=nnx.Rngs(0), **kw)
+            layer.set_params(params)
+            step = nnx.jit(nnx.value_and_grad(_with_out(lambda m, w: m(idx, off, w), cot), argnums=(0, 1),
+                                              has_aux=True))
+            (_, out), (g_layer, g_psw) = step(layer, psw)
+            holder = mod.TTEmbeddingBag(SPECS, rngs=nnx.Rngs(1), **kw)  # reads the gradient State as core params
+            nnx.update(holder, g_layer)
+            got = (holder.get_params(), g_psw)
+        elif framework == "linen":
+            layer = mod.TTEmbeddingBag(SPECS, **kw)
+            assert layer.tt == emb
+            (_, out), got = grads(lambda p, w: layer.apply({"params": {"embedding": p}}, idx, off, w), params)
+        else:
+            import haiku as hk
+
+            model = hk.without_apply_rng(hk.transform(lambda w: mod.TTEmbeddingBag(SPECS, **kw)(idx, off, w)))
+            (_, out), got = grads(lambda p, w: model.apply({"tt_embedding_bag": mod.module_params(p)}, w), params)
+        close(out, want_out, framework)
+        close(got, want, framework)
 
 
-# -- the fused path: the "gradients" are the updated cores and optimizer state -------------------------
+@pytest.mark.parametrize("framework,opt_name", [("linen", "adagrad"), ("nnx", "rowwise_adagrad"), ("haiku", "sgd")])
+def test_sparse_step_matches_functional(rng, framework, opt_name):
+    kw = dict(feature_table_map=FMAP, pooling="mean", impl="xla")
+    core = tt_jax.TTEmbeddingBag(SPECS, **kw)
+    schedule = optax.linear_schedule(0.05, 0.2, 3)
+    opt = {"adagrad": tt_jax.Adagrad(schedule, eps=1e-3), "rowwise_adagrad": tt_jax.RowwiseAdagrad(schedule, eps=1e-3),
+           "sgd": tt_jax.SGD(schedule)}[opt_name]
+    tables = _params(core, 1)
+    state = opt.init(tables)
+    head = make_head(rng, OUT_DIM)
+    batch = make_batch(rng, ROWS, weighted=True)
+    step, read, traces = sparse_runner(framework, "tt_jax", tt_layer(framework, opt, **kw), OUT_DIM,
+                                       tables, state, head)
+    losses = [step(batch) for _ in range(3)]
+    assert traces[0] == 1  # a schedule reads the state's count: no recompilation
+    want_losses, want_grads, want_t, want_s = functional_steps(core, opt, tables, state, head, batch, 3)
+    got_t, got_s = read()
+    assert type(got_s) is type(want_s)
+    # On a GPU the two programs (layer and functional) are compiled apart: fusion and FMA contraction may
+    # differ in the last bits, which three steps carry to ~3e-6 relative; on the CPU they agree to 1e-6.
+    tol = dict(rtol=1e-5, atol=1e-6) if ON_GPU else {}
+    close(got_t, want_t, framework, **tol)
+    close(got_s, want_s, framework, **tol)
+    assert int(got_s.count) == 3
+    close([l for l, _ in losses], want_losses, framework, **tol)
+    close(losses[-1][1], want_grads, framework, **tol)
+    assert not np.array_equal(np.asarray(got_t["cores"][0][1]), np.asarray(tables["cores"][0][1]))  # it trained
 
 
-def _fused_grads(framework, kw, tx, params, state, idx, off, psw, cot):
-    """One jitted grad through the layer's fused path: (new core params, new optimizer state)."""
-    mod = _module(framework)
-    loss = lambda out: jnp.sum(out * cot)
-    if framework == "linen":
-        layer = mod.TTEmbeddingBag(SPECS, optimizer=tx, **kw)
-        g = jax.jit(jax.grad(lambda fused: loss(layer.apply({mod.FUSED_COLLECTION: fused}, idx, off, psw))))(
-            {"embedding": params, "opt_state": state})
-        return g["embedding"], g["opt_state"]
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_sparse_step_on_kernel(rng, framework):
+    # The FlowTT forward kernel and the backward on its plans: one step equals the XLA reference's
+    # (one two-core table: interpret mode compiles slowly).
+    spec = SPECS[1]
+    opt = tt_jax.RowwiseAdagrad(0.1, eps=1e-3)
+    core = tt_jax.TTEmbeddingBag(spec, impl="xla")
+    tables = _params(core, 2)
+    state = opt.init(tables)
+    head = make_head(rng, spec.embedding_dim)
+    batch = make_batch(rng, ROWS[1:2], weighted=False)
+    mod = module("tt_jax", framework)
+    make_layer = lambda **fkw: mod.TTEmbeddingBag(spec, optimizer=opt, **KERNEL_KW, **fkw)  # noqa: E731
+    step, read, _ = sparse_runner(framework, "tt_jax", make_layer, spec.embedding_dim, tables, state, head)
+    loss, _ = step(batch)
+    want_losses, _, want_t, want_s = functional_steps(core, opt, tables, state, head, batch, 1)
+    got_t, got_s = read()
+    close(got_t, want_t, framework, rtol=1e-5, atol=1e-6)
+    close(got_s, want_s, framework, rtol=1e-5, atol=1e-6)
+    close(loss, want_losses[0], framework, rtol=1e-5)
+
+
+def test_disconnected_output_and_second_call(rng):
+    # Haiku: a disconnected output leaves the cores and accumulators unchanged; NNX: a second
+    # call raises (the other frameworks: test_layers.py, the same base classes).
+    opt = tt_jax.Adagrad(0.5)
+    core = tt_jax.TTEmbeddingBag(SPECS, feature_table_map=FMAP, impl="xla")
+    tables = _params(core, 3)
+    state = opt.init(tables)
+    layer = dict(feature_table_map=FMAP, impl="xla")
+    step, read, _ = sparse_runner("haiku", "tt_jax", tt_layer("haiku", opt, **layer), OUT_DIM, tables, state,
+                                  make_head(rng, OUT_DIM), mode="ignore")
+    step(make_batch(rng, ROWS, weighted=False))
+    got_t, got_s = read()
+    close(got_t, tables, rtol=0, atol=0)
+    close(got_s.momentum, state.momentum, rtol=0, atol=0)
+    assert int(got_s.count) == 1
+    step, _, _ = sparse_runner("nnx", "tt_jax", tt_layer("nnx", opt, **layer), OUT_DIM, tables, state,
+                               make_head(rng, OUT_DIM), mode="twice")
+    with pytest.raises(ValueError, match="called twice in one training step"):
+        step(make_batch(rng, ROWS, weighted=False))
+
+
+# -- a TBE and a TT sparse layer in one model, one step ----------------------------------------------
+
+MIX_TABLES = [tbe_jax.TableSpec(30, 8)]
+MIX_SPECS = [tt_jax.TTSpec(16, 4, ranks=(2,))]
+
+
+@pytest.mark.parametrize("framework", ["nnx"])  # Linen and Haiku: the same recorder, see test_layers.py
+def test_mixed_tbe_and_tt_model_one_step(rng, framework):
+    tt_mod, tbe_mod = module("tt_jax", framework), module("tbe_jax", framework)
+    assert tt_mod.train_step is tbe_mod.train_step  # one implementation
+    tbe_core = tbe_jax.TableBatchedEmbedding(MIX_TABLES, impl="xla")
+    tt_core = tt_jax.TTEmbeddingBag(MIX_SPECS, impl="xla")
+    tbe_opt, tt_opt = tbe_jax.RowwiseAdagrad(0.3), tt_jax.Adagrad(0.1)
+    tbe_t, tt_t = tbe_core.init(jax.random.key(0)), tt_core.init(jax.random.key(1), std=0.3)
+    tbe_s, tt_s = tbe_opt.init(tbe_t), tt_opt.init(tt_t)
+    head = make_head(rng, 12)
+    idx, off, _, y = make_batch(rng, (16,), weighted=False, batch=4)
+
     if framework == "nnx":
         from flax import nnx
 
-        layer = mod.TTEmbeddingBag(SPECS, optimizer=tx, rngs=nnx.Rngs(0), **kw)
-        layer.set_params(params)
-        layer.set_opt_state(state)
+        class Model(nnx.Module):
+            def __init__(self):
+                self.tbe = tbe_mod.TableBatchedEmbed(MIX_TABLES, impl="xla", optimizer=tbe_opt, rngs=nnx.Rngs(0))
+                self.tt = tt_mod.TTEmbeddingBag(MIX_SPECS, impl="xla", optimizer=tt_opt, rngs=nnx.Rngs(1))
+                self.head = nnx.Linear(12, 1, rngs=nnx.Rngs(2))
 
-        @nnx.jit
-        def step(layer):
-            grads = nnx.grad(lambda m: loss(m(idx, off, psw)), argnums=nnx.DiffState(0, mod.DIFF_FILTER))(layer)
-            return mod.apply_fused(layer, grads)
+            def __call__(self, i, o):
+                return self.head(jnp.concatenate([self.tbe(i, o), self.tt(i, o)], axis=1))[:, 0]
 
-        rest = step(layer)
-        assert not jax.tree.leaves(rest)  # nothing but the fused variables was differentiable
-        return layer.get_params(), layer.get_opt_state()
-    import haiku as hk
+        model = Model()
+        model.tbe.set_params(tbe_t)
+        model.tt.set_params(tt_t)
+        model.head.kernel[...], model.head.bias[...] = head["kernel"], head["bias"]
+        loss, grads = nnx.jit(lambda m: tt_mod.train_step(lambda m: jnp.mean((m(idx, off) - y) ** 2), m))(model)
+        grads = {"kernel": grads["head"]["kernel"][...], "bias": grads["head"]["bias"][...]}
+        got = (model.tbe.get_params(), model.tbe.get_opt_state(), model.tt.get_params(), model.tt.get_opt_state())
+    else:
+        import flax.linen as nn
 
-    emb = tt_jax.TTEmbeddingBag(SPECS, **kw)
-    model = hk.without_apply_rng(hk.transform_with_state(
-        lambda: mod.TTEmbeddingBag(SPECS, optimizer=tx, **kw)(idx, off, psw)))
-    entry = mod.module_state(params, state)
-    shapes = jax.eval_shape(model.init, jax.random.key(0))[1]
-    assert sorted(shapes["tt_embedding_bag"]) == sorted(entry)
-    g = jax.jit(jax.grad(lambda s: loss(model.apply({}, s)[0])))({"tt_embedding_bag": entry})
-    g = g["tt_embedding_bag"]
-    return mod.fused_params(g, emb), mod.fused_opt_state(g, emb, tx)
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, i, o):
+                pooled = [tbe_mod.TableBatchedEmbed(MIX_TABLES, impl="xla", optimizer=tbe_opt, name="tbe")(i, o),
+                          tt_mod.TTEmbeddingBag(MIX_SPECS, impl="xla", optimizer=tt_opt, name="tt")(i, o)]
+                return nn.Dense(1, name="head")(jnp.concatenate(pooled, axis=1))[:, 0]
+
+        model = Model()
+        v = {"params": {"head": head}, "tbe_fused": {"tbe": {"embedding": tbe_t, "opt_state": tbe_s},
+                                                      "tt": {"embedding": tt_t, "opt_state": tt_s}}}
+        loss, grads, v = jax.jit(lambda v: tt_mod.train_step(
+            lambda v: jnp.mean((model.apply(v, idx, off) - y) ** 2), v))(v)
+        grads = grads["head"]
+        f = v["tbe_fused"]
+        got = (f["tbe"]["embedding"], f["tbe"]["opt_state"], f["tt"]["embedding"], f["tt"]["opt_state"])
+
+    want = jax.jit(lambda: tbe_jax.train_step(
+        lambda h, outs: head_loss(h, jnp.concatenate([outs["tbe"], outs["tt"]], axis=1), y), head,
+        {"tbe": tbe_jax.SparseLookup(tbe_core, tbe_opt, tbe_t, tbe_s, idx, off),
+         "tt": tbe_jax.SparseLookup(tt_core, tt_opt, tt_t, tt_s, idx, off)}))()
+    close(loss, want.loss)
+    close(grads, want.grads)
+    close(got, (want.params["tbe"], want.opt_state["tbe"], want.params["tt"], want.opt_state["tt"]), framework)
+    assert not np.array_equal(np.asarray(got[0]["d8"]), np.asarray(tbe_t["d8"]))
+    assert not np.array_equal(np.asarray(got[2]["cores"][0][0]), np.asarray(tt_t["cores"][0][0]))
 
 
-def test_fused_gradients_match_core(rng):
-    kw = dict(feature_table_map=FMAP, pooling="mean", impl="xla")
-    emb = tt_jax.TTEmbeddingBag(SPECS, **kw)
-    tx = tt_jax.rowwise_adagrad(learning_rate=0.1, eps=1e-3)
-    params = _params(kw, 3)
-    state = tx.init(params)
-    idx, off, psw = _batch(rng, weighted=True)
-    cot = jnp.asarray(rng.standard_normal((BATCH, OUT_DIM)).astype(np.float32))
-    want_p, want_s = jax.jit(jax.grad(lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off, psw) * cot),
-                                      argnums=(0, 1)))(params, state)
-    assert np.any(np.asarray(want_s.momentum[0][1]) > 0)  # the step did something
-    assert not np.array_equal(np.asarray(want_p["cores"][0][1]), np.asarray(params["cores"][0][1]))
-    skipped = []
-    for framework in FRAMEWORKS:
-        try:
-            got_p, got_s = _fused_grads(framework, kw, tx, params, state, idx, off, psw, cot)
-        except pytest.skip.Exception:
-            skipped.append(framework)
-            continue
-        assert type(got_s) is type(want_s), framework
-        _close(got_p, want_p, framework)
-        _close(got_s, want_s, framework)
-    if skipped:
-        pytest.skip(f"not installed: {skipped}")
+# -- construction, validation, docs ------------------------------------------------------------------
 
 
 def _empty_batch():
@@ -192,119 +235,14 @@ def _empty_batch():
     return jnp.zeros((0,), jnp.int32), jnp.zeros((1,), jnp.int32)
 
 
-def test_fused_sgd_keeps_no_state(rng):
-    # SGD: an empty SGDState; the step is G -= lr * g on the touched slices (the core's apply_gradients).
-    mod = _module("linen")
-    kw = dict(feature_table_map=FMAP, impl="xla")
-    emb = tt_jax.TTEmbeddingBag(SPECS, **kw)
-    idx, off, _ = _batch(rng, weighted=False)
-    tx = tt_jax.sgd(learning_rate=0.5)
-    layer = mod.TTEmbeddingBag(SPECS, optimizer=tx, **kw)
-    fused = layer.init(jax.random.key(0), *_empty_batch())[mod.FUSED_COLLECTION]
-    assert fused["opt_state"] == tt_jax.SGDState()
-    fused = {"embedding": _params(kw, 1), "opt_state": fused["opt_state"]}
-    new = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply({mod.FUSED_COLLECTION: v}, idx, off))))(fused)
-    assert new["opt_state"] == tt_jax.SGDState()
-    g_out = jnp.ones((BATCH, OUT_DIM), jnp.float32)
-    want, _ = jax.jit(lambda p: emb.apply_gradients(p, tt_jax.SGDState(), tt_jax.SGD(0.5), idx, off, g_out))(
-        fused["embedding"])
-    _close(new["embedding"], want, "linen sgd")
-    assert not np.array_equal(np.asarray(want["cores"][0][0]), np.asarray(fused["embedding"]["cores"][0][0]))
-
-
-# -- training through each layer -------------------------------------------------------------------
-# Each module's docstring trains a TT layer + dense head both ways (optax Adam on the cores; the fused
-# row-wise Adagrad) in jitted steps and checks the loss halves: test_docstring_examples runs them.
-# Here: the fused path on the kernel, and a model mixing fused TBE and TT layers.
-
-TRAIN_SPECS = [tt_jax.TTSpec(30, 8, ranks=(4, 4)), tt_jax.TTSpec(16, 8, ranks=(4,))]
-TRAIN_B = 8
-
-
-def _train_batch(rng):
-    idx, off, _ = testing.make_batch(rng, [30, 16], [TRAIN_B, TRAIN_B], (1, 4))
-    y = rng.standard_normal(TRAIN_B).astype(np.float32)
-    return jnp.asarray(idx), jnp.asarray(off), jnp.asarray(y)
-
-
-def test_fused_training_on_kernel(rng):
-    # The FlowTT forward kernel and the backward on its plans, through the NNX layer: a linear head
-    # on Adam, the cores on the fused row-wise Adagrad, one jitted step.
-    mod = _module("nnx")
-    from flax import nnx
-
-    idx, off, y = _train_batch(rng)
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = mod.TTEmbeddingBag(TRAIN_SPECS, init_std=0.3, optimizer=tt_jax.rowwise_adagrad(0.1),
-                                            rngs=rngs, **KERNEL_KW)
-            self.head = nnx.Linear(16, 1, rngs=rngs)
-
-        def __call__(self, i, o):
-            return self.head(self.embed(i, o))[:, 0]
-
-    model = Model(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adam(0.05), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer):
-        loss_fn = lambda m: jnp.mean((m(idx, off) - y) ** 2)
-        loss, g = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, mod.DIFF_FILTER))(model)
-        optimizer.update(model, mod.apply_fused(model, g))
-        return loss
-
-    losses = [float(step(model, optimizer)) for _ in range(3)]
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
-
-
-def test_mixed_tbe_and_tt_model_one_fused_step(rng):
-    # A fused TBE layer and a fused TT layer share the fused variable type: one step trains both.
-    mod = _module("nnx")
-    from flax import nnx
-
-    import tbe_jax.nnx
-
-    assert mod.Fused is tbe_jax.nnx.Fused
-    idx, off, y = _train_batch(rng)
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.tbe = tbe_jax.nnx.TableBatchedEmbed([tbe_jax.TableSpec(30, 8), tbe_jax.TableSpec(16, 8)],
-                                                     impl="xla", optimizer=tbe_jax.rowwise_adagrad(0.3), rngs=rngs)
-            self.tt = mod.TTEmbeddingBag(TRAIN_SPECS, impl="xla", init_std=0.3,
-                                         optimizer=tt_jax.rowwise_adagrad(0.1), rngs=rngs)
-
-        def __call__(self, i, o):
-            return jnp.sum(self.tbe(i, o) * self.tt(i, o), axis=1)
-
-    model = Model(nnx.Rngs(0))
-    before_tbe, before_tt = model.tbe.get_params(), model.tt.get_params()
-
-    @nnx.jit
-    def step(model):
-        loss_fn = lambda m: jnp.mean((m(idx, off) - y) ** 2)
-        loss, g = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, mod.DIFF_FILTER))(model)
-        assert not jax.tree.leaves(mod.apply_fused(model, g))
-        return loss
-
-    losses = [float(step(model)) for _ in range(10)]
-    assert losses[-1] < losses[0], losses
-    assert not np.array_equal(np.asarray(before_tbe["d8"]), np.asarray(model.tbe.get_params()["d8"]))
-    assert not np.array_equal(np.asarray(before_tt["cores"][0][0]), np.asarray(model.tt.get_params()["cores"][0][0]))
-
-
-# -- initialisation, validation, docs --------------------------------------------------------------
-
-
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_init_is_the_cores(framework):
-    mod = _module(framework)
+    mod = module("tt_jax", framework)
     emb = tt_jax.TTEmbeddingBag(SPECS, feature_table_map=FMAP, impl="xla")
     idx, off = _empty_batch()
     if framework == "linen":
         layer = mod.TTEmbeddingBag(SPECS, feature_table_map=FMAP, impl="xla", initializer="approx-uniform")
-        got = layer.init(jax.random.key(0), idx, off)["params"]["embedding"]
+        got = jax.jit(layer.init)(jax.random.key(0), idx, off)["params"]["embedding"]
         assert layer.tt == emb
         # Linen derives the parameter's key from the "params" rng and the module path: check the
         # structure and the law's bound (approx-uniform draws in [-a, a]) rather than the values.
@@ -325,43 +263,39 @@ def test_init_is_the_cores(framework):
         got = mod.core_params(f.init(jax.random.key(5))["tt_embedding_bag"], emb)
         first_key = hk.transform(lambda: hk.next_rng_key()).apply({}, jax.random.key(5))
         want = emb.init(first_key, std=0.2)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    close(got, want, framework, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("which", ["indices", "offsets"])
 def test_float_ids_raise(framework, which):
-    mod = _module(framework)
+    mod = module("tt_jax", framework)
     idx = jnp.array([1, 2, 3, 4], jnp.int32)
     off = jnp.array([0, 1, 2, 2, 3, 3, 4, 4, 4, 4, 4, 4, 4], jnp.int32)
     if which == "indices":
         idx = idx.astype(jnp.float32)
     else:
         off = off.astype(jnp.float32)
-    kw = dict(feature_table_map=FMAP, impl="xla")
     with pytest.raises(ValueError, match=f"{which} must hold integer ids.*float32"):
-        layer_call(framework, mod.TTEmbeddingBag, SPECS, idx, off, **kw)
+        layer_call(framework, mod.TTEmbeddingBag, SPECS, idx, off, feature_table_map=FMAP, impl="xla")
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_bad_options_raise(framework):
-    mod = _module(framework)
+    mod = module("tt_jax", framework)
     build = lambda *args, **kw: layer_build(framework, mod.TTEmbeddingBag, SPECS, *args, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="pooling"):
         build(pooling="max")
-    with pytest.raises(TypeError, match="tt_jax.rowwise_adagrad"):
+    with pytest.raises(TypeError, match="tt_jax.RowwiseAdagrad"):
         build(optimizer=optax.adam(0.1))
-    with pytest.raises(TypeError, match="tt_jax.rowwise_adagrad"):
-        build(optimizer=tbe_jax.rowwise_adagrad(0.1))  # the TBE's fused optimizer is not the TT's
     with pytest.raises(TypeError):
         build(FMAP)  # options are keyword-only
+    layer_build(framework, mod.TTEmbeddingBag, SPECS, optimizer=tbe_jax.RowwiseAdagrad(0.1))  # one family
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_every_core_option_is_forwarded(framework):
-    mod = _module(framework)
+    mod = module("tt_jax", framework)
     core = inspect.signature(tt_jax.TTEmbeddingBag.__init__).parameters
     want = {n for n, p in core.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     if framework == "linen":
@@ -374,7 +308,7 @@ def test_every_core_option_is_forwarded(framework):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_docstring_examples(framework):
-    # The module docstrings train both ways (optax; fused row-wise Adagrad) and check the loss halves.
-    mod = _module(framework)
+    # The module docstrings train both ways (optax; the sparse train_step) and check the loss halves.
+    mod = module("tt_jax", framework)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result

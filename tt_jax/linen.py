@@ -1,8 +1,9 @@
 """Flax Linen layer over `tt_jax.TTEmbeddingBag`.
 
 `TTEmbeddingBag` is an `nn.Module` wrapping one functional `tt_jax.TTEmbeddingBag`
-(available as `layer.tt`, also on an unbound module). It mirrors
-`tbe_jax.linen.TableBatchedEmbed` and trains in one of two ways:
+(available as `layer.tt`, also on an unbound module). It is `tbe_jax.linen`'s layer
+over a tensor-train core (the same base class, collection and `train_step`, re-exported
+here) and trains in one of two ways:
 
 1. **True gradient** (default, `optimizer=None`). The TT cores are one parameter,
    `"embedding"`, in the `"params"` collection, holding the functional core's params
@@ -17,7 +18,7 @@
    >>> offsets = jnp.array([0, 2, 3, 3, 5], jnp.int32)
    >>> labels = jnp.array([1.0, -1.0])
    >>> class Model(nn.Module):
-   ...     optimizer: tt_jax.FusedOptimizer | None = None
+   ...     optimizer: tt_jax.RowwiseAdagrad | None = None
    ...     @nn.compact
    ...     def __call__(self, indices, offsets):
    ...         pooled = TTEmbeddingBag(specs, pooling="mean", impl="xla", optimizer=self.optimizer,
@@ -30,7 +31,7 @@
    >>> tx = optax.adam(0.05)
    >>> opt_state = tx.init(params)
    >>> @jax.jit
-   ... def train_step(params, opt_state):
+   ... def dense_step(params, opt_state):
    ...     def loss_fn(params):
    ...         return jnp.mean((model.apply({"params": params}, indices, offsets) - labels) ** 2)
    ...     loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -38,104 +39,87 @@
    ...     return optax.apply_updates(params, updates), opt_state, loss
    >>> losses = []
    >>> for _ in range(20):
-   ...     params, opt_state, loss = train_step(params, opt_state)
+   ...     params, opt_state, loss = dense_step(params, opt_state)
    ...     losses.append(float(loss))
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Fused optimizer** (`optimizer=tt_jax.rowwise_adagrad(...)`, `tt_jax.adagrad(...)`
-   or `tt_jax.sgd(...)`). The layer calls `TTEmbeddingBag.fused_lookup`, whose backward
-   applies the optimizer to the touched core slices and returns, as the "gradients" of
-   the cores and of the optimizer state, their **updated values**. So the cores leave
-   `"params"`: they and the optimizer state live in the collection
-   `FUSED_COLLECTION = "tbe_fused"` (the same collection as `tbe_jax.linen`'s fused
-   layers, so one training step serves a model holding both), as
-   `{"embedding": {"cores": ...}, "opt_state": RowwiseAdagradState(...)}` under the
-   layer's path. A training step differentiates the loss with respect to both
-   `"params"` and `"tbe_fused"`; the gradient of `"tbe_fused"` **is** its next value
-   (assign it, do not feed it to optax), and the dense layers train with optax:
+2. **Sparse optimizer** (`optimizer=tt_jax.RowwiseAdagrad(...)`, `tt_jax.Adagrad(...)`
+   or `tt_jax.SGD(...)`). The cores and the optimizer state live in the collection
+   `FUSED_COLLECTION = "tbe_fused"` (`{"embedding": {"cores": ...}, "opt_state":
+   RowwiseAdagradState(...)}` under the layer's path), and `train_step(loss_fn,
+   variables, *args)` trains them: the dense gradient for optax, and each layer's
+   optimizer applied to the core slices the batch touched (once per slice, with the
+   gradient of the layer's output: `tt_jax.TTEmbeddingBag.apply_gradients`):
 
-   >>> model = Model(optimizer=tt_jax.rowwise_adagrad(learning_rate=0.2))
+   >>> model = Model(optimizer=tt_jax.RowwiseAdagrad(learning_rate=0.2))
    >>> variables = model.init(jax.random.key(0), indices, offsets)
-   >>> params, fused = variables["params"], variables["tbe_fused"]
-   >>> sorted(fused["embed"])
+   >>> sorted(variables["tbe_fused"]["embed"])
    ['embedding', 'opt_state']
-   >>> opt_state = tx.init(params)                 # no Adam moments for the cores
+   >>> opt_state = tx.init(variables["params"])     # no Adam moments for the cores
+   >>> def loss_fn(variables, indices, offsets):
+   ...     return jnp.mean((model.apply(variables, indices, offsets) - labels) ** 2)
    >>> @jax.jit
-   ... def fused_step(params, fused, opt_state):
-   ...     def loss_fn(params, fused):
-   ...         pred = model.apply({"params": params, "tbe_fused": fused}, indices, offsets)
-   ...         return jnp.mean((pred - labels) ** 2)
-   ...     loss, (grads, fused) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, fused)
-   ...     updates, opt_state = tx.update(grads, opt_state, params)
-   ...     return optax.apply_updates(params, updates), fused, opt_state, loss
+   ... def sparse_step(variables, opt_state, indices, offsets):
+   ...     loss, grads, variables = tt_jax.linen.train_step(loss_fn, variables, indices, offsets)
+   ...     updates, opt_state = tx.update(grads, opt_state, variables["params"])
+   ...     variables = {**variables, "params": optax.apply_updates(variables["params"], updates)}
+   ...     return variables, opt_state, loss
    >>> losses = []
    >>> for _ in range(20):
-   ...     params, fused, opt_state, loss = fused_step(params, fused, opt_state)
+   ...     variables, opt_state, loss = sparse_step(variables, opt_state, indices, offsets)
    ...     losses.append(float(loss))
    >>> losses[-1] < losses[0] / 2
    True
    >>> core = TTEmbeddingBag(specs, pooling="mean", impl="xla").tt   # what Model's layer wraps
-   >>> [m.shape for m in core.get_momentum(fused["embed"]["opt_state"])[0]]   # one per core slice
+   >>> [m.shape for m in core.get_momentum(variables["tbe_fused"]["embed"]["opt_state"])[0]]
    [(5,), (5,), (5,)]
 
-   Rules of the fused path (those of `fused_lookup`): call each fused layer once per
-   loss and let its output reach the loss (a fused layer whose output does not
-   influence the loss gets a zero "gradient", i.e. zeroed cores); per-sample weights
-   are constants. Donate `fused` to the jitted step (`donate_argnums`) so the touched
-   slices are updated in place.
+   The rules of `tbe_jax.linen`'s sparse path apply (one call per layer per loss,
+   directly in the loss; a disconnected output does not move its cores).
 
 The functional core: `layer.tt` is the wrapped `tt_jax.TTEmbeddingBag`, so
 `layer.tt.get_cores(variables["params"]["embedding"])` (or
-`variables["tbe_fused"]["embedding"]` in fused mode) gives the per-table cores,
+`variables["tbe_fused"]["embedding"]` in sparse mode) gives the per-table cores,
 `layer.tt.full_table(...)` the materialised tables, and
-`layer.tt.get_momentum(fused["opt_state"])` the Adagrad accumulators.
+`layer.tt.get_momentum(...["opt_state"])` the Adagrad accumulators.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
-
 
 try:
     import flax.linen as nn
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import check_ids, check_optimizer
-from tbe_jax.linen import FUSED_COLLECTION
+from tbe_jax._layers import cached_core
+from tbe_jax.linen import FUSED_COLLECTION, SparseEmbedBase, StepResult, train_step
+from tbe_jax.optim import Optimizer
 from tt_jax.kernels.forward import TTKernelConfig
-from tt_jax.optim import FusedOptimizer
 from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
-__all__ = ["FUSED_COLLECTION", "TTEmbeddingBag"]
-_MAKERS = "tt_jax.rowwise_adagrad(...), tt_jax.adagrad(...) or tt_jax.sgd(...)"  # in the error for a bad optimizer
+__all__ = ["FUSED_COLLECTION", "StepResult", "TTEmbeddingBag", "train_step"]
 
 
-@functools.lru_cache(maxsize=256)
-def _core(specs, feature_table_map, pooling, impl, interpret, config) -> _TTCore:
-    return _TTCore(specs, feature_table_map=feature_table_map, pooling=pooling, impl=impl, interpret=interpret,
-                   config=config)
-
-
-class TTEmbeddingBag(nn.Module):
+class TTEmbeddingBag(SparseEmbedBase):
     """Tensor-train embedding bags as a Linen module.
 
     Args (the options of `tt_jax.TTEmbeddingBag`, `specs` positional, the rest
     keyword-only):
       specs: one `TTSpec` or a sequence of them.
-      feature_table_map, pooling, impl, interpret, config: forwarded to
-        `tt_jax.TTEmbeddingBag`.
+      feature_table_map, pooling, impl, interpret, config, bounds_check: forwarded to
+        `tt_jax.TTEmbeddingBag` when not None (None: the core's default).
       initializer, init_std: the core's `init(key, init=initializer, std=init_std)`
         ("approx-normal" or "approx-uniform"; std None: FBGEMM's table scale).
       optimizer: None (true-gradient mode: the cores are the parameter `"embedding"`
-        in `"params"`), or `tt_jax.rowwise_adagrad(...)` / `tt_jax.adagrad(...)` /
-        `tt_jax.sgd(...)` (fused mode: the cores, `"embedding"`, and the optimizer
-        state, `"opt_state"`, live in the `"tbe_fused"` collection, whose gradient is
-        its next value; see the module docstring for the training step).
+        in `"params"`), or `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` /
+        `tt_jax.SGD(...)` (sparse mode: the cores, `"embedding"`, and the optimizer
+        state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
+        `train_step`, see the module docstring).
 
     Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional
     core's input format (FBGEMM's: flat ids, feature-major offsets of length F*B+1)
@@ -170,32 +154,28 @@ class TTEmbeddingBag(nn.Module):
     impl: str = "auto"
     interpret: bool = False
     config: TTKernelConfig | None = None
+    bounds_check: str | None = None
     initializer: str = "approx-normal"
     init_std: float | None = None
-    optimizer: FusedOptimizer | None = None
+    optimizer: Optimizer | None = None
 
-    def __post_init__(self):
-        check_optimizer(self.optimizer, FusedOptimizer, _MAKERS)
-        self.tt  # noqa: B018  (builds the core: bad options fail here, with the core's messages)
-        super().__post_init__()
+    _MAKERS = "tt_jax.RowwiseAdagrad(...), tt_jax.Adagrad(...) or tt_jax.SGD(...)"
+
+    def _build_core(self) -> _TTCore:
+        specs = (self.specs,) if isinstance(self.specs, TTSpec) else tuple(self.specs)
+        fmap = None if self.feature_table_map is None else tuple(int(t) for t in self.feature_table_map)
+        return cached_core(_TTCore, specs, dict(feature_table_map=fmap, pooling=self.pooling, impl=self.impl,
+                                                interpret=bool(self.interpret), config=self.config,
+                                                bounds_check=self.bounds_check))
+
+    def _init_params(self, key):
+        return self._build_core().init(key, self.initializer, self.init_std)
 
     @property
     def tt(self) -> _TTCore:
         """The wrapped functional `tt_jax.TTEmbeddingBag` (immutable, hashable)."""
-        specs = (self.specs,) if isinstance(self.specs, TTSpec) else tuple(self.specs)
-        fmap = None if self.feature_table_map is None else tuple(int(t) for t in self.feature_table_map)
-        return _core(specs, fmap, self.pooling, self.impl, bool(self.interpret), self.config)
-
-    def _init_params(self, key):
-        return self.tt.init(key, self.initializer, self.init_std)
+        return self._build_core()
 
     @nn.compact
     def __call__(self, indices, offsets, per_sample_weights=None):
-        check_ids(indices, offsets)
-        emb = self.tt
-        if self.optimizer is None:
-            params = self.param("embedding", self._init_params)
-            return emb(params, indices, offsets, per_sample_weights)
-        cores = self.variable(FUSED_COLLECTION, "embedding", lambda: self._init_params(self.make_rng("params")))
-        state = self.variable(FUSED_COLLECTION, "opt_state", lambda: self.optimizer.init(cores.value))
-        return emb.fused_lookup(cores.value, state.value, self.optimizer, indices, offsets, per_sample_weights)
+        return self._embed(indices, offsets, per_sample_weights, {})
