@@ -112,6 +112,14 @@ def train_step(loss_fn: Callable, dense_params, lookups, *, has_aux: bool = Fals
         if not hasattr(lk.emb, "_step_forward"):
             raise TypeError(f"SparseLookup.emb must be a TableBatchedEmbedding or TTEmbeddingBag, "
                             f"got {type(lk.emb).__name__}")
+    seen = {}
+    for k, lk in items.items():  # each table in one lookup per step: two would each update from the old values
+        for leaf in jax.tree_util.tree_leaves(lk.params):
+            if id(leaf) in seen and seen[id(leaf)] != k:
+                raise ValueError(
+                    f"lookups {seen[id(leaf)]!r} and {k!r} share tables: a step must look each table up once "
+                    "(look one table up for several features with the embedding's feature_table_map)")
+            seen[id(leaf)] = k
     outputs, residuals = {}, {}
     for k, lk in items.items():
         outputs[k], residuals[k] = lk.emb._step_forward(lk.params, lk.indices, lk.offsets, lk.per_sample_weights,

@@ -36,3 +36,4 @@ def test_layer_snippet_runs():
     (code,) = _section_code("### Layers: Flax Linen, Flax NNX, Haiku")
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102
     assert [t.shape for t in ns["per_table"]] == [(100, 8), (50, 4)]
+
