@@ -1,11 +1,14 @@
-"""TBE backward benchmark: the sorted-run backward with fused row-wise Adagrad.
+"""TBE backward benchmark: the sorted-run backward with row-wise Adagrad on the looked-up rows.
 
 For each preset (tbe_jax.testing.PRESETS, the anchors' workloads):
 - "bwd": `emb.apply_gradients` alone (linearise, sort, run-length encode, the
   short/long-run kernels, the row-wise Adagrad update), on donated tables.
-- "fwd+bwd": a training step through `emb.fused_lookup` under `jax.grad`
-  (forward kernel, then the backward above as the lookup's VJP); "bwd (step)"
-  is that minus the forward, which is how the anchors derive FBGEMM's "bwd".
+- "fwd+bwd": a training step through `tbe_jax.train_step` (forward kernel, the
+  gradient of the loss with respect to the lookup's output, then the backward
+  above; with `BackwardConfig.sort_in_forward` the sort runs in the forward and
+  the update reuses it); "bwd (step)" is that minus the forward, which is how the
+  anchors derive FBGEMM's "bwd". The optimizer is an ordinary argument of the
+  jitted step (its hyperparameters are run-time values).
 - the XLA baseline of the anchors, in the same process: forward (take +
   segment_sum), `jax.vjp` to a dense gradient, a dense row-wise Adagrad over
   every row.
@@ -15,7 +18,7 @@ and state to the next (donated), rotating over `--sets` input sets, block once;
 median of `--reps`. Optimizer as the anchors: lr 0.1, eps 0.1.
 
 `--scaling` adds the flat-with-E run: fixed lookups, table rows growing 100x;
-the fused step must not grow with E (no per-step work proportional to tables).
+the training step must not grow with E (no per-step work proportional to tables).
 
 Results go to benchmarks/results/backward-<date>-<gpu>.json.
 """
@@ -64,15 +67,23 @@ def _loss(out, g):
     return jnp.sum(out * g) + 5e-4 * jnp.sum(out * out)
 
 
-def fused_train_step(emb, tx):
-    """A jitted training step through `emb.fused_lookup` under `jax.grad`, carry (tables, state) donated."""
+def sparse_train_step(emb):
+    """A jitted training step through `tbe_jax.train_step`: `step((tables, state), opt, indices, offsets,
+    per_sample_weights, g) -> (tables, state)`, the carry donated, the optimizer an ordinary argument."""
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def step(carry, i, o, s, g):
-        loss = lambda p, st: _loss(emb.fused_lookup(p, st, tx, i, o, s), g)  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))(*carry)
+    def step(carry, opt, i, o, s, g):
+        params, state = carry
+        res = tbe_jax.train_step(lambda _, out: _loss(out, g), None,
+                                 tbe_jax.SparseLookup(emb, opt, params, state, i, o, s))
+        return res.params, res.opt_state
 
     return step
+
+
+def with_opt(opt, sets):
+    """The input sets with the optimizer first (the arguments of a `sparse_train_step` after the carry)."""
+    return [(opt,) + tuple(s) for s in sets]
 
 
 def time_chain(step, carry, arg_sets, iters, reps):
@@ -141,7 +152,6 @@ def run_workload(wl, args, bcfgs):
     emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, **kw)
     ref_emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla", **kw)
     opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
-    tx = tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS)
     row = {"workload": dataclasses.asdict(wl), "variants": {}}
     bcfg = next(iter(bcfgs.values()))
     row["unique_rows"] = unique_rows(wl, sets)
@@ -183,12 +193,12 @@ def run_workload(wl, args, bcfgs):
     # Backward alone: apply_gradients on donated tables/state, per kernel config.
     for cname, cfg in bcfgs.items():
         @functools.partial(jax.jit, donate_argnums=(0,))
-        def bwd_step(carry, i, o, s, g, cfg=cfg):
+        def bwd_step(carry, opt, i, o, s, g, cfg=cfg):
             p, st = carry
             return emb.apply_gradients(p, st, opt, i, o, g, s, backward_config=cfg)
 
         carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
-        ms, carry = time_chain(bwd_step, carry, sets, args.iters, args.reps)
+        ms, carry = time_chain(bwd_step, carry, with_opt(opt, sets), args.iters, args.reps)
         row["variants"][cname] = {"config": dataclasses.asdict(cfg), "bwd_ms": ms}
         del carry
     best = min(row["variants"], key=lambda k: row["variants"][k]["bwd_ms"])
@@ -198,19 +208,19 @@ def run_workload(wl, args, bcfgs):
     emb_sif = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, **kw,
                                             backward_config=dataclasses.replace(bcfg, sort_in_forward=True))
 
-    # A training step through fused_lookup under jax.grad (forward + fused backward), and the same step
-    # with the sort/RLE moved into the forward (BackwardConfig.sort_in_forward).
-    train_step = fused_train_step(emb, tx)
+    # A training step through tbe_jax.train_step (forward + output gradient + sparse update), and the same
+    # step with the sort/RLE moved into the forward (BackwardConfig.sort_in_forward).
+    train_step = sparse_train_step(emb)
     carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
-    row["fwd_bwd_ms"], carry = time_chain(train_step, carry, sets, args.iters, args.reps)
+    row["fwd_bwd_ms"], carry = time_chain(train_step, carry, with_opt(opt, sets), args.iters, args.reps)
     del carry
     row["bwd_step_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
     carry = jax.tree_util.tree_map(jnp.copy, (params0, state0))
-    row["fwd_bwd_sort_in_forward_ms"], carry = time_chain(fused_train_step(emb_sif, tx), carry, sets, args.iters,
-                                                          args.reps)
+    row["fwd_bwd_sort_in_forward_ms"], carry = time_chain(sparse_train_step(emb_sif), carry, with_opt(opt, sets),
+                                                          args.iters, args.reps)
     del carry
     if args.hlo_dir:
-        text = train_step.lower((params0, state0), *sets[0]).compile().as_text()
+        text = train_step.lower((params0, state0), opt, *sets[0]).compile().as_text()
         path = os.path.join(args.hlo_dir, f"train_step-{wl.name}.hlo.txt")
         with open(path, "w") as fh:
             fh.write(text)
@@ -278,15 +288,15 @@ def scaling_run(args):
         sets = make_sets(wl, args.sets)
         tables = [tbe_jax.TableSpec(e, 128) for _ in range(4)]
         emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, impl="pallas")
-        tx = tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS)
+        opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
         params = emb.init(jax.random.key(0))
-        state = tx.init(params)
+        state = emb.init_opt_state(params, opt)
 
-        train_step = fused_train_step(emb, tx)
-        ms, carry = time_chain(train_step, (params, state), sets, args.iters, args.reps)
+        train_step = sparse_train_step(emb)
+        ms, carry = time_chain(train_step, (params, state), with_opt(opt, sets), args.iters, args.reps)
         del carry
         rows.append({"E_per_table": e, "table_bytes": 4 * e * 128 * 2, "fwd_bwd_ms": ms})
-        print(f"scaling E={e:>9d}: fused step {ms:.4f} ms", flush=True)
+        print(f"scaling E={e:>9d}: train step {ms:.4f} ms", flush=True)
     return rows
 
 
@@ -300,7 +310,7 @@ def main():
     ap.add_argument("--sets", type=int, default=4)
     ap.add_argument("--scaling", action="store_true", help="also run the flat-with-E scaling run")
     ap.add_argument("--no-xla", action="store_true")
-    ap.add_argument("--hlo-dir", default="", help="write each fused train step's compiled HLO here")
+    ap.add_argument("--hlo-dir", default="", help="write each train step's compiled HLO here")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     bcfgs = {}

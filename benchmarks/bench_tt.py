@@ -24,11 +24,12 @@ Variants (`--variants`, comma-separated):
 - pallas_bwd_xla:     ... with backward="xla" (the XLA backward on the kernel's plans; --bwd compares the two)
 - pallas_plan:        preprocessing only (sort, unique, prefix groups, work items, inverse map)
 - pallas_plan_rows:   preprocessing + the rows kernel (no pooling): with pallas_plan, the breakdown
-- train_sgd / train_adagrad / train_rowwise: one training step of the fused path: the forward, then
-                      `jax.grad` of 0.5*sum(out**2) through `emb.fused_lookup`, whose backward is the
-                      Pallas prefix-reuse backward (`tt_jax.kernels.backward`) with the optimizer (SGD,
-                      element-wise Adagrad, row-wise Adagrad) applied densely over each core (zero gradient
-                      on untouched slices). "fwd_ms" of these is the whole step; with
+- train_sgd / train_adagrad / train_rowwise: one training step, `tbe_jax.train_step` with the loss
+                      0.5*sum(out**2): the forward (its plans kept), the output gradient, then
+                      `apply_gradients` on those plans: the Pallas prefix-reuse backward
+                      (`tt_jax.kernels.backward`) with the optimizer (SGD, element-wise Adagrad, row-wise
+                      Adagrad) applied densely over each core (zero gradient on untouched slices); the
+                      optimizer's state is a fresh one each call. "fwd_ms" of these is the whole step; with
                       pallas_plan and pallas the breakdown is plan / forward / backward+optimizer.
 - pallas{k=v,...}:    one per `--configs` entry: the base config with those fields replaced (a sweep)
 
@@ -184,16 +185,15 @@ def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpre
     }.get(name, base)
     ftm = tuple(range(len(specs)))
     if name in TRAIN_VARIANTS:
-        tx = {"train_sgd": tt_jax.sgd(0.01), "train_adagrad": tt_jax.adagrad(0.01),
-              "train_rowwise": tt_jax.rowwise_adagrad(0.01)}[name]
+        opt = {"train_sgd": tt_jax.SGD(0.01), "train_adagrad": tt_jax.Adagrad(0.01),
+               "train_rowwise": tt_jax.RowwiseAdagrad(0.01)}[name]
         emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)
 
         def step(all_cores, idx, off):
             params = {"cores": all_cores}
-            state = tx.init(params)
-            loss = lambda p, s: 0.5 * jnp.sum(emb.fused_lookup(p, s, tx, idx, off) ** 2)  # noqa: E731
-            new_params, new_state = jax.grad(loss, argnums=(0, 1))(params, state)
-            return new_params["cores"], new_state
+            res = tbe_jax.train_step(lambda _, out: 0.5 * jnp.sum(out**2), None, tbe_jax.SparseLookup(
+                emb, opt, params, emb.init_opt_state(params, opt), idx, off))
+            return res.params["cores"], res.opt_state
         return step, cfg
     if name in ("pallas_plan", "pallas_plan_rows"):
         def part(all_cores, idx, off):

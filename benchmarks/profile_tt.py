@@ -1,4 +1,4 @@
-"""Where a TT training step's time goes: each stage of the fused path timed alone (GPU).
+"""Where a TT training step's time goes: each stage of `tbe_jax.train_step` on a TT table timed alone (GPU).
 
 Stages (workload a by default, one table group): the plan (sort, unique, groups, items), the forward
 kernels, and the Pallas backward's pieces: per-lookup sources, the per-row gradient sum (`d_rows`),
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import tbe_jax  # noqa: E402
 import tt_jax  # noqa: E402
 from tt_jax import optim, prefix, workloads  # noqa: E402
 from tt_jax.kernels import backward as kb  # noqa: E402
@@ -114,17 +115,17 @@ def main():
                 interpret=interpret))(all_cores, plan, off, g_out)
             opt = optim.Adagrad(0.01)
             mom = [jnp.zeros(c.shape, jnp.float32) for c in all_cores[0]]
-            t("optimizer_dense_adagrad", lambda cs, ms, gs: [optim.update_dense(opt, c, m, g)
-                                                             for c, m, g in zip(cs, ms, gs)],
-              list(all_cores[0]), mom, list(grads[0]))
-            tx = tt_jax.adagrad(0.01)
+            t("optimizer_dense_adagrad",
+              lambda cs, ms, gs, opt: [optim.update_dense(opt.rule(), opt.hyperparameters(jnp.int32(0)), c, m, g)
+                                       for c, m, g in zip(cs, ms, gs)],
+              list(all_cores[0]), mom, list(grads[0]), opt)
 
-            def step(c, i, o):
+            def step(c, opt, i, o):
                 params = {"cores": c}
-                state = tx.init(params)
-                loss = lambda p, s: 0.5 * jnp.sum(emb.fused_lookup(p, s, tx, i, o) ** 2)  # noqa: E731
-                return jax.grad(loss, argnums=(0, 1))(params, state)
-            t("train_step_adagrad", step, all_cores, idx, off)
+                res = tbe_jax.train_step(lambda _, out: 0.5 * jnp.sum(out**2), None, tbe_jax.SparseLookup(
+                    emb, opt, params, emb.init_opt_state(params, opt), i, o))
+                return res.params, res.opt_state
+            t("train_step_adagrad", step, all_cores, opt, idx, off)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
             all_res.append(res)
     if args.out:

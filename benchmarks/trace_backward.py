@@ -1,7 +1,7 @@
 """Per-kernel GPU time of the TBE backward step (`apply_gradients`), from a profiler trace.
 
 Runs `--iters` donated `apply_gradients` steps (or, with --fwd-bwd, training steps
-through `fused_lookup` under `jax.grad`) under `jax.profiler.trace`, reads the
+through `tbe_jax.train_step`) under `jax.profiler.trace`, reads the
 trace's JSON (`plugins/profile/*/*.trace.json.gz`) and sums the device events by
 kernel name: ms per step for each kernel (XLA fusions, CUB sort passes, the
 Pallas kernels), sorted by time. Saves JSON with --out.
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
-from bench_backward import EPS, LR, fused_train_step, make_sets  # noqa: E402
+from bench_backward import EPS, LR, make_sets, sparse_train_step, with_opt  # noqa: E402
 
 
 def device_events(log_dir: str) -> list[dict]:
@@ -85,12 +85,12 @@ def main():
         params = emb.init(jax.random.key(0))
         state = emb.init_opt_state(params, opt)
         if args.fwd_bwd:
-            step = fused_train_step(emb, tbe_jax.rowwise_adagrad(learning_rate=LR, eps=EPS))
+            step = sparse_train_step(emb)
         else:
             @functools.partial(jax.jit, donate_argnums=(0,))
-            def step(carry, i, o, s, g):
+            def step(carry, opt, i, o, s, g):
                 return emb.apply_gradients(*carry, opt, i, o, g, s)
-        kernels = profile(step, (params, state), sets, args.iters)
+        kernels = profile(step, (params, state), with_opt(opt, sets), args.iters)
         total = sum(v["ms"] for v in kernels.values())
         res["presets"][name] = {"total_ms": total, "kernels": kernels}
         print(f"== {name}: {total:.3f} ms of device events per step")

@@ -36,18 +36,28 @@ def tables_f64(emb, params):
     return [np.asarray(t, np.float64) for t in emb.get_tables(params)]
 
 
-def model_step_f64(tables, momentum, touched, grads, opt):
-    """Float64 model of one exact row-wise Adagrad / SGD step on the touched rows: (tables, momentum or None)."""
+def learning_rate_f64(opt, count: int = 0) -> float:
+    """The learning rate of `opt`'s step number `count` (0: the first step), as a float: a float or a
+    scalar array as given, a schedule evaluated at `count` (optax's convention)."""
+    lr = opt.learning_rate
+    return float(np.asarray(lr(count) if callable(lr) else lr, np.float64))
+
+
+def model_step_f64(tables, momentum, touched, grads, opt, count: int = 0):
+    """Float64 model of one exact row-wise Adagrad / SGD step on the touched rows: (tables, momentum or None).
+
+    `count`: the optimizer state's step count before this step (the schedule's argument)."""
+    lr = learning_rate_f64(opt, count)
     new_t, new_m = [], []
     for t, (w, g, hit) in enumerate(zip(tables, grads, touched)):
         w = w.copy()
         if isinstance(opt, tbe_jax.RowwiseAdagrad):
             m = momentum[t].copy()
             m[hit] += np.mean(g[hit] ** 2, axis=1)
-            w[hit] -= opt.learning_rate * g[hit] / (np.sqrt(m[hit])[:, None] + opt.eps)
+            w[hit] -= lr * g[hit] / (np.sqrt(m[hit])[:, None] + float(opt.eps))
             new_m.append(m)
         else:
-            w[hit] -= opt.learning_rate * g[hit]
+            w[hit] -= lr * g[hit]
         new_t.append(w)
     return new_t, (new_m if isinstance(opt, tbe_jax.RowwiseAdagrad) else None)
 

@@ -1,4 +1,4 @@
-"""Sorted-run backward with the fused optimizer (apply_gradients).
+"""Sorted-run backward with the sparse optimizer (apply_gradients, and tbe_jax.train_step around it).
 
 Kernels run compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW);
 both are checked against the jnp reference and a float64 NumPy model.
@@ -121,8 +121,8 @@ def test_invalid_ids_are_skipped(rng):
     idx = np.array([1, 12, -1, 3, 9, -4], np.int32)
     off = np.array([0, 3, 3, 5, 6], np.int32)
     g = rng.standard_normal((2, 16)).astype(np.float32)
-    got, _ = emb.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
-    want, _ = ref.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
+    got, _ = emb.apply_gradients(params, opt.init(params), opt, idx, off, g)
+    want, _ = ref.apply_gradients(params, opt.init(params), opt, idx, off, g)
     for a, b in zip(emb.get_tables(got), emb.get_tables(want)):
         assert_close(a, b, 1e-6)
 
@@ -219,31 +219,30 @@ def test_errors():
     params = emb.init(jax.random.key(0))
     idx = np.array([1], np.int32)
     off = np.array([0, 1], np.int32)
+    sgd_state = tbe_jax.SGD().init(params)
     with pytest.raises(TypeError, match="opt must be"):
-        emb.apply_gradients(params, tbe_jax.SGDState(), "adam", idx, off, np.zeros((1, 4), np.float32))
-    with pytest.raises(ValueError, match="RowwiseAdagradState"):
-        emb.apply_gradients(params, tbe_jax.SGDState(), tbe_jax.RowwiseAdagrad(), idx, off,
-                            np.zeros((1, 4), np.float32))
+        emb.apply_gradients(params, sgd_state, "adam", idx, off, np.zeros((1, 4), np.float32))
+    with pytest.raises(TypeError, match="needs a RowwiseAdagradState"):
+        emb.apply_gradients(params, sgd_state, tbe_jax.RowwiseAdagrad(), idx, off, np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match="grad_output has shape"):
-        emb.apply_gradients(params, tbe_jax.SGDState(), tbe_jax.SGD(), idx, off, np.zeros((2, 4), np.float32))
+        emb.apply_gradients(params, sgd_state, tbe_jax.SGD(), idx, off, np.zeros((2, 4), np.float32))
     with pytest.raises(ValueError, match="learning_rate"):
         tbe_jax.RowwiseAdagrad(learning_rate=0.0)
 
 
 
 @pytest.mark.parametrize("impl", ["xla", "kernel"])
-@pytest.mark.parametrize("make_tx", [lambda: tbe_jax.rowwise_adagrad(0.1, 1e-3), lambda: tbe_jax.sgd(0.1)],
+@pytest.mark.parametrize("make_opt", [lambda: tbe_jax.rowwise_adagrad(0.1, 1e-3), lambda: tbe_jax.sgd(0.1)],
                          ids=["adagrad", "sgd"])
-def test_fused_lookup_under_grad_equals_apply_gradients(rng, impl, make_tx):
-    # A model step written the ordinary way: jax.grad over the whole loss. The
-    # embedding's "gradients" are its updated tables and state, equal to
-    # apply_gradients with the output gradient; the dense layer's gradient is exact.
+def test_train_step_equals_apply_gradients(rng, impl, make_opt):
+    # A model step through tbe_jax.train_step: the tables and state after it equal apply_gradients with the
+    # gradient of the loss with respect to the pooled output; the dense layer's gradient is exact.
     tables = specs([30, 12], [8, 8])
     kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
     emb = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", **kw)
-    tx = make_tx()
+    opt = make_opt()
     params = emb.init(jax.random.key(7))
-    state = tx.init(params)
+    state = emb.init_opt_state(params, opt)
     dense = jnp.asarray(rng.standard_normal((16, 3)).astype(np.float32))
     idx, off, _ = testing.make_batch(rng, [30, 12], [6, 6], (0, 8))
     target = jnp.asarray(rng.standard_normal((6, 3)).astype(np.float32))
@@ -251,21 +250,28 @@ def test_fused_lookup_under_grad_equals_apply_gradients(rng, impl, make_tx):
     def head(dense, pooled):
         return jnp.mean((pooled @ dense - target) ** 2)
 
-    def loss(dense, params, state):
-        return head(dense, emb.fused_lookup(params, state, tx, idx, off))
+    @jax.jit
+    def step(dense, params, state, opt):
+        return tbe_jax.train_step(head, dense, tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
 
-    g_dense, new_params, new_state = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(dense, params, state)
+    res = step(dense, params, state, opt)
     pooled = emb(params, idx, off)
     g_pooled = jax.grad(head, argnums=1)(dense, pooled)
-    want_params, want_state = emb.apply_gradients(params, state, tx.opt, idx, off, g_pooled)
+    want_params, want_state = emb.apply_gradients(params, state, opt, idx, off, g_pooled)
+    assert jax.tree.structure(res.opt_state) == jax.tree.structure(want_state) == jax.tree.structure(state)
     for key in params:
-        assert_close(new_params[key], want_params[key], 1e-6)
-    if isinstance(tx.opt, tbe_jax.RowwiseAdagrad):
-        for a, b in zip(emb.get_momentum(new_state), emb.get_momentum(want_state)):
+        assert_close(res.params[key], want_params[key], 1e-6)
+    if isinstance(opt, tbe_jax.RowwiseAdagrad):
+        for a, b in zip(emb.get_momentum(res.opt_state), emb.get_momentum(want_state)):
             assert_close(a, b, 1e-6)
-    assert_close(g_dense, jax.grad(head)(dense, pooled), 1e-6)
-    with pytest.raises(TypeError, match="rowwise_adagrad"):
-        emb.fused_lookup(params, state, tx.opt, idx, off)
+    assert int(res.opt_state.count) == int(want_state.count) == 1
+    assert_close(res.grads, jax.grad(head)(dense, pooled), 1e-6)
+    assert_close(res.outputs, pooled, 1e-6)
+    assert_close(res.loss, head(dense, pooled), 1e-6)
+    assert int(res.report.invalid_indices) == 0 and int(res.report.nonfinite_grads) == 0
+    # The removed training path fails loudly instead of returning updated tables as gradients.
+    with pytest.raises(TypeError, match="train_step"):
+        jax.grad(lambda p: head(dense, emb.fused_lookup(p, state, opt, idx, off)))(params)
 
 
 @pytest.mark.parametrize("length", [1, 8, 9, 255, 256, 257, 10_000])
@@ -305,8 +311,8 @@ def test_one_row_hit_by_every_lookup(rng):
     idx = np.full(600, 4, np.int32)
     off = np.array([0, 0, 100, 350, 600], np.int32)  # an empty bag first
     g = rng.standard_normal((4, 16)).astype(np.float32)
-    got, _ = emb.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
-    want, _ = ref.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)
+    got, _ = emb.apply_gradients(params, opt.init(params), opt, idx, off, g)
+    want, _ = ref.apply_gradients(params, opt.init(params), opt, idx, off, g)
     assert_close(emb.get_tables(got)[0], emb.get_tables(want)[0], 5e-5)
     before = np.asarray(emb.get_tables(params)[0])
     after = np.asarray(emb.get_tables(got)[0])
@@ -335,38 +341,44 @@ def test_bitwise_reproducible(rng):
 
 
 def test_sort_in_forward_matches(rng):
+    # train_step with the sort/RLE in the lookup's forward (reused by the update) equals the default.
     tables = specs([20, 9], [8, 8])
     idx, off, psw = testing.make_batch(rng, [20, 9], [5, 5], (0, 12), weighted=True)
-    tx = tbe_jax.rowwise_adagrad(0.1, 1e-3)
+    opt = tbe_jax.rowwise_adagrad(0.1, 1e-3)
     results = []
     for sif in (False, True):
         emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW,
                                             backward_config=tbe_jax.BackwardConfig(sort_in_forward=sif))
         params = emb.init(jax.random.key(1))
-        state = tx.init(params)
-        loss = lambda p, s: jnp.sum(jnp.sin(emb.fused_lookup(p, s, tx, idx, off, psw)))  # noqa: E731
-        results.append(jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state))
+        state = emb.init_opt_state(params, opt)
+        lookup = lambda p, s: tbe_jax.SparseLookup(emb, opt, p, s, idx, off, psw)  # noqa: E731
+        res = jax.jit(lambda p, s: tbe_jax.train_step(lambda _, out: jnp.sum(jnp.sin(out)), None, lookup(p, s)))(
+            params, state)
+        results.append((res.params, res.opt_state, res.loss))
+    assert np.any(np.asarray(results[0][1].momentum["d8"]) > 0)  # the step did something
     for a, b in zip(jax.tree_util.tree_leaves(results[0]), jax.tree_util.tree_leaves(results[1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled HLO of the GPU kernels")
-def test_fused_step_copies_no_table():
-    # The donated fused training step must update tables and accumulators in place:
+def test_train_step_copies_no_table():
+    # The donated training step (tbe_jax.train_step) must update tables and accumulators in place:
     # in the compiled HLO, nothing but the kernels' custom calls produces a
     # table-shaped value (no copy, no elementwise pass over the table).
     emb = tbe_jax.TableBatchedEmbedding(specs([100_003], [64]), weights_dtype=jnp.float16, impl="pallas")
-    tx = tbe_jax.rowwise_adagrad(0.1)
+    opt = tbe_jax.RowwiseAdagrad(0.1)
     params = emb.init(jax.random.key(0))
-    state = tx.init(params)
+    state = emb.init_opt_state(params, opt)
     idx = jnp.arange(64, dtype=jnp.int32)
     off = jnp.array([0, 20, 64], jnp.int32)
 
-    def step(carry, idx, off):
+    def step(carry, opt, idx, off):
         p, s = carry
-        return jax.grad(lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off) ** 2), argnums=(0, 1))(p, s)
+        res = tbe_jax.train_step(lambda _, out: jnp.sum(out.astype(jnp.float32) ** 2), None,
+                                 tbe_jax.SparseLookup(emb, opt, p, s, idx, off))
+        return res.params, res.opt_state
 
-    text = jax.jit(step, donate_argnums=0).lower((params, state), idx, off).compile().as_text()
+    text = jax.jit(step, donate_argnums=0).lower((params, state), opt, idx, off).compile().as_text()
     assert "input_output_alias" in text
     offenders = []
     for line in text.splitlines():
@@ -477,5 +489,5 @@ def test_stochastic_rounding_leaves_fp32_tables_exact(rng):
     outs = []
     for sr in (False, True):
         opt = tbe_jax.SGD(0.1, stochastic_rounding=sr)
-        outs.append(np.asarray(emb.apply_gradients(params, tbe_jax.SGDState(), opt, idx, off, g)[0]["d8"]))
+        outs.append(np.asarray(emb.apply_gradients(params, opt.init(params), opt, idx, off, g)[0]["d8"]))
     np.testing.assert_array_equal(outs[0], outs[1])

@@ -126,6 +126,18 @@ def test_short_training_lowers_loss_and_raises_auc():
     assert np.isfinite(r["final_loss"]) and r["steps_per_s"] > 0
     s = r["state"]
     assert isinstance(s.emb_state, tbe_jax.RowwiseAdagradState) and s.step == 60
+    assert s.emb_state.count.dtype == jnp.int32 and int(s.emb_state.count) == 60
+
+    # The embedding optimizer is an ordinary argument of the jitted step: another --emb-lr reuses its
+    # compiled code. --emb-share times the embeddings alone (lookup + apply_gradients) against the step.
+    r2 = train.main(TINY + ["--steps", "2", "--eval-batches", "1", "--emb-lr", "0.2", "--emb-share"])
+    assert r2["steps"] == 2 and np.isfinite(r2["final_loss"]) and r2["emb_share"] > 0
+    assert int(r2["state"].emb_state.count) == 2
+    model = model_lib.DLRM(model_lib.DLRMConfig.preset("tiny", data_lib.DataConfig.preset("tiny").table_rows,
+                                                       impl="xla"))
+    built = train.build(model, train.SIZES["tiny"].lr, 0.2)
+    assert built.emb_opt.learning_rate == 0.2
+    assert built.train_step._cache_size() == 1  # one compile for emb_lr 0.05 and 0.2
 
 
 def test_checkpoint_resume_is_bit_exact(tmp_path):
@@ -154,11 +166,49 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     on_disk_b = train.restore_checkpoint(train.latest_checkpoint(tmp_path / "b"), init_fn)
     assert on_disk_a.step == on_disk_b.step == 24
     assert isinstance(on_disk_b.emb_state, tbe_jax.RowwiseAdagradState)
+    assert on_disk_b.emb_state.count.dtype == jnp.int32 and int(on_disk_b.emb_state.count) == 24
     assert _tree_equal(on_disk_a, a) and _tree_equal(on_disk_b, a)
 
     # Resuming with different settings is refused.
     with pytest.raises(SystemExit):
         train.main(common + ["--steps", "30", "--lr", "1e-2", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+
+
+@pytest.mark.parametrize("tt", [False, True], ids=["tbe", "tbe+tt"])
+def test_checkpoint_without_count_restores(tmp_path, tt):
+    # A checkpoint written before the optimizer states had a step count (their NamedTuples were saved as
+    # {"momentum": ...}) restores into today's states, the count set to the checkpoint's step.
+    cfg = model_lib.DLRMConfig.preset("tiny", data_lib.DataConfig.preset("tiny").table_rows, impl="xla")
+    if tt:
+        cfg = dataclasses.replace(cfg, tt_tables=2, tt_ranks=(4, 4))
+    model = model_lib.DLRM(cfg)
+    init_fn = train.build(model, 1e-3, 0.05)[0]
+    state = train.TrainState(7, *init_fn(jax.random.key(0)))
+    state = state._replace(emb_state=jax.tree_util.tree_map(lambda x: x + 1, state.emb_state))
+
+    def old(st):
+        return {"momentum": st.momentum}
+
+    legacy = old(state.emb_state) if not tt else {"tbe": old(state.emb_state["tbe"]), "tt": state.emb_state["tt"]}
+    tree = dict(train._as_tree(state), emb_state=legacy)
+    ckptr = train._ocp().StandardCheckpointer()
+    ckptr.save((tmp_path / "7").absolute(), tree, force=True)
+    ckptr.wait_until_finished()
+    ckptr.close()
+    back = train.restore_checkpoint(tmp_path / "7", init_fn)
+    want = state.emb_state
+    if tt:  # the TT state was saved with its count (1 after the +1 above); the TBE's gets the step
+        want = {"tbe": want["tbe"]._replace(count=jnp.int32(7)), "tt": want["tt"]}
+        assert isinstance(back.emb_state["tbe"], tbe_jax.RowwiseAdagradState)
+        assert isinstance(back.emb_state["tt"], tt_jax.RowwiseAdagradState)
+    else:
+        want = want._replace(count=jnp.int32(7))
+        assert isinstance(back.emb_state, tbe_jax.RowwiseAdagradState)
+    assert back.step == 7 and _tree_equal(back.emb_state, want)
+    assert _tree_equal(back.emb_params, state.emb_params)
+    # And today's checkpoints (with the count) round-trip as they are.
+    train.save_checkpoint(tmp_path / "new", state, {})
+    assert _tree_equal(train.restore_checkpoint(tmp_path / "new" / "7", init_fn), state)
 
 
 # -- TT tables (--tt-tables K): the K largest tables in tensor-train form, the rest in the TBE --------
@@ -207,6 +257,7 @@ def test_tt_tables_train_and_shrink_table_memory():
     assert sorted(s.emb_params) == sorted(s.emb_state) == ["tbe", "tt"]
     assert isinstance(s.emb_state["tt"], tt_jax.RowwiseAdagradState)
     assert isinstance(s.emb_state["tbe"], tbe_jax.RowwiseAdagradState)
+    assert int(s.emb_state["tt"].count) == int(s.emb_state["tbe"].count) == 60
     assert any(np.any(np.asarray(m) > 0) for m in jax.tree_util.tree_leaves(s.emb_state["tt"]))  # cores trained
 
 

@@ -328,9 +328,9 @@ def test_backward_config_variants(rng, cfg):
         assert_close(a, b, 1e-6)
 
 
-def test_dense_grad_and_fused_path(rng):
+def test_dense_grad_and_train_step(rng):
     # jax.grad's dense table gradient (histogram tables from counts^T x dout, the rest from the
-    # sorted runs) equals jax.grad of the XLA reference; the fused path equals apply_gradients.
+    # sorted runs) equals jax.grad of the XLA reference; tbe_jax.train_step equals apply_gradients.
     tables, fmap, batch = _BWD_TABLES, _BWD_FMAP, 10
     emb = _emb(tables, feature_table_map=fmap)
     ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, weights_dtype="float16", impl="xla")
@@ -348,12 +348,15 @@ def test_dense_grad_and_fused_path(rng):
         assert_close(a, m, 1e-3)  # the gradient is stored in fp16 (the table's dtype)
         assert_close(a, b, 1e-3)
 
-    tx = tbe_jax.rowwise_adagrad(0.1, 1e-3)
-    state = tx.init(params)
-    fused = jax.jit(jax.grad(lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off) * g), argnums=(0, 1)))
-    new_p, new_s = fused(params, state)
-    want_p, want_s = emb.apply_gradients(params, state, tx.opt, idx, off, g)
-    for a, b in zip(jax.tree_util.tree_leaves((new_p, new_s)), jax.tree_util.tree_leaves((want_p, want_s))):
+    opt = tbe_jax.rowwise_adagrad(0.1, 1e-3)
+    state = emb.init_opt_state(params, opt)
+    step = jax.jit(lambda p, s, opt: tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None,
+                                                        tbe_jax.SparseLookup(emb, opt, p, s, idx, off)))
+    res = step(params, state, opt)
+    want_p, want_s = emb.apply_gradients(params, state, opt, idx, off, g)
+    assert np.any(np.asarray(emb.get_momentum(want_s)[0]) > 0)  # the step did something
+    for a, b in zip(jax.tree_util.tree_leaves((res.params, res.opt_state)),
+                    jax.tree_util.tree_leaves((want_p, want_s))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tbe_jax
 import tt_jax
-from conftest import KERNEL_KW, assert_close
+from conftest import KERNEL_KW, assert_close, learning_rate_f64
 from tbe_jax import testing
 from tt_jax import reference
 from tt_jax.kernels.forward import TTKernelConfig
@@ -205,8 +206,10 @@ def test_pallas_backward_matches_xla_backward(rng):
 # -- optimizers ---------------------------------------------------------------------
 
 
-def numpy_step(opt, cores, state, grads, touched):
-    """Float64 model of one step: (cores, state) as nested lists."""
+def numpy_step(opt, cores, state, grads, touched, count=0):
+    """Float64 model of one step: (cores, state) as nested lists (`count`: the state's count before it)."""
+    lr = learning_rate_f64(opt, count)
+    eps = float(getattr(opt, "eps", 0.0))
     cores = [[c.copy() for c in cs] for cs in cores]
     state = None if state is None else [[m.copy() for m in ms] for ms in state]
     for tab, cs in enumerate(cores):
@@ -214,11 +217,11 @@ def numpy_step(opt, cores, state, grads, touched):
             for d in touched[tab][k]:
                 gd = grads[tab][k][d]
                 if isinstance(opt, tt_jax.SGD):
-                    c[d] -= opt.learning_rate * gd
+                    c[d] -= lr * gd
                     continue
                 m = state[tab][k]
                 m[d] += gd * gd if isinstance(opt, tt_jax.Adagrad) else np.mean(gd * gd)
-                c[d] -= opt.learning_rate * gd / (np.sqrt(m[d]) + opt.eps)
+                c[d] -= lr * gd / (np.sqrt(m[d]) + eps)
     return cores, state
 
 
@@ -275,46 +278,53 @@ def test_apply_gradients_matches_numpy(rng, opt, impl):
     assert sum(len(s) for s in touched[3]) == 0  # T2 is read by no feature: never touched
 
 
-_TXS = {"sgd": tt_jax.sgd(0.5), "adagrad": tt_jax.adagrad(0.05, 1e-6, 0.01),
-        "rowwise": tt_jax.rowwise_adagrad(0.05, 1e-6, 0.01)}
+_OPTS = {"sgd": tt_jax.sgd(0.5), "adagrad": tt_jax.adagrad(0.05, 1e-6, 0.01),
+         "rowwise": tt_jax.rowwise_adagrad(0.05, 1e-6, 0.01)}
 
 
-@pytest.mark.parametrize("tx,impl", [(_TXS[k], "xla") for k in _TXS] + [(_TXS["adagrad"], "pallas")],
-                         ids=[f"{k}-xla" for k in _TXS] + ["adagrad-pallas"])
-def test_fused_lookup_equals_apply_gradients(rng, tx, impl):
+def tt_train_step(emb, params, state, opt, idx, off, g, psw=None):
+    """A jitted `tbe_jax.train_step` whose loss is `sum(out * g)` (so the output gradient is `g`)."""
+    step = jax.jit(lambda p, s, opt: tbe_jax.train_step(
+        lambda _, out: jnp.sum(out * g), None, tbe_jax.SparseLookup(emb, opt, p, s, idx, off, psw)))
+    return step(params, state, opt)
+
+
+@pytest.mark.parametrize("opt,impl", [(_OPTS[k], "xla") for k in _OPTS] + [(_OPTS["adagrad"], "pallas")],
+                         ids=[f"{k}-xla" for k in _OPTS] + ["adagrad-pallas"])
+def test_train_step_equals_apply_gradients(rng, opt, impl):
     # XLA: its GPU scatter-add sums in an unspecified order, so the two programs can differ by an ulp or so
     # (1.3e-6 relative seen on an H200). Pallas: the same deterministic kernels in both programs.
     emb = make_emb([T4], impl, feature_table_map=(0, 0), config=dict(chunk=2))
     rtol = 1e-5 if impl == "xla" else 1e-7
     params = make_params(emb, rng)
-    state = tx.init(params)
+    state = emb.init_opt_state(params, opt)
     idx, off, psw, g = make_inputs(rng, emb, 3, weighted=True)
-    loss = lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, idx, off, psw) * g)  # noqa: E731
-    fused_p, fused_s = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
-    want_p, want_s = jax.jit(lambda p, s: emb.apply_gradients(p, s, tx.opt, idx, off, g, psw))(params, state)
-    assert jax.tree.structure(fused_s) == jax.tree.structure(want_s) == jax.tree.structure(state)
-    for a, b in zip(jax.tree.leaves((fused_p, fused_s)), jax.tree.leaves((want_p, want_s))):
+    res = tt_train_step(emb, params, state, opt, idx, off, g, psw)
+    want_p, want_s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g, psw))(params, state)
+    assert jax.tree.structure(res.opt_state) == jax.tree.structure(want_s) == jax.tree.structure(state)
+    assert int(res.opt_state.count) == int(want_s.count) == 1
+    for a, b in zip(jax.tree.leaves((res.params, res.opt_state)), jax.tree.leaves((want_p, want_s))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-9)
-    out = emb.fused_lookup(params, state, tx, idx, off, psw)
-    assert_close(out, emb(params, idx, off, psw), 1e-6)  # two XLA programs: ulps apart on a GPU
+    assert any(np.any(np.asarray(a) != np.asarray(b))
+               for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(params)))  # the step did something
+    assert_close(res.outputs, emb(params, idx, off, psw), 1e-6)  # two XLA programs: ulps apart on a GPU
 
 
 @pytest.mark.parametrize("extra", [dict(bwd_group_kernel="tiles3"), dict(bwd_group_kernel="general"),
                                    dict(schedule="blocked", order="middle")], ids=["tiles3", "general", "middle"])
-def test_fused_lookup_through_pallas_forward(rng, extra):
+def test_train_step_through_pallas_forward(rng, extra):
     # The Pallas path end to end against the XLA one (T = 3: both per-group backward kernels, and the
     # middle-major plan order, whose backward skips the middle core's member sort instead of the first's).
-    tx = tt_jax.rowwise_adagrad(0.05, 1e-6)
+    opt = tt_jax.rowwise_adagrad(0.05, 1e-6)
     specs = [T3]
     kernel = make_emb(specs, "pallas", config=dict(chunk=3, **extra))
     xla = tt_jax.TTEmbeddingBag(specs, config=TTKernelConfig(chunk=3), impl="xla")
     params = make_params(kernel, rng)
-    state = tx.init(params)
+    state = kernel.init_opt_state(params, opt)
     idx, off, _, g = make_inputs(rng, kernel, 4, bag_len=(2, 6))
-    loss = lambda p, s: jnp.sum(kernel.fused_lookup(p, s, tx, idx, off) * g)  # noqa: E731
-    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
-    want = xla.apply_gradients(params, state, tx.opt, idx, off, g)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    res = tt_train_step(kernel, params, state, opt, idx, off, g)
+    want = xla.apply_gradients(params, state, opt, idx, off, g)
+    for a, b in zip(jax.tree.leaves((res.params, res.opt_state)), jax.tree.leaves(want)):
         assert_close(a, b, 2e-6)
 
 
@@ -328,35 +338,42 @@ def test_empty_batch_and_errors(rng):
         T3.core_shapes()
     empty = (np.zeros((0,), np.int32), np.zeros((3,), np.int32))
     p2, s2 = emb.apply_gradients(params, state, opt, *empty, np.ones((2, 12), np.float32))
-    assert p2 is params and s2 is state
-    tx = tt_jax.sgd(0.1)
-    p3, s3 = jax.grad(lambda p, s: jnp.sum(emb.fused_lookup(p, s, tx, *empty)), argnums=(0, 1))(params, tx.init(params))
-    for a, b in zip(jax.tree.leaves(p3), jax.tree.leaves(params)):
+    assert p2 is params and s2.momentum is state.momentum and int(s2.count) == 1  # nothing touched; one step
+    sgd = tt_jax.sgd(0.1)
+    res = tbe_jax.train_step(lambda _, out: jnp.sum(out), None,
+                             tbe_jax.SparseLookup(emb, sgd, params, emb.init_opt_state(params, sgd), *empty))
+    assert res.outputs.shape == (2, 12) and int(res.opt_state.count) == 1
+    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
     idx, off = np.array([1, 2], np.int32), np.array([0, 2], np.int32)
     with pytest.raises(ValueError, match="grad_output has shape"):
         emb.apply_gradients(params, state, opt, idx, off, np.ones((2, 12), np.float32))
-    with pytest.raises(ValueError, match="needs AdagradState"):
+    with pytest.raises(TypeError, match="needs a AdagradState"):
         emb.apply_gradients(params, state, tt_jax.Adagrad(), idx, off, np.ones((1, 12), np.float32))
+    with pytest.raises(TypeError, match="needs a SGDState"):
+        emb.apply_gradients(params, state, sgd, idx, off, np.ones((1, 12), np.float32))
     with pytest.raises(TypeError, match="opt must be"):
-        emb.apply_gradients(params, state, tx, idx, off, np.ones((1, 12), np.float32))
-    with pytest.raises(TypeError, match="tx must come from"):
-        emb.fused_lookup(params, state, opt, idx, off)
+        emb.apply_gradients(params, state, "adam", idx, off, np.ones((1, 12), np.float32))
+    with pytest.raises(TypeError, match="train_step"):
+        jax.grad(lambda p: jnp.sum(emb.fused_lookup(p, state, opt, idx, off)))(params)
     with pytest.raises(ValueError, match="eps must be > 0"):
-        tt_jax.RowwiseAdagrad(eps=0.0)
+        tt_jax.Adagrad(eps=0.0)
     with pytest.raises(ValueError, match="learning_rate"):
         tt_jax.sgd(-1.0)
     with pytest.raises(ValueError, match="holds no accumulators"):
-        emb.get_momentum(tt_jax.SGDState())
+        emb.get_momentum(tt_jax.SGDState(jnp.zeros((), jnp.int32)))
 
 
-def test_optim_doctest():
+def test_training_doctests():
+    # The optimizer family is tbe_jax.optim's (tested in test_docs); the shared training step's example.
     import doctest
 
+    import tbe_jax.train
     from tt_jax import optim
 
-    result = doctest.testmod(optim, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
+    assert tt_jax.RowwiseAdagrad is tbe_jax.RowwiseAdagrad and optim.SGD is tbe_jax.SGD
+    results = [doctest.testmod(m, optionflags=doctest.ELLIPSIS) for m in (optim, tbe_jax.train)]
+    assert sum(r.attempted for r in results) > 0 and sum(r.failed for r in results) == 0
 
 
 def test_blocked_middle_order_one_hot_middle_digit(rng):

@@ -8,20 +8,25 @@
 
 The dense parameters are a plain pytree (`{"bottom": [...], "top": [...]}` of
 `{"w", "b"}` layers) for optax; the tables are the TBE's params (`{"d{D}": [rows, D]}`),
-trained by the fused row-wise Adagrad inside `jax.grad` (see `tbe_jax.dlrm.train`).
+trained by exact row-wise Adagrad on the looked-up rows: `DLRM.train_step` is one
+`tbe_jax.train_step` (the lookups, the gradient of the loss with respect to the dense
+parameters and to the pooled outputs, then each embedding's `apply_gradients`; the
+tables never pass through `jax.grad`). See `tbe_jax.dlrm.train`.
 
 With `DLRMConfig(tt_tables=K)` the K largest tables are tensor-train tables instead
 (`tt_jax.TTEmbeddingBag`, ranks `tt_ranks`, shapes from `TTSpec`'s defaults) and the
 other features stay in the TBE: a batch is then split on the host (`split_batch`) into
 the TBE's ids/offsets and the TT features' `tt_indices`/`tt_offsets`, the two pooled
-outputs are put back in feature order, and the embedding params, optimizer state and
-fused optimizer are dicts `{"tbe": ..., "tt": ...}` (the TT cores trained by tt_jax's
-fused optimizer on the touched core slices, in the same `jax.grad`).
+outputs are put back in feature order, and the embedding params, optimizer states and
+optimizers are dicts `{"tbe": ..., "tt": ...}`: the step is one `tbe_jax.train_step` over
+a dict of two `SparseLookup`s (the TT cores updated on the touched core slices by their
+own optimizer, e.g. `tt_jax.RowwiseAdagrad`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +144,8 @@ def split_features(indices, offsets, batch_size: int, features, padded_len: int)
 
 
 class DLRM:
-    """The model: `init`, `logits` (from pooled embeddings), `forward` (plain lookup), `loss`.
+    """The model: `init`, `logits` (from pooled embeddings), `forward` (plain lookup, evaluation),
+    `loss` (from the lookups' outputs) and `train_step` (one `tbe_jax.train_step`).
 
     Attributes:
       emb: the `TableBatchedEmbedding` (all features, or those not in `tt_features`).
@@ -248,15 +254,36 @@ class DLRM:
         return self._merge(self.emb(emb_params["tbe"], batch["indices"], batch["offsets"]),
                            self.tt(emb_params["tt"], batch["tt_indices"], batch["tt_offsets"]))
 
-    def fused_pooled(self, emb_params, emb_state, tx, batch) -> jax.Array:
-        """`[B, F*D]` pooled embeddings from the fused lookups (with TT tables, `emb_params`, `emb_state`
-        and `tx` are `{"tbe": ..., "tt": ...}`: a tbe_jax and a tt_jax fused optimizer)."""
+    def sparse_lookups(self, emb_params, emb_state, opt, batch):
+        """The embedding lookups of a training step, for `tbe_jax.train_step`: one `tbe_jax.SparseLookup`
+        of the TBE, or with TT tables `{"tbe": ..., "tt": ...}` (then `emb_params`, `emb_state` and `opt`
+        are dicts of those two keys: a TBE optimizer and a TT one, e.g. two `tbe_jax.RowwiseAdagrad`)."""
         if self.tt is None:
-            return self.emb.fused_lookup(emb_params, emb_state, tx, batch["indices"], batch["offsets"])
-        return self._merge(
-            self.emb.fused_lookup(emb_params["tbe"], emb_state["tbe"], tx["tbe"], batch["indices"], batch["offsets"]),
-            self.tt.fused_lookup(emb_params["tt"], emb_state["tt"], tx["tt"], batch["tt_indices"],
-                                 batch["tt_offsets"]))
+            return tbe_jax.SparseLookup(self.emb, opt, emb_params, emb_state, batch["indices"], batch["offsets"])
+        return {
+            "tbe": tbe_jax.SparseLookup(self.emb, opt["tbe"], emb_params["tbe"], emb_state["tbe"],
+                                        batch["indices"], batch["offsets"]),
+            "tt": tbe_jax.SparseLookup(self.tt, opt["tt"], emb_params["tt"], emb_state["tt"],
+                                       batch["tt_indices"], batch["tt_offsets"]),
+        }
+
+    def merge_outputs(self, outputs) -> jax.Array:
+        """`[B, F*D]` in feature order from the lookups' outputs (`TrainStepResult.outputs`: the TBE's
+        array, or `{"tbe": ..., "tt": ...}` with TT tables)."""
+        if self.tt is None:
+            return outputs
+        return self._merge(outputs["tbe"], outputs["tt"])
+
+    def split_output_grad(self, g) -> dict:
+        """The inverse of `merge_outputs` for a gradient `[B, F*D]` (feature order): the TBE's part, or
+        `{"tbe": [B, S*D], "tt": [B, K*D]}` with TT tables."""
+        if self.tt is None:
+            return g
+        b, d = g.shape[0], self.config.embedding_dim
+        z = g.reshape(b, -1, d)
+        tbe = z[:, np.asarray(self.tbe_features, np.int32)].reshape(b, -1)
+        tt = z[:, np.asarray(self.tt_features, np.int32)].reshape(b, -1)
+        return {"tbe": tbe, "tt": tt.astype(jnp.float32)}
 
     def logits(self, dense_params, dense_x, pooled) -> jax.Array:
         """`[B]` logits from dense features and the pooled embeddings `[B, F*D]`."""
@@ -268,11 +295,15 @@ class DLRM:
         """Logits with a plain lookup (evaluation)."""
         return self.logits(dense_params, batch["dense"], self.pooled(emb_params, batch))
 
-    def fused_loss(self, dense_params, emb_params, emb_state, tx, batch) -> jax.Array:
-        """Mean BCE with the fused lookup: under `jax.grad` w.r.t. (emb_params, emb_state)
-        the "gradients" are the tables and state after `tx`'s step (see `fused_lookup`)."""
-        pooled = self.fused_pooled(emb_params, emb_state, tx, batch)
-        return bce(self.logits(dense_params, batch["dense"], pooled), batch["labels"])
+    def loss(self, dense_params, outputs, batch) -> jax.Array:
+        """Mean BCE from the lookups' outputs (`merge_outputs`): `tbe_jax.train_step`'s `loss_fn`."""
+        return bce(self.logits(dense_params, batch["dense"], self.merge_outputs(outputs)), batch["labels"])
+
+    def train_step(self, dense_params, emb_params, emb_state, opt, batch) -> tbe_jax.TrainStepResult:
+        """One `tbe_jax.train_step`: the loss, the dense gradient (for optax) and the embeddings' new
+        params and optimizer states (`opt`: the embedding optimizer, or `{"tbe": ..., "tt": ...}`)."""
+        loss_fn = functools.partial(self.loss, batch=batch)
+        return tbe_jax.train_step(loss_fn, dense_params, self.sparse_lookups(emb_params, emb_state, opt, batch))
 
 
 def bce(logits, labels) -> jax.Array:

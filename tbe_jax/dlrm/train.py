@@ -1,27 +1,31 @@
-"""Train the DLRM demo on synthetic click logs: one jitted step, fused embedding optimizer.
+"""Train the DLRM demo on synthetic click logs: one jitted `tbe_jax.train_step` per batch.
 
     python -m tbe_jax.dlrm.train [--size tiny|small|gpu] [--steps N] [--batch-size B] [--seed S]
                                  [--lr LR] [--emb-lr LR] [--eval-batches K]
                                  [--tt-tables K [--tt-rank R] [--tt-lr LR] [--tt-opt rowwise_adagrad|adagrad]]
                                  [--ckpt-dir DIR [--ckpt-every N] [--resume]] [--emb-share] [--no-progress]
 
-Each step is one `jax.jit` call with `jax.grad` over the whole loss: optax Adam
-updates the dense MLPs, and the 26 embedding tables are updated by exact row-wise
-Adagrad fused into the TBE's backward (`emb.fused_lookup(..., tx=tbe_jax.rowwise_adagrad(...))`;
-`jax.grad` returns the updated tables and accumulators, which are donated). On a
-CPU the TBE runs its XLA path (`impl="auto"`), whose fused update is the dense
-reference (work proportional to the tables); on a GPU the Pallas kernels.
+Each step is one `jax.jit` call of `tbe_jax.train_step` (`DLRM.train_step`): the TBE
+lookup, the gradient of the loss with respect to the dense MLPs and to the pooled
+embeddings (never to the tables), then exact row-wise Adagrad on the looked-up rows
+(`emb.apply_gradients` with `tbe_jax.RowwiseAdagrad`; tables and accumulators are
+donated); optax Adam updates the dense MLPs from `res.grads`. The embedding optimizer
+is an ordinary (traced) argument of the jitted step: its learning rate is a value, so
+another `--emb-lr` does not recompile. On a CPU the TBE runs its XLA path
+(`impl="auto"`), whose update is the dense reference (work proportional to the
+tables); on a GPU the Pallas kernels.
 
 TT tables (`--tt-tables K`): the K largest tables are tensor-train tables
 (`tt_jax.TTEmbeddingBag`, inner ranks `--tt-rank`, shapes from `TTSpec`'s defaults)
-and the rest stay in the TBE; the TT cores are trained by tt_jax's fused row-wise
-Adagrad (one accumulator per core slice; `--tt-opt adagrad`: element-wise) on the
-touched core slices, inside the same `jax.grad` of the same jitted step. Batches are
-split on the host (`DLRM.split_batch`). The run prints the embedding parameters'
-memory (the TBE's tables plus the TT cores, against all tables dense) and the summary
-line says `tables: X MiB (TT saves Y%)`; the data and the dense init depend only on
-the seed, so a run with and one without `--tt-tables` (same seed and steps) compare
-like for like (the TBE tables they share start equal too).
+and the rest stay in the TBE; the step is one `tbe_jax.train_step` over a dict of two
+lookups `{"tbe": ..., "tt": ...}`, and the TT cores are trained by row-wise Adagrad
+(`tt_jax.RowwiseAdagrad`, one accumulator per core slice; `--tt-opt adagrad`:
+element-wise `tt_jax.Adagrad`) on the touched core slices. Batches are split on the
+host (`DLRM.split_batch`). The run prints the embedding parameters' memory (the TBE's
+tables plus the TT cores, against all tables dense) and the summary line says
+`tables: X MiB (TT saves Y%)`; the data and the dense init depend only on the seed, so
+a run with and one without `--tt-tables` (same seed and steps) compare like for like
+(the TBE tables they share start equal too).
 
 Evaluation: AUC (rank formula, ties averaged) and log loss on held-out batches,
 before and after training, next to the hidden model's own ("oracle") AUC.
@@ -31,15 +35,18 @@ Checkpoints (`--ckpt-dir DIR`): `DIR/<step>/` is an orbax-checkpoint
 `{"step", "dense_params", "dense_opt_state", "emb_params", "emb_state"}`
 (step: int32 scalar; dense_params: `{"bottom"|"top": [{"w", "b"}, ...]}`;
 dense_opt_state: optax Adam's state; emb_params: the TBE's `{"d{D}": [rows, D]}`;
-emb_state: `tbe_jax.RowwiseAdagradState` with `{"d{D}": [rows]}` accumulators; with TT
-tables, emb_params is `{"tbe": <that>, "tt": {"cores": per table, per core}}` and
-emb_state `{"tbe": <that>, "tt": tt_jax.RowwiseAdagradState (or AdagradState)}`), and
+emb_state: `tbe_jax.RowwiseAdagradState(momentum, count)` with `{"d{D}": [rows]}`
+accumulators and the optimizer's int32 step count; with TT tables, emb_params is
+`{"tbe": <that>, "tt": {"cores": per table, per core}}` and emb_state
+`{"tbe": <that>, "tt": tt_jax.RowwiseAdagradState (or AdagradState)}`), and
 `DIR/run.json` the settings that must match on resume (size, seed, batch size,
 learning rates; with TT tables also tt_tables, tt_rank, tt_lr, tt_opt). Restoring
 reads the arrays into the structure of a freshly initialised state
-(`jax.eval_shape`), so NamedTuples come back as NamedTuples.
-`--resume` continues from the newest `DIR/<step>` up to `--steps` total; batches
-depend only on (seed, step), so the result is bitwise what a straight run gives.
+(`jax.eval_shape`), so NamedTuples come back as NamedTuples; a checkpoint written
+before the optimizer states had a `count` restores too (its count is set to the
+checkpoint's step). `--resume` continues from the newest `DIR/<step>` up to `--steps`
+total; batches depend only on (seed, step), so the result is bitwise what a straight
+run gives.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +80,7 @@ class SizeDefaults:
     lr: float  # Adam, dense layers
     emb_lr: float  # row-wise Adagrad, tables
     eval_batches: int
-    tt_lr: float = 0.05  # fused optimizer of the TT cores (--tt-tables)
+    tt_lr: float = 0.05  # optimizer of the TT cores (--tt-tables)
     tt_rank: int = 16  # their inner ranks
 
 
@@ -95,52 +102,82 @@ class TrainState(NamedTuple):
 # -- the jitted functions (cached per configuration, so repeated main() calls reuse them) --
 
 
-TT_OPTIMIZERS = {"rowwise_adagrad": tt_jax.rowwise_adagrad, "adagrad": tt_jax.adagrad}
+TT_OPTIMIZERS = {"rowwise_adagrad": tt_jax.RowwiseAdagrad, "adagrad": tt_jax.Adagrad}
+
+
+class Built(NamedTuple):
+    """What `build` returns: the jitted functions and the embedding optimizer they are called with."""
+
+    init: Callable  # key -> (dense_params, dense_opt_state, emb_params, emb_state)
+    train_step: Callable  # (dense_params, emb_params, emb_state, dense_opt_state, emb_opt, batch) -> (.., loss)
+    eval_logits: Callable  # (dense_params, emb_params, batch) -> [B] logits
+    emb_step: Callable  # (emb_params, emb_state, emb_opt, batch, g_out) -> (emb_params, emb_state)
+    emb_opt: Any  # tbe_jax.RowwiseAdagrad, or {"tbe": ..., "tt": ...} with TT tables
+
+
+def make_emb_opt(model: DLRM, emb_lr: float, tt_lr: float | None = None, tt_opt: str = "rowwise_adagrad"):
+    """The embedding optimizer: row-wise Adagrad (emb_lr) on the TBE; with TT tables
+    `{"tbe": that, "tt": TT_OPTIMIZERS[tt_opt] (tt_lr, default emb_lr)}`."""
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=emb_lr, eps=1e-8)
+    if model.tt is not None:
+        opt = {"tbe": opt, "tt": TT_OPTIMIZERS[tt_opt](learning_rate=emb_lr if tt_lr is None else tt_lr, eps=1e-8)}
+    return opt
 
 
 @functools.lru_cache(maxsize=8)
-def build(model: DLRM, lr: float, emb_lr: float, tt_lr: float | None = None, tt_opt: str = "rowwise_adagrad"):
-    """(init, train_step, eval_logits, emb_step) for this model and these learning rates.
-
-    With TT tables (`model.tt`), the fused optimizer is `{"tbe": row-wise Adagrad (emb_lr),
-    "tt": TT_OPTIMIZERS[tt_opt] (tt_lr, default emb_lr)}` and the embedding params and state
-    are dicts of the same two keys."""
+def _jitted(model: DLRM, lr: float):
+    """The jitted functions of one model and dense learning rate; the embedding optimizer is an argument
+    (its hyperparameters are traced values: other embedding learning rates reuse the compiled code)."""
     dense_tx = optax.adam(lr)
-    tx = tbe_jax.rowwise_adagrad(learning_rate=emb_lr, eps=1e-8)
-    if model.tt is not None:
-        tx = {"tbe": tx, "tt": TT_OPTIMIZERS[tt_opt](learning_rate=emb_lr if tt_lr is None else tt_lr, eps=1e-8)}
 
-    def init(key):
+    @jax.jit
+    def init(key, emb_opt):
         dense_params, emb_params = model.init(key)
         if model.tt is None:
-            emb_state = tx.init(emb_params)
+            emb_state = model.emb.init_opt_state(emb_params, emb_opt)
         else:
-            emb_state = {k: tx[k].init(emb_params[k]) for k in ("tbe", "tt")}
+            emb_state = {"tbe": model.emb.init_opt_state(emb_params["tbe"], emb_opt["tbe"]),
+                         "tt": model.tt.init_opt_state(emb_params["tt"], emb_opt["tt"])}
         return dense_params, dense_tx.init(dense_params), emb_params, emb_state
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
-    def train_step(dense_params, emb_params, emb_state, dense_opt_state, batch):
-        # The fused lookup's "gradients" w.r.t. the tables and their state are their updated values.
-        loss, (g_dense, emb_params, emb_state) = jax.value_and_grad(model.fused_loss, argnums=(0, 1, 2))(
-            dense_params, emb_params, emb_state, tx, batch)
-        updates, dense_opt_state = dense_tx.update(g_dense, dense_opt_state, dense_params)
-        return optax.apply_updates(dense_params, updates), emb_params, emb_state, dense_opt_state, loss
+    def train_step(dense_params, emb_params, emb_state, dense_opt_state, emb_opt, batch):
+        res = model.train_step(dense_params, emb_params, emb_state, emb_opt, batch)
+        updates, dense_opt_state = dense_tx.update(res.grads, dense_opt_state, dense_params)
+        return optax.apply_updates(dense_params, updates), res.params, res.opt_state, dense_opt_state, res.loss
 
     @jax.jit
     def eval_logits(dense_params, emb_params, batch):
         return model.forward(dense_params, emb_params, batch)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def emb_step(emb_params, emb_state, batch, g_out):
-        """The embedding part of a step alone: lookup forward + fused Adagrad backward for cotangent g_out."""
-        def f(p, s):
-            pooled = model.fused_pooled(p, s, tx, batch)
-            # The quadratic term makes the output gradient depend on the forward: with
-            # vdot alone it would not, and XLA would drop the forward kernel.
-            return jnp.vdot(pooled, g_out) + 5e-4 * jnp.vdot(pooled, pooled)
-        return jax.grad(f, argnums=(0, 1))(emb_params, emb_state)
+    def emb_step(emb_params, emb_state, emb_opt, batch, g_out):
+        """The embedding part of a step alone: the lookups, then `apply_gradients` with the output gradient
+        `g_out + 1e-3 * pooled` (that of `<pooled, g_out> + 5e-4 |pooled|^2`: it depends on the forward, so
+        XLA cannot drop the lookup kernels)."""
+        g = model.split_output_grad(g_out + 1e-3 * model.pooled(emb_params, batch))
+        if model.tt is None:
+            return model.emb.apply_gradients(emb_params, emb_state, emb_opt, batch["indices"], batch["offsets"], g)
+        p_tbe, s_tbe = model.emb.apply_gradients(emb_params["tbe"], emb_state["tbe"], emb_opt["tbe"],
+                                                 batch["indices"], batch["offsets"], g["tbe"])
+        p_tt, s_tt = model.tt.apply_gradients(emb_params["tt"], emb_state["tt"], emb_opt["tt"],
+                                              batch["tt_indices"], batch["tt_offsets"], g["tt"])
+        return {"tbe": p_tbe, "tt": p_tt}, {"tbe": s_tbe, "tt": s_tt}
 
-    return jax.jit(init), train_step, eval_logits, emb_step
+    return init, train_step, eval_logits, emb_step
+
+
+@functools.lru_cache(maxsize=8)
+def build(model: DLRM, lr: float, emb_lr: float, tt_lr: float | None = None,
+          tt_opt: str = "rowwise_adagrad") -> Built:
+    """`Built(init, train_step, eval_logits, emb_step, emb_opt)` for this model and these learning rates.
+
+    `emb_opt` (`make_emb_opt`) is passed to `train_step` and `emb_step` as an ordinary argument; `init`
+    has it bound. With TT tables (`model.tt`) the embedding params, states and optimizers are dicts
+    `{"tbe": ..., "tt": ...}`."""
+    emb_opt = make_emb_opt(model, emb_lr, tt_lr, tt_opt)
+    init, train_step, eval_logits, emb_step = _jitted(model, lr)
+    return Built(functools.partial(init, emb_opt=emb_opt), train_step, eval_logits, emb_step, emb_opt)
 
 
 # -- metrics ---------------------------------------------------------------------------
@@ -212,16 +249,63 @@ def latest_checkpoint(ckpt_dir) -> pathlib.Path | None:
     return ckpt_dir / str(max(steps)) if steps else None
 
 
+_OPT_STATES = (tbe_jax.RowwiseAdagradState, tbe_jax.AdagradState, tbe_jax.SGDState)
+
+
+def _saved_tree(ckptr, path):
+    """The checkpoint's metadata tree (nested dicts; a NamedTuple is saved as a dict of its fields)."""
+    md = ckptr.metadata(path)
+    md = getattr(md, "item_metadata", md)
+    return getattr(md, "tree", md)
+
+
+def _legacy_keys(emb_state, saved) -> list:
+    """The optimizer states of `emb_state` (keys: None for the state itself, "tbe"/"tt" with TT tables)
+    that the checkpoint holds without a `count` (written before the states had one)."""
+    states = {None: emb_state} if isinstance(emb_state, _OPT_STATES) else dict(emb_state)
+    out = []
+    for k, st in states.items():
+        md = saved if k is None else saved.get(k) if isinstance(saved, dict) else None
+        if isinstance(st, _OPT_STATES) and isinstance(md, dict) and "count" not in md:
+            out.append(k)
+    return out
+
+
 def restore_checkpoint(path, init_fn) -> TrainState:
-    """Read a checkpoint into the structure (and dtypes) of `init_fn`'s fresh state."""
+    """Read a checkpoint into the structure (and dtypes) of `init_fn`'s fresh state.
+
+    An optimizer state saved without a step count (checkpoints from before `count`) gets the
+    checkpoint's step as its count."""
     dense_params, dense_opt_state, emb_params, emb_state = jax.eval_shape(init_fn, jax.random.key(0))
-    target = {"step": jax.ShapeDtypeStruct((), jnp.int32), "dense_params": dense_params,
-              "dense_opt_state": dense_opt_state, "emb_params": emb_params, "emb_state": emb_state}
+    path = pathlib.Path(path).absolute()
     ckptr = _ocp().StandardCheckpointer()
-    tree = ckptr.restore(pathlib.Path(path).absolute(), target)
+    try:
+        saved = _saved_tree(ckptr, path)
+        legacy = _legacy_keys(emb_state, saved.get("emb_state") if isinstance(saved, dict) else None)
+    except Exception:  # no readable metadata: restore as saved now
+        legacy = []
+
+    def strip(st):  # the state's fields but count, as the old checkpoints hold them
+        return {f: v for f, v in st._asdict().items() if f != "count"}
+
+    target_state = emb_state
+    if legacy:
+        target_state = strip(emb_state) if legacy == [None] else {
+            k: strip(v) if k in legacy else v for k, v in emb_state.items()}
+    target = {"step": jax.ShapeDtypeStruct((), jnp.int32), "dense_params": dense_params,
+              "dense_opt_state": dense_opt_state, "emb_params": emb_params, "emb_state": target_state}
+    tree = ckptr.restore(path, target)
     ckptr.close()
-    return TrainState(int(tree["step"]), tree["dense_params"], tree["dense_opt_state"], tree["emb_params"],
-                      tree["emb_state"])
+    state = tree["emb_state"]
+    if legacy:
+        count = jnp.asarray(tree["step"], jnp.int32)
+
+        def with_count(fields, like):
+            return type(like)(**fields, count=count)
+
+        state = with_count(state, emb_state) if legacy == [None] else {
+            k: with_count(v, emb_state[k]) if k in legacy else v for k, v in state.items()}
+    return TrainState(int(tree["step"]), tree["dense_params"], tree["dense_opt_state"], tree["emb_params"], state)
 
 
 # -- input pipeline --------------------------------------------------------------------
@@ -274,8 +358,8 @@ def time_calls(fn, reps: int, repeats: int = 3) -> float:
     return float(np.median(out))
 
 
-def measure_emb_share(model, train_step, emb_step, state: TrainState, batch, reps: int) -> dict:
-    """ms of a full jitted step vs the embedding forward + fused update alone, same batch.
+def measure_emb_share(model, built: Built, state: TrainState, batch, reps: int) -> dict:
+    """ms of a full jitted step vs the embedding lookups + sparse update (`apply_gradients`) alone, same batch.
 
     Both run on copies of the state (they donate their inputs, so the copies are
     threaded through the repetitions), `reps` calls enqueued back to back and
@@ -285,8 +369,8 @@ def measure_emb_share(model, train_step, emb_step, state: TrainState, batch, rep
           "emb": _copy(state.emb_params), "es": _copy(state.emb_state)}
 
     def full():
-        sp["dense"], sp["emb"], sp["es"], sp["opt"], loss = train_step(sp["dense"], sp["emb"], sp["es"], sp["opt"],
-                                                                       batch)
+        sp["dense"], sp["emb"], sp["es"], sp["opt"], loss = built.train_step(
+            sp["dense"], sp["emb"], sp["es"], sp["opt"], built.emb_opt, batch)
         return loss
 
     step_ms = time_calls(full, reps)
@@ -294,7 +378,7 @@ def measure_emb_share(model, train_step, emb_step, state: TrainState, batch, rep
     g_out = jax.random.normal(jax.random.key(1), (b, model.num_features * model.config.embedding_dim)) * 1e-3
 
     def emb_only():
-        sp["emb"], sp["es"] = emb_step(sp["emb"], sp["es"], batch, g_out)
+        sp["emb"], sp["es"] = built.emb_step(sp["emb"], sp["es"], built.emb_opt, batch, g_out)
         return sp["es"]
 
     emb_ms = time_calls(emb_only, reps)
@@ -339,7 +423,7 @@ def parse_args(argv=None):
                     help="inner TT ranks of those tables (3 cores; default: 16, 32 at --size gpu)")
     ap.add_argument("--tt-lr", type=float, default=None, help="learning rate of the TT cores (default: per size)")
     ap.add_argument("--tt-opt", choices=sorted(TT_OPTIMIZERS), default="rowwise_adagrad",
-                    help="fused optimizer of the TT cores (on the touched core slices)")
+                    help="optimizer of the TT cores (on the touched core slices)")
     ap.add_argument("--emb-share", action="store_true",
                     help="measure the embeddings' share of step time (always done on a GPU)")
     ap.add_argument("--workers", type=int, default=None, help="data-generation threads (default: by CPU count)")
@@ -373,7 +457,8 @@ def main(argv=None) -> dict:
         config = dataclasses.replace(config, tt_tables=args.tt_tables, tt_ranks=(args.tt_rank, args.tt_rank))
     model = DLRM(config)
     tt_args = (args.tt_lr, args.tt_opt) if args.tt_tables else ()
-    init_fn, train_step, eval_logits, emb_step = build(model, args.lr, args.emb_lr, *tt_args)
+    built = build(model, args.lr, args.emb_lr, *tt_args)
+    init_fn, train_step, eval_logits, emb_opt = built.init, built.train_step, built.eval_logits, built.emb_opt
     gen = data_lib.ClickLogGenerator(data_cfg, args.batch_size, seed=args.seed)
     settings = {"size": args.size, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
                 "emb_lr": args.emb_lr, "impl": args.impl}
@@ -409,7 +494,7 @@ def main(argv=None) -> dict:
     n_emb = sum(x.size for x in tbe_params.values())
     mem = model.table_bytes()
     log(f"parameters: {n_dense:,} dense (Adam, lr {args.lr}), {n_emb:,} in {'TBE ' if model.tt else ''}tables "
-        f"({mem['tbe'] / 2**20:.1f} MiB, fused row-wise Adagrad, lr {args.emb_lr})")
+        f"({mem['tbe'] / 2**20:.1f} MiB, row-wise Adagrad on the looked-up rows, lr {args.emb_lr})")
     if model.tt is not None:
         n_tt = sum(x.size for x in jax.tree_util.tree_leaves(state.emb_params["tt"]))
         tt_dense = mem["dense"] - mem["tbe"]
@@ -417,7 +502,7 @@ def main(argv=None) -> dict:
             f"C{f + 1}: {data_cfg.table_rows[f]:,} rows" for f in model.tt_features) + f"), ranks {config.tt_ranks}, "
             f"p x q shapes {[(s.p_shapes, s.q_shapes) for s in model.tt.specs]}: {n_tt:,} core parameters, "
             f"{mem['tt'] / 2**20:.2f} MiB instead of {tt_dense / 2**20:.2f} MiB dense "
-            f"({tt_dense / max(mem['tt'], 1):.0f}x smaller); fused {args.tt_opt} on the touched core slices, "
+            f"({tt_dense / max(mem['tt'], 1):.0f}x smaller); {args.tt_opt} on the touched core slices, "
             f"lr {args.tt_lr} | TT: {'Pallas kernel' if model.tt.resolved_impl == 'pallas' else 'XLA path'}")
     log(f"embedding parameters: {_mem_summary(mem)}; their optimizer state: "
         f"{_state_bytes(state.emb_state) / 2**20:.2f} MiB")
@@ -453,7 +538,7 @@ def main(argv=None) -> dict:
     ckpt = None
     for i, batch in enumerate(prefetch(gen, start, args.steps, workers, prepare), start):
         dense_params, emb_params, emb_state, dense_opt_state, loss = train_step(
-            dense_params, emb_params, emb_state, dense_opt_state, batch)
+            dense_params, emb_params, emb_state, dense_opt_state, emb_opt, batch)
         losses.append(loss)
         done = i + 1 - start
         if done == 1:
@@ -511,18 +596,18 @@ def main(argv=None) -> dict:
         arrays = gen.batch(args.steps).arrays()
         batch = jax.device_put(arrays if prepare is None else prepare(arrays))
         reps = 20 if backend == "gpu" else 5
-        m = measure_emb_share(model, train_step, emb_step, state, batch, reps)
+        m = measure_emb_share(model, built, state, batch, reps)
         results["emb_share"] = m["share"]
         results["jit_step_ms"] = m["step_ms"]
         log(f"step time on one batch: full jitted step {m['step_ms']:.3f} ms; embeddings alone "
-            f"({'TBE and TT' if model.tt else 'TBE'} forward + fused optimizer backward, same batch, a fixed output "
+            f"({'TBE and TT' if model.tt else 'TBE'} lookups + apply_gradients, same batch, a fixed output "
             f"gradient) {m['emb_ms']:.3f} ms "
             f"-> embeddings ~{100 * m['share']:.0f}% of the step")
         log("  method: both are jitted, warmed up, run on copies of the trained state threaded through "
             f"{reps} back-to-back calls, blocked once; median of 3 repetitions. The share is an estimate: "
             "inside the full step XLA may overlap or fuse the two parts.")
         if not emb._use_kernel():
-            log("  (XLA path: its fused update is the dense reference, work proportional to the tables, "
+            log("  (XLA path: its sparse update is the dense reference, work proportional to the tables, "
                 "so this share is not what the GPU kernels give)")
 
     log(f"SUMMARY size={args.size} steps={start}->{state.step} | AUC {before['auc']:.4f} -> {after['auc']:.4f} "
