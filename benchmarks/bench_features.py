@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -27,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import tbe_jax  # noqa: E402
+from bench_forward import time_calls  # noqa: E402  (the same timing)
 from tbe_jax import testing  # noqa: E402
 
 DIMS = (16, 32, 48, 64, 96, 128)
@@ -45,19 +45,6 @@ def make_batch(tables, batch: int, seed: int, max_len: int = 30):
     rows = np.repeat(np.asarray([t.num_embeddings for t in tables]), batch)
     ids = (rng.random(int(lens.sum())) * np.repeat(rows, lens)).astype(np.int32)
     return jnp.asarray(ids), jnp.asarray(offsets)
-
-
-def timed(fn, args, iters, reps):
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples)
 
 
 def measure(tables, batch, args, seed=0):
@@ -87,14 +74,14 @@ def measure(tables, batch, args, seed=0):
     compiled_step = lowered.compile()
     row["step_compile_s"] = time.perf_counter() - t0
 
-    row["forward_ms"] = timed(compiled_fwd, (params, indices, offsets), args.iters, args.reps)
+    row["forward_ms"] = time_calls(compiled_fwd, [(params, indices, offsets)], args.iters, args.reps)
     carry = [params, state]
 
     def one_step():
         carry[0], carry[1] = compiled_step(carry[0], carry[1], opt, indices, offsets, grad)
         return carry[0]
 
-    row["step_ms"] = timed(lambda: one_step(), (), args.iters, args.reps)
+    row["step_ms"] = time_calls(one_step, [()], args.iters, args.reps)
     row["step_ns_per_lookup"] = row["step_ms"] * 1e6 / row["lookups"]
     row["forward_ns_per_lookup"] = row["forward_ms"] * 1e6 / row["lookups"]
     t0 = time.perf_counter()
@@ -105,7 +92,7 @@ def measure(tables, batch, args, seed=0):
         carry[0], carry[1] = train(carry[0], carry[1], opt, indices, offsets, grad)
         return carry[0]
 
-    row["train_ms"] = timed(lambda: one_train(), (), args.iters, args.reps)
+    row["train_ms"] = time_calls(one_train, [()], args.iters, args.reps)
     row["train_ns_per_lookup"] = row["train_ms"] * 1e6 / row["lookups"]
     return row
 
@@ -139,14 +126,14 @@ def base_preset(args):
         carry[0], carry[1] = step(carry[0], carry[1], opt, indices, offsets, grad)
         return carry[0]
 
-    ms = timed(lambda: one_step(), (), args.iters, args.reps)
+    ms = time_calls(one_step, [()], args.iters, args.reps)
     train = train_step_fn(emb)
 
     def one_train():
         carry[0], carry[1] = train(carry[0], carry[1], opt, indices, offsets, grad)
         return carry[0]
 
-    tms = timed(lambda: one_train(), (), args.iters, args.reps)
+    tms = time_calls(one_train, [()], args.iters, args.reps)
     n = int(indices.shape[0])
     return {"step_ms": ms, "lookups": n, "step_ns_per_lookup": ms * 1e6 / n, "train_ms": tms,
             "train_ns_per_lookup": tms * 1e6 / n}

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 import warnings
 
@@ -70,25 +71,26 @@ def report(plan: FeaturePlan, indices, offsets) -> tuple[jax.Array, BoundsReport
     return fixed, BoundsReport(jnp.sum(bad).astype(jnp.int32), n_fixed)
 
 
-def _warn(invalid_indices, repaired_offsets):
+def _warn(invalid_indices, repaired_offsets, *, package="tbe_jax"):
     if int(invalid_indices) or int(repaired_offsets):
         warnings.warn(
-            f"tbe_jax bounds_check='warning': {int(invalid_indices)} index(es) outside their "
+            f"{package} bounds_check='warning': {int(invalid_indices)} index(es) outside their "
             f"table were skipped and {int(repaired_offsets)} offsets entr(ies) were clamped",
             RuntimeWarning,
             stacklevel=2,
         )
 
 
-def warn_if_repaired(rep: BoundsReport) -> None:
-    """Warn from the host, only when something was repaired.
+def warn_if_repaired(rep: BoundsReport, package: str = "tbe_jax") -> None:
+    """Warn from the host, only when something was repaired (`package` names the caller in the message).
 
     The callback sits behind a `lax.cond`, so a clean batch costs a predicate
     read, not a host callback.
     """
     jax.lax.cond(
         (rep.invalid_indices > 0) | (rep.repaired_offsets > 0),
-        lambda r: jax.debug.callback(_warn, r.invalid_indices, r.repaired_offsets),
+        lambda r: jax.debug.callback(functools.partial(_warn, package=package), r.invalid_indices,
+                                     r.repaired_offsets),
         lambda r: None,
         rep,
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 from typing import Sequence
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -242,7 +241,7 @@ class TTEmbeddingBag:
         if mode == "warning":
             offsets, rep = bounds.report(plan, indices, offsets)
             if warn:
-                _warn_if_repaired(rep)
+                bounds.warn_if_repaired(rep, package="tt_jax")
         return indices, offsets
 
     def __call__(self, params, indices, offsets, per_sample_weights=None):
@@ -390,26 +389,6 @@ def _narrow_offsets(x):
         return x.astype(np.int32)
     xp = np if isinstance(x, np.ndarray) else jnp
     return xp.clip(x, -1 if np.issubdtype(dt, np.signedinteger) else 0, _INT32_MAX).astype(np.int32)
-
-
-def _warn(invalid_indices, repaired_offsets):
-    if int(invalid_indices) or int(repaired_offsets):
-        warnings.warn(
-            f"tt_jax bounds_check='warning': {int(invalid_indices)} index(es) outside their table were skipped "
-            f"and {int(repaired_offsets)} offsets entr(ies) were clamped",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-
-def _warn_if_repaired(rep: bounds.BoundsReport) -> None:
-    """Warn from the host only when something was repaired (a `lax.cond`: a clean batch issues no callback)."""
-    jax.lax.cond(
-        (rep.invalid_indices > 0) | (rep.repaired_offsets > 0),
-        lambda r: jax.debug.callback(_warn, r.invalid_indices, r.repaired_offsets),
-        lambda r: None,
-        rep,
-    )
 
 
 # -- differentiation ------------------------------------------------------------------
