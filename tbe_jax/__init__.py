@@ -12,11 +12,12 @@ from tbe_jax.optim import (
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 from tbe_jax.train import SparseLookup, StepReport, TrainStepResult, train_step
+from tbe_jax.vbe import VariableBatchSizes
 
 __all__ = [
     "Adagrad", "AdagradState", "BackwardConfig", "BoundsReport", "ForwardConfig", "FusedOptimizer",
     "HistogramConfig", "Optimizer", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "SparseLookup",
-    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "adagrad", "rowwise_adagrad", "sgd",
+    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "adagrad", "rowwise_adagrad", "sgd",
     "train_step",
 ]
 __version__ = "0.1.0"

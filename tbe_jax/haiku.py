@@ -269,7 +269,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         trained by `tbe_jax.haiku.train_step`; see the module docstring).
       name: the module name (default "table_batched_embed").
 
-    Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None)`,
+    Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
     with the functional core's input format and output. Indices and offsets must be
     integer arrays (else `ValueError`).
 
@@ -323,6 +323,9 @@ class TableBatchedEmbed(SparseEmbedBase):
         """The wrapped functional `TableBatchedEmbedding`."""
         return self._core
 
-    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
+    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                 max_batch_size=None):
         options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
+        if max_batch_size is not None:
+            options["max_batch_size"] = max_batch_size
         return self._embed(indices, offsets, per_sample_weights, options)

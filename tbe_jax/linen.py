@@ -229,7 +229,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
         `tbe_jax.linen.train_step`, see the module docstring).
 
-    Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None)`,
+    Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
     with the functional core's input format and output (`[B, sum_f D_f]` for pooled
     lookups). Indices and offsets must be integer arrays (else `ValueError`).
 
@@ -283,6 +283,9 @@ class TableBatchedEmbed(SparseEmbedBase):
         return self._build_core()
 
     @nn.compact
-    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
+    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                 max_batch_size=None):
         options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
+        if max_batch_size is not None:
+            options["max_batch_size"] = max_batch_size
         return self._embed(indices, offsets, per_sample_weights, options)

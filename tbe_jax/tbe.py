@@ -8,8 +8,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
-from tbe_jax import bounds, reference, runs as runs_lib
+from tbe_jax import bounds, reference, runs as runs_lib, vbe
 from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax import optim
 from tbe_jax.kernels import forward as fwd_kernels
@@ -270,12 +271,17 @@ class TableBatchedEmbedding:
                 )
         self._check_params(params)
 
-    def bounds_report(self, indices, offsets, *, batch_size_per_feature=None) -> bounds.BoundsReport:
+    def bounds_report(self, indices, offsets, *, batch_size_per_feature=None,
+                      max_batch_size=None) -> bounds.BoundsReport:
         """Counts of what `bounds_check="warning"` would repair (jittable, device values)."""
-        plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
-        return bounds.report(plan, indices, offsets)[1]
+        bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
+        offsets, size_fix = self._expand(jnp.asarray(offsets), bpf)
+        plan = self.plan_for(offsets.shape[0], None if size_fix is not None else bpf)
+        rep = bounds.report(plan, jnp.asarray(indices), offsets)[1]
+        return _add_size_fix(rep, size_fix)
 
-    def __call__(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
+    def __call__(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                 max_batch_size=None):
         """Look up and pool.
 
         Args:
@@ -284,36 +290,83 @@ class TableBatchedEmbedding:
           offsets: `[F*B+1]` bag boundaries, feature-major (bag b of feature f is
             `indices[offsets[f*B+b]:offsets[f*B+b+1]]`); with VBE, `[sum B_f + 1]`.
           per_sample_weights: optional `[N]` float weights, one per index.
-          batch_size_per_feature: static tuple of B_f (variable batch size).
+          batch_size_per_feature: variable batch size per feature (VBE): a static
+            tuple of B_f, or (with `max_batch_size`) an int array `[F]` that may be
+            traced (see `tbe_jax.vbe`).
+          max_batch_size: static bound M on every B_f when the sizes are an array.
 
         Returns:
           `[B, sum_f D_f]` (feature f's columns contiguous, in feature order); with
-          VBE a flat array holding each feature's `[B_f, D_f]` block row-major;
-          with `pooling="none"`, `[N, D]`.
+          a static VBE tuple a flat array holding each feature's `[B_f, D_f]` block
+          row-major; with array sizes `[M, sum_f D_f]` (feature f's rows past B_f
+          are zero); with `pooling="none"`, `[N, D]`.
         """
-        return self._forward(params, indices, offsets, per_sample_weights, batch_size_per_feature, warn=True)[0]
+        bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
+        if self._eager(params, indices, offsets, per_sample_weights, bpf):
+            return _jit_forward(*_eager_args(indices, offsets, per_sample_weights, bpf), params,
+                                emb=self, static_bpf=_static_bpf(bpf), warn=True)[0]
+        return self._forward(params, indices, offsets, per_sample_weights, bpf, warn=True)[0]
 
     def forward_with_report(self, params, indices, offsets, per_sample_weights=None, *,
-                            batch_size_per_feature=None):
+                            batch_size_per_feature=None, max_batch_size=None):
         """`(out, BoundsReport)`: the lookup and what `bounds_check="warning"` repaired.
 
         Unlike `emb(...)` in warning mode, this issues no host callback (no
         synchronisation inside a jitted step): the counts stay on the device until
         you read them. With `bounds_check="none"` or `"fatal"` the report is zeros.
         """
-        return self._forward(params, indices, offsets, per_sample_weights, batch_size_per_feature, warn=False)
+        bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
+        if self._eager(params, indices, offsets, per_sample_weights, bpf):
+            return _jit_forward(*_eager_args(indices, offsets, per_sample_weights, bpf), params,
+                                emb=self, static_bpf=_static_bpf(bpf), warn=False)
+        return self._forward(params, indices, offsets, per_sample_weights, bpf, warn=False)
+
+    def _eager(self, *args) -> bool:
+        """Called outside any trace: run the call as one jitted program (compiled once per shape) instead of
+        op by op. Not in "fatal" mode, whose concrete-input checks raise at once from the host."""
+        return self.bounds_check != "fatal" and _is_concrete(*jax.tree_util.tree_leaves(args))
+
+    def _expand(self, offsets, batch_size_per_feature):
+        """Array batch sizes: `(offsets in the fixed-batch form, clamped-size count)`; else `(offsets, None)`."""
+        if not isinstance(batch_size_per_feature, vbe.VariableBatchSizes):
+            return offsets, None
+        if self.pooling == "none":
+            raise ValueError("batch_size_per_feature only applies to pooled lookups (pooling='none' has no bags "
+                             "to pad)")
+        if offsets.ndim != 1 or offsets.shape[0] < 1:
+            raise ValueError(f"offsets must be a 1-D array of at least one entry, got shape {offsets.shape}")
+        sizes = vbe.check_sizes(batch_size_per_feature, self.num_features)
+        return vbe.expand_offsets(offsets, sizes, batch_size_per_feature.max_batch_size)
 
     def _prepare(self, params, indices, offsets, per_sample_weights, batch_size_per_feature):
-        """Shared argument checks: returns (plan, indices, offsets, per_sample_weights) as arrays."""
+        """Shared argument checks: returns (plan, indices, offsets, per_sample_weights, size_fix) as arrays.
+
+        Array batch sizes are applied here (`offsets` comes back in the fixed-batch
+        form); `size_fix` counts the sizes clamped then (None without array sizes).
+        """
         indices = jnp.asarray(indices)
         offsets = jnp.asarray(offsets)
         if per_sample_weights is not None:
             per_sample_weights = jnp.asarray(per_sample_weights)
         self._check_inputs(params, indices, offsets, per_sample_weights)
+        offsets, size_fix = self._expand(offsets, batch_size_per_feature)
+        if size_fix is not None:
+            if self.bounds_check == "fatal":
+                self._check_sizes_fatal(size_fix)
+            batch_size_per_feature = None
         plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
         if indices.shape[0] >= 2**31:
             raise ValueError(f"len(indices)={indices.shape[0]} must stay below 2**31")
-        return plan, indices, offsets, per_sample_weights
+        return plan, indices, offsets, per_sample_weights, size_fix
+
+    def _check_sizes_fatal(self, size_fix):
+        msg = ("bounds_check='fatal': batch_size_per_feature holds {n} size(s) outside [0, max_batch_size] or "
+               "past the end of offsets")
+        if _is_concrete(size_fix):
+            if int(size_fix):
+                raise ValueError(msg.format(n=int(size_fix)))
+        else:
+            checkify.check(size_fix == 0, msg, n=size_fix)
 
     def _check_fatal(self, plan, indices, offsets):
         if _is_concrete(indices, offsets):
@@ -339,7 +392,7 @@ class TableBatchedEmbedding:
 
     def _forward(self, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
         """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
-        plan, indices, offsets, per_sample_weights = self._prepare(
+        plan, indices, offsets, per_sample_weights, size_fix = self._prepare(
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
         n = indices.shape[0]
 
@@ -361,6 +414,7 @@ class TableBatchedEmbedding:
             report = bounds.BoundsReport(n_bad, n_fixed)
         if report is None:
             return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
+        report = _add_size_fix(report, size_fix)
         if warn:
             bounds.warn_if_repaired(report)
         return out, report
@@ -453,7 +507,7 @@ class TableBatchedEmbedding:
                 )
 
     def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None, *,
-                        batch_size_per_feature=None, backward_config=None):
+                        batch_size_per_feature=None, max_batch_size=None, backward_config=None):
         """One optimizer step on the rows looked up by this batch: returns `(params, opt_state)`.
 
         `grad_output` is the gradient of the loss with respect to this batch's
@@ -469,12 +523,18 @@ class TableBatchedEmbedding:
         to the constructor. `tbe_jax.train_step` wraps the lookup, the loss
         gradient and this step in one call.
         """
+        bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
+        if self._eager(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights, bpf):
+            self._check_opt(opt)
+            idx, off, psw, dyn = _eager_args(indices, offsets, per_sample_weights, bpf)
+            return _jit_apply(idx, off, psw, dyn, params, opt_state, opt, jnp.asarray(grad_output), emb=self,
+                              static_bpf=_static_bpf(bpf), backward_config=backward_config)
         return self._apply_gradients(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
-                                     batch_size_per_feature, backward_config)
+                                     bpf, backward_config)
 
     def _validated(self, params, indices, offsets, per_sample_weights, batch_size_per_feature):
         """(plan, int32 indices, offsets, fp32 weights) after the bounds mode's checks and repairs."""
-        plan, indices, offsets, per_sample_weights = self._prepare(
+        plan, indices, offsets, per_sample_weights, _ = self._prepare(
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
         if self.bounds_check == "warning":
             offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
@@ -565,7 +625,7 @@ class TableBatchedEmbedding:
         )
 
     def fused_lookup(self, params, opt_state, tx, indices, offsets, per_sample_weights=None, *,
-                     batch_size_per_feature=None):
+                     batch_size_per_feature=None, max_batch_size=None):
         """Removed as a training path; the forward remains (`emb(params, ...)`).
 
         It used to return the *updated* tables as the gradient under `jax.grad`,
@@ -576,11 +636,16 @@ class TableBatchedEmbedding:
         lookup, `jax.grad` with respect to its output, and `apply_gradients`).
         """
         self._check_opt(tx)
-        return _no_grad_lookup(self, params, indices, offsets, per_sample_weights, batch_size_per_feature)
+        bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
+        if isinstance(bpf, vbe.VariableBatchSizes):  # the sizes are an array: a primal argument
+            return _no_grad_lookup(self, bpf.max_batch_size, params, indices, offsets, per_sample_weights, bpf.sizes)
+        return _no_grad_lookup(self, bpf, params, indices, offsets, per_sample_weights, None)
 
     # -- the training step's halves (tbe_jax.train_step) ---------------------------
-    def _step_forward(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None):
+    def _step_forward(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                      max_batch_size=None):
         """The lookup, and what `_step_update` needs of it: `(out, residuals)`."""
+        batch_size_per_feature = vbe.resolve(batch_size_per_feature, max_batch_size)
         out, report = self.forward_with_report(params, indices, offsets, per_sample_weights,
                                                batch_size_per_feature=batch_size_per_feature)
         runs = None
@@ -615,6 +680,39 @@ class TableBatchedEmbedding:
             params[self.layout.key(0)], rows, per_sample_weights,
             output_dtype=self.output_dtype, config=self.kernel_config, interpret=self.interpret,
         )
+
+
+def _static_bpf(bpf):
+    return None if isinstance(bpf, vbe.VariableBatchSizes) else (None if bpf is None else tuple(int(b) for b in bpf))
+
+
+def _eager_args(indices, offsets, per_sample_weights, bpf):
+    """The array arguments of an eager call, as arrays (lists and NumPy arrays converted as the traced path does)."""
+    psw = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
+    dyn = bpf if isinstance(bpf, vbe.VariableBatchSizes) else None
+    return jnp.asarray(indices), jnp.asarray(offsets), psw, dyn
+
+
+# Eager calls (outside jit) run as one jitted program each: one compilation per shape instead of one per
+# operation (tens of small XLA programs on the reference path and around the kernels).
+@functools.partial(jax.jit, static_argnames=("emb", "static_bpf", "warn"))
+def _jit_forward(indices, offsets, per_sample_weights, dyn_bpf, params, *, emb, static_bpf, warn):
+    bpf = dyn_bpf if dyn_bpf is not None else static_bpf
+    return emb._forward(params, indices, offsets, per_sample_weights, bpf, warn)
+
+
+@functools.partial(jax.jit, static_argnames=("emb", "static_bpf", "backward_config"))
+def _jit_apply(indices, offsets, per_sample_weights, dyn_bpf, params, opt_state, opt, grad_output, *, emb,
+               static_bpf, backward_config):
+    bpf = dyn_bpf if dyn_bpf is not None else static_bpf
+    return emb._apply_gradients(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights, bpf,
+                                backward_config)
+
+
+def _add_size_fix(rep, size_fix):
+    if size_fix is None:
+        return rep
+    return bounds.BoundsReport(rep.invalid_indices, rep.repaired_offsets + size_fix)
 
 
 def _init_buffer(key, rows: tuple, dim: int, dtype: str):
@@ -679,12 +777,14 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 # `fused_lookup`: a forward whose differentiation fails loudly, at trace time.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
-def _no_grad_lookup(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature):
-    return emb(params, indices, offsets, per_sample_weights, batch_size_per_feature=batch_size_per_feature)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _no_grad_lookup(emb, static_bpf, params, indices, offsets, per_sample_weights, sizes):
+    # `static_bpf`: None, a static tuple, or (with array `sizes`) the max batch size.
+    bpf = static_bpf if sizes is None else vbe.VariableBatchSizes(sizes, static_bpf)
+    return emb(params, indices, offsets, per_sample_weights, batch_size_per_feature=bpf)
 
 
-def _no_grad_fwd(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature):
+def _no_grad_fwd(emb, static_bpf, params, indices, offsets, per_sample_weights, sizes):
     raise TypeError(
         "TableBatchedEmbedding.fused_lookup can no longer be differentiated: its gradient was the updated "
         "tables, which any transform of the gradients (a disconnected output, two lookups of one table, "

@@ -254,6 +254,8 @@ class TTEmbeddingBag:
         if indices.shape[0] == 0 or batch == 0:
             return jnp.zeros((batch, total_dim), jnp.float32)
         self._check_backend()
+        if _is_concrete(params, indices, offsets, per_sample_weights):  # eager: one program, not op by op
+            return _jit_pooled(params["cores"], indices, offsets, per_sample_weights, emb=self, batch=batch)
         return _pooled(self, batch, params["cores"], indices, offsets, per_sample_weights)
 
     @property
@@ -318,6 +320,9 @@ class TTEmbeddingBag:
         if indices.shape[0] == 0 or batch == 0:
             return params, opt.next_state(opt_state, getattr(opt_state, "momentum", None))
         self._check_backend()
+        if _is_concrete(params, opt_state, opt, indices, offsets, per_sample_weights, grad_output):
+            return _jit_apply(opt, params, opt_state, indices, offsets, per_sample_weights, jnp.asarray(grad_output),
+                              emb=self, batch=batch)
         plans = self._plans(batch, indices, offsets)
         return _apply(self, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output)
 
@@ -473,3 +478,19 @@ def _no_grad_fwd(emb, params, indices, offsets, per_sample_weights):
 
 
 _no_grad_lookup.defvjp(_no_grad_fwd, lambda *a: None)
+
+
+def _is_concrete(*trees) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
+
+
+# Eager calls (outside jit) run as one jitted program each (compiled once per shape) instead of op by op.
+@functools.partial(jax.jit, static_argnames=("emb", "batch"))
+def _jit_pooled(all_cores, indices, offsets, per_sample_weights, *, emb, batch):
+    return _pooled(emb, batch, all_cores, indices, offsets, per_sample_weights)
+
+
+@functools.partial(jax.jit, static_argnames=("emb", "batch"))
+def _jit_apply(opt, params, opt_state, indices, offsets, per_sample_weights, grad_output, *, emb, batch):
+    plans = emb._plans(batch, indices, offsets)
+    return _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output)
