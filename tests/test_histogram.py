@@ -373,3 +373,66 @@ def test_histogram_lookups_form_no_runs(rng):
     assert np.all(keys >= 16) and n == len(np.unique(idx[off[6]:]))
     solo = _emb(tables[:1])
     assert solo._runs(solo.plan_for(7), jnp.asarray(idx[: off[6]]), jnp.asarray(off[:7]), None) is None
+
+
+# -- the backward over many tables: one grad and one update launch in all ---------------
+
+# Histogram tables of E from 1 to 64 (rows_padded 16, 32, 64) and dims 64 and 128 (two buffers,
+# four kernel classes), one of them read by three features (the most tiles: two partial slots in
+# interpret mode, the others one), plus a generic table in the d64 buffer.
+_MANY_TABLES = [tbe_jax.TableSpec(5, 64, bag_size_hint=64), tbe_jax.TableSpec(20, 128, bag_size_hint=64),
+                tbe_jax.TableSpec(300, 64), tbe_jax.TableSpec(33, 64, bag_size_hint=100),
+                tbe_jax.TableSpec(64, 128, bag_size_hint=64), tbe_jax.TableSpec(1, 64, bag_size_hint=64)]
+_MANY_FMAP = [0, 1, 2, 3, 1, 4, 1, 5]
+
+
+def test_backward_many_tables_matches_xla(rng):
+    tables, fmap, batch = _MANY_TABLES, _MANY_FMAP, 20
+    emb = _emb(tables, feature_table_map=fmap)
+    assert emb.plan() == ("histogram", "histogram", "generic") + ("histogram",) * 5
+    ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, weights_dtype="float16", impl="xla")
+    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3, initial_accumulator_value=0.25)
+    params = emb.init(jax.random.key(7))
+    state = emb.init_opt_state(params, opt)
+    idx, off, _ = testing.make_batch(rng, [tables[t].num_embeddings for t in fmap], [batch] * len(fmap), (0, 300))
+    hit = _touched(tables, fmap, batch, idx, off)
+    step = jax.jit(lambda e, p, s, g: e.apply_gradients(p, s, opt, idx, off, g), static_argnums=0)
+    got, want = (params, state), (params, state)
+    for _ in range(3):  # the same ids, a new output gradient each step
+        g = rng.standard_normal((batch, sum(emb.feature_dims))).astype(np.float32)
+        got, want = step(emb, *got, g), step(ref, *want, g)
+        for t, (a, b, was) in enumerate(zip(emb.get_tables(got[0]), emb.get_tables(want[0]),
+                                            emb.get_tables(params))):
+            assert_close(a, b, 3e-3)  # fp16 rounding of the stored rows, step after step
+            np.testing.assert_array_equal(np.asarray(a)[~hit[t]], np.asarray(was)[~hit[t]])
+        for t, (a, b) in enumerate(zip(emb.get_momentum(got[1]), emb.get_momentum(want[1]))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+            assert np.all(np.asarray(a)[~hit[t]] == 0.25)
+
+
+def _step_custom_calls(num_tables: int) -> dict:
+    """Kernel launches (custom calls by name) in an apply_gradients step lowered for CUDA, on this machine."""
+    import re
+
+    tables = [tbe_jax.TableSpec(1 + (7 * i) % 64, (64, 128)[i % 2], bag_size_hint=64) for i in range(num_tables)]
+    tables.append(tbe_jax.TableSpec(500, 64))
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, impl="pallas")
+    emb._use_kernel = lambda: True  # the kernel path, lowered for CUDA (not compiled, not run)
+    assert emb.plan() == ("histogram",) * num_tables + ("generic",)
+    batch, n = 64, emb.num_features
+    params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), jnp.float16)
+              for g, d in enumerate(emb.layout.dims)}
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01)
+    state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
+    args = (params, state, opt, jax.ShapeDtypeStruct((n * batch * 8,), jnp.int32),
+            jax.ShapeDtypeStruct((n * batch + 1,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, sum(emb.feature_dims)), jnp.float32))
+    text = jax.jit(lambda p, s, o, i, off, g: emb.apply_gradients(p, s, o, i, off, g)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if re.search(r"stablehlo\.custom_call", line)]
+    return {name: sum(name in line for line in calls) for name in ("tbe_histogram_grad", "tbe_histogram_update")}
+
+
+def test_backward_launches_do_not_grow_with_tables():
+    counts = {n: _step_custom_calls(n) for n in (2, 9, 40)}
+    assert counts[2] == counts[9] == counts[40] == {"tbe_histogram_grad": 1, "tbe_histogram_update": 1}, counts
