@@ -1,8 +1,9 @@
 """Backward preprocessing: invert "which rows did each bag use" into sorted runs.
 
 Jittable with static shapes and no host synchronisation. Every lookup gets a
-linear key (the row's index in the concatenation of all storage buffers; invalid
-lookups get the sentinel `total_rows`), keys are sorted with their positions,
+linear key (the row's index in the concatenation of all storage buffers, taken in
+width-class order: see `width_classes`; invalid lookups get the sentinel
+`total_rows`), keys are sorted with their positions,
 and equal keys form a run: one distinct (table, row) and the lookups that touched
 it. Runs fall in three classes: small runs (at most `SMALL` lookups: most
 runs, often of length 1) are updated by blocks of consecutive runs in lockstep
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax.reference import lookup_coefficients, output_rows
-from tbe_jax.specs import FeaturePlan, StorageLayout
+from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
 SMALL = 8  # runs this short take the blocked lockstep path
 LONG = 256  # runs this long or longer take the chunked two-pass path
@@ -47,9 +48,36 @@ class Runs(NamedTuple):
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
 
 
+def width_classes(layout: StorageLayout) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The storage buffers grouped by width class `next_pow2(D)`: `((width, buffers), ...)`,
+    widths ascending, each class's buffers in layout order.
+
+    The key space concatenates the buffers in this order (`group_bases`), so every
+    class's rows, hence its runs and its mid/long task lists, form one contiguous
+    range: the backward serves each class with one launch per kernel kind.
+    """
+    widths = sorted({next_pow2(d) for d in layout.dims})
+    return tuple((w, tuple(g for g, d in enumerate(layout.dims) if next_pow2(d) == w)) for w in widths)
+
+
 def group_bases(layout: StorageLayout) -> np.ndarray:
-    """First linear key of each storage buffer, and the total (sentinel)."""
-    return np.concatenate([[0], np.cumsum(layout.group_rows)]).astype(np.int64)
+    """First linear key of each storage buffer (indexed by buffer, as `layout.dims`), and the
+    total (sentinel) last. The buffers are laid out in `width_classes` order, so these bases
+    ascend in buffer order only within a class."""
+    bases = np.zeros(len(layout.dims) + 1, np.int64)
+    total = 0
+    for _, buffers in width_classes(layout):
+        for g in buffers:
+            bases[g] = total
+            total += layout.group_rows[g]
+    bases[-1] = total
+    return bases
+
+
+def class_bases(layout: StorageLayout) -> np.ndarray:
+    """First linear key of each width class (`width_classes` order), and the total last."""
+    bases = group_bases(layout)
+    return np.asarray([bases[buffers[0]] for _, buffers in width_classes(layout)] + [bases[-1]], np.int64)
 
 
 def _compact(mask: jax.Array, size: int, fill: int) -> tuple[jax.Array, jax.Array]:

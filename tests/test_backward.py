@@ -31,7 +31,7 @@ def _touched(fmap, num_rows, batch, idx, off):
 
 
 def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype="float32", weighted=False,
-                vbe=False, steps=2):
+                vbe=False, steps=2, empty_bag=False):
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
                                         **KERNEL_KW)
     ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
@@ -47,6 +47,8 @@ def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype
     step = jax.jit(lambda p, s, i, o, g, w: emb.apply_gradients(p, s, opt, i, o, g, w, batch_size_per_feature=bpf))
     for _ in range(steps):
         idx, off, psw = testing.make_batch(rng, [num_rows[t] for t in fmap], batch, bag_len, weighted=weighted)
+        if empty_bag:  # the first bag gives its lookups to the second
+            off[1] = off[0]
         out_shape = emb(params, idx, off, psw, batch_size_per_feature=bpf).shape
         g = rng.standard_normal(out_shape).astype(np.float32)
         before = [np.asarray(t) for t in emb.get_tables(params)]
@@ -80,6 +82,19 @@ def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype
 def test_update_matches_model(rng, opt, pooling, weighted):
     tables = specs([17, 6, 40], [5, 16, 16])  # E=6: many repeats; two buffers (d5, d16)
     _check_step(rng, tables, [0, 1, 2, 1], [4] * 4, (0, 12), opt, pooling=pooling, weighted=weighted)
+
+
+def test_many_dims_width_classes(rng):
+    # Six dims in three width classes, two of them holding several buffers ({4, 3}, {40, 64, 48}):
+    # each class is one launch per kernel kind whose gather is masked per run to its dim and
+    # whose row update branches per buffer; small-run blocks span buffers of a class. Small E
+    # (repeats), mid runs (d40, d48, d3), long runs of >= 256 lookups (d64, 2 rows), a table read by
+    # two features, weighted mean pooling and an empty bag. Kept small: interpret mode is slow.
+    tables = specs([5, 4, 2, 4, 5, 3], [4, 40, 64, 3, 48, 8])
+    fmap = [0, 1, 2, 3, 4, 5, 1]
+    bag_len = [(0, 6), (10, 30), (300, 400), (12, 24), (10, 30), (0, 6), (0, 6)]
+    _check_step(rng, tables, fmap, [2] * len(fmap), bag_len, tbe_jax.RowwiseAdagrad(0.05, 1e-3), pooling="mean",
+                weighted=True, steps=1, empty_bag=True)
 
 
 @pytest.mark.parametrize("wdtype", ["float16", "bfloat16"])

@@ -1,8 +1,12 @@
 """Sorted-run backward with the optimizer fused in (seed: FBTriton backward).
 
 Input: the runs of `tbe_jax.runs.build_runs` (one run per distinct table row in
-the batch, its lookups contiguous in key order) and the output gradient. Per
-storage buffer:
+the batch, its lookups contiguous in key order) and the output gradient. Each
+kernel is launched once per width class `next_pow2(D)` (`runs.width_classes`:
+the classes' keys, hence their runs and tasks, are contiguous), compiled for
+that tile width: the gradient gather-and-sum is one code path masked to each
+run's dim, and only the row update branches per storage buffer of the class
+(its weights' row stride a compile-time constant). Per class:
 
 - small runs (<= SMALL lookups; most runs, typically of length 1 or 2): a task
   takes a block of runs and walks their lookups in lockstep, gathering a
@@ -37,8 +41,8 @@ import numpy as np
 from tbe_jax._pallas import pl, plgpu
 from tbe_jax.kernels import programs
 from tbe_jax.optim import stochastic_round
-from tbe_jax.runs import LONG, SMALL, Runs, group_bases
-from tbe_jax.specs import StorageLayout, next_pow2
+from tbe_jax.runs import LONG, SMALL, Runs, class_bases, group_bases, width_classes
+from tbe_jax.specs import StorageLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,71 +185,98 @@ def _strided_tasks(lo, hi, programs, body):
     jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
 
 
-class _Buffers:
-    """The storage buffers one backward launch updates: static facts and the state refs of each.
+@dataclasses.dataclass(frozen=True)
+class _WidthClass:
+    """The storage buffers of one width class `next_pow2(D)`, as one launch of each kernel serves them.
 
-    Every kernel below serves all buffers in one launch: a task belongs to the buffer whose
-    range (from `_task_ranges`, read from `rng_ref`, `[G, 8]` flattened) holds it, and runs in
-    that buffer's branch, compiled for its embedding dim (a compile-time row stride).
+    The class's rows are one contiguous key range (`runs.width_classes`), so its runs and
+    its mid/chunk/long tasks are contiguous too (row `index` of `_task_ranges`). A launch
+    gathers every run's gradient with one code path, `width` columns wide and masked to
+    the run's dim (a runtime value when the class holds several dims), and branches per
+    buffer only for the row update (its weights' row stride is a compile-time constant).
     """
 
-    def __init__(self, refs, opt, dims, bases):
-        g = len(dims)
-        n_state = 2 if opt is not None and opt.has_momentum else 1
-        ins, outs = refs[: n_state * g], refs[n_state * g :]
-        self.state = [_state_refs(ins[i * n_state : (i + 1) * n_state] + outs[i * n_state : (i + 1) * n_state], opt)
-                      for i in range(g)]
-        self.dims, self.bases = dims, bases
+    index: int  # row of the task-range table
+    width: int  # the class's tile width: next_pow2 of each of its dims
+    buffers: tuple[int, ...]  # storage buffers (layout indices), in key order
+    dims: tuple[int, ...]  # their embedding dims (distinct)
+    bases: tuple[int, ...]  # their first keys (ascending)
+    ends: tuple[int, ...]  # one past their last keys
 
-    def __len__(self):
-        return len(self.dims)
+    @property
+    def single(self) -> bool:
+        return len(self.buffers) == 1
+
+    def dim_of(self, key):
+        """Embedding dim of the rows with keys `key` (int32 scalar or vector); a Python int if the class
+        has one buffer (the gather masks then compile to constants, as a one-dim model's)."""
+        if self.single:
+            return self.dims[0]
+        dim = jnp.full(key.shape, self.dims[0], jnp.int32)
+        for base, d in zip(self.bases[1:], self.dims[1:]):
+            dim = jnp.where(key >= base, d, dim)
+        return dim
+
+    def holds(self, i, key):
+        """Whether `key` is a row of the class's buffer `i` (for keys of this class)."""
+        return (key >= self.bases[i]) & (key < self.ends[i])
+
+    def per_buffer(self, key, body):
+        """`body(i)` in the branch of the buffer `i` holding `key` (a scalar key of this class)."""
+        if self.single:
+            body(0)
+            return
+        for i in range(len(self.buffers)):
+            pl.when(self.holds(i, key))(functools.partial(body, i))
 
 
-def _ranges(rng_ref, num_buffers: int, col: int):
-    """(lo, hi) of column pair `col` of every buffer (scalars, loaded once per program)."""
-    lo = [plgpu.load(rng_ref.at[jnp.int32(8 * g + col)]) for g in range(num_buffers)]
-    hi = [plgpu.load(rng_ref.at[jnp.int32(8 * g + col + 1)]) for g in range(num_buffers)]
-    return lo, hi
+def _class_state(refs, opt, num_buffers: int):
+    """Per buffer of a launch, its (w_in, m_in, w_out, m_out) refs (inputs, then aliased outputs)."""
+    n_state = 2 if opt is not None and opt.has_momentum else 1
+    ins, outs = refs[: n_state * num_buffers], refs[n_state * num_buffers :]
+    return [_state_refs(ins[i * n_state : (i + 1) * n_state] + outs[i * n_state : (i + 1) * n_state], opt)
+            for i in range(num_buffers)]
 
 
-def _dispatch(t, lo, hi, body):
-    """Run `body(g, t)` in the branch of the buffer whose task range [lo[g], hi[g]) holds task `t`."""
-    for g in range(len(lo)):
-        pl.when((t >= lo[g]) & (t < hi[g]))(functools.partial(body, g, t))
+def _range(rng_ref, cls: _WidthClass, col: int):
+    """(lo, hi) of column pair `col` of the class's row of the task-range table (scalars)."""
+    return (plgpu.load(rng_ref.at[jnp.int32(8 * cls.index + col)]),
+            plgpu.load(rng_ref.at[jnp.int32(8 * cls.index + col + 1)]))
 
 
 def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, dims, bases, block, programs, scaled, unroll):
-    """Blocks of `block` consecutive runs; the small ones (<= SMALL lookups) are gathered in
-    lockstep and updated, one row each; the others are left to the mid/long kernels.
+                  opt, cls, block, programs, scaled, unroll):
+    """Blocks of `block` consecutive runs of one width class; the small ones (<= SMALL lookups)
+    are gathered in lockstep and updated, one row each; the others are left to the mid/long kernels.
 
-    Blocks walk all runs of all buffers; a block's lanes are processed in the branch of
-    their buffer (a block on a buffer boundary runs in both branches, each lane in one).
-    Each loop step takes `unroll` lookups of every run: their source offsets are
-    loaded first, then all their gradient tiles, so those loads are in flight together.
+    A block's lanes may belong to several buffers of the class: the gather serves them all
+    (each lane masked to its run's dim), then each buffer present in the block updates its
+    lanes in its own branch. Each loop step takes `unroll` lookups of every run: their
+    source offsets are loaded first, then all their gradient tiles, so those loads are in
+    flight together.
     """
-    bufs = _Buffers(refs, opt, dims, bases)
+    state = _class_state(refs, opt, len(cls.buffers))
     lane = jnp.arange(block, dtype=jnp.int32)
-    lo, hi = _ranges(rng_ref, len(bufs), 0)
+    lo, hi = _range(rng_ref, cls, 0)
+    cols = jnp.arange(cls.width, dtype=jnp.int32)
 
-    def branch(gi, b0):
-        w_in, m_in, w_out, m_out = bufs.state[gi]
-        dim, base = bufs.dims[gi], bufs.bases[gi]
-        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-        col_ok = cols < dim
-        r = b0 + lane
-        ok = (r >= lo[gi]) & (r < hi[gi])
+    def task(b):
+        r = lo + b * block + lane
+        ok = r < hi
         first = plgpu.load(run_start_ref.at[r], mask=ok, other=0)
         length = plgpu.load(run_start_ref.at[r + 1], mask=ok, other=0) - first
         ok = ok & (length <= SMALL)
         length = jnp.where(ok, length, 0)
+        key = plgpu.load(run_key_ref.at[r], mask=ok, other=0)
+        dim = cls.dim_of(key)
+        col_ok = (cols < dim)[None, :] if cls.single else cols[None, :] < dim[:, None]  # [1 or block, W]
 
         def step(i, acc):
             lives = [i * unroll + u < length for u in range(unroll)]
             jjs = [first + i * unroll + u for u in range(unroll)]
             srcs = [plgpu.load(src_ref.at[jj], mask=live, other=0) for jj, live in zip(jjs, lives)]
             for jj, live, src in zip(jjs, lives, srcs):
-                g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok[None, :],
+                g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok,
                                other=0).astype(jnp.float32)
                 if scaled:
                     g = g * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
@@ -253,86 +284,98 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
             return acc
 
         steps = (jnp.max(length) + unroll - 1) // unroll
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block, cols.shape[0]), jnp.float32))
-        # Masked lanes point one past the buffer: never stored on a GPU, and dropped
-        # (not written back over a live row) by interpret mode's masked store.
-        row = jnp.where(ok, plgpu.load(run_key_ref.at[r], mask=ok, other=0) - base, w_out.shape[0])
-        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, ok, acc, cols, col_ok, dim)
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block, cls.width), jnp.float32))
 
-    def task(b):
-        b0 = b * block
-        for gi in range(len(bufs)):
-            pl.when((b0 < hi[gi]) & (b0 + block > lo[gi]))(functools.partial(branch, gi, b0))
+        def update(i, mine):
+            w_in, m_in, w_out, m_out = state[i]
+            # Masked lanes point one past the buffer: never stored on a GPU, and dropped
+            # (not written back over a live row) by interpret mode's masked store.
+            row = jnp.where(mine, key - cls.bases[i], w_out.shape[0])
+            _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, mine, acc, cols, cols < cls.dims[i],
+                        cls.dims[i])
 
-    _strided_tasks(0, (hi[-1] + block - 1) // block, programs, task)
+        if cls.single:
+            update(0, ok)
+            return
+        for i in range(len(cls.buffers)):
+            mine = ok & cls.holds(i, key)
+            pl.when(jnp.sum(mine.astype(jnp.int32)) > 0)(functools.partial(update, i, mine))
+
+    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task)
 
 
 def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                opt, dims, bases, k, programs, scaled, prefetch):
-    """One mid run per task: its lookups gathered `k` at a time, one row update."""
-    bufs = _Buffers(refs, opt, dims, bases)
+                opt, cls, k, programs, scaled, prefetch):
+    """One mid run of the class per task: its lookups gathered `k` at a time, one row update."""
+    state = _class_state(refs, opt, len(cls.buffers))
     one = jnp.ones((1,), jnp.bool_)
-    lo, hi = _ranges(rng_ref, len(bufs), 2)
+    lo, hi = _range(rng_ref, cls, 2)
+    cols = jnp.arange(cls.width, dtype=jnp.int32)
 
-    def body(gi, t):
-        w_in, m_in, w_out, m_out = bufs.state[gi]
-        dim = bufs.dims[gi]
-        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-        col_ok = cols < dim
+    def body(t):
         r = plgpu.load(mid_ref.at[t])
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
-                          prefetch=prefetch)
-        row = plgpu.load(run_key_ref.at[r + jnp.zeros((1,), jnp.int32)]) - bufs.bases[gi]
-        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
+        key = plgpu.load(run_key_ref.at[r])
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < cls.dim_of(key),
+                          scaled=scaled, prefetch=prefetch)
 
-    _strided_tasks(lo[0], hi[-1], programs, lambda t: _dispatch(t, lo, hi, body))
+        def update(i):
+            w_in, m_in, w_out, m_out = state[i]
+            row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
+            _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, cols < cls.dims[i],
+                        cls.dims[i])
+
+        cls.per_buffer(key, update)
+
+    _strided_tasks(lo, hi, programs, body)
 
 
-def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, src_ref, scale_ref, g_ref,
-                  part_ref, *, dims, k, programs, scaled, prefetch):
-    """One LONG-lookup chunk of a long run per task: its fp32 partial sum to the workspace."""
-    lo, hi = _ranges(rng_ref, len(dims), 4)
+def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
+                  g_ref, part_ref, *, cls, k, programs, scaled, prefetch):
+    """One LONG-lookup chunk of a long run of the class per task: its fp32 partial sum (zero past
+    the run's dim) to row `t` of the class's workspace."""
+    lo, hi = _range(rng_ref, cls, 4)
+    cols = jnp.arange(cls.width, dtype=jnp.int32)
 
-    def body(gi, t):
-        dim = dims[gi]
-        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-        col_ok = cols < dim
+    def body(t):
         first = plgpu.load(chunk_first_ref.at[t])
         r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+        dim = cls.dims[0] if cls.single else cls.dim_of(plgpu.load(run_key_ref.at[r]))
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < dim, scaled=scaled,
                           prefetch=prefetch)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
-    _strided_tasks(lo[0], hi[-1], programs, lambda t: _dispatch(t, lo, hi, body))
+    _strided_tasks(lo, hi, programs, body)
 
 
-def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, dims, bases,
-                 programs):
-    """One long run per task: the sum of its chunk partials (in chunk order), one row update."""
-    bufs = _Buffers(refs, opt, dims, bases)
+def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, cls, programs):
+    """One long run of the class per task: the sum of its chunk partials (in chunk order), one row update."""
+    state = _class_state(refs, opt, len(cls.buffers))
     one = jnp.ones((1,), jnp.bool_)
-    lo, hi = _ranges(rng_ref, len(bufs), 6)
+    lo, hi = _range(rng_ref, cls, 6)
+    cols = jnp.arange(cls.width, dtype=jnp.int32)
 
-    def body(gi, li):
-        w_in, m_in, w_out, m_out = bufs.state[gi]
-        dim = bufs.dims[gi]
-        cols = jnp.arange(next_pow2(dim), dtype=jnp.int32)
-        col_ok = cols < dim
+    def body(li):
         c0 = plgpu.load(long_chunk0_ref.at[li])
         c1 = plgpu.load(long_chunk0_ref.at[li + 1])
 
         def add(c, acc):
             return acc + plgpu.load(part_ref.at[(c + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]])
 
-        acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, cols.shape[0]), jnp.float32))
-        r = plgpu.load(long_ref.at[li + jnp.zeros((1,), jnp.int32)])
-        row = plgpu.load(run_key_ref.at[r]) - bufs.bases[gi]
-        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, col_ok, dim)
+        acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, cls.width), jnp.float32))
+        key = plgpu.load(run_key_ref.at[plgpu.load(long_ref.at[li])])
 
-    _strided_tasks(lo[0], hi[-1], programs, lambda t: _dispatch(t, lo, hi, body))
+        def update(i):
+            w_in, m_in, w_out, m_out = state[i]
+            row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
+            _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, cols < cls.dims[i],
+                        cls.dims[i])
+
+        cls.per_buffer(key, update)
+
+    _strided_tasks(lo, hi, programs, body)
 
 
 def _state_refs(refs, opt):
@@ -344,10 +387,17 @@ def _state_refs(refs, opt):
     return w_in, m_in, w_out, m_out
 
 
+def _width_classes(layout: StorageLayout) -> list[_WidthClass]:
+    bases = group_bases(layout)
+    return [_WidthClass(c, w, gs, tuple(layout.dims[g] for g in gs), tuple(int(bases[g]) for g in gs),
+                        tuple(int(bases[g]) + layout.group_rows[g] for g in gs))
+            for c, (w, gs) in enumerate(width_classes(layout))]
+
+
 def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
-    """[num_buffers, 8] int32: per buffer its [lo, hi) in the runs (small-run kernel) and in the
-    mid, chunk and long task lists."""
-    bases = jnp.asarray(group_bases(layout).astype(np.int32))
+    """[num_width_classes, 8] int32: per width class (`runs.width_classes` order) its [lo, hi) in the
+    runs (small-run kernel) and in the mid, chunk and long task lists."""
+    bases = jnp.asarray(class_bases(layout).astype(np.int32))
     total = bases[-1]
     n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     key_of = lambda r: jnp.where(r < n, runs.run_key[jnp.minimum(r, n - 1)], total)  # noqa: E731
@@ -363,7 +413,7 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
         edges = jnp.sum(keys[None, :] < bases[:, None], axis=1, dtype=jnp.int32)
         return edges[:-1], edges[1:]
 
-    # Small runs: the range of all runs in the buffer (run_key is sorted, padded with total).
+    # Small runs: the range of all runs in the class (run_key is sorted, padded with total).
     parts = [bounds(runs.run_key), bounds(keys(runs.mid, n_mid)), bounds(chunk_keys), bounds(long_keys)]
     return jnp.stack([e for lo_hi in parts for e in lo_hi], axis=1)
 
@@ -391,7 +441,6 @@ def fused_update(
     n = runs.src.shape[0]
     ranges = _task_ranges(runs, layout, n)
     g_flat = g_out.reshape(-1)
-    bases = group_bases(layout)
     adagrad = opt is not None and opt.has_momentum
     new_w, new_m = dict(buffers), dict(momentum) if momentum is not None else None
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
@@ -411,49 +460,50 @@ def fused_update(
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
 
-    dims, gbases = tuple(layout.dims), tuple(int(x) for x in bases[:-1])
-    keys = [layout.key(g) for g in range(len(dims))]
-    state = [x for key in keys for x in ([new_w[key]] + ([new_m[key]] if adagrad else []))]
-    prefetch = config.prefetch if config.prefetch is not None else all(
-        jnp.dtype(new_w[key].dtype).itemsize == 4 for key in keys)
+    keys = [layout.key(g) for g in range(len(layout.dims))]
+    prefetch = bool(config.prefetch if config.prefetch is not None else all(
+        jnp.dtype(new_w[key].dtype).itemsize == 4 for key in keys))
     rng = ranges.reshape(-1)
 
-    def aliased(kernel, name, grid, args, state):
+    def aliased(kernel, name, grid, args, cls):
+        state = [x for g in cls.buffers for x in ([new_w[keys[g]]] + ([new_m[keys[g]]] if adagrad else []))]
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
-        args = list(args) + list(state)
-        return pl.pallas_call(
+        args = list(args) + state
+        out = pl.pallas_call(
             kernel, out_shape=shapes, grid=(grid,),
             input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
-            compiler_params=small_params if name == "tbe_backward_small_runs" else params,
+            compiler_params=small_params if name.startswith("tbe_backward_small_runs") else params,
             interpret=interpret, name=name,
         )(*args)
+        per = 2 if adagrad else 1
+        for i, g in enumerate(cls.buffers):
+            new_w[keys[g]] = out[per * i]
+            if adagrad:
+                new_m[keys[g]] = out[per * i + 1]
 
-    # One launch per kernel for every buffer (each task runs in its buffer's branch).
-    state = aliased(
-        functools.partial(_small_kernel, opt=opt, dims=dims, bases=gbases, block=blk, programs=p_small,
-                          scaled=scaled, unroll=config.small_unroll),
-        "tbe_backward_small_runs", p_small,
-        [rng, hyper, runs.run_start, runs.run_key] + common, state)
-    state = aliased(
-        functools.partial(_mid_kernel, opt=opt, dims=dims, bases=gbases, k=k, programs=p_mid, scaled=scaled,
-                          prefetch=bool(prefetch)),
-        "tbe_backward_mid_runs", p_mid,
-        [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common, state)
-    part = pl.pallas_call(
-        functools.partial(_chunk_kernel, dims=dims, k=k, programs=p_long, scaled=scaled, prefetch=bool(prefetch)),
-        out_shape=jax.ShapeDtypeStruct((max_chunks, next_pow2(max(dims))), jnp.float32),
-        grid=(p_long,),
-        compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
-    )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, *common)
-    state = aliased(
-        functools.partial(_long_kernel, opt=opt, dims=dims, bases=gbases, programs=p_long),
-        "tbe_backward_long_runs", p_long,
-        [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part], state)
-    per = 2 if adagrad else 1
-    for i, key in enumerate(keys):
-        new_w[key] = state[per * i]
-        if adagrad:
-            new_m[key] = state[per * i + 1]
+    # One launch per kernel kind and width class (a constant number: at most one class per
+    # power of two), each serving the class's buffers.
+    for cls in _width_classes(layout):
+        suffix = f"_w{cls.width}"
+        aliased(
+            functools.partial(_small_kernel, opt=opt, cls=cls, block=blk, programs=p_small, scaled=scaled,
+                              unroll=config.small_unroll),
+            "tbe_backward_small_runs" + suffix, p_small,
+            [rng, hyper, runs.run_start, runs.run_key] + common, cls)
+        aliased(
+            functools.partial(_mid_kernel, opt=opt, cls=cls, k=k, programs=p_mid, scaled=scaled, prefetch=prefetch),
+            "tbe_backward_mid_runs" + suffix, p_mid,
+            [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common, cls)
+        part = pl.pallas_call(
+            functools.partial(_chunk_kernel, cls=cls, k=k, programs=p_long, scaled=scaled, prefetch=prefetch),
+            out_shape=jax.ShapeDtypeStruct((max_chunks, cls.width), jnp.float32),
+            grid=(p_long,),
+            compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks" + suffix,
+        )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, runs.run_key, *common)
+        aliased(
+            functools.partial(_long_kernel, opt=opt, cls=cls, programs=p_long),
+            "tbe_backward_long_runs" + suffix, p_long,
+            [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part], cls)
     return new_w, new_m
 
 
