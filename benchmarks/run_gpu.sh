@@ -38,6 +38,9 @@
 #   trace     per-kernel device time of the backward step (profiler trace) on base, zipf, fp32 -> trace.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
+#   dims      bench_dims.py: backward/forward against D, mixed-dim models    -> dims-*.json, dims.log
+#   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
+#   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -148,6 +151,11 @@ for stage in "$@"; do
           2>&1 | grep -v Warning | tee -a "$OUT/trace.log" ;;
     fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
           "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
+    dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
+    bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
+          --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;
+    features) timeout 280 python3 benchmarks/bench_features.py --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/features.log" | tail -12 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
     *) echo "unknown stage $stage" ;;

@@ -63,12 +63,13 @@ def test_forward_matches_static_form(rng, impl, pooling, weighted):
         params, idx_p, off_p, psw_p, jnp.asarray(sizes, jnp.int32))
     assert out.shape == (MAX_B, sum(emb.feature_dims))
     for f, (blk, cols) in enumerate(zip(_blocks(emb, static, sizes), _columns(emb))):
-        np.testing.assert_array_equal(np.asarray(out[: sizes[f], cols]), blk)
+        if sizes[f]:
+            assert_close(out[: sizes[f], cols], blk, 1e-6)  # XLA may order a sum differently for another shape
         np.testing.assert_array_equal(np.asarray(out[sizes[f]:, cols]), 0)
     # the same through the VariableBatchSizes object
     out2 = emb(params, idx_p, off_p, psw_p,
                batch_size_per_feature=tbe_jax.VariableBatchSizes(jnp.asarray(sizes), MAX_B))
-    np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    assert_close(out2, out, 1e-6)  # another compiled program: XLA may order sums differently
 
 
 @pytest.mark.parametrize("impl,opt", [("xla", tbe_jax.SGD(0.05)), ("pallas", tbe_jax.RowwiseAdagrad(0.1, eps=0.01))])
@@ -157,7 +158,8 @@ def test_sizes_past_the_end_of_offsets(rng):
     static = emb(params, idx[: off[5]], off[:6], batch_size_per_feature=(2, 2, 1, 0))
     cols = _columns(emb)
     for f, (blk, b) in enumerate(zip(_blocks(emb, static, (2, 2, 1, 0)), (2, 2, 1, 0))):
-        np.testing.assert_array_equal(np.asarray(out[:b, cols[f]]), blk)
+        if b:
+            assert_close(out[:b, cols[f]], blk, 1e-6)
         np.testing.assert_array_equal(np.asarray(out[b:, cols[f]]), 0)
 
 

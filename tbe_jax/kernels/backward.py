@@ -456,6 +456,8 @@ def fused_update(
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
     max_chunks = runs.chunk_first.shape[0]
+    # Every class's launches get the full program count: scaling it down by the class's share of
+    # the tables measured slower (benchmarks/results/dims-20261130-164044-NVIDIA_H200.json).
     p_small = max(1, min(max_small, -(-n // blk)))
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
@@ -483,7 +485,8 @@ def fused_update(
 
     # One launch per kernel kind and width class (a constant number: at most one class per
     # power of two), each serving the class's buffers.
-    for cls in _width_classes(layout):
+    classes = _width_classes(layout)
+    for cls in classes:
         suffix = f"_w{cls.width}"
         aliased(
             functools.partial(_small_kernel, opt=opt, cls=cls, block=blk, programs=p_small, scaled=scaled,
