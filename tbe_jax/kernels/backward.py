@@ -308,7 +308,6 @@ def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref
                 opt, cls, k, programs, scaled, prefetch):
     """One mid run of the class per task: its lookups gathered `k` at a time, one row update."""
     state = _class_state(refs, opt, len(cls.buffers))
-    one = jnp.ones((1,), jnp.bool_)
     lo, hi = _range(rng_ref, cls, 2)
     cols = jnp.arange(cls.width, dtype=jnp.int32)
 
@@ -320,15 +319,21 @@ def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref
         acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < cls.dim_of(key),
                           scaled=scaled, prefetch=prefetch)
 
-        def update(i):
-            w_in, m_in, w_out, m_out = state[i]
-            row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
-            _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, cols < cls.dims[i],
-                        cls.dims[i])
-
-        cls.per_buffer(key, update)
+        _update_key_row(opt, hyper_ref, cls, state, key, acc, cols)
 
     _strided_tasks(lo, hi, programs, body)
+
+
+def _update_key_row(opt, hyper_ref, cls, state, key, acc, cols):
+    """The row update of one run (linear key `key`, summed gradient `acc` `[1, width]`), in the branch of
+    the class's buffer that holds the key."""
+    def update(i):
+        w_in, m_in, w_out, m_out = state[i]
+        row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
+        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, jnp.ones((1,), jnp.bool_), acc, cols,
+                    cols < cls.dims[i], cls.dims[i])
+
+    cls.per_buffer(key, update)
 
 
 def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
@@ -353,7 +358,6 @@ def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_r
 def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, cls, programs):
     """One long run of the class per task: the sum of its chunk partials (in chunk order), one row update."""
     state = _class_state(refs, opt, len(cls.buffers))
-    one = jnp.ones((1,), jnp.bool_)
     lo, hi = _range(rng_ref, cls, 6)
     cols = jnp.arange(cls.width, dtype=jnp.int32)
 
@@ -367,13 +371,7 @@ def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, par
         acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, cls.width), jnp.float32))
         key = plgpu.load(run_key_ref.at[plgpu.load(long_ref.at[li])])
 
-        def update(i):
-            w_in, m_in, w_out, m_out = state[i]
-            row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
-            _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, one, acc, cols, cols < cls.dims[i],
-                        cls.dims[i])
-
-        cls.per_buffer(key, update)
+        _update_key_row(opt, hyper_ref, cls, state, key, acc, cols)
 
     _strided_tasks(lo, hi, programs, body)
 
