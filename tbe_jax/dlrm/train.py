@@ -524,9 +524,11 @@ def main(argv=None) -> dict:
     n = max(args.steps - start, 0)
     workers = args.workers or max(1, min(8, (os.cpu_count() or 2) - 1))
     bar = None
-    if not args.no_progress and n:
+    try:  # the progress bar is optional (the "demo" extra installs tqdm)
         from tqdm import tqdm
-
+    except ImportError:
+        tqdm = None
+    if not args.no_progress and n and tqdm is not None:
         bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5,
                    file=sys.stderr)
     dense_params, dense_opt_state, emb_params, emb_state = (state.dense_params, state.dense_opt_state,
