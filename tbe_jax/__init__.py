@@ -6,8 +6,8 @@ from tbe_jax.kernels.backward import BackwardConfig
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import (
-    SGD, Adagrad, AdagradState, FusedOptimizer, Optimizer, RowwiseAdagrad, RowwiseAdagradState, SGDState, adagrad,
-    rowwise_adagrad, sgd,
+    SGD, Adagrad, AdagradState, Adam, AdamState, FusedOptimizer, Lamb, Optimizer, PartialRowwiseAdam,
+    PartialRowwiseLamb, RowwiseAdagrad, RowwiseAdagradState, SGDState, adagrad, rowwise_adagrad, sgd,
 )
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
@@ -15,8 +15,8 @@ from tbe_jax.train import SparseLookup, StepReport, TrainStepResult, train_step
 from tbe_jax.vbe import VariableBatchSizes
 
 __all__ = [
-    "Adagrad", "AdagradState", "BackwardConfig", "BoundsReport", "ForwardConfig", "FusedOptimizer",
-    "HistogramConfig", "Optimizer", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "SparseLookup",
+    "Adagrad", "AdagradState", "Adam", "AdamState", "BackwardConfig", "BoundsReport", "ForwardConfig", "FusedOptimizer",
+    "HistogramConfig", "Lamb", "Optimizer", "PartialRowwiseAdam", "PartialRowwiseLamb", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "SparseLookup",
     "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "adagrad", "rowwise_adagrad", "sgd",
     "train_step",
 ]

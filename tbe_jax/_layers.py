@@ -63,7 +63,7 @@ def check_optimizer(optimizer, core, makers: str) -> None:
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a sparse optimizer of tbe_jax.optim ({makers}), "
                         f"got {type(optimizer).__name__}")
-    check = getattr(core, "_check_opt", None)  # e.g. TableBatchedEmbedding: no element-wise Adagrad
+    check = getattr(core, "_check_opt", None)  # e.g. TTEmbeddingBag: the optimizers its cores support
     if check is not None:
         check(optimizer)
 

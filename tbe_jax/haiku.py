@@ -219,7 +219,8 @@ class SparseEmbedBase(hk.Module):
     which calls `_embed`). Parameters (or, in sparse mode, `FUSED_PREFIX`-named state) are
     named after the leaves of the core's params."""
 
-    _MAKERS = "tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)"  # named in the error for a bad optimizer
+    _MAKERS = ("tbe_jax.RowwiseAdagrad(...), tbe_jax.SGD, tbe_jax.Adagrad, tbe_jax.Adam, tbe_jax.PartialRowwiseAdam, "
+               "tbe_jax.Lamb or tbe_jax.PartialRowwiseLamb")  # named in the error for a bad optimizer
 
     def _setup(self, core, optimizer) -> None:
         check_optimizer(optimizer, core, self._MAKERS)

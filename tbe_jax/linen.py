@@ -187,7 +187,8 @@ class SparseEmbedBase(nn.Module):
     `FUSED_COLLECTION/"embedding"` and `FUSED_COLLECTION/"opt_state"` (sparse mode).
     """
 
-    _MAKERS = "tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)"  # named in the error for a bad optimizer
+    _MAKERS = ("tbe_jax.RowwiseAdagrad(...), tbe_jax.SGD, tbe_jax.Adagrad, tbe_jax.Adam, tbe_jax.PartialRowwiseAdam, "
+               "tbe_jax.Lamb or tbe_jax.PartialRowwiseLamb")  # named in the error for a bad optimizer
 
     def __post_init__(self):
         # Builds the core: bad options fail here, with the core's messages.

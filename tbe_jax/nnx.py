@@ -181,7 +181,8 @@ class SparseEmbedBase(nnx.Module):
       optimizer: the sparse optimizer (or None).
     """
 
-    _MAKERS = "tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)"  # named in the error for a bad optimizer
+    _MAKERS = ("tbe_jax.RowwiseAdagrad(...), tbe_jax.SGD, tbe_jax.Adagrad, tbe_jax.Adam, tbe_jax.PartialRowwiseAdam, "
+               "tbe_jax.Lamb or tbe_jax.PartialRowwiseLamb")  # named in the error for a bad optimizer
 
     def _setup(self, core, params, optimizer) -> None:
         check_optimizer(optimizer, core, self._MAKERS)

@@ -247,33 +247,36 @@ def per_sample_weight_grad(buffers, layout, plan, indices, offsets, per_sample_w
     return d_psw
 
 
-def apply_gradients(buffers, momentum, layout, plan, indices, offsets, per_sample_weights, g_out, rule, hyper, *,
+def apply_gradients(buffers, slots, layout, plan, indices, offsets, per_sample_weights, g_out, rule, hyper, *,
                     pooling: str):
     """Reference fused update: `rule` (a `tbe_jax.optim.KernelRule`) applied once to every row looked up.
 
-    `hyper` is the step's `[learning_rate, eps]` (fp32). Dense (work proportional
-    to the tables): the semantics the kernels must match. Returns (buffers,
-    momentum) with untouched rows bitwise unchanged; with `rule.skip_nonfinite`,
-    rows whose gradient is not finite are unchanged too.
+    `slots`: the optimizer state's slots (`Optimizer.slots(state)`: a tuple of dicts
+    shaped like `buffers`, empty for SGD); `hyper`: the step's
+    `Optimizer.hyperparameters` (fp32). Dense (work proportional to the tables): the
+    semantics the kernels must match. Returns (buffers, slots) with untouched rows
+    and their state bitwise unchanged; with `rule.skip_nonfinite`, rows whose
+    gradient is not finite are unchanged too.
     """
     from tbe_jax.optim import apply_rule, stochastic_round
 
     grads, touched = pooled_backward(buffers, layout, plan, indices, offsets, per_sample_weights, g_out,
                                      pooling=pooling, keep_fp32=True)
-    lr, eps = hyper[0], hyper[1]
-    new_w, new_m = {}, (None if momentum is None else {})
+    slots = tuple(slots or ())
+    new_w, new_s = {}, tuple({} for _ in slots)
     for key, w in buffers.items():
         g = grads[key]
         hit = touched[key]
         if rule.skip_nonfinite:
             hit = hit & jnp.all(jnp.isfinite(g), axis=1)
         w32 = w.astype(jnp.float32)
-        upd, m, salts = apply_rule(rule, w32, None if momentum is None else momentum[key], g, lr, eps)
-        if m is not None:
-            new_m[key] = jnp.where(hit.reshape(hit.shape + (1,) * (m.ndim - 1)), m, momentum[key])
+        old = tuple(s[key] for s in slots)
+        upd, new, salts = apply_rule(rule, w32, tuple(x.astype(jnp.float32) for x in old), g, hyper)
+        for out, x, o in zip(new_s, new, old):
+            out[key] = jnp.where(hit.reshape(hit.shape + (1,) * (o.ndim - 1)), x.astype(o.dtype), o)
         if rule.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):
             rows = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0)
             cols = jax.lax.broadcasted_iota(jnp.int32, g.shape, 1)
             upd = stochastic_round(upd, w.dtype, rows, cols, *salts)
         new_w[key] = jnp.where(hit[:, None], upd.astype(w.dtype), w)
-    return new_w, new_m
+    return new_w, new_s

@@ -461,34 +461,44 @@ class TableBatchedEmbedding:
 
     # -- optimizer step ---------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):
-        """The state of `opt` for these tables: `RowwiseAdagradState(momentum, count)`
-        (one fp32 accumulator per row, per storage buffer) or `SGDState(count)`."""
+        """The state of `opt` for these tables, per storage buffer like `params`: `SGDState(count)`,
+        `RowwiseAdagradState(momentum, count)` (one fp32 value per row), `AdagradState(momentum, count)`
+        (one per element) or `AdamState(momentum1, momentum2, count)` (Adam, LAMB and their partial
+        row-wise forms); see `tbe_jax.optim`."""
         self._check_opt(opt)
         self._check_params(params)
         return opt.init(params)
 
-    def get_momentum(self, opt_state) -> list[jax.Array]:
-        """Per table, its `[E_t]` row-wise Adagrad accumulators."""
-        if not isinstance(opt_state, optim.RowwiseAdagradState):
-            raise ValueError(
-                f"opt_state is a {type(opt_state).__name__}: it holds no row-wise Adagrad accumulators")
+    def get_state(self, opt_state, name: str) -> list[jax.Array]:
+        """Per table, its slice of the optimizer state's field `name` (`"momentum"`, `"momentum1"` or
+        `"momentum2"`): `[E_t]` for a row-wise field, `[E_t, D_t]` for an element-wise one."""
+        fields = [f for f in getattr(opt_state, "_fields", ()) if f != "count"]
+        if name not in fields:
+            raise ValueError(f"opt_state is a {type(opt_state).__name__}: its state fields are {fields}, "
+                             f"not {name!r}")
+        tree = getattr(opt_state, name)
         out = []
         for t, spec in enumerate(self.tables):
-            buf = opt_state.momentum[self.layout.key(self.layout.table_group[t])]
+            buf = tree[self.layout.key(self.layout.table_group[t])]
             r0 = self.layout.table_row_offset[t]
             out.append(buf[r0 : r0 + spec.num_embeddings])
         return out
 
-    _KERNEL_KINDS = ("sgd", "rowwise_adagrad")
+    def get_momentum(self, opt_state) -> list[jax.Array]:
+        """Per table, its Adagrad accumulators (`[E_t]` row-wise, `[E_t, D_t]` element-wise); for an
+        `AdamState` use `get_state(opt_state, "momentum1")` / `"momentum2"`."""
+        if not isinstance(opt_state, (optim.RowwiseAdagradState, optim.AdagradState)):
+            raise ValueError(
+                f"opt_state is a {type(opt_state).__name__}: it holds no Adagrad accumulators"
+                + (" (use emb.get_state(opt_state, 'momentum1') or 'momentum2')"
+                   if isinstance(opt_state, optim.AdamState) else ""))
+        return self.get_state(opt_state, "momentum")
 
     def _check_opt(self, opt):
         if not isinstance(opt, optim.Optimizer):
             raise TypeError(
-                f"opt must be a tbe_jax optimizer (tbe_jax.RowwiseAdagrad(...) or tbe_jax.SGD(...)), "
-                f"got {type(opt).__name__}")
-        if opt.rule().kind not in self._KERNEL_KINDS:
-            raise TypeError(f"TableBatchedEmbedding does not support {type(opt).__name__} yet; "
-                            "use tbe_jax.RowwiseAdagrad or tbe_jax.SGD")
+                f"opt must be a tbe_jax optimizer (tbe_jax.RowwiseAdagrad(...), SGD, Adagrad, Adam, "
+                f"PartialRowwiseAdam, Lamb or PartialRowwiseLamb), got {type(opt).__name__}")
 
     def _check_params(self, params):
         if not isinstance(params, dict):
@@ -556,11 +566,10 @@ class TableBatchedEmbedding:
         if not jnp.issubdtype(grad_output.dtype, jnp.floating):
             raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
         rule = opt.rule()
-        momentum = opt_state.momentum if rule.has_momentum else None
-        new_w, new_m = self._update_impl(plan, rule, opt.hyperparameters(opt_state.count), params, momentum,
-                                         indices, offsets, per_sample_weights, grad_output, backward_config,
-                                         runs=runs)
-        return new_w, opt.next_state(opt_state, new_m)
+        new_w, new_s = self._update_impl(plan, rule, opt.hyperparameters(opt_state.count), params,
+                                         opt.slots(opt_state), indices, offsets, per_sample_weights, grad_output,
+                                         backward_config, runs=runs)
+        return new_w, opt.next_state(opt_state, new_s)
 
     def _histogram_features(self, plan, per_sample_weights) -> list[int]:
         """Features whose lookups take the histogram kernels (forward and backward) in this call."""
@@ -590,37 +599,39 @@ class TableBatchedEmbedding:
                                    pooling=self.pooling, sequence=sequence, keys=keys,
                                    rle_kernel=cfg.rle_kernel, interpret=self.interpret)
 
-    def _update_impl(self, plan, opt, hyper, params, momentum, indices, offsets, per_sample_weights, grad_output,
+    def _update_impl(self, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,
                      backward_config=None, runs=None):
-        """The fused update on validated int32 inputs: (tables, accumulators or None).
+        """The fused update on validated int32 inputs: (tables, state slots).
 
         `opt`: a `tbe_jax.optim.KernelRule` (None: store the true gradient); `hyper`:
-        the step's `[learning_rate, eps]`.
+        the step's `Optimizer.hyperparameters`; `slots`: the state's slots (a tuple of
+        dicts like `params`, empty for SGD).
 
         `runs`: the batch's sorted runs when the forward already built them.
         Histogram features (see `plan()`) are left out of the runs: their tables
         get `counts^T @ grad_output` from the histogram backward kernels.
         """
+        slots = tuple(slots or ())
         if indices.shape[0] == 0:
-            return params, momentum
+            return params, slots
         if self._use_kernel():
             hist = self._histogram_features(plan, per_sample_weights)
             g32 = grad_output.astype(jnp.float32)
             if len(hist) < plan.num_features:
                 if runs is None:
                     runs = self._runs(plan, indices, offsets, per_sample_weights, backward_config)
-                params, momentum = bwd_kernels.fused_update(
-                    params, momentum, self.layout, runs, g32, opt, hyper,
+                params, slots = bwd_kernels.fused_update(
+                    params, slots, self.layout, runs, g32, opt, hyper,
                     config=backward_config or self.backward_config, interpret=self.interpret,
                 )
             if hist:  # their tables: counts^T x dout, then the optimizer (no sort)
-                params, momentum = hist_bwd.histogram_update(
-                    params, momentum, self.layout, plan, hist, indices, offsets, g32, opt, hyper,
+                params, slots = hist_bwd.histogram_update(
+                    params, slots, self.layout, plan, hist, indices, offsets, g32, opt, hyper,
                     pooling=self.pooling, config=self.histogram_config, interpret=self.interpret,
                 )
-            return params, momentum
+            return params, slots
         return reference.apply_gradients(
-            params, momentum, self.layout, plan, indices, offsets, per_sample_weights,
+            params, slots, self.layout, plan, indices, offsets, per_sample_weights,
             grad_output, opt, hyper, pooling=self.pooling,
         )
 
@@ -763,7 +774,7 @@ def _lookup_bwd(emb, plan, count, res, cotangents):
         )
         return d_params, d_psw, None, None
     zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in params.items()}
-    d_params, _ = emb._update_impl(plan, None, None, zeros, None, indices, offsets, per_sample_weights, g_out)
+    d_params, _ = emb._update_impl(plan, None, None, zeros, (), indices, offsets, per_sample_weights, g_out)
     d_psw = None
     if per_sample_weights is not None:
         d_psw = reference.per_sample_weight_grad(

@@ -38,10 +38,16 @@ from tbe_jax.optim import (  # noqa: F401  (the shared family, re-exported)
 )
 
 
+_TT_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
+
+
 def check_opt(opt):
     if not isinstance(opt, Optimizer):
         raise TypeError(f"opt must be a tbe_jax/tt_jax optimizer (tt_jax.SGD, tt_jax.Adagrad or "
                         f"tt_jax.RowwiseAdagrad), got {type(opt).__name__}")
+    if opt.rule().kind not in _TT_KINDS:
+        raise TypeError(f"tt_jax cores do not support {type(opt).__name__}; use tt_jax.SGD, tt_jax.Adagrad or "
+                        "tt_jax.RowwiseAdagrad")
 
 
 def init_state(opt, params: dict):
@@ -78,8 +84,9 @@ def update_slices(rule: KernelRule, hyper, core: jax.Array, momentum: jax.Array 
     safe = jnp.minimum(ids, p - 1)
     g = grads.astype(jnp.float32)
     w = core[safe]
-    m = None if momentum is None else momentum[safe]
-    new_w, new_m, _ = apply_rule(rule, w, m, g, hyper[0], hyper[1], row_axes=tuple(range(1, g.ndim)))
+    slots = () if momentum is None else (momentum[safe],)
+    new_w, new_s, _ = apply_rule(rule, w, slots, g, hyper, row_axes=tuple(range(1, g.ndim)))
+    new_m = new_s[0] if new_s else None
     if rule.skip_nonfinite:
         ok = _finite_slices(g)
         ids = jnp.where(ok, ids, p)  # dropped by the scatter below
@@ -98,8 +105,9 @@ def update_dense(rule: KernelRule, hyper, core: jax.Array, momentum: jax.Array |
     Adagrad `m + mean(0) = m`, then the same. The work is O(core size) (cores are small: O(p) slices).
     """
     g = grads.astype(jnp.float32)
-    new_w, new_m, _ = apply_rule(rule, core.astype(jnp.float32), momentum, g, hyper[0], hyper[1],
+    new_w, new_s, _ = apply_rule(rule, core.astype(jnp.float32), () if momentum is None else (momentum,), g, hyper,
                                  row_axes=tuple(range(1, g.ndim)))
+    new_m = new_s[0] if new_s else None
     if rule.skip_nonfinite:
         ok = _finite_slices(g)
         new_w = _keep(ok, new_w, core)

@@ -318,7 +318,7 @@ class TTEmbeddingBag:
                                                                                warn=False)
         self._check_grad_output(grad_output, batch, total_dim)
         if indices.shape[0] == 0 or batch == 0:
-            return params, opt.next_state(opt_state, getattr(opt_state, "momentum", None))
+            return params, opt.next_state(opt_state, opt.slots(opt_state))
         self._check_backend()
         if _is_concrete(params, opt_state, opt, indices, offsets, per_sample_weights, grad_output):
             return _jit_apply(opt, params, opt_state, indices, offsets, per_sample_weights, jnp.asarray(grad_output),
@@ -361,7 +361,7 @@ class TTEmbeddingBag:
         optim.check_state(opt, opt_state, params)
         self._check_grad_output(grad_output, batch, total_dim)
         if plans is None:
-            return params, opt.next_state(opt_state, getattr(opt_state, "momentum", None)), jnp.int32(0)
+            return params, opt.next_state(opt_state, opt.slots(opt_state)), jnp.int32(0)
         params, opt_state = _apply(self, batch, opt, params, opt_state, plans, offsets, per_sample_weights,
                                    grad_output)
         return params, opt_state, jnp.int32(0)
@@ -459,8 +459,8 @@ def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weight
         new_cores.append(tuple(cs))
         new_mom.append(tuple(ms))
     new_params = dict(params, cores=tuple(new_cores))
-    new_momentum = None if momentum is None else dict(opt_state.momentum, cores=tuple(new_mom))
-    return new_params, opt.next_state(opt_state, new_momentum)
+    new_slots = () if momentum is None else (dict(opt_state.momentum, cores=tuple(new_mom)),)
+    return new_params, opt.next_state(opt_state, new_slots)
 
 
 # `fused_lookup`: a forward whose differentiation fails loudly, at trace time.

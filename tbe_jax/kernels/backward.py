@@ -40,7 +40,7 @@ import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
 from tbe_jax.kernels import programs
-from tbe_jax.optim import stochastic_round
+from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
 from tbe_jax.runs import LONG, SMALL, Runs, class_bases, group_bases, width_classes
 from tbe_jax.specs import StorageLayout
 
@@ -109,13 +109,17 @@ class BackwardConfig:
                 raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
 
 
-def _row_update(rule, hyper_ref, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, row_ok, acc, cols, col_ok, dim):
+def _row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, acc, cols, col_ok, dim):
     """Apply `rule` to rows `row` ([R] int32, where `row_ok`) with gradients `acc` ([R, Dp] f32).
 
-    `hyper_ref` holds the step's `[learning_rate, eps]` (an operand: changing them
-    never recompiles). `rule=None` is the true-gradient mode: `acc` is stored as the
-    row's gradient. With `rule.skip_nonfinite`, a row whose gradient holds a NaN or
-    an infinity is not written (its weights and accumulator stay as they were).
+    `s_in`/`s_out`: the refs of the optimizer state's slots (`rule.slot_rowwise` says
+    which hold one value per row). `hyper_ref` holds the step's
+    `Optimizer.hyperparameters` (an operand: changing them never recompiles). The
+    formulas are `tbe_jax.optim.apply_rule`'s, on the tile: its padding columns (past
+    `dim`) load as zeros, so the per-row sums see only the row. `rule=None` is the
+    true-gradient mode: `acc` is stored as the row's gradient. With
+    `rule.skip_nonfinite`, a row whose gradient holds a NaN or an infinity is not
+    written (its weights and state stay as they were).
     """
     rows = row[:, None]
     if rule is None:
@@ -126,17 +130,20 @@ def _row_update(rule, hyper_ref, w_in_ref, w_out_ref, m_in_ref, m_out_ref, row, 
         bad = jnp.sum(jnp.where(jnp.abs(acc) < jnp.inf, 0, 1), axis=1)  # NaN fails the compare too
         row_ok = row_ok & (bad == 0)
     mask = row_ok[:, None] & col_ok[None, :]
-    lr = plgpu.load(hyper_ref.at[jnp.int32(0)])
+    hyper = tuple(plgpu.load(hyper_ref.at[jnp.int32(i)]) for i in range(NUM_HYPER))
     w0 = plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32)
-    salts = (acc, w0)
-    if rule.kind == "rowwise_adagrad":
-        eps = plgpu.load(hyper_ref.at[jnp.int32(1)])
-        m = plgpu.load(m_in_ref.at[row], mask=row_ok, other=0.0) + jnp.sum(acc * acc, axis=1) / dim  # [R]
-        w = w0 - lr * acc / (jnp.sqrt(m)[:, None] + eps)
-        plgpu.store(m_out_ref.at[row], m, mask=row_ok)
-        salts += (jnp.broadcast_to(m[:, None], acc.shape),)
-    else:
-        w = w0 - lr * acc
+    slots = []
+    for ref, rowwise in zip(s_in, rule.slot_rowwise):
+        if rowwise:
+            slots.append(plgpu.load(ref.at[row], mask=row_ok, other=0).astype(jnp.float32))
+        else:
+            slots.append(plgpu.load(ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32))
+    w, new, salts = apply_rule(rule, w0, tuple(slots), acc, hyper, dim=dim)
+    for ref, x, rowwise in zip(s_out, new, rule.slot_rowwise):
+        if rowwise:
+            plgpu.store(ref.at[row], x.astype(ref.dtype), mask=row_ok)
+        else:
+            plgpu.store(ref.at[rows, cols[None, :]], x.astype(ref.dtype), mask=mask)
     if rule.stochastic_rounding and w_out_ref.dtype in (jnp.float16, jnp.bfloat16):
         w = stochastic_round(w, w_out_ref.dtype, jnp.broadcast_to(rows, acc.shape),
                              jnp.broadcast_to(cols[None, :], acc.shape), *salts)
@@ -230,11 +237,16 @@ class _WidthClass:
             pl.when(self.holds(i, key))(functools.partial(body, i))
 
 
+def state_width(opt) -> int:
+    """Arrays per storage buffer that an update kernel aliases: the weights and the state's slots."""
+    return 1 + (opt.num_slots if opt is not None else 0)
+
+
 def _class_state(refs, opt, num_buffers: int):
-    """Per buffer of a launch, its (w_in, m_in, w_out, m_out) refs (inputs, then aliased outputs)."""
-    n_state = 2 if opt is not None and opt.has_momentum else 1
+    """Per buffer of a launch, its (w_in, slots_in, w_out, slots_out) refs (inputs, then aliased outputs)."""
+    n_state = state_width(opt)
     ins, outs = refs[: n_state * num_buffers], refs[n_state * num_buffers :]
-    return [_state_refs(ins[i * n_state : (i + 1) * n_state] + outs[i * n_state : (i + 1) * n_state], opt)
+    return [state_refs(ins[i * n_state : (i + 1) * n_state] + outs[i * n_state : (i + 1) * n_state], opt)
             for i in range(num_buffers)]
 
 
@@ -287,11 +299,11 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block, cls.width), jnp.float32))
 
         def update(i, mine):
-            w_in, m_in, w_out, m_out = state[i]
+            w_in, s_in, w_out, s_out = state[i]
             # Masked lanes point one past the buffer: never stored on a GPU, and dropped
             # (not written back over a live row) by interpret mode's masked store.
             row = jnp.where(mine, key - cls.bases[i], w_out.shape[0])
-            _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, mine, acc, cols, cols < cls.dims[i],
+            _row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, mine, acc, cols, cols < cls.dims[i],
                         cls.dims[i])
 
         if cls.single:
@@ -328,9 +340,9 @@ def _update_key_row(opt, hyper_ref, cls, state, key, acc, cols):
     """The row update of one run (linear key `key`, summed gradient `acc` `[1, width]`), in the branch of
     the class's buffer that holds the key."""
     def update(i):
-        w_in, m_in, w_out, m_out = state[i]
+        w_in, s_in, w_out, s_out = state[i]
         row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
-        _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, jnp.ones((1,), jnp.bool_), acc, cols,
+        _row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, jnp.ones((1,), jnp.bool_), acc, cols,
                     cols < cls.dims[i], cls.dims[i])
 
     cls.per_buffer(key, update)
@@ -376,13 +388,12 @@ def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, par
     _strided_tasks(lo, hi, programs, body)
 
 
-def _state_refs(refs, opt):
-    """(w_in, m_in, w_out, m_out) from the trailing refs; m_* are None for SGD."""
-    if opt is not None and opt.has_momentum:
-        w_in, m_in, w_out, m_out = refs
-    else:
-        (w_in, w_out), m_in, m_out = refs, None, None
-    return w_in, m_in, w_out, m_out
+def state_refs(refs, opt):
+    """(w_in, slots_in, w_out, slots_out) from one buffer's `2 * state_width(opt)` refs (its inputs, then
+    its aliased outputs); the slot tuples are empty for SGD and the true-gradient mode."""
+    n = state_width(opt)
+    ins, outs = refs[:n], refs[n:]
+    return ins[0], tuple(ins[1:]), outs[0], tuple(outs[1:])
 
 
 def _width_classes(layout: StorageLayout) -> list[_WidthClass]:
@@ -418,7 +429,7 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
 
 def fused_update(
     buffers: dict,
-    momentum: dict | None,
+    slots: tuple,
     layout: StorageLayout,
     runs: Runs,
     g_out: jax.Array,
@@ -429,18 +440,19 @@ def fused_update(
     interpret: bool,
 ):
     """Apply `opt` (a `tbe_jax.optim.KernelRule`) to every row in `runs` with its aggregated gradient;
-    returns (buffers, momentum). `hyper`: the step's `[learning_rate, eps]`, fp32.
+    returns (buffers, slots). `slots`: the optimizer state's slots (a tuple of dicts shaped like
+    `buffers`; empty for SGD); `hyper`: the step's `Optimizer.hyperparameters`, fp32.
 
     `opt=None` is the true-gradient mode: `buffers` must be zeros, and each row in
     the batch receives its aggregated gradient (cast to the buffer's dtype).
     """
     if hyper is None:
-        hyper = jnp.zeros((2,), jnp.float32)
+        hyper = jnp.zeros((NUM_HYPER,), jnp.float32)
     n = runs.src.shape[0]
     ranges = _task_ranges(runs, layout, n)
     g_flat = g_out.reshape(-1)
-    adagrad = opt is not None and opt.has_momentum
-    new_w, new_m = dict(buffers), dict(momentum) if momentum is not None else None
+    n_slots = opt.num_slots if opt is not None else 0
+    new_w, new_s = dict(buffers), tuple(dict(x) for x in (slots or ())[:n_slots])
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
     small_params = plgpu.CompilerParams(num_warps=config.small_num_warps, num_stages=1)
     k = config.lookups_per_step
@@ -466,7 +478,7 @@ def fused_update(
     rng = ranges.reshape(-1)
 
     def aliased(kernel, name, grid, args, cls):
-        state = [x for g in cls.buffers for x in ([new_w[keys[g]]] + ([new_m[keys[g]]] if adagrad else []))]
+        state = [x for g in cls.buffers for x in [new_w[keys[g]]] + [d[keys[g]] for d in new_s]]
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
         args = list(args) + state
         out = pl.pallas_call(
@@ -475,11 +487,11 @@ def fused_update(
             compiler_params=small_params if name.startswith("tbe_backward_small_runs") else params,
             interpret=interpret, name=name,
         )(*args)
-        per = 2 if adagrad else 1
+        per = 1 + n_slots
         for i, g in enumerate(cls.buffers):
             new_w[keys[g]] = out[per * i]
-            if adagrad:
-                new_m[keys[g]] = out[per * i + 1]
+            for j, d in enumerate(new_s):
+                d[keys[g]] = out[per * i + 1 + j]
 
     # One launch per kernel kind and width class (a constant number: at most one class per
     # power of two), each serving the class's buffers.
@@ -505,7 +517,7 @@ def fused_update(
             functools.partial(_long_kernel, opt=opt, cls=cls, programs=p_long),
             "tbe_backward_long_runs" + suffix, p_long,
             [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part], cls)
-    return new_w, new_m
+    return new_w, new_s
 
 
 # -- per-lookup keys ---------------------------------------------------------------

@@ -57,7 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pl, plgpu
-from tbe_jax.kernels.backward import _row_update, _state_refs
+from tbe_jax.kernels.backward import _row_update, state_refs, state_width
+from tbe_jax.optim import NUM_HYPER
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, OUT_BASE, OUT_STRIDE, feature_table
 from tbe_jax.kernels.histogram import HEAD, HistogramConfig, count_ids, rows_padded, tile_positions
@@ -222,7 +223,7 @@ def _grad_kernel(tabs_ref, flist_ref, prefix_ref, feat_ref, offsets_ref, indices
             pl.when(cls == k)(body)
 
 
-def _update_branch(e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref, w_in, m_in, w_out, m_out,
+def _update_branch(e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref, w_in, s_in, w_out, s_out,
                    *, opt, q, dim, stride_rows, stride_cols):
     """Row `e` of one table: its partials summed in slot order, then the optimizer (or the gradient stored)."""
     block_dim = next_pow2(dim)
@@ -245,7 +246,7 @@ def _update_branch(e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref, 
     touched = jnp.zeros((1,), jnp.int32) + n > 0
     # Rows not in the batch point one past the buffer: never stored on a GPU, dropped in interpret mode.
     row = jnp.where(touched, row_offset + e, w_out.shape[0])
-    _row_update(opt, hyper_ref, w_in, w_out, m_in, m_out, row, touched, acc, cols, col_ok, dim)
+    _row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, touched, acc, cols, col_ok, dim)
 
 
 def _update_kernel(part_ref, occ_ref, hyper_ref, tabs_ref, *refs, opt, dims, num_tables, **kw):
@@ -257,10 +258,10 @@ def _update_kernel(part_ref, occ_ref, hyper_ref, tabs_ref, *refs, opt, dims, num
 
     e = pid - fact(T_ROW0)
     slot0, n_parts, row_offset, buf = fact(T_SLOT0), fact(T_NPARTS), fact(T_ROW_OFFSET), fact(T_BUFFER)
-    n_state = 2 if opt is not None and opt.has_momentum else 1
+    n_state = state_width(opt)
     ins, outs = refs[: n_state * len(dims)], refs[n_state * len(dims) :]
     for b, dim in enumerate(dims):
-        state = _state_refs(ins[b * n_state : (b + 1) * n_state] + outs[b * n_state : (b + 1) * n_state], opt)
+        state = state_refs(ins[b * n_state : (b + 1) * n_state] + outs[b * n_state : (b + 1) * n_state], opt)
         body = functools.partial(_update_branch, e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref,
                                  *state, opt=opt, dim=dim, **kw)
         if len(dims) == 1:
@@ -271,7 +272,7 @@ def _update_kernel(part_ref, occ_ref, hyper_ref, tabs_ref, *refs, opt, dims, num
 
 def histogram_update(
     buffers: dict,
-    momentum: dict | None,
+    slots: tuple,
     layout: StorageLayout,
     plan: FeaturePlan,
     features,  # the features that took the histogram forward
@@ -285,7 +286,10 @@ def histogram_update(
     config: HistogramConfig,
     interpret: bool,
 ):
-    """Apply `opt` to the rows of the histogram features' tables; returns (buffers, momentum).
+    """Apply `opt` to the rows of the histogram features' tables; returns (buffers, slots).
+
+    `slots`: the optimizer state's slots (a tuple of dicts shaped like `buffers`), `hyper`
+    the step's `Optimizer.hyperparameters`.
 
     Two launches in all, whatever the number of tables and buffers. Every table
     read by one of `features` must be read by histogram features only
@@ -294,15 +298,15 @@ def histogram_update(
     into `buffers`, which must be zeros there.
     """
     cfg = config
-    new_w, new_m = dict(buffers), (dict(momentum) if momentum is not None else None)
+    n_slots = opt.num_slots if opt is not None else 0
+    new_w, new_s = dict(buffers), tuple(dict(x) for x in (slots or ())[:n_slots])
     sp = _plan(layout, plan, features, cfg, interpret)
     if sp is None:
-        return new_w, new_m
+        return new_w, new_s
     g_flat = g_out.reshape(-1).astype(jnp.float32)
     feat_meta = jnp.asarray(feature_table(plan).reshape(-1))
-    adagrad = opt is not None and opt.has_momentum
     if hyper is None:
-        hyper = jnp.zeros((2,), jnp.float32)
+        hyper = jnp.zeros((NUM_HYPER,), jnp.float32)
     n_prog, sr, sc, n_tab = sp.num_programs, sp.stride_rows, sp.stride_cols, sp.tabs.shape[0]
     tabs = jnp.asarray(sp.tabs.reshape(-1))
     part, occ = pl.pallas_call(
@@ -319,7 +323,7 @@ def histogram_update(
     keys = [layout.key(grp) for grp in sp.buffers]
     state = []
     for k in keys:
-        state += [new_w[k]] + ([new_m[k]] if adagrad else [])
+        state += [new_w[k]] + [d[k] for d in new_s]
     args = [part, occ, hyper, tabs] + state
     state = pl.pallas_call(
         functools.partial(_update_kernel, opt=opt, dims=tuple(layout.dims[grp] for grp in sp.buffers),
@@ -330,9 +334,9 @@ def histogram_update(
         compiler_params=plgpu.CompilerParams(num_warps=cfg.update_num_warps, num_stages=1),
         interpret=interpret, name="tbe_histogram_update",
     )(*args)
-    n_state = 2 if adagrad else 1
+    n_state = 1 + n_slots
     for i, k in enumerate(keys):
         new_w[k] = state[n_state * i]
-        if adagrad:
-            new_m[k] = state[n_state * i + 1]
-    return new_w, new_m
+        for j, d in enumerate(new_s):
+            d[k] = state[n_state * i + 1 + j]
+    return new_w, new_s
