@@ -1,0 +1,250 @@
+"""The fused optimizers of `tbe_jax.optim` on tbe_jax tables: Adagrad, row-wise Adagrad with weight decay,
+Adam, partial row-wise Adam, LAMB and partial row-wise LAMB.
+
+Each is checked over several steps against a float64 NumPy model written from FBGEMM's formulas (lazy:
+only the rows a batch touches step, their moments too; the bias correction uses the global step count),
+through the kernels (compiled on a GPU, interpret mode on CPU: the sorted-run backward and the histogram
+backward) and the XLA reference. Untouched rows and their state must come back bitwise unchanged.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tbe_jax
+from tbe_jax import testing
+from conftest import KERNEL_KW, assert_close, specs, tables_f64
+
+
+def model_update(opt, w, slots, g, t):
+    """One step of `opt` on float64 rows `w` [R, D] with summed gradients `g`; `slots` the rows' state
+    ([R] row-wise, [R, D] element-wise); `t` the step number (1 on the first step). FBGEMM's formulas."""
+    kind = opt.rule().kind
+    lr, eps = float(opt.learning_rate), float(getattr(opt, "eps", 0.0))
+    if kind == "sgd":
+        return w - lr * g, []
+    if kind == "adagrad":
+        m = slots[0] + g * g
+        return w - lr * g / (np.sqrt(m) + eps), [m]
+    if kind == "rowwise_adagrad":
+        wd, mode = float(opt.weight_decay), opt.weight_decay_mode
+        gg = g + wd * w if mode == "l2" else g
+        m = slots[0] + np.mean(gg * gg, axis=1)
+        mult = (lr / (np.sqrt(m) + eps))[:, None]
+        if mode == "decoupled":
+            return (1 - lr * wd) * w - mult * g, [m]
+        return w - mult * gg, [m]
+    b1, b2, wd = float(opt.b1), float(opt.b2), float(opt.weight_decay)
+    m1 = b1 * slots[0] + (1 - b1) * g
+    if kind.startswith("partial"):
+        m2 = b2 * slots[1] + (1 - b2) * np.mean(g * g, axis=1)
+        v_hat = (m2 / (1 - b2 ** t))[:, None]
+    else:
+        m2 = b2 * slots[1] + (1 - b2) * g * g
+        v_hat = m2 / (1 - b2 ** t)
+    r = m1 / (1 - b1 ** t) / (np.sqrt(v_hat) + eps) + wd * w
+    if kind.endswith("adam"):
+        return w - lr * r, [m1, m2]
+    wn, rn = np.linalg.norm(w, axis=1), np.linalg.norm(r, axis=1)
+    ratio = np.where((wn > 0) & (rn > 0), wn / np.where(rn > 0, rn, 1), 1.0)
+    return w - lr * ratio[:, None] * r, [m1, m2]
+
+
+def touched(fmap, num_rows, batch, idx, off):
+    hit = [np.zeros(e, bool) for e in num_rows]
+    base = 0
+    for f, t in enumerate(fmap):
+        ids = idx[off[base]:off[base + batch]]
+        hit[t][ids[(ids >= 0) & (ids < num_rows[t])]] = True
+        base += batch
+    return hit
+
+
+def state_tables(emb, state, opt):
+    """Per slot name, per table: its state as float64."""
+    return {n: [np.asarray(x, np.float64) for x in emb.get_state(state, n)] for n in opt._SLOTS}
+
+
+def run_and_check(rng, tables, fmap, batch, bag_len, opt, *, steps=3, pooling="sum", weighted=False,
+                  wdtype="float32", tol=None, state_tol=None, histogram=None, empty_bag=True):
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
+                                        **KERNEL_KW)
+    ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
+                                        impl="xla")
+    if histogram is not None:
+        assert emb.plan() == histogram
+    params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
+    state = emb.init_opt_state(params, opt)
+    ref_params, ref_state = params, state
+    num_rows = [t.num_embeddings for t in tables]
+    tabs = tables_f64(emb, params)
+    slots = state_tables(emb, state, opt)
+    names = list(slots)
+    step = jax.jit(lambda p, s, o, i, off, g, w: emb.apply_gradients(p, s, o, i, off, g, w))
+    for t in range(1, steps + 1):
+        idx, off, psw = testing.make_batch(rng, [num_rows[f] for f in fmap], [batch] * len(fmap), bag_len,
+                                           weighted=weighted)
+        if empty_bag:
+            off[1] = off[0]
+        g = rng.standard_normal((batch, sum(emb.feature_dims))).astype(np.float32)
+        before = (emb.get_tables(params), {n: emb.get_state(state, n) for n in names})
+        params, state = step(params, state, opt, idx, off, g, psw)
+        ref_params, ref_state = ref.apply_gradients(ref_params, ref_state, opt, idx, off, g, psw)
+        grads, _ = testing.numpy_pooled_vjp(tabs, fmap, [batch] * len(fmap), idx, off, psw, g, pooling, False)
+        hit = touched(fmap, num_rows, batch, idx, off)
+        for k, h in enumerate(hit):
+            new_w, new_s = model_update(opt, tabs[k][h], [slots[n][k][h] for n in names], grads[k][h], t)
+            tabs[k][h] = new_w
+            for n, x in zip(names, new_s):
+                slots[n][k][h] = x
+        assert int(state.count) == t
+        # Untouched rows and their state: bitwise what they were.
+        for k, h in enumerate(hit):
+            np.testing.assert_array_equal(np.asarray(emb.get_tables(params)[k])[~h], np.asarray(before[0][k])[~h])
+            for n in names:
+                np.testing.assert_array_equal(np.asarray(emb.get_state(state, n)[k])[~h],
+                                              np.asarray(before[1][n][k])[~h])
+    tol = tol or {"float32": 2e-5, "float16": 4e-3, "bfloat16": 2e-2}[wdtype]
+    for got, want, got_ref in zip(emb.get_tables(params), tabs, emb.get_tables(ref_params)):
+        assert_close(got, want, tol)
+        assert_close(got_ref, want, tol)
+    for n in names:
+        for got, want, got_ref in zip(emb.get_state(state, n), slots[n], ref.get_state(ref_state, n)):
+            assert_close(got, want, state_tol or 1e-5)
+            assert_close(got_ref, want, state_tol or 1e-5)
+    return emb, params, state, ref_params, ref_state
+
+
+OPTIMIZERS = {
+    "adagrad": tbe_jax.Adagrad(0.05, eps=1e-3, initial_accumulator_value=0.1),
+    "rowwise-l2": tbe_jax.RowwiseAdagrad(0.05, 1e-3, weight_decay=0.1, weight_decay_mode="l2"),
+    "rowwise-decoupled": tbe_jax.RowwiseAdagrad(0.05, 1e-3, weight_decay=0.1, weight_decay_mode="decoupled"),
+    "adam": tbe_jax.Adam(0.02, b1=0.8, b2=0.95, eps=1e-4, weight_decay=0.01),
+    "partial-adam": tbe_jax.PartialRowwiseAdam(0.02, eps=1e-4),
+    "lamb": tbe_jax.Lamb(0.02, weight_decay=0.01),
+    "partial-lamb": tbe_jax.PartialRowwiseLamb(0.02, b1=0.5, weight_decay=0.02),
+}
+
+# Small E (many duplicates), two storage buffers (d5, d16), an odd dim, a table read by two features, an
+# empty bag; pooling and weighting vary by optimizer so every combination appears.
+_CASES = [("adagrad", "sum", True), ("rowwise-l2", "mean", False), ("rowwise-decoupled", "sum", False),
+          ("adam", "mean", True), ("partial-adam", "sum", False), ("lamb", "sum", True),
+          ("partial-lamb", "mean", False)]
+
+
+@pytest.mark.parametrize("name,pooling,weighted", _CASES, ids=[c[0] for c in _CASES])
+def test_matches_float64_model(rng, name, pooling, weighted):
+    tables = specs([17, 6, 40], [5, 16, 16])
+    run_and_check(rng, tables, [0, 1, 2, 1], 4, (0, 12), OPTIMIZERS[name], pooling=pooling, weighted=weighted)
+
+
+@pytest.mark.parametrize("name", ["adam", "partial-lamb"])
+def test_long_runs(rng, name):
+    # Rows hit hundreds of times (runs >= runs.LONG: chunk partials, then the long-run update).
+    tables = specs([3, 200], [8, 24])
+    run_and_check(rng, tables, [0, 1], 3, (200, 300), OPTIMIZERS[name], steps=2, empty_bag=False)
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb", "rowwise-decoupled"])
+def test_histogram_backward(rng, name):
+    # Small tables with a bag-size hint take the histogram forward and backward (no sort).
+    tables = [tbe_jax.TableSpec(33, 40, bag_size_hint=64), tbe_jax.TableSpec(300, 16),
+              tbe_jax.TableSpec(9, 16, bag_size_hint=64)]
+    run_and_check(rng, tables, [0, 1, 2], 6, (0, 80), OPTIMIZERS[name], steps=2,
+                  histogram=("histogram", "generic", "histogram"))
+
+
+@pytest.mark.parametrize("wdtype,state_dtype,sr", [("float16", "float32", True), ("bfloat16", "bfloat16", False),
+                                                    ("float32", "float16", False)])
+def test_table_and_state_dtypes(rng, wdtype, state_dtype, sr):
+    opt = tbe_jax.Adam(0.02, eps=1e-3, state_dtype=state_dtype, stochastic_rounding=sr)
+    tables = specs([20, 30], [8, 24])
+    tol = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 2e-2}[wdtype]
+    state_tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[state_dtype]
+    if state_dtype != "float32":  # rounded moments move the update by about their rounding
+        tol = max(tol, 20 * state_tol)
+    emb, params, state, ref_params, ref_state = run_and_check(
+        rng, tables, [0, 1], 5, (0, 10), opt, wdtype=wdtype, tol=tol, state_tol=state_tol, steps=2)
+    assert {x.dtype for x in jax.tree.leaves(state.momentum1)} == {jnp.dtype(state_dtype)}
+    assert {x.dtype for x in jax.tree.leaves(state.momentum2)} == {jnp.dtype(state_dtype)}
+    # The kernels and the reference round the same fp32 values the same way (stochastic rounding is a
+    # hash of the values): a step apart by at most an ulp of the storage type.
+    for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((ref_params, ref_state))):
+        assert_close(a, b, {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[jnp.dtype(a.dtype).name])
+
+
+def test_bias_correction_uses_the_global_step(rng):
+    # A row first touched at step 3 gets t = 3 in its bias correction (FBGEMM's lazy Adam), not 1.
+    emb = tbe_jax.TableBatchedEmbedding(specs([4], [4]), impl="xla")
+    opt = tbe_jax.Adam(0.1, eps=1e-8)
+    params = emb.init(jax.random.key(0))
+    state = emb.init_opt_state(params, opt)
+    w0 = np.asarray(emb.get_tables(params)[0], np.float64)
+    g = np.ones((1, 4), np.float32)
+    for i in (0, 0, 1):  # row 1 first touched on step 3
+        params, state = emb.apply_gradients(params, state, opt, np.array([i], np.int32), np.array([0, 1], np.int32), g)
+    want, _ = model_update(opt, w0[1:2], [np.zeros((1, 4)), np.zeros((1, 4))], np.ones((1, 4)), 3)
+    assert_close(emb.get_tables(params)[0][1:2], want, 1e-6)
+    m2 = np.asarray(emb.get_state(state, "momentum2")[0])
+    np.testing.assert_allclose(m2[1], 1 - 0.999, rtol=2e-5)  # one decay, not three (1 - b2 in fp32)
+    np.testing.assert_allclose(m2[0], 1 - 0.999 ** 2, rtol=2e-5)
+
+
+def test_state_shapes_accessors_and_errors():
+    emb = tbe_jax.TableBatchedEmbedding(specs([7, 5], [4, 8]), impl="xla")
+    params = emb.init(jax.random.key(0))
+    st = emb.init_opt_state(params, tbe_jax.PartialRowwiseAdam())
+    assert isinstance(st, tbe_jax.AdamState)
+    assert [x.shape for x in emb.get_state(st, "momentum1")] == [(7, 4), (5, 8)]
+    assert [x.shape for x in emb.get_state(st, "momentum2")] == [(7,), (5,)]
+    assert [x.shape for x in emb.get_momentum(emb.init_opt_state(params, tbe_jax.Adagrad()))] == [(7, 4), (5, 8)]
+    with pytest.raises(ValueError, match="momentum1"):
+        emb.get_momentum(st)
+    with pytest.raises(ValueError, match="state fields"):
+        emb.get_state(st, "momentum")
+    # A partial row-wise state is not an Adam state (m2's shape differs): a clear error.
+    with pytest.raises(ValueError, match="init_opt_state"):
+        emb.apply_gradients(params, st, tbe_jax.Adam(), np.zeros(1, np.int32), np.array([0, 1], np.int32),
+                            np.zeros((1, 12), np.float32))
+    for bad in (dict(b1=1.0), dict(b2=-0.1), dict(eps=0.0), dict(state_dtype="int8"), dict(weight_decay=-1.0)):
+        with pytest.raises(ValueError):
+            tbe_jax.Lamb(**bad)
+    with pytest.raises(ValueError, match="weight_decay_mode"):
+        tbe_jax.RowwiseAdagrad(weight_decay_mode="l1")
+
+
+def test_hyperparameters_are_operands():
+    # A new learning rate, betas or weight decay do not recompile a jitted step (pytree leaves).
+    emb = tbe_jax.TableBatchedEmbedding(specs([7], [4]), impl="xla")
+    params = emb.init(jax.random.key(0))
+    traces = []
+
+    @jax.jit
+    def step(p, s, opt):
+        traces.append(1)
+        return emb.apply_gradients(p, s, opt, jnp.array([1, 2], jnp.int32), jnp.array([0, 2], jnp.int32),
+                                   jnp.ones((1, 4)))
+
+    state = emb.init_opt_state(params, tbe_jax.Adam())
+    for opt in (tbe_jax.Adam(0.1), tbe_jax.Adam(0.2, b1=0.5, b2=0.9, weight_decay=0.1)):
+        params, state = step(params, state, opt)
+    assert len(traces) == 1
+
+
+def test_orbax_checkpoint_holds_adam_state(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    emb = tbe_jax.TableBatchedEmbedding(specs([7, 5], [4, 8]), impl="xla")
+    opt = tbe_jax.PartialRowwiseLamb(0.1)
+    params = emb.init(jax.random.key(0))
+    state = emb.init_opt_state(params, opt)
+    params, state = emb.apply_gradients(params, state, opt, np.array([1, 3], np.int32), np.array([0, 1, 2], np.int32),
+                                        np.ones((1, 12), np.float32))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "c", {"params": params, "opt_state": state})
+    ckpt.wait_until_finished()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), {"params": params, "opt_state": state})
+    back = ckpt.restore(tmp_path / "c", target)
+    assert isinstance(back["opt_state"], tbe_jax.AdamState)
+    for a, b in zip(jax.tree.leaves({"params": params, "opt_state": state}), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
