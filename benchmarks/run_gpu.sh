@@ -40,6 +40,8 @@
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 #   dims      bench_dims.py: backward/forward against D, mixed-dim models    -> dims-*.json, dims.log
 #   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
+#   optim     bench_optimizers.py: each fused optimizer's backward step on base and zipf -> optimizers-*.json, optim.log
+#   opttests  test_optimizers, test_backward, test_histogram compiled (8 workers)       -> opttests.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -154,6 +156,10 @@ for stage in "$@"; do
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;
+    optim) timeout 330 python3 benchmarks/bench_optimizers.py --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/optim.log" | tail -24 ;;
+    opttests) timeout 300 python3 -m pytest -v -n 8 -p no:benchmark tests/test_optimizers.py tests/test_backward.py \
+          tests/test_histogram.py > "$OUT/opttests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$OUT/opttests.log" | tail -12 ;;
     features) timeout 280 python3 benchmarks/bench_features.py --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/features.log" | tail -12 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
