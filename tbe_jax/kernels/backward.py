@@ -51,11 +51,16 @@ class BackwardConfig:
 
     Attributes:
       small_block: small runs (<= runs.SMALL lookups) updated together by one task.
-      small_num_warps: warps per program of the small-run kernel. The default
-        (8 runs, 2 warps) measured on the H200 against the session-4 default (32
-        runs, 4 warps): fp32 0.748 vs 0.872 ms, base 1.009 vs 1.202, zipf 0.779 vs
-        0.839, together with the sort carrying the output offsets
-        (`benchmarks/results/bwdsweep2-20261129-1808-*`, `bwdsweep3-20261129-1817-*`).
+        None (default): 8 for SGD and row-wise optimizers, 4 for optimizers with
+        element-wise state (Adagrad, Adam, LAMB and their partial row-wise forms).
+      small_num_warps: warps per program of the small-run kernel. None (default): 2
+        for SGD and row-wise optimizers, 4 with element-wise state. Measured on the
+        H200: (8 runs, 2 warps) against the session-4 default (32 runs, 4 warps): fp32
+        0.748 vs 0.872 ms, base 1.009 vs 1.202, zipf 0.779 vs 0.839
+        (`benchmarks/results/bwdsweep2-20261129-1808-*`, `bwdsweep3-20261129-1817-*`);
+        with element-wise state (4 runs, 4 warps) against (8, 2) on `base`: Adagrad
+        1.188 vs 1.50 ms, Adam 1.798 vs 1.95 (`optimizers-20261130-1911*`,
+        `optimizers-20261130-1914*`).
       small_unroll: lookups per run per step of the small-run kernel (their
         loads issued together; 1 is the configuration measured on the H200).
       lookups_per_step: output-gradient rows gathered together (K) by the mid-run
@@ -86,8 +91,8 @@ class BackwardConfig:
     H200, neither was faster on the presets (benchmarks/NOTES.md).
     """
 
-    small_block: int = 8
-    small_num_warps: int = 2
+    small_block: int | None = None
+    small_num_warps: int | None = None
     small_unroll: int = 1
     lookups_per_step: int = 8
     programs: int = 8192
@@ -102,9 +107,13 @@ class BackwardConfig:
     def __post_init__(self):
         for name in ("small_block", "lookups_per_step", "keys_bags", "small_unroll"):
             v = getattr(self, name)
+            if v is None and name == "small_block":
+                continue
             if v < 1 or v & (v - 1):
                 raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
         for name in ("small_num_warps", "num_warps", "programs", "small_programs"):
+            if name == "small_num_warps" and self.small_num_warps is None:
+                continue
             if getattr(self, name) < 1:
                 raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
 
@@ -454,9 +463,13 @@ def fused_update(
     n_slots = opt.num_slots if opt is not None else 0
     new_w, new_s = dict(buffers), tuple(dict(x) for x in (slots or ())[:n_slots])
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
-    small_params = plgpu.CompilerParams(num_warps=config.small_num_warps, num_stages=1)
+    # Element-wise state (Adagrad, the Adam family) triples or more the bytes of each row update: fewer
+    # runs per task and more warps per program keep more of those loads in flight (BackwardConfig).
+    elementwise = opt is not None and not all(opt.slot_rowwise)
+    small_params = plgpu.CompilerParams(
+        num_warps=config.small_num_warps or (4 if elementwise else 2), num_stages=1)
     k = config.lookups_per_step
-    blk = config.small_block
+    blk = config.small_block or (4 if elementwise else 8)
     # Interpret mode runs programs one after another: few programs keep CPU tests
     # fast and make each program walk several tasks (the strided loop is tested).
     max_programs = min(config.programs, 16) if interpret else config.programs
