@@ -35,7 +35,8 @@ FBGEMM_BASE_BWD_MS = 1.538
 def run(dims, args, seed=0):
     t, e, b, l = 32, 100_000, args.batch, 20
     tables = [tbe_jax.TableSpec(e, int(dims[i % len(dims)])) for i in range(t)]
-    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16)
+    cfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in args.config.split(",") if p)})
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, backward_config=cfg)
     params = emb.init(jax.random.key(seed))
     opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
     state = emb.init_opt_state(params, opt)
@@ -69,6 +70,7 @@ def main():
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_block=4,small_num_warps=1")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     res = []
@@ -85,10 +87,12 @@ def main():
               f"vs FBGEMM est {r['ratio_vs_fbgemm_est']:.2f}x", flush=True)
     dev = jax.devices()[0].device_kind
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": dev,
-            "jax": jax.__version__, "timing": "enqueue --iters calls, block once, median of --reps"}
+            "jax": jax.__version__, "timing": "enqueue --iters calls, block once, median of --reps",
+            "config": args.config}
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"dims-{stamp}-{dev.replace(' ', '_')}.json")
+    tag = ("-" + args.config.replace("=", "").replace(",", "-")) if args.config else ""
+    path = os.path.join(args.out, f"dims-{stamp}{tag}-{dev.replace(' ', '_')}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1)
     print("saved", path)
