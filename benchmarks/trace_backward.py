@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import glob
 import gzip
@@ -66,6 +67,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--fwd-bwd", action="store_true")
     ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_block=16,num_warps=2")
+    ap.add_argument("--dims", default="",
+                    help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     kw = {}
@@ -74,8 +77,14 @@ def main():
         kw[k] = int(v)
     cfg = tbe_jax.BackwardConfig(**kw)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": args.config, "presets": {}}
-    for name in args.presets.split(","):
-        wl = testing.PRESETS[name]
+    workloads = [testing.PRESETS[n] for n in filter(None, args.presets.split(","))]
+    for spec in filter(None, args.dims.split(";")):
+        rng, step = spec.split("/")
+        lo, hi = map(int, rng.split("-"))
+        workloads.append(dataclasses.replace(testing.PRESETS["base"], name=f"dims{spec}",
+                                             dims=tuple(range(lo, hi + 1, int(step)))))
+    for wl in workloads:
+        name = wl.name
         feats = wl.features()
         sets = make_sets(wl, 2)
         tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
