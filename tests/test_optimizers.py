@@ -183,6 +183,14 @@ def test_table_and_state_dtypes(rng, wdtype, state_dtype, sr):
         assert_close(a, b, {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[jnp.dtype(a.dtype).name])
 
 
+@pytest.mark.parametrize("name,wdtype", [("adagrad", "float16"), ("partial-adam", "float16"), ("lamb", "float16"),
+                                         ("rowwise-l2", "bfloat16"), ("partial-lamb", "bfloat16")])
+def test_low_precision_tables(rng, name, wdtype):
+    # Every optimizer on fp16/bf16 tables (Adam: test_table_and_state_dtypes): fp32 arithmetic, one
+    # rounding of the stored row per step.
+    run_and_check(rng, specs([20, 30], [8, 24]), [0, 1], 5, (0, 10), OPTIMIZERS[name], wdtype=wdtype, steps=2)
+
+
 def test_bias_correction_uses_the_global_step(rng):
     # A row first touched at step 3 gets t = 3 in its bias correction (FBGEMM's lazy Adam), not 1.
     emb = tbe_jax.TableBatchedEmbedding(specs([4], [4]), impl="xla")
