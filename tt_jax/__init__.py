@@ -6,15 +6,21 @@
   tbe_jax's `bounds_check` modes.
 - Training: exact core gradients under `jax.grad` from a prefix-sharing backward that reuses the
   forward's plan (`tt_jax.kernels.backward`, Pallas, deterministic; `tt_jax.backward` on the XLA path);
-  optimizers on the touched core slices (`SGD`, `Adagrad`, `RowwiseAdagrad`: the optimizers of
-  `tbe_jax.optim`, re-exported) via `TTEmbeddingBag.apply_gradients` or `tbe_jax.train_step`.
+  optimizers on the touched core slices (`SGD`, `Adagrad`, `RowwiseAdagrad`, `Adam`, `PartialRowwiseAdam`,
+  `Lamb`, `PartialRowwiseLamb`: the optimizers of `tbe_jax.optim`, re-exported; lazy, as FBGEMM's) via
+  `TTEmbeddingBag.apply_gradients` or `tbe_jax.train_step`.
 """
 
 from tt_jax.optim import (
     SGD,
     Adagrad,
     AdagradState,
+    Adam,
+    AdamState,
     FusedOptimizer,
+    Lamb,
+    PartialRowwiseAdam,
+    PartialRowwiseLamb,
     RowwiseAdagrad,
     RowwiseAdagradState,
     SGDState,
@@ -28,7 +34,12 @@ from tt_jax.tt import TTEmbeddingBag
 __all__ = [
     "Adagrad",
     "AdagradState",
+    "Adam",
+    "AdamState",
     "FusedOptimizer",
+    "Lamb",
+    "PartialRowwiseAdam",
+    "PartialRowwiseLamb",
     "RowwiseAdagrad",
     "RowwiseAdagradState",
     "SGD",

@@ -256,3 +256,35 @@ def touched_core_grads(all_cores, specs, feature_table_map, plans, offsets, per_
             for table, grads in zip(layout.tables, _aggregate(c, shape[0], layout.core_base[t])):
                 out[table][t] = grads
     return out
+
+
+def touched_slices(specs, feature_table_map, plans):
+    """Per table per core, a `[p_t]` bool mask of the slices this batch touches (slice i of core t is touched
+    when some valid lookup has digit i_t = i, whatever its gradient), or None for a table no feature reads.
+
+    Read off the forward's plans, no host sync: the first T-1 digits of each prefix group
+    (`plan.group_meta`) and the last digit of each distinct row (`plan.row_suffix`), so O(lookups) integer
+    work plus an O(p_t) mask per core. The same slices as `touched_core_grads` numbers.
+    """
+    out = [[None] * s.num_cores for s in specs]
+    for (layout, _), plan in zip(_groups(specs, feature_table_map, plans), plans):
+        nc = layout.num_cores
+        cap = plan.row_suffix.shape[0]
+        meta = plan.group_meta[: cap * (nc + 1)].reshape(cap, nc + 1)
+        live_group = jnp.arange(cap, dtype=jnp.int32) < plan.num_groups
+        p_stacked = [layout.core_base[t][-1] for t in range(nc)]
+        masks = [jnp.zeros((p_stacked[t],), bool).at[jnp.where(live_group, meta[:, 1 + t], p_stacked[t])].set(
+            True, mode="drop") for t in range(nc - 1)]
+        # Distinct rows: their group (a +1 at every group's first row, prefix-summed) gives the base of their
+        # table in the stacked last core.
+        starts = jnp.zeros((cap,), jnp.int32).at[jnp.where(live_group, meta[:, 0], cap)].add(1, mode="drop")
+        group_of_row = jnp.clip(jnp.cumsum(starts) - 1, 0, cap - 1)
+        live_row = jnp.arange(cap, dtype=jnp.int32) < plan.num_rows
+        last_id = meta[:, nc][group_of_row] + plan.row_suffix
+        masks.append(jnp.zeros((p_stacked[-1],), bool).at[jnp.where(live_row, last_id, p_stacked[-1])].set(
+            True, mode="drop"))
+        for t, mask in enumerate(masks):
+            base = layout.core_base[t]
+            for k, table in enumerate(layout.tables):
+                out[table][t] = mask[base[k] : base[k + 1]]
+    return out

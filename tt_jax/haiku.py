@@ -41,10 +41,11 @@ two ways:
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Sparse optimizer** (`optimizer=tt_jax.RowwiseAdagrad(...)`, `tt_jax.Adagrad(...)`
-   or `tt_jax.SGD(...)`). Cores and optimizer state are Haiku *state* (use
-   `hk.transform_with_state`), named `"fused_cores_0_1"`, ... (cores) and
-   `"fused_momentum_cores_0_1"`, `"fused_count"` (the state's leaves).
+2. **Sparse optimizer** (`optimizer=tt_jax.RowwiseAdagrad(...)`, `tt_jax.Adagrad(...)`,
+   `tt_jax.SGD(...)`, `tt_jax.Adam(...)` or the other Adam-family optimizers). Cores and
+   optimizer state are Haiku *state* (use `hk.transform_with_state`), named
+   `"fused_cores_0_1"`, ... (cores) and `"fused_momentum_cores_0_1"`, `"fused_count"`
+   (the state's leaves).
    `train_step(loss_fn, params, state, *args)` applies each layer's optimizer to the
    core slices its batch touched (once per slice, with the gradient of its output:
    `tt_jax.TTEmbeddingBag.apply_gradients`) and returns the loss, the dense gradient
@@ -123,7 +124,8 @@ class TTEmbeddingBag(SparseEmbedBase):
         `tt_jax.TTEmbeddingBag` when not None (None: the core's default).
       initializer, init_std: the core's `init(key, init=initializer, std=init_std)`.
       optimizer: None (true-gradient mode: the cores are parameters "cores_0_0", ...),
-        or `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` / `tt_jax.SGD(...)`
+        or `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` / `tt_jax.SGD(...)` /
+        `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`)
         (sparse mode: cores and optimizer state are state entries "fused_cores_0_0",
         ..., trained by `train_step`; see the module docstring).
       name: the module name (default "tt_embedding_bag").
@@ -151,7 +153,8 @@ class TTEmbeddingBag(SparseEmbedBase):
       [[(5, 1, 2, 4), (5, 4, 2, 4), (5, 4, 2, 1)]]
     """
 
-    _MAKERS = "tt_jax.RowwiseAdagrad(...), tt_jax.Adagrad(...) or tt_jax.SGD(...)"
+    _MAKERS = ("tt_jax.RowwiseAdagrad(...), tt_jax.SGD, tt_jax.Adagrad, tt_jax.Adam, tt_jax.PartialRowwiseAdam, "
+               "tt_jax.Lamb or tt_jax.PartialRowwiseLamb")
 
     def __init__(
         self,

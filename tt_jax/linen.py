@@ -44,13 +44,14 @@ here) and trains in one of two ways:
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Sparse optimizer** (`optimizer=tt_jax.RowwiseAdagrad(...)`, `tt_jax.Adagrad(...)`
-   or `tt_jax.SGD(...)`). The cores and the optimizer state live in the collection
-   `FUSED_COLLECTION = "tbe_fused"` (`{"embedding": {"cores": ...}, "opt_state":
-   RowwiseAdagradState(...)}` under the layer's path), and `train_step(loss_fn,
-   variables, *args)` trains them: the dense gradient for optax, and each layer's
-   optimizer applied to the core slices the batch touched (once per slice, with the
-   gradient of the layer's output: `tt_jax.TTEmbeddingBag.apply_gradients`):
+2. **Sparse optimizer** (`optimizer=tt_jax.RowwiseAdagrad(...)`, `tt_jax.Adagrad(...)`,
+   `tt_jax.SGD(...)`, `tt_jax.Adam(...)` or the other Adam-family optimizers). The cores
+   and the optimizer state live in the collection `FUSED_COLLECTION = "tbe_fused"`
+   (`{"embedding": {"cores": ...}, "opt_state": RowwiseAdagradState(...)}` under the
+   layer's path), and `train_step(loss_fn, variables, *args)` trains them: the dense
+   gradient for optax, and each layer's optimizer applied to the core slices the batch
+   touched (once per slice, with the gradient of the layer's output:
+   `tt_jax.TTEmbeddingBag.apply_gradients`):
 
    >>> model = Model(optimizer=tt_jax.RowwiseAdagrad(learning_rate=0.2))
    >>> variables = model.init(jax.random.key(0), indices, offsets)
@@ -82,7 +83,8 @@ The functional core: `layer.tt` is the wrapped `tt_jax.TTEmbeddingBag`, so
 `layer.tt.get_cores(variables["params"]["embedding"])` (or
 `variables["tbe_fused"]["embedding"]` in sparse mode) gives the per-table cores,
 `layer.tt.full_table(...)` the materialised tables, and
-`layer.tt.get_momentum(...["opt_state"])` the Adagrad accumulators.
+`layer.tt.get_momentum(...["opt_state"])` the Adagrad accumulators
+(`layer.tt.get_state(..., "momentum1")` / `"momentum2"`: Adam's moments).
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class TTEmbeddingBag(SparseEmbedBase):
         ("approx-normal" or "approx-uniform"; std None: FBGEMM's table scale).
       optimizer: None (true-gradient mode: the cores are the parameter `"embedding"`
         in `"params"`), or `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` /
-        `tt_jax.SGD(...)` (sparse mode: the cores, `"embedding"`, and the optimizer
+        `tt_jax.SGD(...)` / `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`,
+        `PartialRowwiseLamb`) (sparse mode: the cores, `"embedding"`, and the optimizer
         state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
         `train_step`, see the module docstring).
 
@@ -159,7 +162,8 @@ class TTEmbeddingBag(SparseEmbedBase):
     init_std: float | None = None
     optimizer: Optimizer | None = None
 
-    _MAKERS = "tt_jax.RowwiseAdagrad(...), tt_jax.Adagrad(...) or tt_jax.SGD(...)"
+    _MAKERS = ("tt_jax.RowwiseAdagrad(...), tt_jax.SGD, tt_jax.Adagrad, tt_jax.Adam, tt_jax.PartialRowwiseAdam, "
+               "tt_jax.Lamb or tt_jax.PartialRowwiseLamb")
 
     def _build_core(self) -> _TTCore:
         specs = (self.specs,) if isinstance(self.specs, TTSpec) else tuple(self.specs)

@@ -38,9 +38,10 @@ trains in one of two ways:
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Sparse optimizer** (`optimizer=tt_jax.RowwiseAdagrad(...)`, `tt_jax.Adagrad(...)`
-   or `tt_jax.SGD(...)`). Cores and optimizer state are `Fused` variables (not
-   `nnx.Param`s, so `nnx.Optimizer(..., wrt=nnx.Param)` leaves them alone):
+2. **Sparse optimizer** (`optimizer=tt_jax.RowwiseAdagrad(...)`, `tt_jax.Adagrad(...)`,
+   `tt_jax.SGD(...)`, `tt_jax.Adam(...)` or the other Adam-family optimizers). Cores and
+   optimizer state are `Fused` variables (not `nnx.Param`s, so `nnx.Optimizer(...,
+   wrt=nnx.Param)` leaves them alone):
    `layer.embedding` (same keys as above) and `layer.opt_state` (the state's leaves,
    e.g. `"momentum_cores_0_1"`, `"count"`). `train_step(loss_fn, model, *args)` applies
    each layer's optimizer to the core slices its batch touched (once per slice, with
@@ -99,7 +100,8 @@ class TTEmbeddingBag(SparseEmbedBase):
         `tt_jax.TTEmbeddingBag` when not None (None: the core's default).
       initializer, init_std: the core's `init(key, init=initializer, std=init_std)`.
       optimizer: None (true-gradient mode: the cores are `nnx.Param`s), or
-        `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` / `tt_jax.SGD(...)`
+        `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` / `tt_jax.SGD(...)` /
+        `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`)
         (sparse mode: cores and optimizer state are `Fused` variables, trained by
         `train_step`; see the module docstring).
       rngs: `nnx.Rngs`; the cores are `layer.tt.init(rngs.params(), ...)`, the same
@@ -129,7 +131,8 @@ class TTEmbeddingBag(SparseEmbedBase):
       [[(5, 1, 2, 4), (5, 4, 2, 4), (5, 4, 2, 1)]]
     """
 
-    _MAKERS = "tt_jax.RowwiseAdagrad(...), tt_jax.Adagrad(...) or tt_jax.SGD(...)"
+    _MAKERS = ("tt_jax.RowwiseAdagrad(...), tt_jax.SGD, tt_jax.Adagrad, tt_jax.Adam, tt_jax.PartialRowwiseAdam, "
+               "tt_jax.Lamb or tt_jax.PartialRowwiseLamb")
 
     def __init__(
         self,

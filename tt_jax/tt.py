@@ -81,9 +81,10 @@ class TTEmbeddingBag:
 
     Training: `jax.grad` through `emb(params, ...)` gives exact core (and
     per-sample-weight) gradients; `apply_gradients` applies `tt_jax.SGD`,
-    `Adagrad` or `RowwiseAdagrad` to the touched core slices only;
-    `fused_lookup` runs that step inside the lookup's backward
-    (`tt_jax.sgd(...)` etc., as `tbe_jax`). See `tt_jax.optim`.
+    `Adagrad`, `RowwiseAdagrad`, `Adam`, `PartialRowwiseAdam`, `Lamb` or
+    `PartialRowwiseLamb` to the touched core slices only (lazily: untouched
+    slices and their state stay put); `tbe_jax.train_step` runs the lookup, the
+    loss gradient and that step in one call. See `tt_jax.optim`.
 
     Example:
       >>> import jax, jax.numpy as jnp, tt_jax
@@ -288,16 +289,32 @@ class TTEmbeddingBag:
 
     # -- training ----------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):
-        """State of `opt` (`tt_jax.SGD`, `Adagrad` or `RowwiseAdagrad`, the optimizers of `tbe_jax.optim`):
-        `SGDState(count)`, or the accumulators shaped like `params` (`{"cores": per table, per core}`:
-        `[p_t, r, q, r']` element-wise, `[p_t]` row-wise, fp32) and the step count."""
+        """State of `opt` (`tt_jax.SGD`, `Adagrad`, `RowwiseAdagrad`, `Adam`, `PartialRowwiseAdam`, `Lamb` or
+        `PartialRowwiseLamb`, the optimizers of `tbe_jax.optim`): `SGDState(count)`,
+        `AdagradState(momentum, count)` / `RowwiseAdagradState(momentum, count)` or
+        `AdamState(momentum1, momentum2, count)`, each field but the count shaped like `params`
+        (`{"cores": per table, per core}`: `[p_t, r, q, r']` element-wise, `[p_t]` per slice; fp32, or
+        the Adam family's `state_dtype` for its element-wise moments). Read them with `get_state`."""
         return optim.init_state(opt, params)
 
+    def get_state(self, opt_state, name: str) -> list[list[jax.Array]]:
+        """Per table, per core, the optimizer state's field `name` (`"momentum"`; `"momentum1"` or
+        `"momentum2"` for the Adam family): `[p_t, r, q, r']` element-wise, `[p_t]` per slice."""
+        fields = [f for f in getattr(opt_state, "_fields", ()) if f != "count"]
+        if name not in fields:
+            raise ValueError(f"opt_state is a {type(opt_state).__name__}: its state fields are {fields}, "
+                             f"not {name!r}")
+        return [list(m) for m in getattr(opt_state, name)["cores"]]
+
     def get_momentum(self, opt_state) -> list[list[jax.Array]]:
-        """Per table, per core, its Adagrad accumulators."""
+        """Per table, per core, its Adagrad accumulators (`get_state(opt_state, "momentum")`); for an
+        `AdamState` use `get_state(opt_state, "momentum1")` / `"momentum2"`."""
         if not isinstance(opt_state, (optim.AdagradState, optim.RowwiseAdagradState)):
-            raise ValueError(f"opt_state is a {type(opt_state).__name__}: it holds no accumulators")
-        return [list(m) for m in opt_state.momentum["cores"]]
+            raise ValueError(
+                f"opt_state is a {type(opt_state).__name__}: it holds no accumulators"
+                + (" (use emb.get_state(opt_state, 'momentum1') or 'momentum2')"
+                   if isinstance(opt_state, optim.AdamState) else ""))
+        return self.get_state(opt_state, "momentum")
 
     def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None):
         """One optimizer step on the core slices this batch touches: returns `(params, opt_state)`.
@@ -307,8 +324,8 @@ class TTEmbeddingBag:
         `tt_jax.optim`); the other slices and their state are returned bitwise unchanged. `opt`'s
         hyperparameters are read at run time (a new learning rate or a schedule's next value does not
         recompile) and `opt_state.count` goes up by one. The update is a scatter to the touched slices
-        (XLA backward) or a dense pass over each core with zero gradients on the untouched slices (Pallas
-        backward): donate `params` and `opt_state` under `jax.jit` for an in-place update.
+        (XLA backward) or a dense pass over each core that keeps the untouched slices (Pallas backward;
+        see `tt_jax.optim`): donate `params` and `opt_state` under `jax.jit` for an in-place update.
         `per_sample_weights` are constants here. `tbe_jax.train_step` wraps the lookup, the loss
         gradient and this step in one call (and reuses the forward's plan).
         """
@@ -433,33 +450,39 @@ def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weight
     """The optimizer step from the plans: (params, opt_state)."""
     all_cores = params["cores"]
     rule, hyper = opt.rule(), opt.hyperparameters(opt_state.count)
-    momentum = opt_state.momentum["cores"] if rule.has_momentum else None
+    old_slots = opt.slots(opt_state)  # a tuple of trees {"cores": per table, per core}
+    slots = [s["cores"] for s in old_slots]
     if emb.pallas_backward:
         grads, _ = kernel_backward.dense_core_grads(
             all_cores, emb.specs, emb.feature_table_map, plans, offsets, per_sample_weights, grad_output,
             batch=batch, pooling=emb.pooling, want_psw=False, config=emb.config, interpret=emb.interpret)
+        # A zero gradient moves an Adam slice (and a weight-decayed one): then only the touched slices step.
+        touched = (backward.touched_slices(emb.specs, emb.feature_table_map, plans)
+                   if optim.needs_touched_mask(rule) else None)
 
-        def update(core, m, g):
-            return optim.update_dense(rule, hyper, core, m, g)
+        def update(k, t, core, s, g):
+            return optim.update_dense(rule, hyper, core, s, g, None if touched is None else touched[k][t])
     else:
         grads = backward.touched_core_grads(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
                                             per_sample_weights, grad_output, batch=batch, pooling=emb.pooling)
 
-        def update(core, m, g):
-            return optim.update_slices(rule, hyper, core, m, *g)
-    new_cores, new_mom = [], []
+        def update(k, t, core, s, g):
+            return optim.update_slices(rule, hyper, core, s, *g)
+    new_cores, new_slots = [], [[] for _ in slots]
     for k, cores in enumerate(all_cores):
-        cs, ms = [], []
+        cs, ss = [], [[] for _ in slots]
         for t, core in enumerate(cores):
-            m = None if momentum is None else momentum[k][t]
+            s = tuple(slot[k][t] for slot in slots)
             if grads[k][t] is not None:
-                core, m = update(core, m, grads[k][t])
+                core, s = update(k, t, core, s, grads[k][t])
             cs.append(core)
-            ms.append(m)
+            for j, x in enumerate(s):
+                ss[j].append(x)
         new_cores.append(tuple(cs))
-        new_mom.append(tuple(ms))
+        for j in range(len(slots)):
+            new_slots[j].append(tuple(ss[j]))
     new_params = dict(params, cores=tuple(new_cores))
-    new_slots = () if momentum is None else (dict(opt_state.momentum, cores=tuple(new_mom)),)
+    new_slots = tuple(dict(old, cores=tuple(per_table)) for old, per_table in zip(old_slots, new_slots))
     return new_params, opt.next_state(opt_state, new_slots)
 
 

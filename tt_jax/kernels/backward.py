@@ -33,8 +33,9 @@ The per-sample-weight gradient (d s_n = coef_n <R_u, dY_{bag(n)}>) is fused into
 with the rows R recomputed by the forward's rows kernel (`forward.tt_rows`).
 
 Outputs are dense core-shaped fp32 gradients (zeros for untouched slices): the optimizers then update the
-cores densely (`optim.update_dense`; a zero gradient leaves a slice and its state bitwise unchanged), which
-is O(core size) per step. Interpret mode (CPU): every dot at HIGHEST precision.
+cores densely (`optim.update_dense`: a zero gradient leaves an SGD/Adagrad slice and its state bitwise
+unchanged; Adam and weight decay keep the untouched slices by the plans' touched mask,
+`tt_jax.backward.touched_slices`), which is O(core size) per step. Interpret mode (CPU): every dot at HIGHEST precision.
 """
 
 from __future__ import annotations
