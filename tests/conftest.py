@@ -4,9 +4,30 @@ Kernel tests run compiled when a GPU is present and in Pallas interpret mode
 otherwise (CPU), with the same test code: `KERNEL_KW` carries the flag.
 """
 
+import importlib.util
+import os
+import tempfile
 import zlib
 
-import jax
+
+def _cpu_only() -> bool:
+    """No CUDA plugin installed: jax will run on the CPU (decided before jax initialises a backend)."""
+    return not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+
+
+# On CPU the Pallas kernels run in interpret mode: each one becomes a large XLA program
+# whose compilation dominates the suite's time while its execution is short. Compile with
+# LLVM's cheap pipeline there (the same IEEE arithmetic; tolerances unchanged).
+# Not --xla_cpu_use_fusion_emitters=false: with opt level 0 it halves the compile time
+# again, but then two programs sharing a sparse update no longer round it identically
+# (test_api.py::test_gradient_clipping_cannot_touch_tables, 1 ulp). TBE_JAX_TEST_FULL_OPT=1
+# keeps XLA's default.
+if _cpu_only() and os.environ.get("TBE_JAX_TEST_FULL_OPT") != "1":
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+         "--xla_llvm_disable_expensive_passes=true"]).strip()
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 
@@ -33,7 +54,8 @@ def assert_close(out, ref, rtol):
 
 
 def tables_f64(emb, params):
-    return [np.asarray(t, np.float64) for t in emb.get_tables(params)]
+    # get_tables jitted: one compile for all tables instead of one eager slice op per table.
+    return [np.asarray(t, np.float64) for t in jax.jit(emb.get_tables)(params)]
 
 
 def learning_rate_f64(opt, count: int = 0) -> float:
@@ -97,3 +119,30 @@ def layer_call(framework: str, cls, first, indices, offsets, **kw):
     import haiku as hk
 
     return hk.transform(lambda: cls(first, **kw)(indices, offsets)).init(jax.random.key(0))
+
+
+_CACHE_ENV = "TBE_JAX_TEST_JIT_CACHE"
+
+
+def pytest_configure(config):
+    # One persistent compilation cache per run, shared by the xdist workers: the controller
+    # (or a plain run) makes a fresh directory and hands it to the workers through the
+    # environment (they start after this hook). Programs compiled by one test or worker are
+    # loaded by the others. TBE_JAX_TEST_JIT_CACHE=0 turns it off.
+    if os.environ.get(_CACHE_ENV) == "0":
+        return
+    if not hasattr(config, "workerinput"):
+        os.environ[_CACHE_ENV] = config._tbe_jax_cache = tempfile.mkdtemp(prefix="tbe_jax_test_jit_cache_")
+    path = os.environ.get(_CACHE_ENV)
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_tbe_jax_cache", None)
+    if path:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)

@@ -30,6 +30,21 @@ def _touched(fmap, num_rows, batch, idx, off):
     return hit
 
 
+def _same_shape_batch(rng, num_rows, batch, off, weighted):
+    """A fresh batch shaped like the one of offsets `off`: new ids (and weights), each feature's bag
+    lengths shuffled among its bags. The same N keeps the jitted step to one compile per test."""
+    lengths, ids, base = [], [], 0
+    for e, b in zip(num_rows, batch):
+        ln = rng.permutation(np.diff(off[base : base + b + 1]))
+        lengths.append(ln)
+        ids.append(rng.integers(0, e, int(ln.sum())))
+        base += b
+    new_off = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+    idx = np.concatenate(ids).astype(np.int32)
+    psw = rng.uniform(0.5, 1.5, size=idx.shape).astype(np.float32) if weighted else None
+    return idx, new_off, psw
+
+
 def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype="float32", weighted=False,
                 vbe=False, steps=2, empty_bag=False):
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
@@ -45,11 +60,14 @@ def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype
     mom = [np.asarray(m, np.float64) for m in emb.get_momentum(state)] if adagrad else None
     bpf = tuple(batch) if vbe else None
     step = jax.jit(lambda p, s, i, o, g, w: emb.apply_gradients(p, s, opt, i, o, g, w, batch_size_per_feature=bpf))
-    for _ in range(steps):
-        idx, off, psw = testing.make_batch(rng, [num_rows[t] for t in fmap], batch, bag_len, weighted=weighted)
+    for k in range(steps):
+        if k == 0:
+            idx, off, psw = testing.make_batch(rng, [num_rows[t] for t in fmap], batch, bag_len, weighted=weighted)
+        else:
+            idx, off, psw = _same_shape_batch(rng, [num_rows[t] for t in fmap], batch, off, weighted)
         if empty_bag:  # the first bag gives its lookups to the second
             off[1] = off[0]
-        out_shape = emb(params, idx, off, psw, batch_size_per_feature=bpf).shape
+        out_shape = jax.eval_shape(lambda p: ref(p, idx, off, psw, batch_size_per_feature=bpf), params).shape
         g = rng.standard_normal(out_shape).astype(np.float32)
         before = [np.asarray(t) for t in emb.get_tables(params)]
         params, state = step(params, state, idx, off, g, psw)
@@ -150,7 +168,9 @@ def test_runs_preprocessing(rng):
     idx, off, _ = testing.make_batch(rng, [7, 700], [6, 6], (0, 120))
     idx[5] = -1
     plan = emb.plan_for(len(off))
-    r = runs_lib.build_runs(emb.layout, plan, jnp.asarray(idx), jnp.asarray(off), None, pooling="sum")
+    # Jitted: one compile instead of one per jnp op (build_runs is jittable by design).
+    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum"))(
+        jnp.asarray(idx), jnp.asarray(off), None)
     f = np.repeat([0, 1], [off[6] - off[0], off[12] - off[6]])
     keys = np.where(idx >= 0, idx + np.where(f == 1, 7, 0), -1)
     uniq, counts = np.unique(keys[keys >= 0], return_counts=True)
@@ -221,9 +241,11 @@ def test_runs_rle_kernel_equals_xla_path(rng):
     idx, off, _ = testing.make_batch(rng, [7, 700, 3], [5, 5, 5], (0, 300))
     idx[4] = -1
     plan = emb.plan_for(len(off))
-    args = (emb.layout, plan, jnp.asarray(idx), jnp.asarray(off), None)
-    a = runs_lib.build_runs(*args, pooling="sum", rle_kernel=True, interpret=KERNEL_KW["interpret"])
-    b = runs_lib.build_runs(*args, pooling="sum", rle_kernel=False)
+    args = (jnp.asarray(idx), jnp.asarray(off), None)
+    # Jitted: one compile each instead of one per jnp op (build_runs is jittable by design).
+    a = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", rle_kernel=True,
+                                  interpret=KERNEL_KW["interpret"]))(*args)
+    b = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", rle_kernel=False))(*args)
     for name, x, y in zip(runs_lib.Runs._fields, a, b):
         if x is None or y is None:
             assert x is None and y is None, name
@@ -291,10 +313,20 @@ def test_train_step_equals_apply_gradients(rng, impl, make_opt):
         jax.grad(lambda p: head(dense, emb.fused_lookup(p, state, opt, idx, off)))(params)
 
 
-@pytest.mark.parametrize("length", [1, 8, 9, 255, 256, 257, 10_000])
+_RUN_LENGTHS = [1, 8, 9, 255, 256, 257, 10_000]
+_RUN_LENGTHS_PADDED = 10_064  # every case's indices padded to this length: one compiled kernel step for all
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_step(emb, opt, params, state, idx, off, g):
+    return emb.apply_gradients(params, state, opt, idx, off, g)
+
+
+@pytest.mark.parametrize("length", _RUN_LENGTHS)
 def test_run_lengths(rng, length):
     # One row hit exactly `length` times (every class boundary: small <= 8 < mid < 256 <= long),
     # spread over bags and mixed with singleton runs of other rows; fp32 so the check is tight.
+    assert (runs_lib.SMALL, runs_lib.LONG) == (8, 256)  # the lengths above sit on these boundaries
     tables = specs([50, 40], [16, 8])
     emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW)
     ref = tbe_jax.TableBatchedEmbedding(tables, impl="xla")
@@ -311,7 +343,11 @@ def test_run_lengths(rng, length):
     idx = np.concatenate([ids0, ids1])
     off = np.concatenate([[0], cuts, [len(ids0)], len(ids0) + cuts1, [len(idx)]]).astype(np.int32)
     g = rng.standard_normal((batch, 24)).astype(np.float32)
-    got_p, got_s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g))(params, state)
+    # The kernels get the indices padded past offsets[-1] with valid-looking ids (ignored: see
+    # test_api.py::test_padded_batches_share_one_compiled_step), so that every length shares one
+    # compiled step; the XLA reference gets the batch unpadded.
+    padded = np.concatenate([idx, rng.integers(0, 40, _RUN_LENGTHS_PADDED - len(idx))]).astype(np.int32)
+    got_p, got_s = _apply_step(emb, opt, params, state, padded, off, g)
     want_p, want_s = ref.apply_gradients(params, state, opt, idx, off, g)
     for a, b in zip(emb.get_tables(got_p), emb.get_tables(want_p)):
         assert_close(a, b, 2e-5 * max(1.0, np.sqrt(length) / 8))
@@ -344,13 +380,15 @@ def test_bitwise_reproducible(rng):
     idx, off, psw = testing.make_batch(rng, [6, 300], [8, 8], (0, 90), weighted=True)
     g = rng.standard_normal((8, 32)).astype(np.float32)
     outs = []
+    # One jitted step, the embedding a static argument: the two equal configurations run one executable twice.
+    step = jax.jit(lambda e, p, s: e.apply_gradients(p, s, opt, idx, off, g, psw), static_argnums=0)
     for programs in (4096, 4096, 3):
         emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, **KERNEL_KW,
                                             backward_config=tbe_jax.BackwardConfig(programs=programs,
                                                                                    small_programs=programs))
         params = emb.init(jax.random.key(0))
         state = emb.init_opt_state(params, opt)
-        p, s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g, psw))(params, state)
+        p, s = step(emb, params, state)
         outs.append([np.asarray(x) for x in jax.tree_util.tree_leaves((p, s))])
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
@@ -453,14 +491,20 @@ def test_lookup_keys_kernel_matches_jnp(rng, pooling, weighted, vbe):
     plan = emb.plan_for(len(off), tuple(batch) if vbe else None)
     psw = np.concatenate([[1.0, 1.0], psw, [1.0]]).astype(np.float32) if weighted else None
     args = (jnp.asarray(idx), jnp.asarray(off), None if psw is None else jnp.asarray(psw))
-    want = runs_lib.lookup_keys(emb.layout, plan, *args, pooling=pooling)
-    got = bwd.lookup_keys(plan, runs_lib.feature_keys(emb.layout, plan), int(runs_lib.group_bases(emb.layout)[-1]),
-                          *args, pooling=pooling, config=tbe_jax.BackwardConfig(keys_bags=4),
-                          interpret=KERNEL_KW["interpret"])
+    # Both jitted: one compile each instead of one per jnp op.
+    want = jax.jit(functools.partial(runs_lib.lookup_keys, emb.layout, plan, pooling=pooling))(*args)
+    got = jax.jit(functools.partial(
+        bwd.lookup_keys, plan, runs_lib.feature_keys(emb.layout, plan), int(runs_lib.group_bases(emb.layout)[-1]),
+        pooling=pooling, config=tbe_jax.BackwardConfig(keys_bags=4), interpret=KERNEL_KW["interpret"]))(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     valid = np.asarray(want[0]) < int(runs_lib.group_bases(emb.layout)[-1])
     np.testing.assert_array_equal(np.asarray(got[1])[valid], np.asarray(want[1])[valid])
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_step_w(emb, opt, params, state, idx, off, g, psw):
+    return emb.apply_gradients(params, state, opt, idx, off, g, psw)
 
 
 @pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(keys_kernel=True, lookups_per_step=2),
@@ -470,14 +514,18 @@ def test_backward_config_variants(rng, cfg):
     # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
     tables = specs([3, 300], [8, 16])
     opt = tbe_jax.RowwiseAdagrad(0.05, 1e-2)
-    idx, off, psw = testing.make_batch(rng, [3, 300], [4, 4], (0, 300), weighted=True)
+    # Random bag lengths with fixed totals per feature (900 lookups of 3 rows: long runs; 600 of 300
+    # rows: small and mid runs): the three variants' default-config step is one compiled program.
+    lengths = np.concatenate([rng.multinomial(900, [0.25] * 4), rng.multinomial(600, [0.25] * 4)])
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    idx = np.concatenate([rng.integers(0, 3, 900), rng.integers(0, 300, 600)]).astype(np.int32)
+    psw = rng.uniform(0.5, 1.5, size=idx.shape).astype(np.float32)
     g = rng.standard_normal((4, 24)).astype(np.float32)
     outs = []
     for bcfg in (tbe_jax.BackwardConfig(), tbe_jax.BackwardConfig(**cfg)):
         emb = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", backward_config=bcfg, **KERNEL_KW)
         params = emb.init(jax.random.key(2))
-        p, s = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g, psw))(
-            params, emb.init_opt_state(params, opt))
+        p, s = _apply_step_w(emb, opt, params, emb.init_opt_state(params, opt), idx, off, g, psw)
         outs.append(jax.tree_util.tree_leaves((p, s)))
     for a, b in zip(*outs):
         assert_close(a, b, 1e-6)

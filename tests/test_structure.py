@@ -98,19 +98,24 @@ def test_program_map_matches_explicit_table():
         flist, prefix = programs.operands(pm)
         got = []
         for seg in pm.segments:
-            for q in range(seg.prog_end - seg.prog_start):
-                got.append([int(v) for v in _locate_interpret(seg, q, flist, prefix)])
+            got.extend(_locate_interpret(seg, seg.prog_end - seg.prog_start, flist, prefix))
         np.testing.assert_array_equal(np.asarray(got, np.int32).reshape(-1, 4), table)
 
 
-def _locate_interpret(seg, q, flist, prefix):
+def _locate_interpret(seg, n, flist, prefix):
+    """`programs.locate` for programs 0..n-1 of `seg`, in interpret mode: one launch of n programs, each
+    locating its own program id (traced, as in the kernels), instead of one compiled launch per program."""
     from jax.experimental import pallas as pl
 
+    from tbe_jax._pallas import plgpu
     from tbe_jax.kernels import programs
 
     def kernel(flist_ref, prefix_ref, out_ref):
-        vals = programs.locate(seg, jnp.int32(q), flist_ref, prefix_ref)
+        q = pl.program_id(0)
+        vals = programs.locate(seg, q, flist_ref, prefix_ref)
         for k, v in enumerate(vals):
-            out_ref[k] = v
+            plgpu.store(out_ref.at[4 * q + k], jnp.asarray(v, jnp.int32))
 
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4,), jnp.int32), interpret=True)(flist, prefix)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4 * n,), jnp.int32), grid=(n,),
+                         interpret=True)(flist, prefix)
+    return [[int(v) for v in row] for row in np.asarray(out).reshape(n, 4)]
