@@ -384,8 +384,19 @@ class Adagrad(Optimizer):
 _STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 
+@dataclasses.dataclass(frozen=True)
 class _AdamFamily(Optimizer):
-    """What `Adam`, `PartialRowwiseAdam`, `Lamb` and `PartialRowwiseLamb` share (see `tbe_jax.optim`)."""
+    """What `Adam`, `PartialRowwiseAdam`, `Lamb` and `PartialRowwiseLamb` share (see `tbe_jax.optim`): their
+    fields (the same arguments, in this order) and their checks."""
+
+    learning_rate: ScalarOrSchedule = 0.001
+    b1: Any = 0.9
+    b2: Any = 0.999
+    eps: Any = 1e-8
+    weight_decay: Any = 0.0
+    state_dtype: Any = "float32"
+    stochastic_rounding: bool = False
+    skip_nonfinite: bool = True
 
     _DYNAMIC = ("learning_rate", "b1", "b2", "eps", "weight_decay")
     _SLOTS = ("momentum1", "momentum2")
@@ -440,15 +451,6 @@ class Adam(_AdamFamily):
     ((m1 / (1 - b1**t)) / (sqrt(m2 / (1 - b2**t)) + eps) + weight_decay * row)`, `t = count + 1`.
 """ + _ADAM_ARGS
 
-    learning_rate: ScalarOrSchedule = 0.001
-    b1: Any = 0.9
-    b2: Any = 0.999
-    eps: Any = 1e-8
-    weight_decay: Any = 0.0
-    state_dtype: Any = "float32"
-    stochastic_rounding: bool = False
-    skip_nonfinite: bool = True
-
     _KIND = "adam"
 
 
@@ -459,15 +461,6 @@ class PartialRowwiseAdam(_AdamFamily):
 
     As `Adam`, but `m2` is `[rows]`: `m2 = b2 m2 + (1 - b2) mean(g**2 over the row)`.
 """ + _ADAM_ARGS
-
-    learning_rate: ScalarOrSchedule = 0.001
-    b1: Any = 0.9
-    b2: Any = 0.999
-    eps: Any = 1e-8
-    weight_decay: Any = 0.0
-    state_dtype: Any = "float32"
-    stochastic_rounding: bool = False
-    skip_nonfinite: bool = True
 
     _KIND = "partial_rowwise_adam"
 
@@ -482,15 +475,6 @@ class Lamb(_AdamFamily):
     1 where either norm is 0.
 """ + _ADAM_ARGS
 
-    learning_rate: ScalarOrSchedule = 0.001
-    b1: Any = 0.9
-    b2: Any = 0.999
-    eps: Any = 1e-8
-    weight_decay: Any = 0.0
-    state_dtype: Any = "float32"
-    stochastic_rounding: bool = False
-    skip_nonfinite: bool = True
-
     _KIND = "lamb"
 
 
@@ -501,15 +485,6 @@ class PartialRowwiseLamb(_AdamFamily):
 
     As `Lamb`, with `PartialRowwiseAdam`'s `[rows]` second moment.
 """ + _ADAM_ARGS
-
-    learning_rate: ScalarOrSchedule = 0.001
-    b1: Any = 0.9
-    b2: Any = 0.999
-    eps: Any = 1e-8
-    weight_decay: Any = 0.0
-    state_dtype: Any = "float32"
-    stochastic_rounding: bool = False
-    skip_nonfinite: bool = True
 
     _KIND = "partial_rowwise_lamb"
 
