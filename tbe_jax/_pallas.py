@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import warnings
 
+import jax
+
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["pl", "plgpu"]
+__all__ = ["pallas_call", "pl", "plgpu"]
 
 _TRITON_DEPRECATION = r"(?s).*Pallas Triton backend is deprecated"
 
@@ -26,3 +28,52 @@ def _install_filter() -> None:
 
 
 _install_filter()
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes over which `x` varies inside `shard_map` (empty outside it)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()) or ())
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _with_varying(sds, axes: frozenset, like):
+    """`sds` (a ShapeDtypeStruct) marked as varying over `axes`, as `like`'s type is."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(sds.shape, sds.dtype, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(sds.shape, sds.dtype, vma=axes)
+
+
+def pallas_call(kernel, out_shape, **kwargs):
+    """`pl.pallas_call` that also works inside `shard_map` with its default checks (`check_vma=True`).
+
+    A `pallas_call`'s output types carry no varying-axes information of their own,
+    which `shard_map`'s type checks refuse. Here the operands are brought to one set
+    of varying axes (the union of theirs: `lax.pcast(..., to="varying")` where one
+    lacks some) and the outputs are declared varying over the same axes. Outside
+    `shard_map` this is `pl.pallas_call` unchanged.
+    """
+
+    def call(*args):
+        leaves = [a for a in jax.tree_util.tree_leaves(args) if hasattr(a, "dtype")]
+        axes = frozenset().union(*(_varying(a) for a in leaves)) if leaves else frozenset()
+        if not axes:
+            return pl.pallas_call(kernel, out_shape=out_shape, **kwargs)(*args)
+
+        def lift(a):
+            if not hasattr(a, "dtype"):
+                return a
+            missing = tuple(sorted(axes - _varying(a)))
+            return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+        args = jax.tree_util.tree_map(lift, args)
+        like = next(a for a in jax.tree_util.tree_leaves(args) if hasattr(a, "dtype"))
+        shapes = jax.tree_util.tree_map(
+            lambda s: _with_varying(s, axes, like), out_shape,
+            is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct))
+        return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
+
+    return call

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu
 from tbe_jax.kernels import programs
 from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
 from tbe_jax.runs import LONG, SMALL, Runs, class_bases, group_bases, width_classes
@@ -494,7 +494,7 @@ def fused_update(
         state = [x for g in cls.buffers for x in [new_w[keys[g]]] + [d[keys[g]] for d in new_s]]
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
         args = list(args) + state
-        out = pl.pallas_call(
+        out = pallas_call(
             kernel, out_shape=shapes, grid=(grid,),
             input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
             compiler_params=small_params if name.startswith("tbe_backward_small_runs") else params,
@@ -520,7 +520,7 @@ def fused_update(
             functools.partial(_mid_kernel, opt=opt, cls=cls, k=k, programs=p_mid, scaled=scaled, prefetch=prefetch),
             "tbe_backward_mid_runs" + suffix, p_mid,
             [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common, cls)
-        part = pl.pallas_call(
+        part = pallas_call(
             functools.partial(_chunk_kernel, cls=cls, k=k, programs=p_long, scaled=scaled, prefetch=prefetch),
             out_shape=jax.ShapeDtypeStruct((max_chunks, cls.width), jnp.float32),
             grid=(p_long,),
@@ -596,7 +596,7 @@ def lookup_keys(plan, key0: np.ndarray, total: int, indices, offsets, per_sample
         return tuple(init)
     args = [*programs.operands(pm), ftab, offsets, indices]
     args += ([per_sample_weights.astype(jnp.float32)] if weighted else []) + init
-    return tuple(pl.pallas_call(
+    return tuple(pallas_call(
         functools.partial(_keys_kernel, seg=pm.segments[0], bags=config.keys_bags, n=n, total=total, mean=pooling == "mean",
                           weighted=weighted),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in init],

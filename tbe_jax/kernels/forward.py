@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
@@ -289,7 +289,7 @@ def pooled_forward(
     out_shape = jax.ShapeDtypeStruct((plan.out_size,), output_dtype)
     if count_invalid:
         out_shape = (out_shape, jax.ShapeDtypeStruct((pm.num_programs,), jnp.int32))
-    call = pl.pallas_call(
+    call = pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(pm.num_programs,),
@@ -347,7 +347,7 @@ def sequence_forward(
         block_dim=block_dim, block_rows=block_rows, n=n,
     )
     args = [rows] + ([per_sample_weights] if per_sample_weights is not None else []) + [weights]
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, dim), output_dtype),
         grid=(pl.cdiv(n, block_rows),),

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu
 from tbe_jax.kernels import programs  # the program map and feature table are shared with the generic kernel
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2
@@ -569,7 +569,7 @@ def histogram_forward(
     args += [buffers[layout.key(g)] for g in used]
     if out_flat is not None:
         args.append(out_flat)
-    res = pl.pallas_call(
+    res = pallas_call(
         kernel,
         out_shape=tuple(out_shape),
         grid=(n_prog,),

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu
 from tbe_jax.kernels.backward import _row_update, state_refs, state_width
 from tbe_jax.optim import NUM_HYPER
 from tbe_jax.kernels import programs
@@ -309,7 +309,7 @@ def histogram_update(
         hyper = jnp.zeros((NUM_HYPER,), jnp.float32)
     n_prog, sr, sc, n_tab = sp.num_programs, sp.stride_rows, sp.stride_cols, sp.tabs.shape[0]
     tabs = jnp.asarray(sp.tabs.reshape(-1))
-    part, occ = pl.pallas_call(
+    part, occ = pallas_call(
         functools.partial(_grad_kernel, classes=sp.classes, num_tables=n_tab, per_program=sp.per_program,
                           seg=sp.pm.segments[0], bags=cfg.grad_bags,
                           c=cfg.grad_ids_per_step, stride_rows=sr, stride_cols=sc, mean=pooling == "mean",
@@ -325,7 +325,7 @@ def histogram_update(
     for k in keys:
         state += [new_w[k]] + [d[k] for d in new_s]
     args = [part, occ, hyper, tabs] + state
-    state = pl.pallas_call(
+    state = pallas_call(
         functools.partial(_update_kernel, opt=opt, dims=tuple(layout.dims[grp] for grp in sp.buffers),
                           num_tables=n_tab, q=sp.q, stride_rows=sr, stride_cols=sc),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],

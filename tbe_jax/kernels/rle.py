@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu
 
 BLOCK = 1024
 
@@ -86,7 +86,7 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, interpret
     grid = n // BLOCK + 1  # the last block also covers run_start[N]
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
     kw = dict(n=n, total=total, small=small)
-    counts = pl.pallas_call(
+    counts = pallas_call(
         functools.partial(_count_kernel, **kw),
         out_shape=jax.ShapeDtypeStruct((grid * 4,), jnp.int32), grid=(grid,),
         compiler_params=params, interpret=interpret, name="tbe_runs_count",
@@ -94,7 +94,7 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, interpret
     c = counts.reshape(grid, 4)
     base = (jnp.cumsum(c, axis=0) - c).reshape(-1)
     tot = jnp.sum(c, axis=0)
-    run_start, run_key, big = pl.pallas_call(
+    run_start, run_key, big = pallas_call(
         functools.partial(_write_kernel, n_big_max=n_big_max, **kw),
         out_shape=[jax.ShapeDtypeStruct((n + 1,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32),
                    jax.ShapeDtypeStruct((n_big_max,), jnp.int32)],

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu
 from tt_jax import prefix
 from tt_jax.backward import _col0, position_bags
 from tt_jax.kernels.forward import (_PRECISIONS, TTKernelConfig, _load_last, _load_suffixes, _next_pow2, _pad,
@@ -251,7 +251,7 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
         _seg_tile_kernel, names=tuple(names), mode=mode, k=tile, j_rows=j_rows, j_pad=_next_pow2(j_rows), e_a=e_a,
         e_b=e_b, n_members=m_total, n_runs=n_runs, identity_seg=run_seg is None, want_psw=want_psw,
         scaled="scale" in data, precision=precision, interpret=interpret)
-    res = pl.pallas_call(
+    res = pallas_call(
         kernel, out_shape=tuple(out_shape), grid=(n_tiles,), input_output_aliases=aliases,
         compiler_params=_params(config), interpret=interpret, name=f"tt_bwd_segsum_{mode}",
     )(*args)
@@ -263,7 +263,7 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     kernel2 = functools.partial(
         _seg_span_kernel, names=tuple(names2), k=tile, e=e, e_block=e_block, k_tiles=max(1, 8192 // e_block),
         n_members=m_total, n_runs=n_runs, identity_seg=run_seg is None, interpret=interpret)
-    out = pl.pallas_call(
+    out = pallas_call(
         kernel2, out_shape=jax.ShapeDtypeStruct((out_slots * e,), jnp.float32), grid=(n_tiles, -(-e // e_block)),
         input_output_aliases={len(args2) - 1: 0}, compiler_params=_params(config), interpret=interpret,
         name="tt_bwd_segsum_span",
@@ -512,7 +512,7 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
         kernel = functools.partial(
             _group_kernel, names=tuple(names), t_cores=nc, q=q, r=r, dim=layout.dim,
             rows_per_step=max(config.bwd_rows, 16 // _next_pow2(q[-1])), precision=precision, interpret=interpret)
-    res = pl.pallas_call(
+    res = pallas_call(
         kernel, out_shape=tuple(jax.ShapeDtypeStruct((n,), dt) for n, dt in outs.values()), grid=(grid,),
         compiler_params=_params(config), interpret=interpret, name="tt_bwd_groups",
     )(*args)

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu
 from tt_jax import prefix
 
 _SCHEDULES = ("queue", "static", "grid", "blocked")
@@ -429,7 +429,7 @@ def tt_rows(
         aliases = {len(args): 1}
         args.append(jnp.zeros((1,), jnp.int32))
         out_shape = (out_shape, jax.ShapeDtypeStruct((1,), jnp.int32))
-    call = pl.pallas_call(
+    call = pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(programs,),
@@ -516,7 +516,7 @@ def tt_pool(
     if previous is not None:
         aliases = {len(args): 0}
         args.append(previous)
-    call = pl.pallas_call(
+    call = pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch * total_dim,), jnp.float32),
         grid=(len(features) * per_feature,),

@@ -1,0 +1,928 @@
+"""Tables sharded over the devices of a mesh: `tbe_jax.shard(emb, mesh, axis_name)`.
+
+Each table gets one strategy (`ShardedTableBatchedEmbedding.plan`):
+
+- `"table"`: the whole table on one device (its owner);
+- `"row"`: rows split in `ceil(E / n)` blocks, block j on device j;
+- `"column"`: columns split in `ceil(D / n)` blocks, block j on device j;
+- `"data"`: a full copy on every device (data parallel).
+
+How a step runs (inside one `shard_map` over `axis_name`; XLA collectives, NCCL on GPUs):
+
+1. Ids to their owners. Each device looks at its local batch and, per destination
+   device, keeps the ids that destination serves (its table, its row block, its
+   columns), translated to rows of the destination's storage, packed in feature
+   order, with each bag's length. One `all_to_all` carries ids, lengths (and
+   per-sample weights) to the owners. Capacities are static: by default each
+   destination gets room for every local id, so nothing can be dropped; a smaller
+   `capacity` moves fewer bytes and any id past it is dropped, counted, and warned
+   about (`forward_with_report` returns the count).
+2. The owners look up. Each device runs one local `TableBatchedEmbedding` (the
+   same Pallas kernels) over the global batch's ids for its shards: every device
+   holds the same number of "slots" (a feature read through one of its shards)
+   per storage width, so the program is the same on every device and the storage
+   per device is one buffer per width (`[n * rows, D]`, sharded by rows).
+3. Pooled rows back. One `all_to_all` returns each sample's pooled rows to its
+   device; partial pools of row-wise tables are summed there (owner order: fixed,
+   deterministic), column blocks are put side by side, mean pooling divides by
+   the bag length last, as the unsharded kernels do.
+4. Backward: the output gradient goes the same way as the ids (one `all_to_all`),
+   and each owner runs the fused sorted-run backward and optimizer on its shards,
+   once per touched row with the whole global batch's gradient. Replicated tables
+   see every device's ids and gradients, so their copies stay identical.
+
+Column-wise tables need an optimizer without row statistics (SGD, Adagrad, Adam):
+row-wise Adagrad, the partial row-wise Adams and the LAMBs reduce over a whole
+row, which no column block sees; `init_opt_state` refuses that combination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tbe_jax import bounds, optim, reference
+from tbe_jax.specs import TableSpec
+from tbe_jax.tbe import TableBatchedEmbedding
+
+__all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
+
+STRATEGIES = ("table", "row", "column", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Per table: its strategy, and for `"table"` its device (`owner`, -1 otherwise)."""
+
+    strategies: tuple[str, ...]
+    owners: tuple[int, ...]
+    num_devices: int
+
+    def __post_init__(self):
+        if len(self.strategies) != len(self.owners):
+            raise ValueError("strategies and owners must have one entry per table")
+        for t, (s, o) in enumerate(zip(self.strategies, self.owners)):
+            if s not in STRATEGIES:
+                raise ValueError(f"table {t}: strategy must be one of {STRATEGIES}, got {s!r}")
+            if s == "table" and not 0 <= o < self.num_devices:
+                raise ValueError(f"table {t}: owner {o} is not a device index in [0, {self.num_devices})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    table: int
+    device: int
+    row0: int
+    rows: int
+    col0: int
+    cols: int
+
+
+def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | None = None) -> ShardingPlan:
+    """Pick a strategy per table (and an owner for table-wise ones).
+
+    `plan` fixes some tables (`{table index or TableSpec.name: strategy}`; a strategy
+    may be `("table", device)` to pin the owner); the planner decides the rest.
+
+    Cost model (per device; n devices; a table of E rows, D columns, s bytes per
+    value, read by features with `bag_size_hint` ids per bag, 1 if unset):
+
+    - memory: `E * D * s` (plus its optimizer state, in proportion) on the owner for
+      `"table"`, `1/n` of it on every device for `"row"` / `"column"`, all of it on
+      every device for `"data"`;
+    - lookups: a table-wise table's lookups all run on its owner; row-wise ones
+      spread by id value; column-wise and replicated ones run on every device (on
+      `D/n` columns, or on all of them);
+    - bytes moved per step per sample: ids `4 * L` to the owner (all devices for
+      `"column"` and `"data"`), pooled rows `4 * D` back (from every device for
+      `"row"`: partial sums).
+
+    Rule: a table larger than a fair share of all tables' memory (`total / n`) goes
+    `"row"` (it would unbalance memory); every other table goes `"table"`, placed
+    largest first on the device with the least load, where load adds the table's
+    share of total memory and its share of total lookups (bytes read per step).
+    `"column"` and `"data"` are never chosen automatically: they move more ids
+    than `"table"` for the same tables; ask for them explicitly.
+    """
+    n = int(num_devices)
+    if n < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    tables = emb.tables
+    names = {t.name: i for i, t in enumerate(tables) if t.name}
+    fixed: dict[int, tuple[str, int]] = {}
+    for key, val in dict(plan or {}).items():
+        if isinstance(key, str):
+            if key not in names:
+                raise ValueError(f"plan names table {key!r}, which is not a TableSpec.name of this embedding")
+            t = names[key]
+        else:
+            t = int(key)
+            if not 0 <= t < len(tables):
+                raise ValueError(f"plan names table {key!r}: not a table index in [0, {len(tables)})")
+        if isinstance(val, (tuple, list)):
+            if len(val) != 2 or val[0] != "table":
+                raise ValueError(f"plan[{key!r}]: a pair must be ('table', device), got {val!r}")
+            fixed[t] = ("table", int(val[1]))
+        else:
+            if val not in STRATEGIES:
+                raise ValueError(f"plan[{key!r}] must be one of {STRATEGIES} or ('table', device), got {val!r}")
+            fixed[t] = (val, -1)
+    itemsize = emb.weights_dtype.itemsize
+    mem = np.array([t.num_embeddings * t.embedding_dim * itemsize for t in tables], np.float64)
+    reads = np.zeros(len(tables))
+    for f, t in enumerate(emb.feature_table_map):
+        reads[t] += (tables[t].bag_size_hint or 1) * tables[t].embedding_dim * itemsize
+    strategies = [None] * len(tables)
+    owners = [-1] * len(tables)
+    load = np.zeros(n)
+    total_mem, total_reads = max(mem.sum(), 1.0), max(reads.sum(), 1.0)
+    cost = mem / total_mem + reads / total_reads
+    for t, (s, o) in fixed.items():
+        strategies[t] = s
+        if s == "table":
+            if o < 0:
+                strategies[t] = None  # placed below, as a free table-wise one
+            else:
+                owners[t] = o
+                load[o] += cost[t]
+        elif s in ("row", "column"):
+            load += cost[t] / n
+        else:
+            load += cost[t]
+    free = [t for t in range(len(tables)) if strategies[t] is None]
+    for t in free:
+        if t not in fixed and n > 1 and mem[t] > total_mem / n:
+            strategies[t] = "row"
+            load += cost[t] / n
+    for t in sorted((t for t in free if strategies[t] is None), key=lambda t: (-cost[t], t)):
+        j = int(np.argmin(load))
+        strategies[t], owners[t] = "table", j
+        load[j] += cost[t]
+    return ShardingPlan(tuple(strategies), tuple(owners), n)
+
+
+def _pieces(emb: TableBatchedEmbedding, plan: ShardingPlan) -> list[_Piece]:
+    n = plan.num_devices
+    out = []
+    for t, spec in enumerate(emb.tables):
+        s, e, d = plan.strategies[t], spec.num_embeddings, spec.embedding_dim
+        if s == "table":
+            out.append(_Piece(t, plan.owners[t], 0, e, 0, d))
+        elif s == "row":
+            r = -(-e // n)
+            out += [_Piece(t, j, j * r, min(e, (j + 1) * r) - j * r, 0, d) for j in range(n) if j * r < e]
+        elif s == "column":
+            c = -(-d // n)
+            out += [_Piece(t, j, 0, e, j * c, min(d, (j + 1) * c) - j * c) for j in range(n) if j * c < d]
+        else:
+            out += [_Piece(t, j, 0, e, 0, d) for j in range(n)]
+    return out
+
+
+class _Layout:
+    """The static structure every device shares: storage widths, slots, routing and assembly maps."""
+
+    def __init__(self, emb: TableBatchedEmbedding, plan: ShardingPlan):
+        n = plan.num_devices
+        self.n = n
+        pieces = _pieces(emb, plan)
+        self.pieces = pieces
+        widths: list[int] = []
+        for p in pieces:
+            if p.cols not in widths:
+                widths.append(p.cols)
+        self.widths = tuple(widths)
+        nc = len(widths)
+        # Storage: per device and width, its pieces stacked in table order.
+        self.pool_row = {}
+        rows_used = np.zeros((n, nc), np.int64)
+        for p in pieces:
+            c = widths.index(p.cols)
+            self.pool_row[p] = int(rows_used[p.device, c])
+            rows_used[p.device, c] += p.rows
+        self.pool_rows = tuple(max(1, int(rows_used[:, c].max())) for c in range(nc))
+        # Slots: per device and width, (feature, piece) pairs in feature order.
+        readers: dict[int, list[int]] = {}
+        for f, t in enumerate(emb.feature_table_map):
+            readers.setdefault(t, []).append(f)
+        per = [[[] for _ in range(nc)] for _ in range(n)]
+        for p in pieces:
+            for f in readers.get(p.table, []):
+                per[p.device][widths.index(p.cols)].append((f, p))
+        for j in range(n):
+            for c in range(nc):
+                per[j][c].sort(key=lambda x: x[0])
+        self.slots_per_width = tuple(max(len(per[j][c]) for j in range(n)) for c in range(nc))
+        ns = sum(self.slots_per_width)
+        self.num_slots = ns
+        slot_width = []
+        for c in range(nc):
+            slot_width += [widths[c]] * self.slots_per_width[c]
+        self.slot_width = tuple(slot_width)
+        self.slot_col = tuple(int(x) for x in np.concatenate([[0], np.cumsum(slot_width)[:-1]])) if ns else ()
+        self.width = int(sum(slot_width))
+        nf = emb.num_features
+        feat = -np.ones((n, ns), np.int32)
+        row0 = np.zeros((n, ns), np.int32)
+        rows = np.zeros((n, ns), np.int32)
+        prow = np.zeros((n, ns), np.int32)
+        slot_of = -np.ones((n, nf), np.int32)
+        q0 = np.concatenate([[0], np.cumsum(self.slots_per_width)[:-1]]).astype(int) if nc else []
+        self.slot_piece = {}
+        for j in range(n):
+            for c in range(nc):
+                for s, (f, p) in enumerate(per[j][c]):
+                    q = q0[c] + s
+                    feat[j, q], row0[j, q], rows[j, q], prow[j, q] = f, p.row0, p.rows, self.pool_row[p]
+                    slot_of[j, f] = q
+                    self.slot_piece[(j, q)] = (f, p)
+        self.slot_feat, self.slot_row0, self.slot_rows, self.slot_prow, self.slot_of = feat, row0, rows, prow, slot_of
+        # Assembly: each output column's sources in the received [n * W] (owner-major) row, and the
+        # gradient's: per destination slot column, its column of the local [sum D] output.
+        dims = emb.feature_dims
+        fcol = np.concatenate([[0], np.cumsum(dims)[:-1]]).astype(int)
+        total = int(sum(dims))
+        self.out_width = total
+        contrib = [[] for _ in range(total)]
+        gidx = np.full((n, self.width), total, np.int32)  # `total`: a zero column
+        for (j, q), (f, p) in sorted(self.slot_piece.items()):
+            strategy = plan.strategies[p.table]
+            for w in range(p.cols):
+                x = fcol[f] + p.col0 + w
+                gidx[j, self.slot_col[q] + w] = x
+                if strategy != "data" or j == 0:  # a replicated table's columns come from device 0's copy
+                    contrib[x].append(j * self.width + self.slot_col[q] + w)
+        depth = max([len(c) for c in contrib] + [1])
+        src = np.full((depth, total), n * self.width, np.int32)  # n * W: a zero column
+        for x, cs in enumerate(contrib):
+            src[: len(cs), x] = cs
+        self.assemble_src, self.grad_cols = src, gidx
+        self.feature_col = fcol
+
+
+def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = "data", plan=None, *,
+          capacity: int | None = None) -> "ShardedTableBatchedEmbedding":
+    """`emb`'s tables sharded over `mesh`'s axis `axis_name`; see `ShardedTableBatchedEmbedding`."""
+    return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity)
+
+
+class ShardedTableBatchedEmbedding:
+    """A `TableBatchedEmbedding` whose tables are spread over the devices of a mesh axis.
+
+    Args:
+      emb: the unsharded embedding (tables, features, pooling, dtypes, kernels).
+      mesh: a `jax.sharding.Mesh`; `axis_name` names the axis the batch and the
+        tables are split over (n = its size).
+      plan: None (the planner, `plan_sharding`), a `ShardingPlan`, or a dict
+        `{table index or name: "table" | "row" | "column" | "data" | ("table", device)}`
+        fixing some tables (the planner places the rest).
+      capacity: ids each device may send to each other device per step; None (the
+        default) is every local id, which can never overflow. Ids past a smaller
+        capacity are dropped, counted (`forward_with_report`) and warned about.
+
+    Inputs are per device: `indices [n, N]`, `offsets [n, F*b + 1]` (row k is device
+    k's local batch of b samples in `emb`'s format), both sharded over `axis_name`;
+    the output is `[n*b, sum D]` (sample i of device k at row `k*b + i`), sharded
+    likewise. Results equal `emb` on the global batch (device 0's samples first).
+    """
+
+    def __init__(self, emb, mesh, axis_name="data", plan=None, *, capacity=None):
+        if not isinstance(emb, TableBatchedEmbedding):
+            raise TypeError(f"emb must be a tbe_jax.TableBatchedEmbedding, got {type(emb).__name__}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        n = int(mesh.shape[axis_name])
+        if not isinstance(plan, ShardingPlan):
+            plan = plan_sharding(emb, n, plan)
+        if plan.num_devices != n:
+            raise ValueError(f"the plan is for {plan.num_devices} devices; mesh axis {axis_name!r} has {n}")
+        if emb.pooling == "none" and "column" in plan.strategies:
+            raise ValueError('pooling="none" (sequence lookups) cannot shard tables by columns; use "table", '
+                             '"row" or "data"')
+        if emb.bounds_check == "fatal":
+            raise ValueError('a sharded embedding supports bounds_check "ignore", "none" and "warning" (ids '
+                             'outside [0, E) are dropped where they are routed); "fatal" is not supported')
+        if capacity is not None and (isinstance(capacity, bool) or int(capacity) < 1):
+            raise ValueError(f"capacity must be None or an int >= 1, got {capacity!r}")
+        self.emb = emb
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.num_devices = n
+        self.plan = plan
+        self.capacity = None if capacity is None else int(capacity)
+        self.layout = _Layout(emb, plan)
+        lay = self.layout
+        self.local = TableBatchedEmbedding(
+            [TableSpec(r, w) for r, w in zip(lay.pool_rows, lay.widths)],
+            feature_table_map=[lay.widths.index(w) for w in lay.slot_width] or [0],
+            pooling="none" if emb.pooling == "none" else "sum",
+            weights_dtype=emb.weights_dtype,
+            output_dtype=emb.output_dtype if emb.pooling == "none" else jnp.float32,
+            bounds_check="ignore", impl=emb.impl, interpret=emb.interpret, kernel_config=emb.kernel_config,
+            use_histogram=False, backward_config=emb.backward_config,
+        )
+
+    # -- identity ----------------------------------------------------------------
+    def _key(self):
+        return (self.emb, self.mesh, self.axis_name, self.plan, self.capacity)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, ShardedTableBatchedEmbedding) and self._key() == other._key()
+
+    def __repr__(self):
+        counts = {s: self.plan.strategies.count(s) for s in STRATEGIES if s in self.plan.strategies}
+        return f"ShardedTableBatchedEmbedding({self.emb!r}, {self.num_devices} devices, {counts})"
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return self.plan.strategies
+
+    # -- placement helpers --------------------------------------------------------
+    def _sharding(self, spec) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def _buffer_keys(self):
+        return [self.local.layout.key(g) for g in range(len(self.local.layout.dims))]
+
+    def _rows_of(self, c: int) -> int:
+        """Rows of width class c's buffer per device."""
+        return self.layout.pool_rows[c]
+
+    def _smap(self, f, in_specs, out_specs):
+        # Kernels in interpret mode trip an interpreter limitation on varying-axes types inside shard_map
+        # (jax evaluates the kernel body with mixed varying / non-varying values); compiled kernels and the
+        # XLA path run under shard_map's default checks.
+        check = not (self.local.interpret and self.local._use_kernel())
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+
+    def _place(self, x, spec):
+        """`x` placed as `spec` on the mesh (under jit: a sharding constraint, or `reshard` on an explicit
+        axis; eagerly: a transfer when it is not there yet)."""
+        sh = self._sharding(spec)
+        if isinstance(x, jax.core.Tracer):
+            if self._explicit():
+                return jax.sharding.reshard(x, sh)
+            return jax.lax.with_sharding_constraint(x, sh)
+        if getattr(x, "sharding", None) == sh:
+            return x
+        return jax.device_put(x, sh)
+
+    def _explicit(self) -> bool:
+        types = getattr(self.mesh, "axis_types", None)
+        if not types:
+            return False
+        t = dict(zip(self.mesh.axis_names, types))[self.axis_name]
+        return "Explicit" in str(t)
+
+    # -- parameters --------------------------------------------------------------
+    def init(self, key: jax.Array) -> dict:
+        """Tables drawn as `emb.init` draws them (uniform in `+-1/sqrt(E_t)` per table), placed on the mesh:
+        each device draws its own shards (no table exists whole anywhere). The values differ from
+        `emb.init(key)`'s; use `set_tables` to start from given tables."""
+        return _sharded_init(self, key)
+
+    def set_tables(self, params, tables: Sequence) -> dict:
+        """Params holding `tables` (one `[E_t, D_t]` array per table, as `emb.set_tables` takes), each device
+        given only its shards (built on the host, then placed)."""
+        del params
+        emb, lay = self.emb, self.layout
+        if len(tables) != len(emb.tables):
+            raise ValueError(f"expected {len(emb.tables)} tables, got {len(tables)}")
+        host = []
+        for t, (spec, arr) in enumerate(zip(emb.tables, tables)):
+            shape = (spec.num_embeddings, spec.embedding_dim)
+            if tuple(arr.shape) != shape:
+                raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
+            host.append(np.asarray(jax.device_get(arr)).astype(emb.weights_dtype))
+        out = {}
+        for c, w in enumerate(lay.widths):
+            blocks = np.zeros((self.num_devices, lay.pool_rows[c], w), emb.weights_dtype)
+            for p in lay.pieces:
+                if p.cols == w:
+                    r = lay.pool_row[p]
+                    blocks[p.device, r : r + p.rows] = host[p.table][p.row0 : p.row0 + p.rows,
+                                                                      p.col0 : p.col0 + p.cols]
+            out[self.local.layout.key(c)] = self._from_blocks(blocks.reshape(-1, w))
+        return out
+
+    def _from_blocks(self, arr: np.ndarray) -> jax.Array:
+        sh = self._sharding(P(self.axis_name))
+        return jax.make_array_from_callback(arr.shape, sh, lambda idx: arr[idx])
+
+    def get_tables(self, params) -> list[jax.Array]:
+        """Per table, its full `[E_t, D_t]` array (gathered from its shards)."""
+        self._check_params(params)
+        return list(_gather_tables(self, params, None))
+
+    def get_state(self, opt_state, name: str) -> list[jax.Array]:
+        """Per table, its slice of the optimizer state's field `name` (as `emb.get_state`)."""
+        fields = [f for f in getattr(opt_state, "_fields", ()) if f != "count"]
+        if name not in fields:
+            raise ValueError(f"opt_state is a {type(opt_state).__name__}: its state fields are {fields}, "
+                             f"not {name!r}")
+        return list(_gather_tables(self, getattr(opt_state, name), name))
+
+    def get_momentum(self, opt_state) -> list[jax.Array]:
+        """Per table, its Adagrad accumulators (as `emb.get_momentum`)."""
+        if not isinstance(opt_state, (optim.RowwiseAdagradState, optim.AdagradState)):
+            raise ValueError(f"opt_state is a {type(opt_state).__name__}: it holds no Adagrad accumulators")
+        return self.get_state(opt_state, "momentum")
+
+    def set_state(self, opt_state, name: str, values: Sequence) -> "optim.NamedTuple":
+        """`opt_state` with field `name` holding `values` (per table, shaped as `get_state` returns)."""
+        tree = getattr(opt_state, name)
+        lay, emb = self.layout, self.emb
+        if len(values) != len(emb.tables):
+            raise ValueError(f"expected {len(emb.tables)} arrays, got {len(values)}")
+        host = [np.asarray(jax.device_get(v)) for v in values]
+        new = {}
+        for c, w in enumerate(lay.widths):
+            key = self.local.layout.key(c)
+            leaf = tree[key]
+            rowwise = leaf.ndim == 1
+            shape = (self.num_devices, lay.pool_rows[c]) + (() if rowwise else (w,))
+            blocks = np.zeros(shape, leaf.dtype)
+            for p in lay.pieces:
+                if p.cols == w:
+                    r = lay.pool_row[p]
+                    v = host[p.table][p.row0 : p.row0 + p.rows]
+                    blocks[p.device, r : r + p.rows] = v if rowwise else v[:, p.col0 : p.col0 + p.cols]
+            new[key] = self._from_blocks(blocks.reshape((-1,) + shape[2:]))
+        return opt_state._replace(**{name: new})
+
+    def _check_params(self, params):
+        if not isinstance(params, dict) or set(params) != set(self._buffer_keys()):
+            raise ValueError(f"params must be the dict this sharded embedding's init/set_tables return (buffers "
+                             f"{self._buffer_keys()}), got {type(params).__name__}"
+                             + (f" with {sorted(params)}" if isinstance(params, dict) else ""))
+        for c, w in enumerate(self.layout.widths):
+            key = self.local.layout.key(c)
+            shape = (self.num_devices * self.layout.pool_rows[c], w)
+            if tuple(params[key].shape) != shape or params[key].dtype != self.emb.weights_dtype:
+                raise ValueError(f"params[{key!r}] must be {self.emb.weights_dtype.name}{list(shape)}, got "
+                                 f"{params[key].dtype}{list(params[key].shape)}")
+
+    def init_opt_state(self, params, opt):
+        """`opt`'s state for the shards, sharded like the params (the step count replicated)."""
+        self._check_opt(opt)
+        self._check_params(params)
+        return _sharded_opt_init(self, opt, params)
+
+    def _check_opt(self, opt):
+        self.emb._check_opt(opt)
+        rule = opt.rule()
+        if "column" in self.plan.strategies and (any(rule.slot_rowwise) or isinstance(
+                opt, (optim.Lamb, optim.PartialRowwiseLamb))):
+            cols = [t for t, s in enumerate(self.plan.strategies) if s == "column"]
+            raise ValueError(
+                f"{type(opt).__name__} reduces over whole rows (a row-wise accumulator or a trust ratio), which a "
+                f"column block does not see; tables {cols} are sharded by columns: shard them by rows or tables, "
+                "or train them with SGD, Adagrad or Adam")
+
+    def _state_specs(self, opt_state):
+        ax = self.axis_name
+        return jax.tree_util.tree_map(lambda x: P(ax) if getattr(x, "ndim", 0) >= 1 else P(), opt_state)
+
+    # -- forward -------------------------------------------------------------------
+    def _check_inputs(self, indices, offsets, per_sample_weights):
+        n = self.num_devices
+        for name, x in (("indices", indices), ("offsets", offsets)):
+            if getattr(x, "ndim", None) != 2 or x.shape[0] != n:
+                raise ValueError(f"{name} must be [n, ...] with n={n} (one row per device of axis "
+                                 f"{self.axis_name!r}), got shape {getattr(x, 'shape', None)}")
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"{name} must hold integers, got {x.dtype}")
+        nf = self.emb.num_features
+        if (offsets.shape[1] - 1) % nf or offsets.shape[1] < 1:
+            raise ValueError(f"offsets has {offsets.shape[1]} entries per device; expected F*b+1 with F={nf}")
+        if per_sample_weights is not None and per_sample_weights.shape != indices.shape:
+            raise ValueError(f"per_sample_weights has shape {per_sample_weights.shape}; it must match indices "
+                             f"{indices.shape}")
+
+    def __call__(self, params, indices, offsets, per_sample_weights=None):
+        """The pooled lookup of the global batch: `[n*b, sum D]` (or `[n*N, D]` for `pooling="none"`)."""
+        out, report = self.forward_with_report(params, indices, offsets, per_sample_weights)
+        _warn_report(report, self.capacity is not None or self.emb.bounds_check == "warning")
+        return out
+
+    def forward_with_report(self, params, indices, offsets, per_sample_weights=None):
+        """`(out, ShardReport)`: the lookup, and the ids dropped past a capacity / repaired (device values)."""
+        out, report, _ = _forward(self, params, *self._args(indices, offsets, per_sample_weights), False)
+        return out, report
+
+    def _args(self, indices, offsets, per_sample_weights):
+        indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+        if per_sample_weights is not None:
+            per_sample_weights = jnp.asarray(per_sample_weights)
+        self._check_inputs(indices, offsets, per_sample_weights)
+        spec = P(self.axis_name)
+        indices = self._place(indices.astype(jnp.int32), spec)
+        offsets = self._place(offsets.astype(jnp.int32), spec)
+        if per_sample_weights is not None:
+            per_sample_weights = self._place(per_sample_weights.astype(jnp.float32), spec)
+        return indices, offsets, per_sample_weights
+
+    # -- optimizer step ----------------------------------------------------------------
+    def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None):
+        """One optimizer step on the looked-up rows of the global batch: `(params, opt_state)`, as
+        `emb.apply_gradients` on the global batch (each touched row once, with the whole batch's gradient)."""
+        self._check_opt(opt)
+        self._check_params(params)
+        idx, off, psw = self._args(indices, offsets, per_sample_weights)
+        grad_output = jnp.asarray(grad_output)
+        b = (off.shape[1] - 1) // self.emb.num_features
+        want = (self.num_devices * idx.shape[1], self.emb.feature_dims[0]) if self.emb.pooling == "none" else (
+            self.num_devices * b, self.layout.out_width)
+        if tuple(grad_output.shape) != want:
+            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
+        grad_output = self._place(grad_output, P(self.axis_name))
+        routed = _route_for_update(self, idx, off, psw)
+        return _update(self, params, opt_state, opt, routed, grad_output)
+
+    # -- tbe_jax.train_step -------------------------------------------------------------
+    def _step_forward(self, params, indices, offsets, per_sample_weights=None, **options):
+        if options:
+            raise ValueError(f"a sharded embedding takes no lookup options, got {sorted(options)}")
+        idx, off, psw = self._args(indices, offsets, per_sample_weights)
+        out, report, routed = _forward(self, params, idx, off, psw, True)
+        _warn_report(report, self.capacity is not None or self.emb.bounds_check == "warning")
+        return out, (routed, report)
+
+    def _step_update(self, params, opt_state, opt, residuals, grad_output):
+        routed, report = residuals
+        self._check_opt(opt)
+        grad_output = self._place(grad_output, P(self.axis_name))
+        params, opt_state = _update(self, params, opt_state, opt, routed, grad_output)
+        return params, opt_state, report.invalid_indices
+
+
+ShardReport = bounds.BoundsReport  # (invalid_indices, repaired_offsets): ids dropped past capacity count as invalid
+
+
+def _warn_report(report, enabled):
+    if enabled:
+        bounds.warn_if_repaired(report, package="tbe_jax.shard")
+
+
+# -- the routed step -----------------------------------------------------------------------
+
+
+def _local_plan(s: ShardedTableBatchedEmbedding, num_offsets: int):
+    return s.emb.plan_for(num_offsets)
+
+
+def _route(s: ShardedTableBatchedEmbedding, idx, off, psw, scale_mean: bool):
+    """On one device: the ids for each destination. Returns (ids [n, cap], lens [n, NS, b], starts [n, NS],
+    weights [n, cap] or None, dropped, invalid, repaired)."""
+    emb, lay, n = s.emb, s.layout, s.num_devices
+    num = idx.shape[0]
+    nf = emb.num_features
+    b = (off.shape[0] - 1) // nf
+    plan = _local_plan(s, off.shape[0])
+    repaired = jnp.int32(0)
+    if emb.bounds_check == "warning":
+        off, repaired = bounds.repair_offsets(off, num)
+    bag, feat = reference.position_features(plan, off, num)
+    pos = jnp.arange(num, dtype=jnp.int32)
+    in_bag = (pos >= off[0]) & (pos < off[-1])
+    e_t = jnp.asarray(np.asarray([emb.tables[t].num_embeddings for t in emb.feature_table_map], np.int32))[feat]
+    ok_id = in_bag & (idx >= 0) & (idx < e_t)
+    invalid = jnp.sum(in_bag & ~ok_id, dtype=jnp.int32)
+    q = jnp.asarray(lay.slot_of)[:, feat]  # [n, num]
+    qc = jnp.maximum(q, 0)
+    r0 = jnp.take_along_axis(jnp.asarray(lay.slot_row0), qc, axis=1)
+    nr = jnp.take_along_axis(jnp.asarray(lay.slot_rows), qc, axis=1)
+    pr = jnp.take_along_axis(jnp.asarray(lay.slot_prow), qc, axis=1)
+    keep = ok_id[None, :] & (q >= 0) & (idx[None, :] >= r0) & (idx[None, :] < r0 + nr)
+    cap = num if s.capacity is None else min(s.capacity, num)
+    csum = jnp.cumsum(keep, axis=1, dtype=jnp.int32)
+    slot_pos = csum - 1
+    keep_cap = keep & (slot_pos < cap)
+    dropped = jnp.sum(keep & ~keep_cap, dtype=jnp.int32)
+    rows = idx[None, :] - r0 + pr
+    dst = jnp.where(keep_cap, slot_pos, cap)
+    jj = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, num))
+    ids = jnp.zeros((n, cap), jnp.int32).at[jj, dst].set(rows, mode="drop")
+    # Bag lengths per destination slot: kept ids before each bag boundary.
+    kept_before = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), jnp.cumsum(keep_cap, axis=1, dtype=jnp.int32)],
+                                  axis=1)  # [n, num + 1]
+    sf = jnp.asarray(lay.slot_feat)  # [n, NS]
+    used = sf >= 0
+    bnd = jnp.maximum(sf, 0)[:, :, None] * b + jnp.arange(b + 1, dtype=jnp.int32)[None, None, :]  # [n, NS, b+1]
+    at = jnp.clip(off[bnd], 0, num)
+    kb = jnp.take_along_axis(kept_before, at.reshape(n, -1), axis=1).reshape(at.shape)
+    kb = jnp.where(used[:, :, None], kb, 0)
+    lens = kb[:, :, 1:] - kb[:, :, :-1]
+    starts = kb[:, :, 0]
+    w = None
+    if psw is not None or (scale_mean and emb.pooling == "mean"):
+        wv = jnp.ones((num,), jnp.float32) if psw is None else psw.astype(jnp.float32)
+        if scale_mean and emb.pooling == "mean":
+            length = (off[1:] - off[:-1]).astype(jnp.float32)
+            coef = 1.0 / jnp.maximum(length, 1.0)
+            wv = coef[bag] * wv
+        w = jnp.zeros((n, cap), jnp.float32).at[jj, dst].set(jnp.broadcast_to(wv, (n, num)), mode="drop")
+    return ids, lens, starts, w, dropped, invalid, repaired, (keep_cap, dst)
+
+
+def _merge(s: ShardedTableBatchedEmbedding, ids, lens, starts, w):
+    """On an owner: the ids received from every device as one batch of n*b samples in `s.local`'s format."""
+    n = s.num_devices
+    ns = s.layout.num_slots
+    cap = ids.shape[1]
+    b = lens.shape[2]
+    seg_len = jnp.sum(lens, axis=2)  # [n(src), NS]
+    flat = jnp.transpose(lens, (1, 0, 2)).reshape(-1)  # bag (q, k, i)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(flat, dtype=jnp.int32)])
+    seg_dst = offsets[:-1].reshape(ns, n, b)[:, :, 0].reshape(-1)  # segment (q, k) start
+    seg_src = jnp.transpose(starts, (1, 0)).reshape(-1)
+    seg_k = jnp.tile(jnp.arange(n, dtype=jnp.int32), ns)
+    total = n * cap
+    p = jnp.arange(total, dtype=jnp.int32)
+    seg = jnp.clip(jnp.searchsorted(seg_dst, p, side="right", method="scan_unrolled") - 1, 0, max(ns * n - 1, 0))
+    k = seg_k[seg]
+    src = jnp.clip(seg_src[seg] + p - seg_dst[seg], 0, cap - 1)
+    live = p < offsets[-1]
+    merged_ids = jnp.where(live, ids[k, src], 0)
+    merged_w = None if w is None else jnp.where(live, w[k, src], 0.0)
+    del seg_len
+    return merged_ids, offsets, merged_w, (k, src, live)
+
+
+def _a2a(x, axis_name):
+    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=False)
+
+
+def _exchange_ids(s, ids, lens, starts, w):
+    """One all_to_all for ids, bag lengths, segment starts (and weights, as int32 bits)."""
+    n = s.num_devices
+    cap = ids.shape[1]
+    parts = [ids, lens.reshape(n, -1), starts]
+    if w is not None:
+        parts.append(jax.lax.bitcast_convert_type(w, jnp.int32))
+    packed = jnp.concatenate(parts, axis=1)
+    if n > 1:
+        packed = _a2a(packed, s.axis_name)
+    ns, b = lens.shape[1], lens.shape[2]
+    ids_r = packed[:, :cap]
+    lens_r = packed[:, cap : cap + ns * b].reshape(n, ns, b)
+    starts_r = packed[:, cap + ns * b : cap + ns * b + ns]
+    w_r = None
+    if w is not None:
+        w_r = jax.lax.bitcast_convert_type(packed[:, cap + ns * b + ns :], jnp.float32)
+    return ids_r, lens_r, starts_r, w_r
+
+
+def _routed_local(s, idx, off, psw, scale_mean):
+    """Route and merge on one device: the owner-side batch (ids, offsets, weights) plus what the
+    sequence path needs to send rows back, and the report counts."""
+    ids, lens, starts, w, dropped, invalid, repaired, sent = _route(s, idx, off, psw, scale_mean)
+    ids_r, lens_r, starts_r, w_r = _exchange_ids(s, ids, lens, starts, w)
+    m_ids, m_off, m_w, back = _merge(s, ids_r, lens_r, starts_r, w_r)
+    return (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired)
+
+
+def _psum(x, s):
+    return jax.lax.psum(x, s.axis_name) if s.num_devices > 1 else x
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _forward(s: ShardedTableBatchedEmbedding, params, idx, off, psw, want_routed: bool):
+    s._check_params(params)
+    ax = s.axis_name
+    emb, lay, n = s.emb, s.layout, s.num_devices
+    nf = emb.num_features
+    b = (off.shape[1] - 1) // nf
+    sequence = emb.pooling == "none"
+
+    def body(params, idx, off, psw):
+        idx, off = idx[0], off[0]
+        psw = None if psw is None else psw[0]
+        (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired) = _routed_local(s, idx, off, psw, False)
+        out_l = s.local(params, m_ids, m_off, m_w)
+        if sequence:
+            out = _sequence_back(s, out_l, back, sent, idx.shape[0])
+        else:
+            out = _assemble(s, out_l, off, b)
+        rep = bounds.BoundsReport(_psum(invalid + dropped, s), _psum(repaired, s))
+        routed = None
+        if want_routed:  # for the update: the owner-side batch (a backward-scaled copy of the weights)
+            routed = _routed_local(s, idx, off, psw, True) if emb.pooling == "mean" else (
+                (m_ids, m_off, m_w), back, sent, None)
+            routed = _pack_routed(routed)
+        return out, rep, routed
+
+    spec = P(ax)
+    routed_spec = None if not want_routed else _routed_specs(s, psw is not None)
+    f = s._smap(body, (jax.tree_util.tree_map(lambda _: spec, params), spec, spec, None if psw is None else spec),
+                (spec, P(), routed_spec))
+    return f(params, idx, off, psw)
+
+
+def _pack_routed(routed):
+    (m_ids, m_off, m_w), back, sent, _ = routed
+    k, src, live = back
+    keep_cap, dst = sent
+    return {"ids": m_ids, "off": m_off, "w": m_w, "k": k, "src": src, "live": live, "keep": keep_cap, "dst": dst}
+
+
+def _routed_specs(s, weighted):
+    spec = P(s.axis_name)
+    w = spec if (weighted or s.emb.pooling == "mean") else None
+    return {"ids": spec, "off": spec, "w": w, "k": spec, "src": spec, "live": spec, "keep": spec, "dst": spec}
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _route_for_update(s, idx, off, psw):
+    spec = P(s.axis_name)
+
+    def body(idx, off, psw):
+        routed = _routed_local(s, idx[0], off[0], None if psw is None else psw[0], True)
+        return _pack_routed(routed)
+
+    f = s._smap(body, (spec, spec, None if psw is None else spec), _routed_specs(s, psw is not None))
+    return f(idx, off, psw)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _update(s: ShardedTableBatchedEmbedding, params, opt_state, opt, routed, grad_output):
+    ax = s.axis_name
+    emb, lay, n = s.emb, s.layout, s.num_devices
+    sequence = emb.pooling == "none"
+    pspec = jax.tree_util.tree_map(lambda _: P(ax), params)
+    sspec = s._state_specs(opt_state)
+    rspec = jax.tree_util.tree_map(lambda _: P(ax), routed)
+
+    def body(params, opt_state, opt, routed, g):
+        r = routed
+        if sequence:
+            g_l = _sequence_grads(s, g, r)
+        else:
+            g_l = _route_grads(s, g)
+        return s.local._apply_gradients(params, opt_state, opt, r["ids"], r["off"], g_l, r["w"], None, None)
+
+    f = s._smap(body, (pspec, sspec, P(), rspec, P(ax)), (pspec, sspec))
+    return f(params, opt_state, opt, routed, grad_output)
+
+
+def _assemble(s, out_l, off, b):
+    """Owner-side pooled rows `[n*b, W]` back to their devices: `[b, sum D]` on each."""
+    n, lay, emb = s.num_devices, s.layout, s.emb
+    parts = out_l.reshape(n, b, lay.width)
+    if n > 1:
+        parts = _a2a(parts, s.axis_name)  # [n(owner), b, W]
+    flat = jnp.concatenate([jnp.transpose(parts, (1, 0, 2)).reshape(b, n * lay.width),
+                            jnp.zeros((b, 1), parts.dtype)], axis=1)
+    src = jnp.asarray(lay.assemble_src)
+    out = flat[:, src[0]]
+    for r in range(1, src.shape[0]):
+        out = out + flat[:, src[r]]
+    if emb.pooling == "mean":
+        nf = emb.num_features
+        length = (off[1:] - off[:-1]).reshape(nf, b)
+        colfeat = np.repeat(np.arange(nf), emb.feature_dims)
+        out = out / jnp.maximum(length, 1).astype(jnp.float32).T[:, colfeat]
+    return out.astype(emb.output_dtype)
+
+
+def _route_grads(s, g):
+    """A device's `[b, sum D]` output gradient to the owners: `[n*b, W]` on each owner (source-major)."""
+    n, lay = s.num_devices, s.layout
+    g = g.astype(jnp.float32)
+    b = g.shape[0]
+    gz = jnp.concatenate([g, jnp.zeros((b, 1), jnp.float32)], axis=1)
+    send = jnp.transpose(gz[:, jnp.asarray(lay.grad_cols)], (1, 0, 2))  # [n(dst), b, W]
+    if n > 1:
+        send = _a2a(send, s.axis_name)  # [n(src), b, W]
+    return send.reshape(n * b, lay.width)
+
+
+def _sequence_back(s, out_l, back, sent, num):
+    """Owner-side per-id rows `[n*cap, D]` back to the devices and positions they came from."""
+    n = s.num_devices
+    k, src, live = back
+    keep_cap, dst = sent
+    cap = out_l.shape[0] // n
+    d = out_l.shape[1]
+    buf = jnp.zeros((n, cap + 1, d), out_l.dtype).at[jnp.where(live, k, 0), jnp.where(live, src, cap)].set(
+        out_l, mode="drop")[:, :cap]
+    if n > 1:
+        buf = _a2a(buf, s.axis_name)  # [n(owner), cap, D]
+    first = jnp.argmax(keep_cap, axis=0)  # the first owner that served each id (device 0 for replicated)
+    any_ = jnp.any(keep_cap, axis=0)
+    pos = jnp.take_along_axis(dst, first[None], axis=0)[0]
+    rows = buf[first, jnp.clip(pos, 0, cap - 1)]
+    return jnp.where(any_[:, None], rows, 0).astype(s.emb.output_dtype)
+
+
+def _sequence_grads(s, g, r):
+    """A device's per-id output gradient `[cap, D]` to the owners, in their merged order."""
+    n = s.num_devices
+    keep, dst = r["keep"], r["dst"]
+    cap = keep.shape[1]
+    d = g.shape[1]
+    g = g.astype(jnp.float32)
+    jj = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], keep.shape)
+    send = jnp.zeros((n, cap + 1, d), jnp.float32).at[jj, jnp.where(keep, dst, cap)].set(
+        jnp.broadcast_to(g[None], (n, cap, d)), mode="drop")[:, :cap]
+    if n > 1:
+        send = _a2a(send, s.axis_name)  # [n(src), cap, D]
+    k, src, live = r["k"], r["src"], r["live"]
+    return jnp.where(live[:, None], send[k, src], 0.0)
+
+
+# -- init and gathers -------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sharded_init(s: ShardedTableBatchedEmbedding, key):
+    lay, emb, n, ax = s.layout, s.emb, s.num_devices, s.axis_name
+    specs = {}
+    tables = {}
+    for c, w in enumerate(lay.widths):
+        mp = max([sum(1 for p in lay.pieces if p.cols == w and p.device == j) for j in range(n)] + [1])
+        starts = np.full((n, mp + 1), lay.pool_rows[c], np.int32)
+        bnd = np.zeros((n, mp + 1), np.float32)
+        for j in range(n):
+            mine = sorted((p for p in lay.pieces if p.cols == w and p.device == j), key=lambda p: lay.pool_row[p])
+            for i, p in enumerate(mine):
+                starts[j, i] = lay.pool_row[p]
+                bnd[j, i] = 1.0 / math.sqrt(emb.tables[p.table].num_embeddings)
+            starts[j, len(mine)] = sum(p.rows for p in mine)  # padding rows from here: bound 0
+            starts[j, len(mine) + 1 :] = lay.pool_rows[c] + 1
+        tables[s.local.layout.key(c)] = (jnp.asarray(starts), jnp.asarray(bnd), c, w)
+        specs[s.local.layout.key(c)] = P(ax)
+
+    def body(key):
+        j = jax.lax.axis_index(ax) if n > 1 else 0
+        out = {}
+        for name, (starts, bnd, c, w) in tables.items():
+            rows = lay.pool_rows[c]
+            r = jax.lax.iota(jnp.int32, rows)
+            st = starts[j]
+            piece = jnp.searchsorted(st, r, side="right", method="scan_unrolled") - 1
+            bound = bnd[j][jnp.clip(piece, 0, st.shape[0] - 1)]
+            k = jax.random.fold_in(jax.random.fold_in(key, j), c)
+            u = jax.random.uniform(k, (rows, w), jnp.float32, -1.0, 1.0)
+            out[name] = (u * bound[:, None]).astype(emb.weights_dtype)
+        return out
+
+    return s._smap(body, P(), specs)(key)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sharded_opt_init(s, opt, params):
+    ax = s.axis_name
+    pspec = jax.tree_util.tree_map(lambda _: P(ax), params)
+    local_shapes = {k: jax.ShapeDtypeStruct((v.shape[0] // s.num_devices,) + v.shape[1:], v.dtype)
+                    for k, v in params.items()}
+    sspec = s._state_specs(jax.eval_shape(lambda p: opt.init(p), local_shapes))
+
+    def body(params, opt):
+        return s.local.init_opt_state(params, opt)
+
+    return s._smap(body, (pspec, P()), sspec)(params, opt)
+
+
+def _host(x) -> np.ndarray:
+    """A global array's value on the host (every process gets all of it)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _gather_tables(s, tree, name):
+    """Per table, its full array assembled on the host from the shards in `tree` (params, or a state
+    field), returned as a jax array on the default device."""
+    lay, emb = s.layout, s.emb
+    host = {k: _host(v) for k, v in tree.items()}
+    out = []
+    for t, spec in enumerate(emb.tables):
+        mine = [p for p in lay.pieces if p.table == t]
+        if s.plan.strategies[t] == "data":
+            mine = [p for p in mine if p.device == 0]
+        parts = []
+        for p in mine:
+            c = lay.widths.index(p.cols)
+            buf = host[s.local.layout.key(c)]
+            r = p.device * lay.pool_rows[c] + lay.pool_row[p]
+            parts.append(buf[r : r + p.rows])
+        if s.plan.strategies[t] == "column" and parts[0].ndim == 2:
+            full = np.concatenate(parts, axis=1)
+        elif s.plan.strategies[t] == "column":  # a row-wise state field of a column-wise table: one copy
+            full = parts[0]
+        else:
+            full = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        out.append(jnp.asarray(full))
+    return tuple(out)
