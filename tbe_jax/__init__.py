@@ -9,6 +9,7 @@ from tbe_jax.optim import (
     SGD, Adagrad, AdagradState, Adam, AdamState, FusedOptimizer, Lamb, Optimizer, PartialRowwiseAdam,
     PartialRowwiseLamb, RowwiseAdagrad, RowwiseAdagradState, SGDState, adagrad, rowwise_adagrad, sgd,
 )
+from tbe_jax.sharding import ShardedTableBatchedEmbedding, ShardingPlan, plan_sharding, shard
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 from tbe_jax.train import SparseLookup, StepReport, TrainStepResult, train_step
@@ -16,8 +17,8 @@ from tbe_jax.vbe import VariableBatchSizes
 
 __all__ = [
     "Adagrad", "AdagradState", "Adam", "AdamState", "BackwardConfig", "BoundsReport", "ForwardConfig", "FusedOptimizer",
-    "HistogramConfig", "Lamb", "Optimizer", "PartialRowwiseAdam", "PartialRowwiseLamb", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "SparseLookup",
-    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "adagrad", "rowwise_adagrad", "sgd",
-    "train_step",
+    "HistogramConfig", "Lamb", "Optimizer", "PartialRowwiseAdam", "PartialRowwiseLamb", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "ShardedTableBatchedEmbedding", "ShardingPlan", "SparseLookup",
+    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "adagrad", "plan_sharding", "rowwise_adagrad", "sgd",
+    "shard", "train_step",
 ]
 __version__ = "0.1.0"

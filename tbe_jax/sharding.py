@@ -438,27 +438,67 @@ class ShardedTableBatchedEmbedding:
             raise ValueError(f"opt_state is a {type(opt_state).__name__}: it holds no Adagrad accumulators")
         return self.get_state(opt_state, "momentum")
 
-    def set_state(self, opt_state, name: str, values: Sequence) -> "optim.NamedTuple":
+    def set_state(self, opt_state, name: str, values: Sequence):
         """`opt_state` with field `name` holding `values` (per table, shaped as `get_state` returns)."""
-        tree = getattr(opt_state, name)
-        lay, emb = self.layout, self.emb
-        if len(values) != len(emb.tables):
-            raise ValueError(f"expected {len(emb.tables)} arrays, got {len(values)}")
-        host = [np.asarray(jax.device_get(v)) for v in values]
+        if len(values) != len(self.emb.tables):
+            raise ValueError(f"expected {len(self.emb.tables)} arrays, got {len(values)}")
+        getattr(opt_state, name)
+        return opt_state._replace(**{name: self._fill_state(None, values)})
+
+    # -- checkpoints: the unsharded format, the same on every mesh ------------------------
+    def to_unsharded(self, params, opt_state=None):
+        """`(emb_params, emb_opt_state)` in `emb`'s own format (its storage buffers), gathered from the
+        shards: what to save (e.g. with orbax), since it does not depend on the mesh. `opt_state` None gives
+        None. The tables pass through the host (every table is materialised whole, as `get_tables` does)."""
+        emb = self.emb
+        emb_params = emb.set_tables(None, self.get_tables(params))
+        if opt_state is None:
+            return emb_params, None
+        fields = {}
+        for name in (f for f in opt_state._fields if f != "count"):
+            per_table = self.get_state(opt_state, name)
+            groups = [[] for _ in emb.layout.dims]
+            for t, arr in enumerate(per_table):
+                groups[emb.layout.table_group[t]].append(arr)
+            fields[name] = {emb.layout.key(g): jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+                            for g, parts in enumerate(groups)}
+        return emb_params, opt_state._replace(count=jnp.asarray(jax.device_get(opt_state.count)), **fields)
+
+    def from_unsharded(self, emb_params, emb_opt_state=None):
+        """`(params, opt_state)` on this mesh from `emb`'s format (`to_unsharded`'s output, possibly saved on
+        a mesh of another size)."""
+        emb = self.emb
+        emb._check_params(emb_params)
+        params = self.set_tables(None, emb.get_tables(emb_params))
+        if emb_opt_state is None:
+            return params, None
         new = {}
+        for name in (f for f in emb_opt_state._fields if f != "count"):
+            new[name] = self._fill_state(getattr(emb_opt_state, name),
+                                         [a for a in emb.get_state(emb_opt_state, name)])
+        count = self._from_replicated(jnp.asarray(jax.device_get(emb_opt_state.count)))
+        return params, emb_opt_state._replace(count=count, **new)
+
+    def _from_replicated(self, x):
+        arr = np.asarray(x)
+        return jax.make_array_from_callback(arr.shape, self._sharding(P()), lambda idx: arr[idx])
+
+    def _fill_state(self, emb_field, per_table):
+        lay = self.layout
+        host = [np.asarray(jax.device_get(v)) for v in per_table]
+        rowwise = host[0].ndim == 1
+        dtype = host[0].dtype
+        out = {}
         for c, w in enumerate(lay.widths):
-            key = self.local.layout.key(c)
-            leaf = tree[key]
-            rowwise = leaf.ndim == 1
             shape = (self.num_devices, lay.pool_rows[c]) + (() if rowwise else (w,))
-            blocks = np.zeros(shape, leaf.dtype)
+            blocks = np.zeros(shape, dtype)
             for p in lay.pieces:
                 if p.cols == w:
                     r = lay.pool_row[p]
                     v = host[p.table][p.row0 : p.row0 + p.rows]
                     blocks[p.device, r : r + p.rows] = v if rowwise else v[:, p.col0 : p.col0 + p.cols]
-            new[key] = self._from_blocks(blocks.reshape((-1,) + shape[2:]))
-        return opt_state._replace(**{name: new})
+            out[self.local.layout.key(c)] = self._from_blocks(blocks.reshape((-1,) + shape[2:]))
+        return out
 
     def _check_params(self, params):
         if not isinstance(params, dict) or set(params) != set(self._buffer_keys()):
@@ -693,7 +733,7 @@ def _routed_local(s, idx, off, psw, scale_mean):
 
 
 def _psum(x, s):
-    return jax.lax.psum(x, s.axis_name) if s.num_devices > 1 else x
+    return jax.lax.psum(x, s.axis_name)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -708,6 +748,10 @@ def _forward(s: ShardedTableBatchedEmbedding, params, idx, off, psw, want_routed
     def body(params, idx, off, psw):
         idx, off = idx[0], off[0]
         psw = None if psw is None else psw[0]
+        if n == 1:  # nothing to route: emb itself on the one device's batch (bitwise emb)
+            out, rep = emb.forward_with_report(params, idx, off, psw)
+            rep = bounds.BoundsReport(_psum(rep.invalid_indices, s), _psum(rep.repaired_offsets, s))
+            return out, rep, ({"ids": idx, "off": off, "w": psw} if want_routed else None)
         (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired) = _routed_local(s, idx, off, psw, False)
         out_l = s.local(params, m_ids, m_off, m_w)
         if sequence:
@@ -738,6 +782,8 @@ def _pack_routed(routed):
 
 def _routed_specs(s, weighted):
     spec = P(s.axis_name)
+    if s.num_devices == 1:
+        return {"ids": spec, "off": spec, "w": spec if weighted else None}
     w = spec if (weighted or s.emb.pooling == "mean") else None
     return {"ids": spec, "off": spec, "w": w, "k": spec, "src": spec, "live": spec, "keep": spec, "dst": spec}
 
@@ -747,6 +793,8 @@ def _route_for_update(s, idx, off, psw):
     spec = P(s.axis_name)
 
     def body(idx, off, psw):
+        if s.num_devices == 1:
+            return {"ids": idx[0], "off": off[0], "w": None if psw is None else psw[0]}
         routed = _routed_local(s, idx[0], off[0], None if psw is None else psw[0], True)
         return _pack_routed(routed)
 
@@ -765,6 +813,8 @@ def _update(s: ShardedTableBatchedEmbedding, params, opt_state, opt, routed, gra
 
     def body(params, opt_state, opt, routed, g):
         r = routed
+        if n == 1:
+            return emb._apply_gradients(params, opt_state, opt, r["ids"], r["off"], g, r["w"], None, None)
         if sequence:
             g_l = _sequence_grads(s, g, r)
         else:

@@ -27,6 +27,12 @@ if _cpu_only() and os.environ.get("TBE_JAX_TEST_FULL_OPT") != "1":
         [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
          "--xla_llvm_disable_expensive_passes=true"]).strip()
 
+# Four CPU devices for the sharding tests (tests/test_sharding.py); every other test uses device 0 as
+# before. Set before jax initialises its CPU backend; no effect on the GPU.
+if _cpu_only() and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
+
 import jax  # noqa: E402
 import numpy as np
 import pytest

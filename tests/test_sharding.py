@@ -1,0 +1,293 @@
+"""`tbe_jax.shard`: tables over a mesh axis, against the unsharded embedding on the global batch.
+
+CPU: 4 fake devices (tests/conftest.py); GPU: the devices present (2 on the 2-GPU machine).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import tbe_jax
+from conftest import KERNEL_KW, ON_GPU
+
+N_DEV = min(4, len(jax.devices()))
+pytestmark = pytest.mark.skipif(N_DEV < 2, reason="needs 2+ devices")
+
+TABLES = [tbe_jax.TableSpec(37, 8), tbe_jax.TableSpec(50, 16), tbe_jax.TableSpec(9, 8),
+          tbe_jax.TableSpec(103, 12), tbe_jax.TableSpec(20, 16, name="last")]
+FMAP = [0, 1, 2, 3, 4, 1]  # table 1 read by two features
+MIXED = {0: "table", 1: "row", 2: "data", 3: "column", 4: ("table", N_DEV - 1)}
+SEQ_TABLES = [tbe_jax.TableSpec(37, 8), tbe_jax.TableSpec(50, 8), tbe_jax.TableSpec(9, 8)]
+SEQ_FMAP = [0, 1, 2, 1]
+
+
+def mesh(n=N_DEV, auto=False):
+    """`jax.make_mesh`'s mesh (explicit axes on jax 0.10+), or one with an automatic axis."""
+    if auto:
+        return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def local_batches(rng, emb, n, b, cap, max_len=4, bad=True):
+    """Per device: ids [cap] (padding past offsets[-1]) and offsets [F*b+1]; some empty bags, duplicates,
+    and one id -1 (dropped, as `bounds_check="ignore"` does)."""
+    nf = emb.num_features
+    idx = np.zeros((n, cap), np.int32)
+    off = np.zeros((n, nf * b + 1), np.int32)
+    for k in range(n):
+        lens = rng.integers(0, max_len, size=nf * b)
+        while lens.sum() > cap:
+            lens = lens // 2
+        off[k, 1:] = np.cumsum(lens)
+        for f in range(nf):
+            e = emb.tables[emb.feature_table_map[f]].num_embeddings
+            a, z = off[k, f * b], off[k, (f + 1) * b]
+            idx[k, a:z] = rng.integers(0, e, size=z - a)
+        if bad and off[k, -1] > 3:
+            idx[k, 3] = -1
+    w = rng.uniform(0.5, 1.5, size=idx.shape).astype(np.float32)
+    return idx, off, w
+
+
+def global_batch(emb, idx, off, w):
+    """The same samples as one batch in `emb`'s format (device 0's samples first), and each global
+    id position's (device, local position)."""
+    n, nf = idx.shape[0], emb.num_features
+    b = (off.shape[1] - 1) // nf
+    gi, go, gw, where = [], [0], [], []
+    for f in range(nf):
+        for k in range(n):
+            for i in range(b):
+                a, z = off[k, f * b + i], off[k, f * b + i + 1]
+                gi += list(idx[k, a:z])
+                gw += list(w[k, a:z])
+                where += [(k, p) for p in range(a, z)]
+                go.append(len(gi))
+    return (np.array(gi + [0], np.int32), np.array(go, np.int32), np.array(gw + [0], np.float32), where)
+
+
+def tables_np(tabs):
+    return [np.asarray(t, np.float64) for t in tabs]
+
+
+def assert_tables(a, b, rtol=2e-6):
+    for t, (x, y) in enumerate(zip(tables_np(a), tables_np(b))):
+        scale = max(np.abs(y).max(), 1e-30)
+        assert x.shape == y.shape, (t, x.shape, y.shape)
+        assert np.abs(x - y).max() <= rtol * scale, (t, np.abs(x - y).max())
+
+
+def to_global_grad(emb, g, where, n, cap):
+    """A sequence output gradient `[n*cap, D]` (per local id) in the global batch's id order."""
+    gg = np.zeros((len(where) + 1, g.shape[1]), np.float32)
+    for p, (k, q) in enumerate(where):
+        gg[p] = g[k * cap + q]
+    return gg
+
+
+def run_case(emb, plan, opt, steps, seed, b=3, cap=40, weighted=True):
+    n = N_DEV
+    rng = np.random.default_rng(seed)
+    sharded = tbe_jax.shard(emb, mesh(), "data", plan)
+    ref_params = emb.init(jax.random.key(seed))
+    params = sharded.set_tables(None, emb.get_tables(ref_params))
+    assert_tables(sharded.get_tables(params), emb.get_tables(ref_params), 0)
+    st, ref_st = sharded.init_opt_state(params, opt), emb.init_opt_state(ref_params, opt)
+    for _ in range(steps):
+        idx, off, w = local_batches(rng, emb, n, b, cap)
+        gi, go, gw, where = global_batch(emb, idx, off, w)
+        psw, gpsw = (w, gw) if weighted else (None, None)
+        out = np.asarray(sharded(params, idx, off, psw))
+        ref = np.asarray(emb(ref_params, gi, go, gpsw))
+        g = rng.normal(size=out.shape).astype(np.float32)
+        if emb.pooling == "none":
+            rows = [k * cap + q for k, q in where]
+            np.testing.assert_allclose(out[rows], ref[: len(rows)], rtol=1e-6, atol=1e-6)
+            gg = to_global_grad(emb, g, where, n, cap)
+        else:
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+            gg = g
+        params, st = sharded.apply_gradients(params, st, opt, idx, off, g, psw)
+        ref_params, ref_st = emb.apply_gradients(ref_params, ref_st, opt, gi, go, gg, gpsw)
+    assert_tables(sharded.get_tables(params), emb.get_tables(ref_params))
+    for name in (f for f in st._fields if f != "count"):
+        assert_tables(sharded.get_state(st, name), emb.get_state(ref_st, name))
+    assert int(st.count) == int(ref_st.count) == steps
+    return sharded, params, st
+
+
+@pytest.mark.parametrize("pooling,opt", [
+    ("sum", tbe_jax.SGD(0.3)),
+    ("mean", tbe_jax.Adagrad(0.2)),
+    ("sum", tbe_jax.Adam(0.05, weight_decay=0.01)),
+])
+def test_mixed_plan_matches_global_batch(pooling, opt):
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, pooling=pooling, impl="xla")
+    sharded, _, _ = run_case(emb, MIXED, opt, steps=2, seed=1)
+    assert sharded.plan.strategies == ("table", "row", "data", "column", "table")
+
+
+@pytest.mark.parametrize("opt", [tbe_jax.RowwiseAdagrad(0.2, weight_decay=0.01, weight_decay_mode="decoupled"),
+                                 tbe_jax.PartialRowwiseLamb(0.05)])
+def test_row_statistics_optimizers(opt):
+    """Row-wise accumulators and trust ratios: fine on table-, row-wise and replicated tables."""
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    run_case(emb, {0: "row", 1: "table", 2: "data", 3: "row", 4: "table"}, opt, steps=2, seed=2)
+
+
+def test_sequence_lookups():
+    emb = tbe_jax.TableBatchedEmbedding(SEQ_TABLES, feature_table_map=SEQ_FMAP, pooling="none", impl="xla")
+    run_case(emb, {0: "table", 1: "row", 2: "data"}, tbe_jax.RowwiseAdagrad(0.1), steps=2, seed=3)
+
+
+def test_kernels_match():
+    """The Pallas kernels inside shard_map (compiled on GPU, interpret mode on CPU): row-wise Adagrad."""
+    emb = tbe_jax.TableBatchedEmbedding(TABLES[:4], feature_table_map=[0, 1, 2, 3, 1], **KERNEL_KW)
+    run_case(emb, {0: "table", 1: "row", 2: "data", 3: "table"}, tbe_jax.RowwiseAdagrad(0.2), steps=1, seed=4,
+             b=2, cap=24)
+
+
+def test_mesh_of_one_is_emb_bitwise():
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, pooling="mean", impl="xla")
+    sharded = tbe_jax.shard(emb, mesh(1), "data")
+    rng = np.random.default_rng(5)
+    idx, off, w = local_batches(rng, emb, 1, 4, 50)
+    ref_params = emb.init(jax.random.key(0))
+    params = sharded.set_tables(None, emb.get_tables(ref_params))
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    out = sharded(params, idx, off, w)
+    ref = emb(ref_params, idx[0], off[0], w[0])
+    assert np.array_equal(np.asarray(out), np.asarray(ref))
+    g = rng.normal(size=out.shape).astype(np.float32)
+    p1, s1 = sharded.apply_gradients(params, sharded.init_opt_state(params, opt), opt, idx, off, g, w)
+    p2, s2 = emb.apply_gradients(ref_params, emb.init_opt_state(ref_params, opt), opt, idx[0], off[0], g, w[0])
+    for a, c in zip(sharded.get_tables(p1), emb.get_tables(p2)):
+        assert np.array_equal(np.asarray(a), np.asarray(c))
+    for a, c in zip(sharded.get_momentum(s1), emb.get_momentum(s2)):
+        assert np.array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_params_are_sharded_and_init():
+    """Each device holds only its shards; `init` draws every table in +-1/sqrt(E) on its owners."""
+    big = [tbe_jax.TableSpec(4000, 16), tbe_jax.TableSpec(300, 16), tbe_jax.TableSpec(200, 16),
+           tbe_jax.TableSpec(101, 16), tbe_jax.TableSpec(50, 8)]
+    emb = tbe_jax.TableBatchedEmbedding(big, impl="xla")
+    sharded = tbe_jax.shard(emb, mesh(), "data")
+    assert sharded.plan.strategies[0] == "row"  # larger than its fair share of memory
+    assert set(sharded.plan.strategies[1:]) == {"table"}
+    params = sharded.init(jax.random.key(3))
+    total = 0
+    for key, arr in params.items():
+        shards = arr.addressable_shards
+        assert len(shards) == N_DEV and len({s.data.shape for s in shards}) == 1
+        assert tuple(arr.sharding.spec)[0] == "data" and not any(tuple(arr.sharding.spec)[1:])
+        total += shards[0].data.shape[0] * N_DEV
+        assert shards[0].data.shape[0] < arr.shape[0]
+    assert total < 2 * sum(t.num_embeddings for t in big)  # no full copy per device
+    for spec, tab in zip(big, sharded.get_tables(params)):
+        tab = np.asarray(tab)
+        bound = 1 / np.sqrt(spec.num_embeddings)
+        assert np.abs(tab).max() <= bound and np.abs(tab).max() > 0.5 * bound
+        assert np.unique(tab).size > tab.size // 2
+
+
+def test_planner_and_errors():
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    plan = tbe_jax.plan_sharding(emb, 4, {"last": "data", 1: ("table", 2)})
+    assert plan.strategies[4] == "data" and plan.owners[1] == 2
+    # table 3 holds 45% of all table memory: more than a fair share (1/4) -> row-wise
+    assert plan.strategies == ("table", "table", "table", "row", "data")
+    with pytest.raises(ValueError, match="strategy|one of"):
+        tbe_jax.plan_sharding(emb, 4, {0: "diagonal"})
+    with pytest.raises(ValueError, match="not a TableSpec.name"):
+        tbe_jax.plan_sharding(emb, 4, {"nope": "row"})
+    sharded = tbe_jax.shard(emb, mesh(), "data", {3: "column"})
+    params = sharded.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="column"):
+        sharded.init_opt_state(params, tbe_jax.RowwiseAdagrad(0.1))
+    with pytest.raises(ValueError, match="axis_name"):
+        tbe_jax.shard(emb, mesh(), "model")
+    with pytest.raises(ValueError, match="one row per device"):
+        sharded(params, np.zeros((1, 8), np.int32), np.zeros((1, 7), np.int32))
+    with pytest.raises(ValueError, match="params"):
+        sharded(emb.init(jax.random.key(0)), np.zeros((N_DEV, 8), np.int32), np.zeros((N_DEV, 7), np.int32))
+
+
+def test_capacity_overflow_is_reported():
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    rng = np.random.default_rng(6)
+    idx, off, w = local_batches(rng, emb, N_DEV, 3, 40, bad=False)
+    full = tbe_jax.shard(emb, mesh(), "data", MIXED)
+    params = full.set_tables(None, emb.get_tables(emb.init(jax.random.key(1))))
+    want = np.asarray(full(params, idx, off))
+    out, rep = full.forward_with_report(params, idx, off)
+    assert int(rep.invalid_indices) == 0
+    roomy = tbe_jax.shard(emb, mesh(), "data", MIXED, capacity=40)
+    np.testing.assert_array_equal(np.asarray(roomy(params, idx, off)), want)
+    tight = tbe_jax.shard(emb, mesh(), "data", MIXED, capacity=2)
+    out, rep = tight.forward_with_report(params, idx, off)
+    assert int(rep.invalid_indices) > 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(tight(params, idx, off))
+        jax.effects_barrier()
+    assert any("tbe_jax.shard" in str(c.message) for c in caught), [str(c.message) for c in caught]
+
+
+def test_train_step_under_jit_and_checkpoint_to_other_meshes(tmp_path):
+    """`tbe_jax.train_step` with a sharded lookup, jitted, for 3 batches (one compile); the state saved
+    with orbax from this mesh restores onto meshes of 1 and 2 devices. An automatic mesh axis: with an
+    explicit one, jax asks the loss itself to say how its batch reductions are sharded."""
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    sharded = tbe_jax.shard(emb, mesh(auto=True), "data", {0: "row", 1: "table", 2: "data", 3: "column", 4: "row"})
+    opt = tbe_jax.Adam(0.05)
+    params = sharded.init(jax.random.key(7))
+    st = sharded.init_opt_state(params, opt)
+    ref_params, ref_st = sharded.to_unsharded(params, st)
+    head = jnp.linspace(-1.0, 1.0, sum(emb.feature_dims))
+    traces = []
+
+    def loss_fn(h, out):
+        return jnp.mean(jnp.tanh(out @ h))
+
+    @jax.jit
+    def step(params, st, opt, idx, off):
+        traces.append(1)
+        res = tbe_jax.train_step(loss_fn, head, tbe_jax.SparseLookup(sharded, opt, params, st, idx, off))
+        return res.params, res.opt_state, res.loss
+
+    @jax.jit
+    def ref_step(params, st, opt, idx, off):
+        res = tbe_jax.train_step(loss_fn, head, tbe_jax.SparseLookup(emb, opt, params, st, idx, off))
+        return res.params, res.opt_state, res.loss
+
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        idx, off, w = local_batches(rng, emb, N_DEV, 3, 40)
+        gi, go, _, _ = global_batch(emb, idx, off, w)
+        params, st, loss = step(params, st, opt, idx, off)
+        ref_params, ref_st, ref_loss = ref_step(ref_params, ref_st, opt, gi, go)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert len(traces) == 1
+    # The loss's batch mean sums in another order on 4 devices; Adam's normalised steps carry that.
+    assert_tables(sharded.get_tables(params), emb.get_tables(ref_params), 2e-5)
+    assert_tables(sharded.get_state(st, "momentum2"), emb.get_state(ref_st, "momentum2"), 2e-5)
+
+    import orbax.checkpoint as ocp
+    saved = sharded.to_unsharded(params, st)
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, {"params": saved[0], "state": saved[1]})
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(path, {"params": saved[0], "state": saved[1]})
+    for n in (1, 2):
+        other = tbe_jax.shard(emb, mesh(n), "data")
+        p2, s2 = other.from_unsharded(restored["params"], restored["state"])
+        assert_tables(other.get_tables(p2), sharded.get_tables(params), 0)
+        for name in ("momentum1", "momentum2"):
+            assert_tables(other.get_state(s2, name), sharded.get_state(st, name), 0)
+        assert int(s2.count) == 3
