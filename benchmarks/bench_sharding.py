@@ -1,0 +1,232 @@
+"""Sharded training steps over the GPUs of one host (`tbe_jax.shard`), against one GPU.
+
+Weak scaling (`--weak`): each GPU holds the `base` preset's tables (32 tables x 100k rows x 128, fp16)
+and a local batch of `--local-batch` samples (20 ids per bag, one feature per table). The sharded
+step is `tbe_jax.train_step` (lookup, a loss, the fused row-wise Adagrad update) under `jit` with the
+tables and state donated, per plan (`--plans`: "table", "row"). The 1-GPU references run in the same
+process on device 0:
+  - "share": one GPU's share of the sharded step: 32 tables and the lookups they serve (the global
+    batch, n x local batch);
+  - "base": the base preset as is (32 tables, batch = local batch).
+The collectives alone (the same all_to_all shapes: ids out, pooled rows back, gradients out) are
+timed apart as "comm".
+
+Big model (`--big`): `--big-tables` tables of `--big-rows` rows x 128 fp16 (default 16 x 50M: 205 GB)
+plus row-wise Adagrad state, which no single H200 holds, trained across the GPUs; tables start at zero
+(drawn values would need a host copy of the tables). Reports step time, memory per GPU and lookups/s.
+
+Timing: `--iters` steps enqueued back to back, block once, median of `--reps`.
+Results: benchmarks/results/sharding-<date>-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import tbe_jax  # noqa: E402
+from tbe_jax import testing  # noqa: E402
+from tbe_jax.sharding import _a2a  # noqa: E402
+
+LR, EPS = 0.01, 1e-8
+
+
+def timed(fn, carry, args, iters, reps):
+    carry = fn(carry, *args[0])
+    jax.block_until_ready(carry)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            carry = fn(carry, *args[i % len(args)])
+        jax.block_until_ready(carry)
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(samples), carry
+
+
+def local_inputs(rng, num_tables, rows, b, bag, alpha, n):
+    """Per device: FBGEMM-format ids and offsets for `num_tables` features of batch b, stacked [n, ...]."""
+    idx, off = [], []
+    for _ in range(n):
+        i, o, _ = testing.make_batch(rng, [rows] * num_tables, [b] * num_tables, bag, alpha=alpha)
+        idx.append(i)
+        off.append(o)
+    return np.stack(idx), np.stack(off)
+
+
+def global_inputs(idx, off, num_tables, b):
+    """The stacked local batches as one batch (device 0's samples first), for the 1-GPU share."""
+    n = idx.shape[0]
+    gi, go = [], [0]
+    for f in range(num_tables):
+        for k in range(n):
+            a, z = off[k, f * b], off[k, (f + 1) * b]
+            gi.append(idx[k, a:z])
+            go.extend((off[k, f * b + 1 : (f + 1) * b + 1] - a + go[-1]).tolist())
+    return np.concatenate(gi).astype(np.int32), np.asarray(go, np.int32)
+
+
+def train_fn(emb, opt):
+    """`carry=(params, state) -> carry`: one train_step with a fixed output gradient (loss = <out, g>)."""
+
+    def step(carry, idx, off, g):
+        params, state = carry
+        res = tbe_jax.train_step(lambda _, out: jnp.vdot(out, g), None,
+                                 tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
+        return res.params, res.opt_state
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def weak(args, n, rng, results):
+    wl = testing.PRESETS["base"]
+    t_per, rows, dim, bag, b = args.tables_per_gpu or wl.T, args.rows or wl.E, wl.D, wl.L, args.local_batch
+    opt = tbe_jax.RowwiseAdagrad(LR, EPS)
+    kw = dict(weights_dtype=jnp.float16, output_dtype=jnp.float32, impl=args.impl)
+    tables = [tbe_jax.TableSpec(rows, dim) for _ in range(t_per * n)]
+    emb = tbe_jax.TableBatchedEmbedding(tables, **kw)
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sets = [local_inputs(rng, t_per * n, rows, b, bag, wl.alpha, n) for _ in range(args.sets)]
+    out = {"tables_per_gpu": t_per, "rows": rows, "dim": dim, "bag": bag, "local_batch": b, "n": n}
+    lookups = t_per * n * b * bag * n
+    for plan_name in args.plans.split(","):
+        plan = {t: plan_name for t in range(len(tables))} if plan_name in ("row", "column", "data") else None
+        if plan_name == "table":
+            plan = {t: ("table", t % n) for t in range(len(tables))}
+        sharded = tbe_jax.shard(emb, mesh, "data", plan)
+        params = sharded.init(jax.random.key(0))
+        state = sharded.init_opt_state(params, opt)
+        spec = NamedSharding(mesh, P("data"))
+        g = jax.device_put(jnp.full((n * b, sum(emb.feature_dims)), 1e-3, jnp.float32), spec)
+        dev_sets = [(jax.device_put(i, spec), jax.device_put(o, spec), g) for i, o in sets]
+        ms, _ = timed(train_fn(sharded, opt), (params, state), dev_sets, args.iters, args.reps)
+        # the collectives alone, same shapes
+        lay = sharded.layout
+        cap = sets[0][0].shape[1]
+        width_ids = cap + lay.num_slots * b + lay.num_slots
+
+        def comm(x, y):
+            def body(x, y):
+                x = _a2a(x[0], "data")[None]
+                y1 = _a2a(y, "data")
+                y2 = _a2a(y1 * 0.5, "data")
+                return x, y2
+            return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data")))(x, y)
+
+        xs = jax.device_put(jnp.zeros((n, n, width_ids), jnp.int32), spec)
+        ys = jax.device_put(jnp.zeros((n * n, b, lay.width), jnp.float32), spec)
+        comm_j = jax.jit(lambda c: comm(*c))
+        comm_ms, _ = timed(lambda c: comm_j(c), (xs, ys), [()], args.iters, args.reps)
+        del params, state
+        out[plan_name] = {"step_ms": ms, "comm_ms": comm_ms, "lookups_per_s": lookups / ms * 1e3,
+                          "plan": {s: sharded.plan.strategies.count(s) for s in set(sharded.plan.strategies)}}
+        print(plan_name, out[plan_name], flush=True)
+    # 1-GPU references on device 0
+    dev0 = jax.devices()[0]
+    share = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(rows, dim) for _ in range(t_per)], **kw)
+    for name, batch, inputs in (
+        ("share", n * b, [global_inputs(*local_inputs(rng, t_per, rows, b, bag, wl.alpha, n), t_per, b)
+                          for _ in range(args.sets)]),
+        ("base", b, [local_inputs(rng, t_per, rows, b, bag, wl.alpha, 1) for _ in range(args.sets)]),
+    ):
+        if name == "base":
+            inputs = [(i[0], o[0]) for i, o in inputs]
+        params = jax.device_put(share.init(jax.random.key(1)), dev0)
+        state = share.init_opt_state(params, opt)
+        g = jax.device_put(jnp.full((batch, t_per * dim), 1e-3, jnp.float32), dev0)
+        dev_sets = [(jax.device_put(i, dev0), jax.device_put(o, dev0), g) for i, o in inputs]
+        ms, _ = timed(train_fn(share, opt), (params, state), dev_sets, args.iters, args.reps)
+        out[f"one_gpu_{name}_ms"] = ms
+        print(name, ms, flush=True)
+    for plan_name in args.plans.split(","):
+        out[plan_name]["vs_one_gpu_share"] = out[plan_name]["step_ms"] / out["one_gpu_share_ms"]
+    results["weak"] = out
+
+
+def big(args, n, rng, results):
+    rows, dim, nt, b, bag = args.big_rows, 128, args.big_tables, args.local_batch, 20
+    opt = tbe_jax.RowwiseAdagrad(LR, EPS)
+    emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(rows, dim) for _ in range(nt)],
+                                        weights_dtype=jnp.float16, output_dtype=jnp.float32, impl=args.impl)
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    out = {"tables": nt, "rows": rows, "dim": dim, "table_gb": nt * rows * dim * 2 / 1e9, "local_batch": b,
+           "bag": bag, "n": n}
+    for plan_name in args.big_plans.split(","):
+        plan = {t: ("table", t % n) for t in range(nt)} if plan_name == "table" else {t: "row" for t in range(nt)}
+        sharded = tbe_jax.shard(emb, mesh, "data", plan)
+        spec = NamedSharding(mesh, P("data"))
+        shapes = {sharded.local.layout.key(c): (n * r, w) for c, (r, w) in
+                  enumerate(zip(sharded.layout.pool_rows, sharded.layout.widths))}
+        params = jax.jit(lambda: {k: jnp.zeros(s, jnp.float16) for k, s in shapes.items()},
+                         out_shardings={k: spec for k in shapes})()
+        state = sharded.init_opt_state(params, opt)
+        sets = [local_inputs(rng, nt, rows, b, bag, 1.0, n) for _ in range(2)]
+        g = jax.device_put(jnp.full((n * b, nt * dim), 1e-3, jnp.float32), spec)
+        dev_sets = [(jax.device_put(i, spec), jax.device_put(o, spec), g) for i, o in sets]
+        ms, carry = timed(train_fn(sharded, opt), (params, state), dev_sets, args.iters, args.reps)
+        mem = [d.memory_stats() or {} for d in jax.devices()[:n]]
+        out[plan_name] = {
+            "step_ms": ms, "lookups_per_s": nt * b * bag * n / ms * 1e3,
+            "gpu_bytes_in_use_gb": [m.get("bytes_in_use", 0) / 1e9 for m in mem],
+            "gpu_peak_gb": [m.get("peak_bytes_in_use", 0) / 1e9 for m in mem],
+            "finite": bool(jnp.all(jnp.isfinite(sharded.get_tables(carry[0])[0][:1000].astype(jnp.float32)))),
+        }
+        print(plan_name, out[plan_name], flush=True)
+        del params, state, carry
+    results["big"] = out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weak", action="store_true")
+    ap.add_argument("--big", action="store_true")
+    ap.add_argument("--plans", default="table,row")
+    ap.add_argument("--big-plans", default="table,row")
+    ap.add_argument("--local-batch", type=int, default=4096)
+    ap.add_argument("--big-tables", type=int, default=16)
+    ap.add_argument("--big-rows", type=int, default=50_000_000)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--impl", default="pallas", help="xla: a CPU smoke run (with --rows/--tables-per-gpu small)")
+    ap.add_argument("--rows", type=int, default=0, help="weak: rows per table (0: the preset's)")
+    ap.add_argument("--tables-per-gpu", type=int, default=0, help="weak: tables per GPU (0: the preset's)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sets", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    n = len(jax.devices())
+    rng = np.random.default_rng(0)
+    res = {"device": jax.devices()[0].device_kind, "num_devices": n, "jax": jax.__version__,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+           "args": vars(args)}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if args.weak:
+        weak(args, n, rng, res)
+    if args.big:
+        big(args, n, rng, res)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(args.out, f"sharding-{stamp}-{n}x{res['device'].replace(' ', '_')}.json")
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    print("saved", path)
+
+
+if __name__ == "__main__":
+    main()
