@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
 from tbe_jax.sharding import _a2a  # noqa: E402
@@ -83,10 +84,10 @@ def train_fn(emb, opt):
     """`carry=(params, state) -> carry`: one train_step with a fixed output gradient (loss = <out, g>)."""
 
     def step(carry, idx, off, g):
-        params, state = carry
+        params, state, acc = carry  # the loss is accumulated: the forward must run
         res = tbe_jax.train_step(lambda _, out: jnp.vdot(out, g), None,
                                  tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
-        return res.params, res.opt_state
+        return res.params, res.opt_state, acc + res.loss + res.report.invalid_indices
 
     return jax.jit(step, donate_argnums=(0,))
 
@@ -102,20 +103,32 @@ def weak(args, n, rng, results):
     sets = [local_inputs(rng, t_per * n, rows, b, bag, wl.alpha, n) for _ in range(args.sets)]
     out = {"tables_per_gpu": t_per, "rows": rows, "dim": dim, "bag": bag, "local_batch": b, "n": n}
     lookups = t_per * n * b * bag * n
-    for plan_name in args.plans.split(","):
+    cases = [(p, float(c)) for p in args.plans.split(",") for c in args.capacity_fracs.split(",")]
+    for plan_name, frac in cases:
         plan = {t: plan_name for t in range(len(tables))} if plan_name in ("row", "column", "data") else None
         if plan_name == "table":
             plan = {t: ("table", t % n) for t in range(len(tables))}
-        sharded = tbe_jax.shard(emb, mesh, "data", plan)
+        capacity = None if frac >= 1 else int(frac * sets[0][0].shape[1])
+        sharded = tbe_jax.shard(emb, mesh, "data", plan, capacity=capacity, warn_overflow=False)
+        case = plan_name if frac >= 1 else f"{plan_name}@capacity{frac}"
         params = sharded.init(jax.random.key(0))
         state = sharded.init_opt_state(params, opt)
         spec = NamedSharding(mesh, P("data"))
         g = jax.device_put(jnp.full((n * b, sum(emb.feature_dims)), 1e-3, jnp.float32), spec)
         dev_sets = [(jax.device_put(i, spec), jax.device_put(o, spec), g) for i, o in sets]
-        ms, _ = timed(train_fn(sharded, opt), (params, state), dev_sets, args.iters, args.reps)
+        fwd = jax.jit(lambda p, i, o: sharded.forward_with_report(p, i, o)[1].invalid_indices)
+        dropped = int(fwd(params, *dev_sets[0][:2]))
+        ms, carry = timed(train_fn(sharded, opt), (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
+        if args.profile:  # GPU time per kernel name, summed over the devices, per step
+            sys.path.insert(0, os.path.dirname(__file__))
+            from trace_backward import profile
+            prof = profile(train_fn(sharded, opt), carry, dev_sets, args.iters)
+            out[case + "_profile_top"] = dict(list(prof.items())[:25])
+            print(case, "profile", json.dumps(out[case + "_profile_top"])[:3000], flush=True)
+        params, state, _ = carry
         # the collectives alone, same shapes
         lay = sharded.layout
-        cap = sets[0][0].shape[1]
+        cap = capacity or sets[0][0].shape[1]
         width_ids = cap + lay.num_slots * b + lay.num_slots
 
         def comm(x, y):
@@ -131,9 +144,10 @@ def weak(args, n, rng, results):
         comm_j = jax.jit(lambda c: comm(*c))
         comm_ms, _ = timed(lambda c: comm_j(c), (xs, ys), [()], args.iters, args.reps)
         del params, state
-        out[plan_name] = {"step_ms": ms, "comm_ms": comm_ms, "lookups_per_s": lookups / ms * 1e3,
+        out[case] = {"step_ms": ms, "comm_ms": comm_ms, "lookups_per_s": lookups / ms * 1e3, "capacity": capacity,
+                     "dropped_ids_first_batch": dropped,
                           "plan": {s: sharded.plan.strategies.count(s) for s in set(sharded.plan.strategies)}}
-        print(plan_name, out[plan_name], flush=True)
+        print(case, out[case], flush=True)
     # 1-GPU references on device 0
     dev0 = jax.devices()[0]
     share = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(rows, dim) for _ in range(t_per)], **kw)
@@ -148,11 +162,16 @@ def weak(args, n, rng, results):
         state = share.init_opt_state(params, opt)
         g = jax.device_put(jnp.full((batch, t_per * dim), 1e-3, jnp.float32), dev0)
         dev_sets = [(jax.device_put(i, dev0), jax.device_put(o, dev0), g) for i, o in inputs]
-        ms, _ = timed(train_fn(share, opt), (params, state), dev_sets, args.iters, args.reps)
+        ms, carry = timed(train_fn(share, opt), (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
         out[f"one_gpu_{name}_ms"] = ms
+        if args.profile and name == "share":
+            from trace_backward import profile
+            prof = profile(train_fn(share, opt), carry, dev_sets, args.iters)
+            out["share_profile_top"] = dict(list(prof.items())[:25])
         print(name, ms, flush=True)
-    for plan_name in args.plans.split(","):
-        out[plan_name]["vs_one_gpu_share"] = out[plan_name]["step_ms"] / out["one_gpu_share_ms"]
+    for key, val in out.items():
+        if isinstance(val, dict) and "step_ms" in val:
+            val["vs_one_gpu_share"] = val["step_ms"] / out["one_gpu_share_ms"]
     results["weak"] = out
 
 
@@ -176,13 +195,21 @@ def big(args, n, rng, results):
         sets = [local_inputs(rng, nt, rows, b, bag, 1.0, n) for _ in range(2)]
         g = jax.device_put(jnp.full((n * b, nt * dim), 1e-3, jnp.float32), spec)
         dev_sets = [(jax.device_put(i, spec), jax.device_put(o, spec), g) for i, o in sets]
-        ms, carry = timed(train_fn(sharded, opt), (params, state), dev_sets, args.iters, args.reps)
+        fn = train_fn(sharded, opt)
+        ma = fn.lower((params, state, jnp.float32(0)), *dev_sets[0]).compile().memory_analysis()
+        out[plan_name + "_memory_analysis_gb"] = {k: getattr(ma, k) / 1e9 for k in (
+            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+            if hasattr(ma, k)}
+        print(plan_name, "memory analysis", out[plan_name + "_memory_analysis_gb"], flush=True)
+        if args.analysis_only:
+            continue
+        ms, carry = timed(fn, (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
         mem = [d.memory_stats() or {} for d in jax.devices()[:n]]
         out[plan_name] = {
             "step_ms": ms, "lookups_per_s": nt * b * bag * n / ms * 1e3,
             "gpu_bytes_in_use_gb": [m.get("bytes_in_use", 0) / 1e9 for m in mem],
             "gpu_peak_gb": [m.get("peak_bytes_in_use", 0) / 1e9 for m in mem],
-            "finite": bool(jnp.all(jnp.isfinite(sharded.get_tables(carry[0])[0][:1000].astype(jnp.float32)))),
+            "finite": bool(jnp.isfinite(carry[2])),
         }
         print(plan_name, out[plan_name], flush=True)
         del params, state, carry
@@ -199,6 +226,10 @@ def main():
     ap.add_argument("--big-tables", type=int, default=16)
     ap.add_argument("--big-rows", type=int, default=50_000_000)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="weak: per-kernel GPU time from a profiler trace")
+    ap.add_argument("--analysis-only", action="store_true", help="big: compile and print memory analysis only")
+    ap.add_argument("--capacity-fracs", default="1", help="weak: capacity per destination as fractions of the "
+                    "local ids (1: the safe default, None); e.g. 1,0.5")
     ap.add_argument("--impl", default="pallas", help="xla: a CPU smoke run (with --rows/--tables-per-gpu small)")
     ap.add_argument("--rows", type=int, default=0, help="weak: rows per table (0: the preset's)")
     ap.add_argument("--tables-per-gpu", type=int, default=0, help="weak: tables per GPU (0: the preset's)")

@@ -268,9 +268,9 @@ class _Layout:
 
 
 def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = "data", plan=None, *,
-          capacity: int | None = None) -> "ShardedTableBatchedEmbedding":
+          capacity: int | None = None, warn_overflow: bool = True) -> "ShardedTableBatchedEmbedding":
     """`emb`'s tables sharded over `mesh`'s axis `axis_name`; see `ShardedTableBatchedEmbedding`."""
-    return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity)
+    return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity, warn_overflow=warn_overflow)
 
 
 class ShardedTableBatchedEmbedding:
@@ -293,7 +293,7 @@ class ShardedTableBatchedEmbedding:
     likewise. Results equal `emb` on the global batch (device 0's samples first).
     """
 
-    def __init__(self, emb, mesh, axis_name="data", plan=None, *, capacity=None):
+    def __init__(self, emb, mesh, axis_name="data", plan=None, *, capacity=None, warn_overflow=True):
         if not isinstance(emb, TableBatchedEmbedding):
             raise TypeError(f"emb must be a tbe_jax.TableBatchedEmbedding, got {type(emb).__name__}")
         if axis_name not in mesh.axis_names:
@@ -317,6 +317,7 @@ class ShardedTableBatchedEmbedding:
         self.num_devices = n
         self.plan = plan
         self.capacity = None if capacity is None else int(capacity)
+        self.warn_overflow = bool(warn_overflow)
         self.layout = _Layout(emb, plan)
         lay = self.layout
         self.local = TableBatchedEmbedding(
@@ -331,7 +332,7 @@ class ShardedTableBatchedEmbedding:
 
     # -- identity ----------------------------------------------------------------
     def _key(self):
-        return (self.emb, self.mesh, self.axis_name, self.plan, self.capacity)
+        return (self.emb, self.mesh, self.axis_name, self.plan, self.capacity, self.warn_overflow)
 
     def __hash__(self):
         return hash(self._key())
@@ -534,6 +535,9 @@ class ShardedTableBatchedEmbedding:
         return jax.tree_util.tree_map(lambda x: P(ax) if getattr(x, "ndim", 0) >= 1 else P(), opt_state)
 
     # -- forward -------------------------------------------------------------------
+    def _warns(self) -> bool:
+        return (self.capacity is not None and self.warn_overflow) or self.emb.bounds_check == "warning"
+
     def _check_inputs(self, indices, offsets, per_sample_weights):
         n = self.num_devices
         for name, x in (("indices", indices), ("offsets", offsets)):
@@ -552,7 +556,7 @@ class ShardedTableBatchedEmbedding:
     def __call__(self, params, indices, offsets, per_sample_weights=None):
         """The pooled lookup of the global batch: `[n*b, sum D]` (or `[n*N, D]` for `pooling="none"`)."""
         out, report = self.forward_with_report(params, indices, offsets, per_sample_weights)
-        _warn_report(report, self.capacity is not None or self.emb.bounds_check == "warning")
+        _warn_report(report, self._warns())
         return out
 
     def forward_with_report(self, params, indices, offsets, per_sample_weights=None):
@@ -595,7 +599,7 @@ class ShardedTableBatchedEmbedding:
             raise ValueError(f"a sharded embedding takes no lookup options, got {sorted(options)}")
         idx, off, psw = self._args(indices, offsets, per_sample_weights)
         out, report, routed = _forward(self, params, idx, off, psw, True)
-        _warn_report(report, self.capacity is not None or self.emb.bounds_check == "warning")
+        _warn_report(report, self._warns())
         return out, (routed, report)
 
     def _step_update(self, params, opt_state, opt, residuals, grad_output):
@@ -689,7 +693,10 @@ def _merge(s: ShardedTableBatchedEmbedding, ids, lens, starts, w):
     seg_k = jnp.tile(jnp.arange(n, dtype=jnp.int32), ns)
     total = n * cap
     p = jnp.arange(total, dtype=jnp.int32)
-    seg = jnp.clip(jnp.searchsorted(seg_dst, p, side="right", method="scan_unrolled") - 1, 0, max(ns * n - 1, 0))
+    # segment of each position: the last segment starting at or before it (a count of segment starts and a
+    # prefix sum; empty segments share their start with the next one, which then wins)
+    starts_hist = jnp.zeros((total + 1,), jnp.int32).at[jnp.clip(seg_dst, 0, total)].add(1)
+    seg = jnp.clip(jnp.cumsum(starts_hist[:total]) - 1, 0, max(ns * n - 1, 0))
     k = seg_k[seg]
     src = jnp.clip(seg_src[seg] + p - seg_dst[seg], 0, cap - 1)
     live = p < offsets[-1]
@@ -831,12 +838,19 @@ def _assemble(s, out_l, off, b):
     parts = out_l.reshape(n, b, lay.width)
     if n > 1:
         parts = _a2a(parts, s.axis_name)  # [n(owner), b, W]
-    flat = jnp.concatenate([jnp.transpose(parts, (1, 0, 2)).reshape(b, n * lay.width),
-                            jnp.zeros((b, 1), parts.dtype)], axis=1)
-    src = jnp.asarray(lay.assemble_src)
-    out = flat[:, src[0]]
-    for r in range(1, src.shape[0]):
-        out = out + flat[:, src[r]]
+    # one gather per contribution depth straight from [owner, sample, column] (no transpose); the zero
+    # column `n * W` marks "no contribution"
+    src = lay.assemble_src
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    out = None
+    for r in range(src.shape[0]):
+        has = src[r] < n * lay.width
+        owner = jnp.asarray(np.where(has, src[r] // lay.width, 0).astype(np.int32))[None, :]
+        col = jnp.asarray(np.where(has, src[r] % lay.width, 0).astype(np.int32))[None, :]
+        val = parts[owner, rows, col]
+        if not has.all():
+            val = jnp.where(jnp.asarray(has)[None, :], val, 0.0)
+        out = val if out is None else out + val
     if emb.pooling == "mean":
         nf = emb.num_features
         length = (off[1:] - off[:-1]).reshape(nf, b)
@@ -850,8 +864,12 @@ def _route_grads(s, g):
     n, lay = s.num_devices, s.layout
     g = g.astype(jnp.float32)
     b = g.shape[0]
-    gz = jnp.concatenate([g, jnp.zeros((b, 1), jnp.float32)], axis=1)
-    send = jnp.transpose(gz[:, jnp.asarray(lay.grad_cols)], (1, 0, 2))  # [n(dst), b, W]
+    cols = lay.grad_cols  # [n, W]; out_width marks an unused slot column
+    has = cols < lay.out_width
+    idx = jnp.asarray(np.where(has, cols, 0).astype(np.int32))[:, None, :]
+    send = g[jnp.arange(b, dtype=jnp.int32)[None, :, None], idx]  # [n(dst), b, W], no transpose
+    if not has.all():
+        send = jnp.where(jnp.asarray(has)[:, None, :], send, 0.0)
     if n > 1:
         send = _a2a(send, s.axis_name)  # [n(src), b, W]
     return send.reshape(n * b, lay.width)
