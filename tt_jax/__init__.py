@@ -9,6 +9,8 @@
   optimizers on the touched core slices (`SGD`, `Adagrad`, `RowwiseAdagrad`, `Adam`, `PartialRowwiseAdam`,
   `Lamb`, `PartialRowwiseLamb`: the optimizers of `tbe_jax.optim`, re-exported; lazy, as FBGEMM's) via
   `TTEmbeddingBag.apply_gradients` or `tbe_jax.train_step`.
+- `shard(emb, mesh, axis_name)`: data parallel over a mesh axis (cores replicated, the global batch's
+  update on every device; `tt_jax.sharding`), with `tbe_jax.shard`'s API.
 """
 
 from tt_jax.optim import (
@@ -28,6 +30,7 @@ from tt_jax.optim import (
     rowwise_adagrad,
     sgd,
 )
+from tt_jax.sharding import ShardedTTEmbeddingBag, shard
 from tt_jax.specs import TTSpec, suggested_tt_shapes
 from tt_jax.tt import TTEmbeddingBag
 
@@ -44,10 +47,12 @@ __all__ = [
     "RowwiseAdagradState",
     "SGD",
     "SGDState",
+    "ShardedTTEmbeddingBag",
     "TTEmbeddingBag",
     "TTSpec",
     "adagrad",
     "rowwise_adagrad",
     "sgd",
+    "shard",
     "suggested_tt_shapes",
 ]
