@@ -46,7 +46,9 @@ LR, EPS = 0.01, 1e-8
 
 
 def timed(fn, carry, args, iters, reps):
-    carry = fn(carry, *args[0])
+    for _ in range(2):  # compile, and again once the carry comes back with the step's own shardings
+        for a in args:
+            carry = fn(carry, *a)
     jax.block_until_ready(carry)
     samples = []
     for _ in range(reps):
@@ -204,12 +206,25 @@ def big(args, n, rng, results):
         if args.analysis_only:
             continue
         ms, carry = timed(fn, (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
+        if args.profile:
+            from trace_backward import profile
+            prof = profile(fn, carry, dev_sets, 2)
+            out[plan_name + "_profile_top"] = dict(list(prof.items())[:12])
+            print(plan_name, "profile", {k[:60]: round(v["ms"], 3) for k, v in list(prof.items())[:12]}, flush=True)
+            params2 = jax.jit(lambda: {k: jnp.zeros(s, jnp.float16) for k, s in shapes.items()},
+                              out_shardings={k: spec for k in shapes})()
+            carry = (params2, sharded.init_opt_state(params2, opt), jnp.float32(0))
+            hprof = profile(fn, carry, dev_sets, 2, host=True)
+            out[plan_name + "_host_profile_top"] = dict(list(hprof.items())[:15])
+            print(plan_name, "host profile", {k[:80]: round(v["ms"], 3) for k, v in list(hprof.items())[:15]},
+                  flush=True)
+            carry = None
         mem = [d.memory_stats() or {} for d in jax.devices()[:n]]
         out[plan_name] = {
             "step_ms": ms, "lookups_per_s": nt * b * bag * n / ms * 1e3,
             "gpu_bytes_in_use_gb": [m.get("bytes_in_use", 0) / 1e9 for m in mem],
             "gpu_peak_gb": [m.get("peak_bytes_in_use", 0) / 1e9 for m in mem],
-            "finite": bool(jnp.isfinite(carry[2])),
+            "finite": None if carry is None else bool(jnp.isfinite(carry[2])),
         }
         print(plan_name, out[plan_name], flush=True)
         del params, state, carry
@@ -222,6 +237,7 @@ def main():
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--plans", default="table,row")
     ap.add_argument("--big-plans", default="table,row")
+    ap.add_argument("--big-rows-list", default="", help="big: several row counts (comma-separated), one run each")
     ap.add_argument("--local-batch", type=int, default=4096)
     ap.add_argument("--big-tables", type=int, default=16)
     ap.add_argument("--big-rows", type=int, default=50_000_000)
@@ -249,7 +265,13 @@ def main():
         pass
     if args.weak:
         weak(args, n, rng, res)
-    if args.big:
+    if args.big and args.big_rows_list:
+        for r in args.big_rows_list.split(","):
+            args.big_rows = int(r)
+            sub = {}
+            big(args, n, rng, sub)
+            res[f"big_{r}"] = sub["big"]
+    elif args.big:
         big(args, n, rng, res)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -43,7 +43,18 @@ def device_events(log_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in dev and "dur" in e]
 
 
-def profile(step, carry, sets, iters):
+def host_events(log_dir: str) -> list[dict]:
+    """The complete ('X') events of the trace's host processes."""
+    (path,) = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    with gzip.open(path, "rb") as fh:
+        trace = json.load(fh)
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev = {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") not in dev and "dur" in e]
+
+
+def profile(step, carry, sets, iters, host=False):
     for a in sets:  # compile + warm-up
         carry = step(carry, *a)
     jax.block_until_ready(carry)
@@ -52,7 +63,7 @@ def profile(step, carry, sets, iters):
             for i in range(iters):
                 carry = step(carry, *sets[i % len(sets)])
             jax.block_until_ready(carry)
-        events = device_events(d)
+        events = host_events(d) if host else device_events(d)
     per = collections.defaultdict(float)
     count = collections.Counter()
     for e in events:

@@ -39,6 +39,12 @@ def _varying(x) -> frozenset:
     return frozenset(getattr(aval, "vma", None) or ())
 
 
+def _typed(x) -> bool:
+    """Whether `x`'s type carries varying-axes information (a value inside `shard_map` with its checks)."""
+    aval = jax.typeof(x)
+    return getattr(aval, "manual_axis_type", None) is not None or getattr(aval, "vma", None) is not None
+
+
 def _with_varying(sds, axes: frozenset, like):
     """`sds` (a ShapeDtypeStruct) marked as varying over `axes`, as `like`'s type is."""
     mat = getattr(jax.typeof(like), "manual_axis_type", None)
@@ -60,7 +66,8 @@ def pallas_call(kernel, out_shape, **kwargs):
     def call(*args):
         leaves = [a for a in jax.tree_util.tree_leaves(args) if hasattr(a, "dtype")]
         axes = frozenset().union(*(_varying(a) for a in leaves)) if leaves else frozenset()
-        if not axes:
+        in_shard_map = any(_typed(a) for a in leaves)
+        if not axes and not in_shard_map:
             return pl.pallas_call(kernel, out_shape=out_shape, **kwargs)(*args)
 
         def lift(a):

@@ -103,8 +103,10 @@ def assert_trees_close(a, b, rtol=RTOL):
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
     for x, y in zip(la, lb):
-        if np.asarray(y).ndim == 0:
+        if np.asarray(y).ndim == 0 and not np.issubdtype(np.asarray(y).dtype, np.floating):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        elif np.asarray(y).ndim == 0:  # a loss: its batch mean sums in another order on n devices
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
         else:
             assert_close(x, y, rtol)
 
@@ -190,7 +192,8 @@ def test_training_matches_global_batch(rng, name, sync):
 
 def test_mesh_of_one_is_emb_bitwise(rng):
     pooling, weighted, make_opt = OPTS["rowwise_adagrad"]
-    emb = make_emb(pooling)
+    # the kernels on GPU: XLA's GPU scatter-add sums in no fixed order, even between two runs of emb
+    emb = make_emb(pooling, **({"impl": "pallas"} if jax.default_backend() == "gpu" else {}))
     sh = tt_jax.shard(emb, mesh(1))
     opt = make_opt()
     params = init_params(sh)
