@@ -37,3 +37,11 @@ def test_layer_snippet_runs():
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102
     assert [t.shape for t in ns["per_table"]] == [(100, 8), (50, 4)]
 
+
+
+def test_sharding_snippet_runs():
+    ns: dict = {}
+    (code,) = _section_code("### Several GPUs: `tbe_jax.shard`")
+    exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+    assert [t.shape for t in ns["tables"]] == [(1000, 16), (50, 16), (300, 8)]
+    assert int(ns["opt_state"].count) == 1 and float(ns["loss"]) > 0
