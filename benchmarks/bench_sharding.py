@@ -105,14 +105,18 @@ def weak(args, n, rng, results):
     sets = [local_inputs(rng, t_per * n, rows, b, bag, wl.alpha, n) for _ in range(args.sets)]
     out = {"tables_per_gpu": t_per, "rows": rows, "dim": dim, "bag": bag, "local_batch": b, "n": n}
     lookups = t_per * n * b * bag * n
-    cases = [(p, float(c)) for p in args.plans.split(",") for c in args.capacity_fracs.split(",")]
-    for plan_name, frac in cases:
+    cases = [(p, float(c), cd) for p in args.plans.split(",") for c in args.capacity_fracs.split(",")
+             for cd in args.comm_dtypes.split(",")]
+    for plan_name, frac, comm in cases:
         plan = {t: plan_name for t in range(len(tables))} if plan_name in ("row", "column", "data") else None
         if plan_name == "table":
             plan = {t: ("table", t % n) for t in range(len(tables))}
         capacity = None if frac >= 1 else int(frac * sets[0][0].shape[1])
-        sharded = tbe_jax.shard(emb, mesh, "data", plan, capacity=capacity, warn_overflow=False)
+        sharded = tbe_jax.shard(emb, mesh, "data", plan, capacity=capacity, warn_overflow=False,
+                                comm_dtype=None if comm == "none" else comm)
         case = plan_name if frac >= 1 else f"{plan_name}@capacity{frac}"
+        if comm != "none":
+            case += f"@comm_{comm}"
         params = sharded.init(jax.random.key(0))
         state = sharded.init_opt_state(params, opt)
         spec = NamedSharding(mesh, P("data"))
@@ -242,6 +246,7 @@ def main():
     ap.add_argument("--big-tables", type=int, default=16)
     ap.add_argument("--big-rows", type=int, default=50_000_000)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--comm-dtypes", default="none", help="weak: pooled-row / gradient comm dtypes, e.g. none,bfloat16")
     ap.add_argument("--profile", action="store_true", help="weak: per-kernel GPU time from a profiler trace")
     ap.add_argument("--analysis-only", action="store_true", help="big: compile and print memory analysis only")
     ap.add_argument("--capacity-fracs", default="1", help="weak: capacity per destination as fractions of the "

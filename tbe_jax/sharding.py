@@ -268,9 +268,11 @@ class _Layout:
 
 
 def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = "data", plan=None, *,
-          capacity: int | None = None, warn_overflow: bool = True) -> "ShardedTableBatchedEmbedding":
+          capacity: int | None = None, warn_overflow: bool = True,
+          comm_dtype=None) -> "ShardedTableBatchedEmbedding":
     """`emb`'s tables sharded over `mesh`'s axis `axis_name`; see `ShardedTableBatchedEmbedding`."""
-    return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity, warn_overflow=warn_overflow)
+    return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity, warn_overflow=warn_overflow,
+                                        comm_dtype=comm_dtype)
 
 
 class ShardedTableBatchedEmbedding:
@@ -293,7 +295,8 @@ class ShardedTableBatchedEmbedding:
     likewise. Results equal `emb` on the global batch (device 0's samples first).
     """
 
-    def __init__(self, emb, mesh, axis_name="data", plan=None, *, capacity=None, warn_overflow=True):
+    def __init__(self, emb, mesh, axis_name="data", plan=None, *, capacity=None, warn_overflow=True,
+                 comm_dtype=None):
         if not isinstance(emb, TableBatchedEmbedding):
             raise TypeError(f"emb must be a tbe_jax.TableBatchedEmbedding, got {type(emb).__name__}")
         if axis_name not in mesh.axis_names:
@@ -318,6 +321,11 @@ class ShardedTableBatchedEmbedding:
         self.plan = plan
         self.capacity = None if capacity is None else int(capacity)
         self.warn_overflow = bool(warn_overflow)
+        if comm_dtype is not None:
+            comm_dtype = jnp.dtype(comm_dtype)
+            if comm_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+                raise ValueError(f"comm_dtype must be None, float32, bfloat16 or float16, got {comm_dtype}")
+        self.comm_dtype = comm_dtype
         self.layout = _Layout(emb, plan)
         lay = self.layout
         self.local = TableBatchedEmbedding(
@@ -332,7 +340,8 @@ class ShardedTableBatchedEmbedding:
 
     # -- identity ----------------------------------------------------------------
     def _key(self):
-        return (self.emb, self.mesh, self.axis_name, self.plan, self.capacity, self.warn_overflow)
+        return (self.emb, self.mesh, self.axis_name, self.plan, self.capacity, self.warn_overflow,
+                None if self.comm_dtype is None else self.comm_dtype.name)
 
     def __hash__(self):
         return hash(self._key())
@@ -836,8 +845,11 @@ def _assemble(s, out_l, off, b):
     """Owner-side pooled rows `[n*b, W]` back to their devices: `[b, sum D]` on each."""
     n, lay, emb = s.num_devices, s.layout, s.emb
     parts = out_l.reshape(n, b, lay.width)
+    if s.comm_dtype is not None:
+        parts = parts.astype(s.comm_dtype)
     if n > 1:
         parts = _a2a(parts, s.axis_name)  # [n(owner), b, W]
+    parts = parts.astype(jnp.float32)
     # one gather per contribution depth straight from [owner, sample, column] (no transpose); the zero
     # column `n * W` marks "no contribution"
     src = lay.assemble_src
@@ -870,9 +882,11 @@ def _route_grads(s, g):
     send = g[jnp.arange(b, dtype=jnp.int32)[None, :, None], idx]  # [n(dst), b, W], no transpose
     if not has.all():
         send = jnp.where(jnp.asarray(has)[:, None, :], send, 0.0)
+    if s.comm_dtype is not None:
+        send = send.astype(s.comm_dtype)
     if n > 1:
         send = _a2a(send, s.axis_name)  # [n(src), b, W]
-    return send.reshape(n * b, lay.width)
+    return send.reshape(n * b, lay.width).astype(jnp.float32)
 
 
 def _sequence_back(s, out_l, back, sent, num):

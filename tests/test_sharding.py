@@ -293,3 +293,24 @@ def test_train_step_under_jit_and_checkpoint_to_other_meshes(tmp_path):
         for name in ("momentum1", "momentum2"):
             assert_tables(other.get_state(s2, name), sharded.get_state(st, name), 0)
         assert int(s2.count) == 3
+
+
+def test_comm_dtype_bfloat16():
+    """Pooled rows and gradients travelling in bf16: close to emb (bf16 rounding), tables still updated."""
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    rng = np.random.default_rng(9)
+    idx, off, w = local_batches(rng, emb, N_DEV, 3, 40)
+    gi, go, gw, _ = global_batch(emb, idx, off, w)
+    sharded = tbe_jax.shard(emb, mesh(), "data", MIXED, comm_dtype=jnp.bfloat16)
+    ref_params = emb.init(jax.random.key(2))
+    params = sharded.set_tables(None, emb.get_tables(ref_params))
+    out = np.asarray(sharded(params, idx, off, w))
+    ref = np.asarray(emb(ref_params, gi, go, gw))
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-3)
+    opt = tbe_jax.SGD(0.5)
+    g = rng.normal(size=out.shape).astype(np.float32)
+    p1, _ = sharded.apply_gradients(params, sharded.init_opt_state(params, opt), opt, idx, off, g, w)
+    p2, _ = emb.apply_gradients(ref_params, emb.init_opt_state(ref_params, opt), opt, gi, go, g, gw)
+    assert_tables(sharded.get_tables(p1), emb.get_tables(p2), 2e-2)
+    with pytest.raises(ValueError, match="comm_dtype"):
+        tbe_jax.shard(emb, mesh(), "data", comm_dtype=jnp.int8)
