@@ -143,3 +143,26 @@ def test_prefix_plan_and_prefix_reuse_rows(rng, t_cores):
     rows = prefix.rows_by_prefix(emb.get_cores(params)[0], spec, plan)
     full = reference.numpy_rows(emb.get_cores(params)[0], spec)
     assert_close(np.asarray(rows)[:nu], full[uniq], 1e-6)
+
+
+def test_full_table_in_chunks_at_10m_rows():
+    """The README's 10M-row spec (rank 2 here): materialised in row chunks, intermediates bounded."""
+    from tt_jax import reference as tt_ref
+    spec = tt_jax.TTSpec(num_embeddings=10_000_000, embedding_dim=32, p_shapes=(200, 200, 250), q_shapes=(2, 4, 4),
+                         ranks=(2, 2))
+    chunk = tt_ref.FULL_TABLE_WORKSPACE // tt_ref.row_workspace_bytes(spec)
+    assert chunk < spec.num_embeddings  # the chunked path
+    emb = tt_jax.TTEmbeddingBag([spec], impl="xla")
+    params = emb.init(jax.random.key(0))
+    full = emb.full_table(params)[0]
+    assert full.shape == (10_000_000, 32)
+    probe = np.array([0, 1, chunk - 1, chunk, 5_000_000, 9_999_999])
+    got = np.asarray(full[probe], np.float64)
+    want = np.asarray(tt_ref.rows([np.asarray(c, np.float64) for c in params["cores"][0]], spec.p_shapes,
+                                  jnp.asarray(probe, jnp.int32)), np.float64)
+    assert_close(got, want, 1e-5)
+    small = tt_jax.TTSpec(num_embeddings=300, embedding_dim=8, ranks=(3,))
+    small_emb = tt_jax.TTEmbeddingBag([small], impl="xla")
+    p2 = small_emb.init(jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(tt_ref.full_table(p2["cores"][0], small, workspace_bytes=4096)),
+                                  np.asarray(tt_ref.full_table(p2["cores"][0], small)))

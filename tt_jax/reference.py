@@ -34,8 +34,36 @@ def rows(cores, p_shapes, ids: jax.Array) -> jax.Array:
     return acc[..., 0]
 
 
-def full_table(cores, spec) -> jax.Array:
-    return rows(cores, spec.p_shapes, jnp.arange(spec.num_embeddings, dtype=jnp.int32))
+FULL_TABLE_WORKSPACE = 256 << 20  # bytes of intermediates `full_table` may hold at once
+
+
+def row_workspace_bytes(spec) -> int:
+    """fp32 bytes of `rows`' intermediates per row (the largest stage: the chain so far and one core slice)."""
+    r, q = spec.full_ranks, spec.q_shapes
+    worst, cols = 0, 1
+    for t in range(spec.num_cores):
+        slice_ = r[t] * q[t] * r[t + 1]
+        cols *= q[t]
+        worst = max(worst, cols * r[t + 1] + slice_ + (cols // q[t]) * r[t])
+    return 4 * worst
+
+
+def full_table(cores, spec, workspace_bytes: int = FULL_TABLE_WORKSPACE) -> jax.Array:
+    """The `[N, D]` table, materialised in row chunks so the intermediates stay within `workspace_bytes`
+    (the output itself is N x D): a 10M-row table does not need the chain's `[N, r, q, r']` at once."""
+    n = spec.num_embeddings
+    chunk = max(1, int(workspace_bytes) // row_workspace_bytes(spec))
+    if chunk >= n:
+        return rows(cores, spec.p_shapes, jnp.arange(n, dtype=jnp.int32))
+    steps = -(-n // chunk)
+    out = jnp.zeros((n, spec.embedding_dim), jnp.result_type(*cores))
+
+    def body(i, out):
+        start = jnp.minimum(i * chunk, n - chunk)  # the last chunk overlaps the one before: same values
+        ids = start + jnp.arange(chunk, dtype=jnp.int32)
+        return jax.lax.dynamic_update_slice(out, rows(cores, spec.p_shapes, ids).astype(out.dtype), (start, 0))
+
+    return jax.lax.fori_loop(0, steps, body, out)
 
 
 def pooled(all_cores, specs, indices, offsets, per_sample_weights, *, pooling: str, batch: int):
