@@ -1,7 +1,9 @@
 """What the framework layers (tbe_jax and tt_jax; Linen, NNX, Haiku) share.
 
-- Input and option checks (`check_ids`, `check_optimizer`), core construction
-  (`build_core`, `cached_core`) and leaf naming (`leaf_names`).
+- Input and option checks (`check_ids`, `check_optimizer`, `check_options`), core
+  construction (`build_core`, `cached_core`, `shard_core`: the core spread over a
+  mesh, `tbe_jax.shard` / `tt_jax.shard`), the optimizer state's creation
+  (`opt_init`: placed on the mesh for a sharded core) and leaf naming (`leaf_names`).
 - The sparse-mode training step, framework-independent. A layer built with an
   `optimizer` keeps its tables and optimizer state out of the differentiated
   parameters and looks up through `sparse_lookup`. Outside a training step that
@@ -57,8 +59,10 @@ def check_ids(indices, offsets) -> None:
 
 
 def check_optimizer(optimizer, core, makers: str) -> None:
-    """A layer's `optimizer`: None or an optimizer of `tbe_jax.optim` that `core` supports (else TypeError)."""
+    """A layer's `optimizer`: None or an optimizer of `tbe_jax.optim` that `core` supports (else TypeError;
+    a sharded core's own refusals, e.g. a row-statistics optimizer on column-wise tables, are ValueErrors)."""
     if optimizer is None:
+        _check_true_gradient(core)
         return
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a sparse optimizer of tbe_jax.optim ({makers}), "
@@ -71,6 +75,76 @@ def check_optimizer(optimizer, core, makers: str) -> None:
 def build_core(core_cls, first, options: dict):
     """`core_cls(first, **options)` with the None-valued options left out (the core picks its defaults)."""
     return core_cls(first, **{k: v for k, v in options.items() if v is not None})
+
+
+def _check_true_gradient(core) -> None:
+    """True-gradient mode on a sharded TBE core: replicated ("data") tables are refused. The forward reads a
+    replicated table from one copy, so `jax.grad` gives the whole batch's gradient to that copy and none to
+    the others, and a dense optimizer would let the copies drift apart (the sparse path updates every copy)."""
+    from tbe_jax.sharding import ShardedTableBatchedEmbedding
+
+    if isinstance(core, ShardedTableBatchedEmbedding) and "data" in core.strategies:
+        rep = [t for t, st in enumerate(core.strategies) if st == "data"]
+        raise ValueError(
+            f"tables {rep} are replicated (strategy \"data\"): a sharded layer in true-gradient mode "
+            "(optimizer=None) cannot keep their copies equal under jax.grad. Shard them by tables, rows or "
+            "columns (sharding_plan), or give the layer a sparse optimizer")
+
+
+def is_sharded(core) -> bool:
+    """A core spread over a mesh (`tbe_jax.shard`'s or `tt_jax.shard`'s object): per-device inputs."""
+    return getattr(core, "mesh", None) is not None and hasattr(core, "num_devices")
+
+
+def check_options(core, options: dict) -> None:
+    """A sharded core takes no lookup options (`batch_size_per_feature`, `max_batch_size`): ValueError."""
+    if options and is_sharded(core):
+        raise ValueError(f"a sharded layer (built with a mesh) takes no lookup options, got {sorted(options)}: "
+                         "give every device a local batch of b samples per feature")
+
+
+def _plan_key(plan):
+    """A hashable form of a layer's `sharding_plan` (None, a `ShardingPlan`, or a mapping)."""
+    if plan is None or not hasattr(plan, "items"):
+        return plan
+    return tuple(sorted(((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in plan.items()),
+                        key=repr))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_shard(core, mesh, axis_name, plan, capacity):
+    plan = dict(plan) if isinstance(plan, tuple) else plan
+    from tbe_jax.tbe import TableBatchedEmbedding
+
+    if isinstance(core, TableBatchedEmbedding):
+        from tbe_jax.sharding import shard
+
+        return shard(core, mesh, axis_name, plan, capacity=capacity)
+    from tt_jax.sharding import shard  # a TT core: data parallel over the mesh axis
+
+    if capacity is not None:
+        raise ValueError("capacity applies to tbe_jax.shard's routed ids; a TT core is data parallel "
+                         "(leave capacity None)")
+    return shard(core, mesh, axis_name, plan)
+
+
+def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity: int | None = None):
+    """A layer's core: `core` itself when `mesh` is None, else `tbe_jax.shard(core, mesh, axis_name, plan,
+    capacity=capacity)` (`tt_jax.shard` for a TT core), memoised (Linen rebuilds its core on every access;
+    equal arguments give the same object). A plan or capacity without a mesh is a ValueError."""
+    if mesh is None:
+        if plan is not None or capacity is not None:
+            raise ValueError("sharding_plan and capacity shard the tables over a mesh: give the layer a mesh too")
+        return core
+    return _cached_shard(core, mesh, axis_name, _plan_key(plan), capacity)
+
+
+def opt_init(core, opt, params):
+    """A sparse layer's optimizer state for `params`: `opt.init(params)`, or for a sharded core its
+    `init_opt_state` (the state sharded like the params, on the mesh)."""
+    if is_sharded(core):
+        return core.init_opt_state(params, opt)
+    return opt.init(params)
 
 
 @functools.lru_cache(maxsize=256)

@@ -89,6 +89,13 @@ emb)` (sparse mode), and `fused_opt_state(state["<module name>"], emb, optimizer
 rebuilds the optimizer state; `module_state(params, opt_state)` builds a layer's state
 entry from a core's. `tt_jax.haiku.TTEmbeddingBag` is the same layer over a
 tensor-train core; one `train_step` serves models holding both.
+
+Sharding: `TableBatchedEmbed(tables, ..., mesh=mesh, axis_name="data", sharding_plan=...)`
+spreads the tables over a mesh axis (`tbe_jax.shard`): `layer.tbe` is then the
+`ShardedTableBatchedEmbedding`, the layer's parameters (or state) hold its sharded
+params (and optimizer state), and the layer takes each device's local batch
+(`indices [n, N]`, `offsets [n, F*b+1]`) and returns the global batch's `[n*b, sum D]`;
+`train_step` runs the sharded sparse update. See `TableBatchedEmbed`'s arguments.
 """
 
 from __future__ import annotations
@@ -106,11 +113,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from tbe_jax._layers import (
-    build_core, check_ids, check_optimizer, leaf_names, param_spec, sparse_lookup, sparse_value_and_grad,
+    build_core, check_ids, check_optimizer, check_options, leaf_names, opt_init, param_spec, shard_core, sparse_lookup,
+    sparse_value_and_grad,
 )
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import Optimizer
+from tbe_jax.sharding import ShardedTableBatchedEmbedding
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
@@ -233,6 +242,7 @@ class SparseEmbedBase(hk.Module):
     def _embed(self, indices, offsets, per_sample_weights, options: dict):
         check_ids(indices, offsets)
         core = self._core
+        check_options(core, options)
         spec = param_spec(core)
         # Draw every table from one key, as the core's init does, and only at init time.
         init = self._init_params(hk.next_rng_key()) if hk.running_init() else None
@@ -249,7 +259,8 @@ class SparseEmbedBase(hk.Module):
             return core(params, indices, offsets, per_sample_weights, **options)
         tables = read(hk.get_state, spec, FUSED_PREFIX, init)
         opt_spec = jax.eval_shape(self.optimizer.init, spec)
-        opt_state = read(hk.get_state, opt_spec, FUSED_PREFIX, None if init is None else self.optimizer.init(init))
+        opt_state = read(hk.get_state, opt_spec, FUSED_PREFIX,
+                         None if init is None else opt_init(core, self.optimizer, init))
         return sparse_lookup(("haiku", self.module_name), core, self.optimizer,
                              tables, opt_state, indices, offsets, per_sample_weights, options)
 
@@ -268,11 +279,33 @@ class TableBatchedEmbed(SparseEmbedBase):
         `tbe_jax.RowwiseAdagrad(...)` / `tbe_jax.SGD(...)` (sparse mode: tables and
         optimizer state are state entries "fused_d8", "fused_momentum_d8", ...,
         trained by `tbe_jax.haiku.train_step`; see the module docstring).
+      mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of
+        `mesh`'s axis `axis_name` (default None: unsharded, the layer as before). The
+        layer's core is then `tbe_jax.shard(TableBatchedEmbedding(...), mesh,
+        axis_name, sharding_plan, capacity=capacity)` (see
+        `tbe_jax.ShardedTableBatchedEmbedding`; `sharding_plan` None is the planner, a
+        dict `{table: "table" | "row" | "column" | "data" | ("table", device)}` fixes
+        some tables, a `ShardingPlan` all); its parameters (or sparse state) are the
+        sharded core's params and optimizer state, named as above, drawn by its `init`
+        and placed on the mesh (each device draws its own shards: the values differ
+        from the unsharded layer's). Outside the transform, build the same sharded core
+        (`tbe_jax.shard(emb, mesh, axis_name, sharding_plan)`) for `core_params`,
+        `fused_params`, `fused_opt_state`, and to copy tables in
+        (`module_params(sharded.set_tables(None, tables))`, or `module_state(...)`).
+        Inputs are then per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k:
+        device k's local batch of b samples), per-sample weights `[n, N]`; the output
+        is the global batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`),
+        sharded over the axis. No lookup options (`batch_size_per_feature`,
+        `max_batch_size`). Train in sparse mode with `train_step` under `jax.jit`, on a
+        mesh whose axis is `jax.sharding.AxisType.Auto` (with an explicit axis, jax asks
+        the loss to state how its batch reductions are sharded). True-gradient mode
+        works too, except for replicated (`"data"`) tables, whose copies `jax.grad`
+        cannot keep equal (`ValueError`).
       name: the module name (default "table_batched_embed").
 
     Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
-    with the functional core's input format and output. Indices and offsets must be
-    integer arrays (else `ValueError`).
+    with the functional core's input format and output (with a mesh, the per-device
+    format above). Indices and offsets must be integer arrays (else `ValueError`).
 
     Initialisation: the tables are `layer.tbe.init(hk.next_rng_key())` (uniform in
     `[-1/sqrt(E), 1/sqrt(E)]`), drawn once at init: the same values as the functional
@@ -310,18 +343,23 @@ class TableBatchedEmbed(SparseEmbedBase):
         histogram_config: HistogramConfig | None = None,
         backward_config=None,
         optimizer: Optimizer | None = None,
+        mesh=None,
+        axis_name: str = "data",
+        sharding_plan=None,
+        capacity: int | None = None,
         name: str | None = None,
     ):
         super().__init__(name=name)
-        self._setup(build_core(TableBatchedEmbedding, tables, dict(
+        core = build_core(TableBatchedEmbedding, tables, dict(
             feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
             output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
             kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
-            backward_config=backward_config)), optimizer)
+            backward_config=backward_config))
+        self._setup(shard_core(core, mesh, axis_name, sharding_plan, capacity), optimizer)
 
     @property
-    def tbe(self) -> TableBatchedEmbedding:
-        """The wrapped functional `TableBatchedEmbedding`."""
+    def tbe(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
+        """The wrapped functional `TableBatchedEmbedding` (the `ShardedTableBatchedEmbedding` with a mesh)."""
         return self._core
 
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,

@@ -92,6 +92,13 @@ The functional core: `layer.tbe` is the wrapped `TableBatchedEmbedding`, so
 `[E_t, D_t]` arrays and `layer.tbe.get_momentum(...["opt_state"])` the row-wise
 accumulators. `tt_jax.linen.TTEmbeddingBag` is the same layer over a tensor-train
 core; one `train_step` serves models holding both.
+
+Sharding: `TableBatchedEmbed(tables, ..., mesh=mesh, axis_name="data", sharding_plan=...)`
+spreads the tables over a mesh axis (`tbe_jax.shard`): `layer.tbe` is then the
+`ShardedTableBatchedEmbedding`, `"embedding"` (and `"opt_state"`) hold its sharded
+params (and state), and the layer takes each device's local batch (`indices [n, N]`,
+`offsets [n, F*b+1]`) and returns the global batch's `[n*b, sum D]`; `train_step`
+runs the sharded sparse update. See `TableBatchedEmbed`'s arguments.
 """
 
 from __future__ import annotations
@@ -107,10 +114,13 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import cached_core, check_ids, check_optimizer, sparse_lookup, sparse_value_and_grad
+from tbe_jax._layers import (
+    cached_core, check_ids, check_optimizer, check_options, opt_init, shard_core, sparse_lookup, sparse_value_and_grad,
+)
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import Optimizer
+from tbe_jax.sharding import ShardedTableBatchedEmbedding
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
@@ -181,7 +191,8 @@ class SparseEmbedBase(nn.Module):
     `tt_jax.linen.TTEmbeddingBag`).
 
     A subclass declares the fields (its core's options and `optimizer`) and defines
-    `_build_core()` (the core, cached), `_init_params(key)` and `__call__` (decorated
+    `_build_core()` (the core, cached; a sharded one, `_layers.shard_core`, for a layer
+    built with a mesh), `_init_params(key)` and `__call__` (decorated
     with `nn.compact`), which calls `self._embed(indices, offsets, per_sample_weights,
     options)`. Variables: `"params"/"embedding"` (true-gradient mode) or
     `FUSED_COLLECTION/"embedding"` and `FUSED_COLLECTION/"opt_state"` (sparse mode).
@@ -204,11 +215,12 @@ class SparseEmbedBase(nn.Module):
     def _embed(self, indices, offsets, per_sample_weights, options: dict):
         check_ids(indices, offsets)
         core = self._build_core()
+        check_options(core, options)
         if self.optimizer is None:
             params = self.param("embedding", self._init_params)
             return core(params, indices, offsets, per_sample_weights, **options)
         tables = self.variable(FUSED_COLLECTION, "embedding", lambda: self._init_params(self.make_rng("params")))
-        state = self.variable(FUSED_COLLECTION, "opt_state", lambda: self.optimizer.init(tables.value))
+        state = self.variable(FUSED_COLLECTION, "opt_state", lambda: opt_init(core, self.optimizer, tables.value))
         path = tuple(self.scope.path)
         return sparse_lookup(("linen", path), core, self.optimizer, tables.value, state.value,
                              indices, offsets, per_sample_weights, options)
@@ -229,10 +241,30 @@ class TableBatchedEmbed(SparseEmbedBase):
         `tbe_jax.SGD(...)` (sparse mode: the tables, `"embedding"`, and the optimizer
         state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
         `tbe_jax.linen.train_step`, see the module docstring).
+      mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of
+        `mesh`'s axis `axis_name` (default None: unsharded, the layer as before). The
+        layer's core is then `tbe_jax.shard(TableBatchedEmbedding(...), mesh,
+        axis_name, sharding_plan, capacity=capacity)` (see
+        `tbe_jax.ShardedTableBatchedEmbedding`; `sharding_plan` None is the planner, a
+        dict `{table: "table" | "row" | "column" | "data" | ("table", device)}` fixes
+        some tables, a `ShardingPlan` all); its params (`"embedding"`) and optimizer
+        state are the sharded core's, drawn by its `init` and placed on the mesh
+        (each device draws its own shards: the values differ from the unsharded
+        layer's; copy tables in with `layer.tbe.set_tables(None, tables)`). Inputs are
+        then per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k: device k's
+        local batch of b samples), per-sample weights `[n, N]`; the output is the
+        global batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`), sharded
+        over the axis. No lookup options (`batch_size_per_feature`, `max_batch_size`).
+        Train in sparse mode with `train_step`, under `jax.jit`, on a mesh whose axis is
+        `jax.sharding.AxisType.Auto` (with an explicit axis, jax asks the loss to state
+        how its batch reductions are sharded). True-gradient mode works too (the
+        gradient of `"embedding"` is sharded like it), except for replicated
+        (`"data"`) tables, whose copies `jax.grad` cannot keep equal (`ValueError`).
 
     Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
     with the functional core's input format and output (`[B, sum_f D_f]` for pooled
-    lookups). Indices and offsets must be integer arrays (else `ValueError`).
+    lookups; with a mesh, the per-device format above). Indices and offsets must be
+    integer arrays (else `ValueError`).
 
     Parameters: `"embedding"` is exactly the functional core's params dict, so
     `layer.tbe(variables["params"]["embedding"], indices, offsets)` equals
@@ -269,18 +301,25 @@ class TableBatchedEmbed(SparseEmbedBase):
     histogram_config: HistogramConfig | None = None
     backward_config: Any = None
     optimizer: Optimizer | None = None
+    mesh: Any = None
+    axis_name: str = "data"
+    sharding_plan: Any = None
+    capacity: int | None = None
 
-    def _build_core(self) -> TableBatchedEmbedding:
+    def _build_core(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
         fmap = None if self.feature_table_map is None else tuple(int(t) for t in self.feature_table_map)
-        return cached_core(TableBatchedEmbedding, tuple(self.tables), dict(
+        core = cached_core(TableBatchedEmbedding, tuple(self.tables), dict(
             feature_table_map=fmap, pooling=self.pooling, weights_dtype=self.weights_dtype,
             output_dtype=self.output_dtype, bounds_check=self.bounds_check, impl=self.impl,
             interpret=bool(self.interpret), kernel_config=self.kernel_config, use_histogram=bool(self.use_histogram),
             histogram_config=self.histogram_config, backward_config=self.backward_config))
+        return shard_core(core, self.mesh, self.axis_name, self.sharding_plan, self.capacity)
 
     @property
-    def tbe(self) -> TableBatchedEmbedding:
-        """The wrapped functional `TableBatchedEmbedding` (immutable, hashable)."""
+    def tbe(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
+        """The wrapped functional `TableBatchedEmbedding` (immutable, hashable); with a mesh, the
+        `ShardedTableBatchedEmbedding` over it (the same methods: `get_tables`, `set_tables`,
+        `get_momentum`, ...; `.emb` is the unsharded core)."""
         return self._build_core()
 
     @nn.compact

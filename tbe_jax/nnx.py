@@ -74,6 +74,13 @@ The functional core: `layer.tbe` is the wrapped `TableBatchedEmbedding`;
 `layer.set_params(emb_params)` copies a core's params in (`get_opt_state` /
 `set_opt_state` likewise for the optimizer state). `tt_jax.nnx.TTEmbeddingBag` is the
 same layer over a tensor-train core; one `train_step` serves models holding both.
+
+Sharding: `TableBatchedEmbed(tables, ..., mesh=mesh, axis_name="data", sharding_plan=...,
+rngs=...)` spreads the tables over a mesh axis (`tbe_jax.shard`): `layer.tbe` is then the
+`ShardedTableBatchedEmbedding`, the layer's variables hold its sharded params (and
+state), and the layer takes each device's local batch (`indices [n, N]`, `offsets
+[n, F*b+1]`) and returns the global batch's `[n*b, sum D]`; `train_step` runs the
+sharded sparse update. See `TableBatchedEmbed`'s arguments.
 """
 
 from __future__ import annotations
@@ -88,10 +95,13 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import SparseStep, build_core, check_ids, check_optimizer, leaf_names, sparse_lookup
+from tbe_jax._layers import (
+    SparseStep, build_core, check_ids, check_optimizer, check_options, leaf_names, opt_init, shard_core, sparse_lookup,
+)
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import Optimizer
+from tbe_jax.sharding import ShardedTableBatchedEmbedding
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
@@ -193,7 +203,7 @@ class SparseEmbedBase(nnx.Module):
         var = nnx.Param if optimizer is None else Fused
         self.embedding = nnx.Dict({n: var(v) for n, v in zip(names, leaves)})
         if optimizer is not None:
-            names, leaves, self._opt_treedef = leaf_names(optimizer.init(params))
+            names, leaves, self._opt_treedef = leaf_names(opt_init(core, optimizer, params))
             self._opt_names = tuple(names)
             self.opt_state = nnx.Dict({n: Fused(v) for n, v in zip(names, leaves)})
 
@@ -236,6 +246,7 @@ class SparseEmbedBase(nnx.Module):
 
     def _embed(self, indices, offsets, per_sample_weights, options: dict):
         check_ids(indices, offsets)
+        check_options(self._core, options)
         params = self.get_params()
         if self.optimizer is None:
             return self._core(params, indices, offsets, per_sample_weights, **options)
@@ -257,19 +268,40 @@ class TableBatchedEmbed(SparseEmbedBase):
         `tbe_jax.RowwiseAdagrad(...)` / `tbe_jax.SGD(...)` (sparse mode: tables and
         optimizer state are `Fused` variables, trained by `tbe_jax.nnx.train_step`;
         see the module docstring).
+      mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of
+        `mesh`'s axis `axis_name` (default None: unsharded, the layer as before). The
+        layer's core is then `tbe_jax.shard(TableBatchedEmbedding(...), mesh,
+        axis_name, sharding_plan, capacity=capacity)` (see
+        `tbe_jax.ShardedTableBatchedEmbedding`; `sharding_plan` None is the planner, a
+        dict `{table: "table" | "row" | "column" | "data" | ("table", device)}` fixes
+        some tables, a `ShardingPlan` all); its variables hold the sharded core's params
+        and optimizer state, drawn by its `init` and placed on the mesh (each device
+        draws its own shards: the values differ from the unsharded layer's; copy tables
+        in with `layer.set_params(layer.tbe.set_tables(None, tables))`). Inputs are then
+        per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k: device k's local
+        batch of b samples), per-sample weights `[n, N]`; the output is the global
+        batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`), sharded over the
+        axis. No lookup options (`batch_size_per_feature`, `max_batch_size`). Train in
+        sparse mode with `train_step` under `nnx.jit`, on a mesh whose axis is
+        `jax.sharding.AxisType.Auto` (with an explicit axis, jax asks the loss to state
+        how its batch reductions are sharded). True-gradient mode works too, except for
+        replicated (`"data"`) tables, whose copies `nnx.grad` cannot keep equal
+        (`ValueError`).
       rngs: `nnx.Rngs`; the tables are `layer.tbe.init(rngs.params())` (uniform in
         `[-1/sqrt(E), 1/sqrt(E)]`), the same values as the functional core given that key.
 
     Attributes:
-      tbe: the wrapped `TableBatchedEmbedding` (static).
+      tbe: the wrapped `TableBatchedEmbedding` (static); with a mesh, the
+        `ShardedTableBatchedEmbedding` over it (the same methods: `get_tables`,
+        `set_tables`, `get_momentum`, ...; `.emb` is the unsharded core).
       embedding: `nnx.Dict` of one variable per storage buffer ("d8", ...): `nnx.Param`,
         or `Fused` in sparse mode.
       opt_state: sparse mode only: `nnx.Dict` of `Fused` variables, one per leaf of the
         optimizer state (`"momentum_d8"`, `"count"`, ...); `get_opt_state()` reassembles it.
 
     Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
-    with the functional core's input format and output. Indices and offsets must be
-    integer arrays (else `ValueError`).
+    with the functional core's input format and output (with a mesh, the per-device
+    format above). Indices and offsets must be integer arrays (else `ValueError`).
 
     Example:
       >>> import jax, jax.numpy as jnp, tbe_jax
@@ -301,6 +333,10 @@ class TableBatchedEmbed(SparseEmbedBase):
         histogram_config: HistogramConfig | None = None,
         backward_config=None,
         optimizer: Optimizer | None = None,
+        mesh=None,
+        axis_name: str = "data",
+        sharding_plan=None,
+        capacity: int | None = None,
         rngs: nnx.Rngs,
     ):
         core = build_core(TableBatchedEmbedding, tables, dict(
@@ -308,11 +344,13 @@ class TableBatchedEmbed(SparseEmbedBase):
             output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
             kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
             backward_config=backward_config))
+        core = shard_core(core, mesh, axis_name, sharding_plan, capacity)
+        check_optimizer(optimizer, core, self._MAKERS)  # before drawing the tables
         self._setup(core, core.init(rngs.params()), optimizer)
 
     @property
-    def tbe(self) -> TableBatchedEmbedding:
-        """The wrapped functional `TableBatchedEmbedding`."""
+    def tbe(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
+        """The wrapped functional `TableBatchedEmbedding` (the `ShardedTableBatchedEmbedding` with a mesh)."""
         return self._core
 
     def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
