@@ -21,6 +21,15 @@ outputs are put back in feature order, and the embedding params, optimizer state
 optimizers are dicts `{"tbe": ..., "tt": ...}`: the step is one `tbe_jax.train_step` over
 a dict of two `SparseLookup`s (the TT cores updated on the touched core slices by their
 own optimizer, e.g. `tt_jax.RowwiseAdagrad`).
+
+With `DLRM(config, mesh=mesh)` the TBE's tables are sharded over the mesh's axis
+(`tbe_jax.shard` with its default planner; `emb` is then the
+`ShardedTableBatchedEmbedding`, `emb_unsharded` the table layout it shards): a batch of
+B examples is N local batches of B/N (`shard_batch`: `indices [N, cap]`, `offsets [N,
+F*(B/N)+1]`; the dense features and labels stay `[B, ...]`, sharded by rows over the
+same axis), the pooled output is `[B, F*D]` in the global batch's order, and the dense
+MLPs (replicated parameters) run data parallel under `jit`: XLA partitions them by the
+batch and sums their gradients.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import optax
 
 import tbe_jax
 import tt_jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,22 +153,57 @@ def split_features(indices, offsets, batch_size: int, features, padded_len: int)
     return out, out_offsets
 
 
+def split_local(indices, offsets, num_features: int, n: int, cap: int):
+    """One batch in FBGEMM format (`F*B+1` feature-major offsets) as `n` local batches of `B/n` examples
+    each, in the sharded input format (host NumPy).
+
+    Local batch k holds the examples `k*B/n .. (k+1)*B/n - 1` (every feature's bags of those examples, in
+    feature order). Its ids are zero-padded to `cap` (past its last offset, as the generator pads), or to
+    the longest local batch rounded up to 256 when one does not fit, so that batches keep one shape.
+
+    Returns:
+      (indices `[n, >= cap]` int32, offsets `[n, F*(B/n) + 1]` int32).
+    """
+    offsets = np.asarray(offsets, np.int64)
+    f = int(num_features)
+    big_b = (offsets.shape[0] - 1) // f
+    if big_b % n:
+        raise ValueError(f"batch size {big_b} is not a multiple of the {n} devices")
+    b = big_b // n
+    lengths = np.diff(offsets).reshape(f, n, b)  # [F, n, b]
+    starts = offsets[:-1].reshape(f, n, b)[:, :, 0]  # [F, n]: where (feature, device)'s ids begin
+    counts = lengths.sum(axis=2)  # [F, n]
+    width = max(int(cap), -(-int(counts.sum(axis=0).max()) // 256) * 256)
+    out_idx = np.zeros((n, width), np.int32)
+    out_off = np.zeros((n, f * b + 1), np.int32)
+    for k in range(n):
+        np.cumsum(lengths[:, k, :].reshape(-1), out=out_off[k, 1:])
+        pos = np.concatenate([np.arange(starts[g, k], starts[g, k] + counts[g, k]) for g in range(f)])
+        out_idx[k, : pos.shape[0]] = np.asarray(indices)[pos]
+    return out_idx, out_off
+
+
 class DLRM:
     """The model: `init`, `logits` (from pooled embeddings), `forward` (plain lookup, evaluation),
     `loss` (from the lookups' outputs) and `train_step` (one `tbe_jax.train_step`).
 
     Attributes:
-      emb: the `TableBatchedEmbedding` (all features, or those not in `tt_features`).
+      emb: the `TableBatchedEmbedding` (all features, or those not in `tt_features`); with a
+        `mesh`, the `ShardedTableBatchedEmbedding` over it.
+      emb_unsharded: the `TableBatchedEmbedding` (`emb` itself without a mesh).
       tt: the `tt_jax.TTEmbeddingBag` of the `tt_features` (None when `config.tt_tables` is 0).
       tbe_features, tt_features: which features each holds (ascending feature ids).
+      mesh, axis_name: the mesh the tables are sharded over and the batch split over (None: one device).
     """
 
-    def __init__(self, config: DLRMConfig, *, interpret: bool = False):
+    def __init__(self, config: DLRMConfig, *, interpret: bool = False, mesh=None, axis_name: str = "data"):
         self.config = config
         rows = config.table_rows
         k = config.tt_tables
         if not 0 <= k < len(rows):
             raise ValueError(f"tt_tables={k} must be in [0, {len(rows)}): at least one table stays in the TBE")
+        if mesh is not None and k:
+            raise ValueError("a sharded DLRM (mesh) holds every table in the TBE: tt_tables must be 0")
         # The K largest tables (ties: lower feature id first).
         largest = sorted(range(len(rows)), key=lambda f: (-rows[f], f))[:k]
         self.tt_features = tuple(sorted(largest))
@@ -166,6 +211,10 @@ class DLRM:
         specs = [tbe_jax.TableSpec(rows[f], config.embedding_dim, name=f"C{f + 1}") for f in self.tbe_features]
         self.emb = tbe_jax.TableBatchedEmbedding(specs, pooling="sum", weights_dtype=config.weights_dtype,
                                                  impl=config.impl, interpret=interpret)
+        self.emb_unsharded = self.emb
+        self.mesh, self.axis_name = mesh, axis_name
+        if mesh is not None:
+            self.emb = tbe_jax.shard(self.emb, mesh, axis_name)
         self.tt = None
         if k:
             tt_specs = [tt_jax.TTSpec(rows[f], config.embedding_dim, ranks=tuple(config.tt_ranks))
@@ -184,6 +233,16 @@ class DLRM:
     @property
     def num_features(self) -> int:
         return len(self.config.table_rows)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the batch and the tables are split over (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.shape[self.axis_name])
+
+    def sharding(self, spec=None):
+        """A `NamedSharding` of the mesh: `spec` None is replicated (the dense parameters), `"batch"` split
+        by rows over the axis (a batch's arrays). Only with a mesh."""
+        return NamedSharding(self.mesh, P() if spec is None else P(self.axis_name))
 
     @property
     def interaction_dim(self) -> int:
@@ -205,7 +264,12 @@ class DLRM:
 
         With TT tables: `{"tbe": <the TBE's params>, "tt": <the TT cores>}`; the TBE tables are the
         all-dense model's (the same draw, TT tables' rows dropped), the cores `tt.init` (entries of that
-        same standard deviation) with a key folded from `key`."""
+        same standard deviation) with a key folded from `key`.
+
+        With a mesh: the sharded embedding's `init` (the same distribution, other values: each device
+        draws its own shards, so no table is ever whole on one device)."""
+        if self.mesh is not None:
+            return self.emb.init(key)
         rows = np.asarray(self.config.table_rows)
         bound = np.repeat(1.0 / np.sqrt(rows), rows).astype(np.float32)
         u = jax.random.uniform(key, (int(rows.sum()), self.config.embedding_dim), jnp.float32, -1.0, 1.0)
@@ -221,11 +285,20 @@ class DLRM:
         """Bytes of the embedding parameters: {"dense": all tables as dense rows (the all-TBE model),
         "tbe": the TBE's tables, "tt": the TT cores (float32), "total": tbe + tt}."""
         c = self.config
-        item = self.emb.weights_dtype.itemsize
+        item = self.emb_unsharded.weights_dtype.itemsize
         dense = sum(c.table_rows) * c.embedding_dim * item
         tbe = sum(c.table_rows[f] for f in self.tbe_features) * c.embedding_dim * item
         tt = 0 if self.tt is None else 4 * sum(s.num_parameters() for s in self.tt.specs)
         return {"dense": dense, "tbe": tbe, "tt": tt, "total": tbe + tt}
+
+    def shard_batch(self, arrays: dict, cap: int) -> dict:
+        """Host side: a generator batch (B examples) as the sharded model's input: "indices" `[N, cap']`
+        and "offsets" `[N, F*(B/N)+1]`, device k's local batch the examples `k*B/N .. (k+1)*B/N - 1`
+        (`split_local`); "dense" and "labels" as they are (`[B, ...]`, the same example order)."""
+        out = dict(arrays)
+        out["indices"], out["offsets"] = split_local(arrays["indices"], arrays["offsets"], self.num_features,
+                                                     self.num_devices, cap)
+        return out
 
     def split_batch(self, arrays: dict, padded_len: tuple[int, int]) -> dict:
         """Host side: a generator batch's arrays as this model's inputs. Without TT tables, unchanged;

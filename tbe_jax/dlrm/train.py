@@ -4,6 +4,7 @@
                                  [--lr LR] [--emb-lr LR] [--eval-batches K]
                                  [--tt-tables K [--tt-rank R] [--tt-lr LR] [--tt-opt rowwise_adagrad|adagrad]]
                                  [--ckpt-dir DIR [--ckpt-every N] [--resume]] [--emb-share] [--no-progress]
+                                 [--devices N]
 
 Each step is one `jax.jit` call of `tbe_jax.train_step` (`DLRM.train_step`): the TBE
 lookup, the gradient of the loss with respect to the dense MLPs and to the pooled
@@ -26,6 +27,23 @@ tables plus the TT cores, against all tables dense) and the summary line says
 `tables: X MiB (TT saves Y%)`; the data and the dense init depend only on the seed, so
 a run with and one without `--tt-tables` (same seed and steps) compare like for like
 (the TBE tables they share start equal too).
+
+Several devices (`--devices N`, default 1): the tables are sharded over a 1-D mesh of
+the first N devices (`tbe_jax.shard` with its default planner: whole tables placed on
+the least loaded device, tables larger than a fair share split by rows); each step's
+batch of B examples is split on the host into N local batches of B/N in the sharded
+input format (`indices [N, cap]`, `offsets [N, F*(B/N)+1]`, ids zero-padded as the
+one-device run pads them; `DLRM.shard_batch`), the dense features and labels are
+split by rows over the same devices, and the dense MLPs run data parallel under `jit`
+(parameters and Adam state replicated; XLA partitions the MLPs by the batch and sums
+their gradients). The step is the same `tbe_jax.train_step`, its lookup the sharded
+embedding's (ids to their tables' devices by all_to_all, the row-wise Adagrad update
+on the owners). The tables start from the sharded embedding's own draw (the same
+distribution as the one-device run, other values). On a CPU, make N devices with
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` set before Python starts (before
+jax is imported; the demo also asks jax for N CPU devices itself when it can). Not
+with `--tt-tables`. Checkpoints hold the tables and their state in the one-device
+format (`ShardedTableBatchedEmbedding.to_unsharded`), and run.json the device count.
 
 Evaluation: AUC (rank formula, ties averaged) and log loss on held-out batches,
 before and after training, next to the hidden model's own ("oracle") AUC.
@@ -138,7 +156,11 @@ def _jitted(model: DLRM, lr: float):
         else:
             emb_state = {"tbe": model.emb.init_opt_state(emb_params["tbe"], emb_opt["tbe"]),
                          "tt": model.tt.init_opt_state(emb_params["tt"], emb_opt["tt"])}
-        return dense_params, dense_tx.init(dense_params), emb_params, emb_state
+        dense_opt_state = dense_tx.init(dense_params)
+        if model.mesh is not None:  # the dense part data parallel: its parameters on every device
+            dense_params, dense_opt_state = jax.lax.with_sharding_constraint(
+                (dense_params, dense_opt_state), model.sharding())
+        return dense_params, dense_opt_state, emb_params, emb_state
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def train_step(dense_params, emb_params, emb_state, dense_opt_state, emb_opt, batch):
@@ -311,13 +333,14 @@ def restore_checkpoint(path, init_fn) -> TrainState:
 # -- input pipeline --------------------------------------------------------------------
 
 
-def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: int, prepare=None):
+def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: int, prepare=None, sharding=None):
     """Batches start..stop-1 in order, generated ahead by a thread pool (each through `prepare`, a
-    host-side function of the arrays, when given) and put on the device."""
+    host-side function of the arrays, when given) and put on the device (split by rows over a mesh:
+    `sharding`, when given)."""
 
     def make(i):
         arrays = gen.batch(i).arrays()
-        return jax.device_put(arrays if prepare is None else prepare(arrays))
+        return jax.device_put(arrays if prepare is None else prepare(arrays), sharding)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         ahead = 2 * workers
@@ -329,6 +352,14 @@ def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: in
 
 
 # -- timing ----------------------------------------------------------------------------
+
+
+def local_padded_len(gen: data_lib.ClickLogGenerator, n: int) -> int:
+    """A fixed padded id count for one of `n` local batches of `gen.batch_size / n` examples (the
+    generator's rule: the mean count plus 8 standard deviations plus 64, rounded up to 256)."""
+    var = np.where(gen.one_hot, gen.bag_mean * (1 - gen.bag_mean), gen.bag_mean)
+    b = gen.batch_size // n
+    return int(-(-(b * gen.bag_mean.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
 
 
 def split_padded_len(gen: data_lib.ClickLogGenerator, features) -> int:
@@ -428,6 +459,12 @@ def parse_args(argv=None):
                     help="measure the embeddings' share of step time (always done on a GPU)")
     ap.add_argument("--workers", type=int, default=None, help="data-generation threads (default: by CPU count)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="shard the tables over the first N devices and split each batch into N local batches "
+                         "(the dense MLPs data parallel); default 1. On a CPU, set "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=N before starting Python (before jax "
+                         "is imported), e.g. XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m "
+                         "tbe_jax.dlrm.train --devices 2; the batch size must be a multiple of N")
     args = ap.parse_args(argv)
     d = SIZES[args.size]
     for name in ("steps", "batch_size", "lr", "emb_lr", "eval_batches", "tt_lr", "tt_rank"):
@@ -439,7 +476,47 @@ def parse_args(argv=None):
         ap.error(f"--tt-tables must be in [0, {data_lib.NUM_SPARSE}) and --tt-rank >= 1")
     if args.steps < 0 or args.batch_size < 1 or args.eval_batches < 1:
         ap.error("--steps must be >= 0, --batch-size and --eval-batches >= 1")
+    if args.devices < 1 or args.batch_size % args.devices:
+        ap.error(f"--devices must be >= 1 and divide the batch size ({args.batch_size})")
+    if args.devices > 1 and args.tt_tables:
+        ap.error("--devices > 1 shards the TBE's tables: it does not combine with --tt-tables")
     return args
+
+
+def make_mesh(n: int):
+    """A 1-D mesh ("data") of the first `n` devices, its axis automatic (XLA partitions the dense part).
+
+    On a CPU with fewer devices, jax is first asked for `n` CPU devices (`jax_num_cpu_devices`), which
+    works while no backend has started; else (or on another platform) a SystemExit says how to get them."""
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        try:
+            jax.config.update("jax_num_cpu_devices", max(n, 1))
+        except Exception:  # a backend already started (or an older jax): the devices are what they are
+            pass
+    devices = jax.devices()
+    if len(devices) < n:
+        raise SystemExit(
+            f"--devices {n}: jax sees {len(devices)} {jax.default_backend()} device(s). On a CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python (before jax is "
+            "imported).")
+    return jax.make_mesh((n,), ("data",), devices=devices[:n], axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _portable(model: DLRM, state: TrainState) -> TrainState:
+    """The state to save: with a mesh, the tables and their optimizer state in the one-device format."""
+    if model.mesh is None:
+        return state
+    emb_params, emb_state = model.emb.to_unsharded(state.emb_params, state.emb_state)
+    return state._replace(emb_params=emb_params, emb_state=emb_state)
+
+
+def _placed(model: DLRM, state: TrainState) -> TrainState:
+    """A restored (one-device format) state on the model's mesh: tables sharded, dense state replicated."""
+    if model.mesh is None:
+        return state
+    emb_params, emb_state = model.emb.from_unsharded(state.emb_params, state.emb_state)
+    dense_params, dense_opt_state = jax.device_put((state.dense_params, state.dense_opt_state), model.sharding())
+    return TrainState(state.step, dense_params, dense_opt_state, emb_params, emb_state)
 
 
 def main(argv=None) -> dict:
@@ -450,12 +527,13 @@ def main(argv=None) -> dict:
     measured."""
     args = parse_args(argv)
     log = functools.partial(print, flush=True)
+    mesh = make_mesh(args.devices) if args.devices > 1 else None  # first: it may set the CPU device count
     backend = jax.default_backend()
     data_cfg = data_lib.DataConfig.preset(args.size)
     config = DLRMConfig.preset(args.size, data_cfg.table_rows, impl=args.impl)
     if args.tt_tables:
         config = dataclasses.replace(config, tt_tables=args.tt_tables, tt_ranks=(args.tt_rank, args.tt_rank))
-    model = DLRM(config)
+    model = DLRM(config, mesh=mesh)
     tt_args = (args.tt_lr, args.tt_opt) if args.tt_tables else ()
     built = build(model, args.lr, args.emb_lr, *tt_args)
     init_fn, train_step, eval_logits, emb_opt = built.init, built.train_step, built.eval_logits, built.emb_opt
@@ -467,8 +545,17 @@ def main(argv=None) -> dict:
         settings.update(tt_tables=args.tt_tables, tt_rank=args.tt_rank, tt_lr=args.tt_lr, tt_opt=args.tt_opt)
         pad = (split_padded_len(gen, model.tbe_features), split_padded_len(gen, model.tt_features))
         prepare = functools.partial(model.split_batch, padded_len=pad)
+    batch_sharding = None
+    if mesh is not None:  # (only then, likewise)
+        settings["devices"] = args.devices
+        local_cap = local_padded_len(gen, args.devices)
+        prepare = functools.partial(model.shard_batch, cap=local_cap)
+        batch_sharding = model.sharding("batch")
+    restore_init = init_fn
+    if mesh is not None and args.resume:  # a checkpoint holds the one-device format: that model's init's structure
+        restore_init = build(DLRM(config), args.lr, args.emb_lr).init
 
-    emb = model.emb
+    emb = model.emb_unsharded
     path = "Pallas kernels" if emb._use_kernel() else "XLA path"
     rows = np.asarray(data_cfg.table_rows)
     log(f"DLRM demo | jax {jax.__version__} | backend {backend} ({jax.devices()[0].device_kind}) | TBE: {path}")
@@ -476,6 +563,22 @@ def main(argv=None) -> dict:
         f"{rows.min()}..{rows.max()} rows ({rows.sum():,} in all), D={model.config.embedding_dim}, "
         f"batch {args.batch_size}, ~{int(gen.bag_mean.sum() * args.batch_size):,} ids/batch "
         f"(padded to {gen.padded_len:,}), Zipf({data_cfg.alpha})")
+    if mesh is not None:
+        counts = {st: model.emb.strategies.count(st) for st in ("table", "row", "column", "data")
+                  if st in model.emb.strategies}
+        per_dev = [0] * args.devices
+        for t, spec in enumerate(emb.tables):
+            share = spec.num_embeddings * spec.embedding_dim * emb.weights_dtype.itemsize
+            strategy = model.emb.strategies[t]
+            if strategy == "table":
+                per_dev[model.emb.plan.owners[t]] += share
+            else:  # split over every device, or (replicated) whole on each
+                per_dev = [x + (share if strategy == "data" else share / args.devices) for x in per_dev]
+        log(f"sharded over {args.devices} {jax.devices()[0].platform} devices (mesh axis 'data'): tables "
+            + ", ".join(f"{c} {st}-wise" for st, c in counts.items())
+            + f" (tbe_jax.shard's planner; table bytes per device {min(per_dev) / 2**20:.2f}.."
+            f"{max(per_dev) / 2**20:.2f} MiB); each batch = {args.devices} local batches of "
+            f"{args.batch_size // args.devices} (ids padded to {local_cap:,} per device); dense MLPs data parallel")
 
     # State: fresh, or restored from the newest checkpoint.
     if args.resume and latest_checkpoint(args.ckpt_dir) is not None:
@@ -483,7 +586,7 @@ def main(argv=None) -> dict:
         if saved != settings:
             raise SystemExit(f"--resume: checkpoint settings {saved} differ from this run's {settings}")
         ck = latest_checkpoint(args.ckpt_dir)
-        state = restore_checkpoint(ck, init_fn)
+        state = _placed(model, restore_checkpoint(ck, restore_init))
         log(f"restored step {state.step} from {ck}")
     else:
         if args.resume:
@@ -492,6 +595,8 @@ def main(argv=None) -> dict:
     n_dense = sum(x.size for x in jax.tree_util.tree_leaves(state.dense_params))
     tbe_params = state.emb_params if model.tt is None else state.emb_params["tbe"]
     n_emb = sum(x.size for x in tbe_params.values())
+    if mesh is not None:  # the sharded storage pads each device's buffers: count the tables' own rows
+        n_emb = sum(t.num_embeddings * t.embedding_dim for t in emb.tables)
     mem = model.table_bytes()
     log(f"parameters: {n_dense:,} dense (Adam, lr {args.lr}), {n_emb:,} in {'TBE ' if model.tt else ''}tables "
         f"({mem['tbe'] / 2**20:.1f} MiB, row-wise Adagrad on the looked-up rows, lr {args.emb_lr})")
@@ -511,7 +616,8 @@ def main(argv=None) -> dict:
     for i in range(args.eval_batches):
         b = gen.batch(i, "eval")
         arrays = b.arrays() if prepare is None else prepare(b.arrays())
-        eval_set.append((jax.device_put({k: v for k, v in arrays.items() if k != "labels"}), b.labels, b.logit))
+        eval_set.append((jax.device_put({k: v for k, v in arrays.items() if k != "labels"}, batch_sharding),
+                         b.labels, b.logit))
     oracle = auc(np.concatenate([z for _, _, z in eval_set]), np.concatenate([y for _, y, _ in eval_set]))
     oracle_loss = log_loss(np.concatenate([z for _, _, z in eval_set]), np.concatenate([y for _, y, _ in eval_set]))
     before = evaluate(eval_logits, state, eval_set)
@@ -538,7 +644,7 @@ def main(argv=None) -> dict:
     t_ckpt = 0.0  # time spent saving inside the loop (left out of the step time)
     t0 = time.perf_counter()
     ckpt = None
-    for i, batch in enumerate(prefetch(gen, start, args.steps, workers, prepare), start):
+    for i, batch in enumerate(prefetch(gen, start, args.steps, workers, prepare, batch_sharding), start):
         dense_params, emb_params, emb_state, dense_opt_state, loss = train_step(
             dense_params, emb_params, emb_state, dense_opt_state, emb_opt, batch)
         losses.append(loss)
@@ -555,8 +661,8 @@ def main(argv=None) -> dict:
                 bar.set_postfix(loss=f"{recent:.4f}", ex_per_s=f"{rate:,.0f}")
         if args.ckpt_dir and args.ckpt_every and (i + 1) % args.ckpt_every == 0 and i + 1 < args.steps:
             tc = time.perf_counter()
-            save_checkpoint(args.ckpt_dir, TrainState(i + 1, dense_params, dense_opt_state, emb_params, emb_state),
-                            settings)
+            save_checkpoint(args.ckpt_dir, _portable(
+                model, TrainState(i + 1, dense_params, dense_opt_state, emb_params, emb_state)), settings)
             t_ckpt += time.perf_counter() - tc
     jax.block_until_ready((dense_params, emb_params, emb_state))
     t_end = time.perf_counter()
@@ -581,7 +687,7 @@ def main(argv=None) -> dict:
         f"(ceiling AUC {oracle:.4f})")
 
     if args.ckpt_dir:
-        ckpt = save_checkpoint(args.ckpt_dir, state, settings)
+        ckpt = save_checkpoint(args.ckpt_dir, _portable(model, state), settings)
         log(f"checkpoint: {ckpt} (orbax StandardCheckpointer; resume with --ckpt-dir {args.ckpt_dir} --resume)")
 
     results = {
@@ -596,7 +702,7 @@ def main(argv=None) -> dict:
 
     if args.emb_share or backend == "gpu":
         arrays = gen.batch(args.steps).arrays()
-        batch = jax.device_put(arrays if prepare is None else prepare(arrays))
+        batch = jax.device_put(arrays if prepare is None else prepare(arrays), batch_sharding)
         reps = 20 if backend == "gpu" else 5
         m = measure_emb_share(model, built, state, batch, reps)
         results["emb_share"] = m["share"]

@@ -1,0 +1,71 @@
+"""The DLRM demo on several devices (`--devices N`): tables sharded, each batch split into N local batches.
+
+A subprocess runs the demo on 2 fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=2`
+set before jax starts, as its --help says); in process (conftest's 4 CPU devices), one training step
+of the sharded model on a batch split by `DLRM.shard_batch` equals the one-device model's.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tbe_jax.dlrm import data as data_lib
+from tbe_jax.dlrm import model as model_lib
+from tbe_jax.dlrm import train
+
+
+def _env(n):
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return dict(os.environ, XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={n}"]))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="fake CPU devices")
+def test_demo_on_two_cpu_devices():
+    cmd = [sys.executable, "-m", "tbe_jax.dlrm.train", "--size", "tiny", "--impl", "xla", "--no-progress",
+           "--devices", "2", "--steps", "30", "--eval-batches", "2"]
+    p = subprocess.run(cmd, env=_env(2), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = p.stdout
+    assert "sharded over 2 cpu devices" in out and "2 local batches of 128" in out, out
+    first, last = map(float, re.search(r"train loss ([\d.]+) \(first \d+\) -> ([\d.]+) \(last", out).groups())
+    assert last < first, out
+    before, after = map(float, re.search(r"SUMMARY .*\| AUC ([\d.]+) -> ([\d.]+)", out).groups())
+    assert after > before + 0.05, out
+
+
+def test_sharded_step_equals_one_device_step():
+    n = 2
+    if len(jax.devices()) < n:
+        pytest.skip("needs 2 devices")
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+    data_cfg = data_lib.DataConfig.preset("tiny")
+    config = model_lib.DLRMConfig.preset("tiny", data_cfg.table_rows, impl="xla")
+    one, sharded = model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
+    assert sharded.num_devices == n and one.num_devices == 1
+    opt = train.make_emb_opt(one, 0.05)
+    dense, tables = jax.jit(one.init)(jax.random.key(0))
+    state = one.emb.init_opt_state(tables, opt)
+    s_tables, s_state = sharded.emb.from_unsharded(tables, state)
+    s_dense = jax.device_put(dense, sharded.sharding())
+
+    gen = data_lib.ClickLogGenerator(data_cfg, 64, seed=1)
+    arrays = gen.batch(0).arrays()
+    local = sharded.shard_batch(arrays, train.local_padded_len(gen, n))
+    assert local["indices"].shape[0] == n and local["offsets"].shape == (n, 26 * 32 + 1)
+    assert local["offsets"][:, -1].sum() == arrays["offsets"][-1]  # every id in one local batch
+
+    res = jax.jit(one.train_step)(dense, tables, state, opt, jax.device_put(arrays))
+    s_res = jax.jit(sharded.train_step)(s_dense, s_tables, s_state, opt,
+                                        jax.device_put(local, sharded.sharding("batch")))
+    np.testing.assert_allclose(float(s_res.loss), float(res.loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s_res.grads), jax.tree.leaves(res.grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    got, want = sharded.emb.to_unsharded(s_res.params, s_res.opt_state), (res.params, res.opt_state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    assert int(s_res.opt_state.count) == 1
