@@ -305,7 +305,10 @@ def test_train_step_equals_apply_gradients(rng, opt, impl):
     assert jax.tree.structure(res.opt_state) == jax.tree.structure(want_s) == jax.tree.structure(state)
     assert int(res.opt_state.count) == int(want_s.count) == 1
     for a, b in zip(jax.tree.leaves((res.params, res.opt_state)), jax.tree.leaves((want_p, want_s))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-9)
+        # XLA: an element that is a small difference of larger sums keeps the sums' absolute rounding (seen on an
+        # H200: 6e-8 on 0.0036, 1.6e-5 relative), so its absolute tolerance scales with the array.
+        atol = 1e-9 if impl == "pallas" else 1e-6 * float(np.max(np.abs(np.asarray(b)), initial=0.0))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=max(atol, 1e-9))
     assert any(np.any(np.asarray(a) != np.asarray(b))
                for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(params)))  # the step did something
     assert_close(res.outputs, emb(params, idx, off, psw), 1e-6)  # two XLA programs: ulps apart on a GPU
