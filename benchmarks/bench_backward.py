@@ -86,10 +86,12 @@ def with_opt(opt, sets):
     return [(opt,) + tuple(s) for s in sets]
 
 
-def time_chain(step, carry, arg_sets, iters, reps):
-    """Median ms per step; `step(carry, *args) -> carry` with the carry donated."""
-    for a in arg_sets:  # compile + warm-up
-        carry = step(carry, *a)
+def time_chain(step, carry, arg_sets, iters, reps, warmups=1):
+    """Median ms per step; `step(carry, *args) -> carry` with the carry donated. `warmups` rounds over the
+    argument sets first (2 when the first call's carry is placed differently from the step's output)."""
+    for _ in range(warmups):  # compile + warm-up
+        for a in arg_sets:
+            carry = step(carry, *a)
     jax.block_until_ready(carry)
     samples = []
     for _ in range(reps):

@@ -26,9 +26,7 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,23 +38,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
 from tbe_jax.sharding import _a2a  # noqa: E402
+from bench_backward import time_chain  # noqa: E402
 
 LR, EPS = 0.01, 1e-8
 
 
 def timed(fn, carry, args, iters, reps):
-    for _ in range(2):  # compile, and again once the carry comes back with the step's own shardings
-        for a in args:
-            carry = fn(carry, *a)
-    jax.block_until_ready(carry)
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            carry = fn(carry, *args[i % len(args)])
-        jax.block_until_ready(carry)
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples), carry
+    # twice over the sets: the carry comes back with the step's own shardings after the first call
+    return time_chain(fn, carry, args, iters, reps, warmups=2)
 
 
 def local_inputs(rng, num_tables, rows, b, bag, alpha, n):

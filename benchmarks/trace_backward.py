@@ -30,28 +30,25 @@ from tbe_jax import testing  # noqa: E402
 from bench_backward import EPS, LR, make_sets, sparse_train_step, with_opt  # noqa: E402
 
 
-def device_events(log_dir: str) -> list[dict]:
-    """The complete ('X') events of the trace's device processes."""
+def _events(log_dir: str, device: bool) -> list[dict]:
+    """The complete ('X') events of the trace's device processes (or, `device=False`, of its host ones)."""
     (path,) = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
     with gzip.open(path, "rb") as fh:
         trace = json.load(fh)
     events = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     dev = {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
-    if not dev:
+    if device and not dev:
         print("no device process in the trace; processes:", sorted(names.values()))
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in dev and "dur" in e]
+    return [e for e in events if e.get("ph") == "X" and (e.get("pid") in dev) == device and "dur" in e]
+
+
+def device_events(log_dir: str) -> list[dict]:
+    return _events(log_dir, True)
 
 
 def host_events(log_dir: str) -> list[dict]:
-    """The complete ('X') events of the trace's host processes."""
-    (path,) = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
-    with gzip.open(path, "rb") as fh:
-        trace = json.load(fh)
-    events = trace["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    dev = {pid for pid, n in names.items() if "GPU" in n or "/device:" in n}
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") not in dev and "dur" in e]
+    return _events(log_dir, False)
 
 
 def profile(step, carry, sets, iters, host=False):
