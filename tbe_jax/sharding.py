@@ -556,8 +556,11 @@ class ShardedTableBatchedEmbedding:
             if not jnp.issubdtype(x.dtype, jnp.integer):
                 raise TypeError(f"{name} must hold integers, got {x.dtype}")
         nf = self.emb.num_features
-        if (offsets.shape[1] - 1) % nf or offsets.shape[1] < 1:
-            raise ValueError(f"offsets has {offsets.shape[1]} entries per device; expected F*b+1 with F={nf}")
+        if (offsets.shape[1] - 1) % nf or offsets.shape[1] < nf + 1:
+            raise ValueError(f"offsets has {offsets.shape[1]} entries per device; expected F*b+1 with F={nf} "
+                             "and b >= 1 samples per device")
+        if indices.shape[1] < 1:
+            raise ValueError("indices must give every device room for at least one id (pad past offsets[k, -1])")
         if per_sample_weights is not None and per_sample_weights.shape != indices.shape:
             raise ValueError(f"per_sample_weights has shape {per_sample_weights.shape}; it must match indices "
                              f"{indices.shape}")
@@ -579,7 +582,9 @@ class ShardedTableBatchedEmbedding:
             per_sample_weights = jnp.asarray(per_sample_weights)
         self._check_inputs(indices, offsets, per_sample_weights)
         spec = P(self.axis_name)
-        indices = self._place(indices.astype(jnp.int32), spec)
+        if indices.dtype != jnp.int32:  # int64 ids (x64): an id past int32 must not wrap into a valid one
+            indices = jnp.where((indices < -1) | (indices >= 2**31), -2, indices).astype(jnp.int32)
+        indices = self._place(indices, spec)
         offsets = self._place(offsets.astype(jnp.int32), spec)
         if per_sample_weights is not None:
             per_sample_weights = self._place(per_sample_weights.astype(jnp.float32), spec)

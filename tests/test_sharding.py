@@ -214,6 +214,10 @@ def test_planner_and_errors():
         tbe_jax.shard(emb, mesh(), "model")
     with pytest.raises(ValueError, match="one row per device"):
         sharded(params, np.zeros((1, 8), np.int32), np.zeros((1, 7), np.int32))
+    with pytest.raises(ValueError, match="b >= 1"):
+        sharded(params, np.zeros((N_DEV, 8), np.int32), np.zeros((N_DEV, 1), np.int32))
+    with pytest.raises(ValueError, match="room for at least one id"):
+        sharded(params, np.zeros((N_DEV, 0), np.int32), np.zeros((N_DEV, 7), np.int32))
     with pytest.raises(ValueError, match="params"):
         sharded(emb.init(jax.random.key(0)), np.zeros((N_DEV, 8), np.int32), np.zeros((N_DEV, 7), np.int32))
 
