@@ -244,27 +244,22 @@ class _Layout:
                     slot_of[j, f] = q
                     self.slot_piece[(j, q)] = (f, p)
         self.slot_feat, self.slot_row0, self.slot_rows, self.slot_prow, self.slot_of = feat, row0, rows, prow, slot_of
-        # Assembly: each output column's sources in the received [n * W] (owner-major) row, and the
-        # gradient's: per destination slot column, its column of the local [sum D] output.
+        # Assembly and gradient routing work from these per-slot / per-feature facts on the device (index maps
+        # per output column would be constants growing with sum D).
+        col0 = np.zeros((n, ns), np.int32)
+        ncols = np.zeros((n, ns), np.int32)
+        skip = np.zeros((n, ns), bool)  # a replicated table's pooled rows come from device 0's copy only
+        depth = 1
+        for (j, q), (f, p) in self.slot_piece.items():
+            col0[j, q], ncols[j, q] = p.col0, p.cols
+            skip[j, q] = plan.strategies[p.table] == "data" and j != 0
+        for t, st in enumerate(plan.strategies):
+            if st == "row":
+                depth = max(depth, sum(1 for p in pieces if p.table == t))
+        self.slot_col0, self.slot_ncols, self.slot_skip, self.depth = col0, ncols, skip, depth
         dims = emb.feature_dims
-        fcol = np.concatenate([[0], np.cumsum(dims)[:-1]]).astype(int)
-        total = int(sum(dims))
-        self.out_width = total
-        contrib = [[] for _ in range(total)]
-        gidx = np.full((n, self.width), total, np.int32)  # `total`: a zero column
-        for (j, q), (f, p) in sorted(self.slot_piece.items()):
-            strategy = plan.strategies[p.table]
-            for w in range(p.cols):
-                x = fcol[f] + p.col0 + w
-                gidx[j, self.slot_col[q] + w] = x
-                if strategy != "data" or j == 0:  # a replicated table's columns come from device 0's copy
-                    contrib[x].append(j * self.width + self.slot_col[q] + w)
-        depth = max([len(c) for c in contrib] + [1])
-        src = np.full((depth, total), n * self.width, np.int32)  # n * W: a zero column
-        for x, cs in enumerate(contrib):
-            src[: len(cs), x] = cs
-        self.assemble_src, self.grad_cols = src, gidx
-        self.feature_col = fcol
+        self.feature_col = np.concatenate([[0], np.cumsum(dims)[:-1]]).astype(np.int32)
+        self.out_width = int(sum(dims))
 
 
 def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = "data", plan=None, *,
@@ -855,24 +850,33 @@ def _assemble(s, out_l, off, b):
     if n > 1:
         parts = _a2a(parts, s.axis_name)  # [n(owner), b, W]
     parts = parts.astype(jnp.float32)
-    # one gather per contribution depth straight from [owner, sample, column] (no transpose); the zero
-    # column `n * W` marks "no contribution"
-    src = lay.assemble_src
+    # Per output column: its feature, and on each owner the slot column holding it (if any).
+    x = jnp.arange(lay.out_width, dtype=jnp.int32)
+    fcol = jnp.asarray(lay.feature_col)
+    feat = jnp.searchsorted(fcol, x, side="right", method="scan_unrolled").astype(jnp.int32) - 1
+    d = x - fcol[feat]
+    q = jnp.asarray(lay.slot_of)[:, feat]  # [n, sum D]
+    qc = jnp.maximum(q, 0)
+    col0 = jnp.take_along_axis(jnp.asarray(lay.slot_col0), qc, axis=1)
+    ncols = jnp.take_along_axis(jnp.asarray(lay.slot_ncols), qc, axis=1)
+    skip = jnp.take_along_axis(jnp.asarray(lay.slot_skip), qc, axis=1)
+    contrib = (q >= 0) & (d >= col0) & (d < col0 + ncols) & ~skip
+    local_col = jnp.asarray(np.asarray(lay.slot_col, np.int32))[qc] + d - col0
+    # One gather per contribution depth straight from [owner, sample, column] (no transpose), summed in
+    # owner order (row-wise tables: every owner's partial sum).
+    rank = jnp.cumsum(contrib, axis=0, dtype=jnp.int32)
     rows = jnp.arange(b, dtype=jnp.int32)[:, None]
     out = None
-    for r in range(src.shape[0]):
-        has = src[r] < n * lay.width
-        owner = jnp.asarray(np.where(has, src[r] // lay.width, 0).astype(np.int32))[None, :]
-        col = jnp.asarray(np.where(has, src[r] % lay.width, 0).astype(np.int32))[None, :]
-        val = parts[owner, rows, col]
-        if not has.all():
-            val = jnp.where(jnp.asarray(has)[None, :], val, 0.0)
+    for r in range(lay.depth):
+        sel = contrib & (rank == r + 1)
+        owner = jnp.argmax(sel, axis=0).astype(jnp.int32)
+        col = jnp.take_along_axis(local_col, owner[None, :], axis=0)[0]
+        val = jnp.where(jnp.any(sel, axis=0)[None, :], parts[owner[None, :], rows, col[None, :]], 0.0)
         out = val if out is None else out + val
     if emb.pooling == "mean":
         nf = emb.num_features
         length = (off[1:] - off[:-1]).reshape(nf, b)
-        colfeat = np.repeat(np.arange(nf), emb.feature_dims)
-        out = out / jnp.maximum(length, 1).astype(jnp.float32).T[:, colfeat]
+        out = out / jnp.maximum(length, 1).astype(jnp.float32).T[:, feat]
     return out.astype(emb.output_dtype)
 
 
@@ -881,12 +885,14 @@ def _route_grads(s, g):
     n, lay = s.num_devices, s.layout
     g = g.astype(jnp.float32)
     b = g.shape[0]
-    cols = lay.grad_cols  # [n, W]; out_width marks an unused slot column
-    has = cols < lay.out_width
-    idx = jnp.asarray(np.where(has, cols, 0).astype(np.int32))[:, None, :]
-    send = g[jnp.arange(b, dtype=jnp.int32)[None, :, None], idx]  # [n(dst), b, W], no transpose
-    if not has.all():
-        send = jnp.where(jnp.asarray(has)[:, None, :], send, 0.0)
+    # Per destination and slot column: the column of this device's output it carries (unused slots: zero).
+    w = jnp.arange(lay.width, dtype=jnp.int32)
+    slot_col = jnp.asarray(np.asarray(lay.slot_col, np.int32))
+    wq = jnp.searchsorted(slot_col, w, side="right", method="scan_unrolled").astype(jnp.int32) - 1
+    f = jnp.asarray(lay.slot_feat)[:, wq]  # [n, W]
+    cols = jnp.asarray(lay.feature_col)[jnp.maximum(f, 0)] + jnp.asarray(lay.slot_col0)[:, wq] + (w - slot_col[wq])
+    send = g[jnp.arange(b, dtype=jnp.int32)[None, :, None], cols[:, None, :]]  # [n(dst), b, W], no transpose
+    send = jnp.where((f >= 0)[:, None, :], send, 0.0)
     if s.comm_dtype is not None:
         send = send.astype(s.comm_dtype)
     if n > 1:
