@@ -1,0 +1,225 @@
+"""Where a sharded embedding's tables live: strategies, the planner, and the static layout every device shares.
+
+`plan_sharding` picks a strategy per table (`ShardingPlan`); `_Layout` turns a plan into what the routed step in
+`tbe_jax.sharding` needs: per device and storage width its pieces (row and column blocks of tables) stacked in
+one buffer, the "slots" (a feature read through one of the device's pieces; the same count per width on every
+device), and the per-slot facts the senders index by destination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from tbe_jax.tbe import TableBatchedEmbedding
+
+__all__ = ["STRATEGIES", "ShardingPlan", "plan_sharding"]
+
+STRATEGIES = ("table", "row", "column", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Per table: its strategy, and for `"table"` its device (`owner`, -1 otherwise)."""
+
+    strategies: tuple[str, ...]
+    owners: tuple[int, ...]
+    num_devices: int
+
+    def __post_init__(self):
+        if len(self.strategies) != len(self.owners):
+            raise ValueError("strategies and owners must have one entry per table")
+        for t, (s, o) in enumerate(zip(self.strategies, self.owners)):
+            if s not in STRATEGIES:
+                raise ValueError(f"table {t}: strategy must be one of {STRATEGIES}, got {s!r}")
+            if s == "table" and not 0 <= o < self.num_devices:
+                raise ValueError(f"table {t}: owner {o} is not a device index in [0, {self.num_devices})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    table: int
+    device: int
+    row0: int
+    rows: int
+    col0: int
+    cols: int
+
+
+def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | None = None) -> ShardingPlan:
+    """Pick a strategy per table (and an owner for table-wise ones).
+
+    `plan` fixes some tables (`{table index or TableSpec.name: strategy}`; a strategy
+    may be `("table", device)` to pin the owner); the planner decides the rest.
+
+    Cost model (per device; n devices; a table of E rows, D columns, s bytes per
+    value, read by features with `bag_size_hint` ids per bag, 1 if unset):
+
+    - memory: `E * D * s` (plus its optimizer state, in proportion) on the owner for
+      `"table"`, `1/n` of it on every device for `"row"` / `"column"`, all of it on
+      every device for `"data"`;
+    - lookups: a table-wise table's lookups all run on its owner; row-wise ones
+      spread by id value; column-wise and replicated ones run on every device (on
+      `D/n` columns, or on all of them);
+    - bytes moved per step per sample: ids `4 * L` to the owner (all devices for
+      `"column"` and `"data"`), pooled rows `4 * D` back (from every device for
+      `"row"`: partial sums).
+
+    Rule: a table larger than a fair share of all tables' memory (`total / n`) goes
+    `"row"` (it would unbalance memory); every other table goes `"table"`, placed
+    largest first on the device with the least load, where load adds the table's
+    share of total memory and its share of total lookups (bytes read per step).
+    `"column"` and `"data"` are never chosen automatically: they move more ids
+    than `"table"` for the same tables; ask for them explicitly.
+    """
+    n = int(num_devices)
+    if n < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    tables = emb.tables
+    names = {t.name: i for i, t in enumerate(tables) if t.name}
+    fixed: dict[int, tuple[str, int]] = {}
+    for key, val in dict(plan or {}).items():
+        if isinstance(key, str):
+            if key not in names:
+                raise ValueError(f"plan names table {key!r}, which is not a TableSpec.name of this embedding")
+            t = names[key]
+        else:
+            t = int(key)
+            if not 0 <= t < len(tables):
+                raise ValueError(f"plan names table {key!r}: not a table index in [0, {len(tables)})")
+        if isinstance(val, (tuple, list)):
+            if len(val) != 2 or val[0] != "table":
+                raise ValueError(f"plan[{key!r}]: a pair must be ('table', device), got {val!r}")
+            fixed[t] = ("table", int(val[1]))
+        else:
+            if val not in STRATEGIES:
+                raise ValueError(f"plan[{key!r}] must be one of {STRATEGIES} or ('table', device), got {val!r}")
+            fixed[t] = (val, -1)
+    itemsize = emb.weights_dtype.itemsize
+    mem = np.array([t.num_embeddings * t.embedding_dim * itemsize for t in tables], np.float64)
+    reads = np.zeros(len(tables))
+    for f, t in enumerate(emb.feature_table_map):
+        reads[t] += (tables[t].bag_size_hint or 1) * tables[t].embedding_dim * itemsize
+    strategies = [None] * len(tables)
+    owners = [-1] * len(tables)
+    load = np.zeros(n)
+    total_mem, total_reads = max(mem.sum(), 1.0), max(reads.sum(), 1.0)
+    cost = mem / total_mem + reads / total_reads
+    for t, (s, o) in fixed.items():
+        strategies[t] = s
+        if s == "table":
+            if o < 0:
+                strategies[t] = None  # placed below, as a free table-wise one
+            else:
+                owners[t] = o
+                load[o] += cost[t]
+        elif s in ("row", "column"):
+            load += cost[t] / n
+        else:
+            load += cost[t]
+    free = [t for t in range(len(tables)) if strategies[t] is None]
+    for t in free:
+        if t not in fixed and n > 1 and mem[t] > total_mem / n:
+            strategies[t] = "row"
+            load += cost[t] / n
+    for t in sorted((t for t in free if strategies[t] is None), key=lambda t: (-cost[t], t)):
+        j = int(np.argmin(load))
+        strategies[t], owners[t] = "table", j
+        load[j] += cost[t]
+    return ShardingPlan(tuple(strategies), tuple(owners), n)
+
+
+def _pieces(emb: TableBatchedEmbedding, plan: ShardingPlan) -> list[_Piece]:
+    n = plan.num_devices
+    out = []
+    for t, spec in enumerate(emb.tables):
+        s, e, d = plan.strategies[t], spec.num_embeddings, spec.embedding_dim
+        if s == "table":
+            out.append(_Piece(t, plan.owners[t], 0, e, 0, d))
+        elif s == "row":
+            r = -(-e // n)
+            out += [_Piece(t, j, j * r, min(e, (j + 1) * r) - j * r, 0, d) for j in range(n) if j * r < e]
+        elif s == "column":
+            c = -(-d // n)
+            out += [_Piece(t, j, 0, e, j * c, min(d, (j + 1) * c) - j * c) for j in range(n) if j * c < d]
+        else:
+            out += [_Piece(t, j, 0, e, 0, d) for j in range(n)]
+    return out
+
+
+class _Layout:
+    """The static structure every device shares: storage widths, slots, routing and assembly maps."""
+
+    def __init__(self, emb: TableBatchedEmbedding, plan: ShardingPlan):
+        n = plan.num_devices
+        self.n = n
+        pieces = _pieces(emb, plan)
+        self.pieces = pieces
+        widths: list[int] = []
+        for p in pieces:
+            if p.cols not in widths:
+                widths.append(p.cols)
+        self.widths = tuple(widths)
+        nc = len(widths)
+        # Storage: per device and width, its pieces stacked in table order.
+        self.pool_row = {}
+        rows_used = np.zeros((n, nc), np.int64)
+        for p in pieces:
+            c = widths.index(p.cols)
+            self.pool_row[p] = int(rows_used[p.device, c])
+            rows_used[p.device, c] += p.rows
+        self.pool_rows = tuple(max(1, int(rows_used[:, c].max())) for c in range(nc))
+        # Slots: per device and width, (feature, piece) pairs in feature order.
+        readers: dict[int, list[int]] = {}
+        for f, t in enumerate(emb.feature_table_map):
+            readers.setdefault(t, []).append(f)
+        per = [[[] for _ in range(nc)] for _ in range(n)]
+        for p in pieces:
+            for f in readers.get(p.table, []):
+                per[p.device][widths.index(p.cols)].append((f, p))
+        for j in range(n):
+            for c in range(nc):
+                per[j][c].sort(key=lambda x: x[0])
+        self.slots_per_width = tuple(max(len(per[j][c]) for j in range(n)) for c in range(nc))
+        ns = sum(self.slots_per_width)
+        self.num_slots = ns
+        slot_width = []
+        for c in range(nc):
+            slot_width += [widths[c]] * self.slots_per_width[c]
+        self.slot_width = tuple(slot_width)
+        self.slot_col = tuple(int(x) for x in np.concatenate([[0], np.cumsum(slot_width)[:-1]])) if ns else ()
+        self.width = int(sum(slot_width))
+        nf = emb.num_features
+        feat = -np.ones((n, ns), np.int32)
+        row0 = np.zeros((n, ns), np.int32)
+        rows = np.zeros((n, ns), np.int32)
+        prow = np.zeros((n, ns), np.int32)
+        slot_of = -np.ones((n, nf), np.int32)
+        q0 = np.concatenate([[0], np.cumsum(self.slots_per_width)[:-1]]).astype(int) if nc else []
+        self.slot_piece = {}
+        for j in range(n):
+            for c in range(nc):
+                for s, (f, p) in enumerate(per[j][c]):
+                    q = q0[c] + s
+                    feat[j, q], row0[j, q], rows[j, q], prow[j, q] = f, p.row0, p.rows, self.pool_row[p]
+                    slot_of[j, f] = q
+                    self.slot_piece[(j, q)] = (f, p)
+        self.slot_feat, self.slot_row0, self.slot_rows, self.slot_prow, self.slot_of = feat, row0, rows, prow, slot_of
+        # Assembly and gradient routing work from these per-slot / per-feature facts on the device (index maps
+        # per output column would be constants growing with sum D).
+        col0 = np.zeros((n, ns), np.int32)
+        ncols = np.zeros((n, ns), np.int32)
+        skip = np.zeros((n, ns), bool)  # a replicated table's pooled rows come from device 0's copy only
+        depth = 1
+        for (j, q), (f, p) in self.slot_piece.items():
+            col0[j, q], ncols[j, q] = p.col0, p.cols
+            skip[j, q] = plan.strategies[p.table] == "data" and j != 0
+        for t, st in enumerate(plan.strategies):
+            if st == "row":
+                depth = max(depth, sum(1 for p in pieces if p.table == t))
+        self.slot_col0, self.slot_ncols, self.slot_skip, self.depth = col0, ncols, skip, depth
+        dims = emb.feature_dims
+        self.feature_col = np.concatenate([[0], np.cumsum(dims)[:-1]]).astype(np.int32)
+        self.out_width = int(sum(dims))
