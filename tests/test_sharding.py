@@ -232,7 +232,8 @@ def test_capacity_overflow_is_reported():
     out, rep = full.forward_with_report(params, idx, off)
     assert int(rep.invalid_indices) == 0
     roomy = tbe_jax.shard(emb, mesh(), "data", MIXED, capacity=40)
-    np.testing.assert_array_equal(np.asarray(roomy(params, idx, off)), want)
+    # the same ids either way (the XLA path on a GPU sums a segment in no fixed order: not bitwise there)
+    np.testing.assert_allclose(np.asarray(roomy(params, idx, off)), want, rtol=1e-6, atol=1e-7)
     tight = tbe_jax.shard(emb, mesh(), "data", MIXED, capacity=2)
     out, rep = tight.forward_with_report(params, idx, off)
     assert int(rep.invalid_indices) > 0
