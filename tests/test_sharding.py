@@ -318,3 +318,28 @@ def test_comm_dtype_bfloat16():
     assert_tables(sharded.get_tables(p1), emb.get_tables(p2), 2e-2)
     with pytest.raises(ValueError, match="comm_dtype"):
         tbe_jax.shard(emb, mesh(), "data", comm_dtype=jnp.int8)
+
+
+def test_program_does_not_grow_with_batch():
+    """The sharded forward and step, lowered for the kernels (CUDA) at two batch sizes: the same program text
+    up to the shapes' digits (no constant grows with b)."""
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="pallas")
+    emb._use_kernel = lambda: True  # lower the kernels without a GPU
+    sharded = tbe_jax.shard(emb, mesh(auto=True), "data", MIXED)
+    sharded.local._use_kernel = lambda: True
+    params = jax.eval_shape(sharded.init, jax.random.key(0))
+    opt = tbe_jax.Adagrad(0.1)  # element-wise: allowed with the column-wise table
+    state = jax.eval_shape(lambda p: opt.init(p), params)
+    sizes = []
+    for b in (64, 1024):
+        idx = jax.ShapeDtypeStruct((N_DEV, 8 * b), jnp.int32)
+        off = jax.ShapeDtypeStruct((N_DEV, emb.num_features * b + 1), jnp.int32)
+
+        def step(params, state, idx, off):
+            res = tbe_jax.train_step(lambda _, out: jnp.sum(out), None,
+                                     tbe_jax.SparseLookup(sharded, opt, params, state, idx, off))
+            return res.params, res.opt_state, res.loss
+
+        text = jax.jit(step).trace(params, state, idx, off).lower(lowering_platforms=("cuda",)).as_text()
+        sizes.append(len(text))
+    assert abs(sizes[1] - sizes[0]) < 0.01 * sizes[0], sizes
