@@ -172,3 +172,27 @@ def numpy_pooled_vjp(
                 d_tables[t][i] += coef * s * blocks[f][b]
                 d_psw[p] = coef * float(tables[t][i] @ blocks[f][b])
     return d_tables, d_psw
+
+
+def stack_batches(indices, offsets, weights=None, *, num_features: int, pad_to: int | None = None):
+    """Per-device batches (`indices [n, N]`, `offsets [n, F*b+1]`, the sharded input format) as one batch in
+    the unsharded format: feature f's bags of device 0, then of device 1, ... (device k's sample i is global
+    sample `k*b + i`). Returns `(ids, offsets, weights or None, where)`, `where[p] = (k, local position)` of
+    global id p; `pad_to` pads ids and weights with zeros to that length."""
+    indices, offsets = np.asarray(indices), np.asarray(offsets)
+    n = indices.shape[0]
+    b = (offsets.shape[1] - 1) // num_features
+    gi, go, gw, where = [], [0], [], []
+    for f in range(num_features):
+        for k in range(n):
+            for i in range(b):
+                a, z = int(offsets[k, f * b + i]), int(offsets[k, f * b + i + 1])
+                gi += list(indices[k, a:z])
+                if weights is not None:
+                    gw += list(np.asarray(weights)[k, a:z])
+                where += [(k, p) for p in range(a, z)]
+                go.append(len(gi))
+    pad = 0 if pad_to is None else pad_to - len(gi)
+    ids = np.array(gi + [0] * pad, np.int32)
+    w = None if weights is None else np.array(gw + [0] * pad, np.float32)
+    return ids, np.array(go, np.int32), w, where

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
+from tbe_jax import testing
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 N_DEV = min(4, len(jax.devices()))
@@ -53,19 +54,10 @@ def local_batches(rng, n=N_DEV, b=B, cap=CAP):
 
 
 def global_batch(idx, off, w, y):
-    """The same samples as one batch in the unsharded format (device k's sample i is sample k*b + i)."""
-    n, nf = idx.shape[0], len(FMAP)
-    b = (off.shape[1] - 1) // nf
-    gi, go, gw = [], [0], []
-    for f in range(nf):
-        for k in range(n):
-            for i in range(b):
-                a, z = off[k, f * b + i], off[k, f * b + i + 1]
-                gi += list(idx[k, a:z])
-                gw += list(w[k, a:z])
-                go.append(len(gi))
-    pad = n * idx.shape[1] + 1 - len(gi)  # a fixed size: the steps compile once
-    return (np.array(gi + [0] * pad, np.int32), np.array(go, np.int32), np.array(gw + [0] * pad, np.float32), y)
+    """The same samples as one batch in the unsharded format (device k's sample i is sample k*b + i), padded to a
+    fixed size (the steps compile once)."""
+    gi, go, gw, _ = testing.stack_batches(idx, off, w, num_features=len(FMAP), pad_to=idx.shape[0] * idx.shape[1] + 1)
+    return gi, go, gw, y
 
 
 def close(a, b, rtol=1e-5, atol=1e-6, msg=""):

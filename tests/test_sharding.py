@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
+from tbe_jax import testing
 from conftest import KERNEL_KW, ON_GPU
 
 N_DEV = min(4, len(jax.devices()))
@@ -55,18 +56,8 @@ def local_batches(rng, emb, n, b, cap, max_len=4, bad=True):
 def global_batch(emb, idx, off, w):
     """The same samples as one batch in `emb`'s format (device 0's samples first), and each global
     id position's (device, local position)."""
-    n, nf = idx.shape[0], emb.num_features
-    b = (off.shape[1] - 1) // nf
-    gi, go, gw, where = [], [0], [], []
-    for f in range(nf):
-        for k in range(n):
-            for i in range(b):
-                a, z = off[k, f * b + i], off[k, f * b + i + 1]
-                gi += list(idx[k, a:z])
-                gw += list(w[k, a:z])
-                where += [(k, p) for p in range(a, z)]
-                go.append(len(gi))
-    return (np.array(gi + [0], np.int32), np.array(go, np.int32), np.array(gw + [0], np.float32), where)
+    gi, go, gw, where = testing.stack_batches(idx, off, w, num_features=emb.num_features)
+    return np.append(gi, np.int32(0)), go, np.append(gw, np.float32(0)), where
 
 
 def tables_np(tabs):

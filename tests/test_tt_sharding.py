@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import tbe_jax
+from tbe_jax import testing
 import tt_jax
 from conftest import KERNEL_KW, assert_close
 
@@ -71,17 +72,8 @@ def local_batches(rng, emb, n=N_DEV, b=B, cap=CAP, bad=False):
 def global_batch(emb, idx, off, w):
     """The devices' samples as one batch in `emb`'s format (feature-major: feature f's bags of device 0,
     then device 1, ...)."""
-    n, nf = idx.shape[0], len(emb.feature_table_map)
-    b = (off.shape[1] - 1) // nf
-    gi, go, gw = [], [0], []
-    for f in range(nf):
-        for k in range(n):
-            for i in range(b):
-                a, z = off[k, f * b + i], off[k, f * b + i + 1]
-                gi += list(idx[k, a:z])
-                gw += list(w[k, a:z])
-                go.append(len(gi))
-    return np.array(gi, np.int32), np.array(go, np.int32), np.array(gw, np.float32)
+    gi, go, gw, _ = testing.stack_batches(idx, off, w, num_features=len(emb.feature_table_map))
+    return gi, go, gw
 
 
 def on_host(tree):
