@@ -1,0 +1,165 @@
+"""Which kernel path pays, and what a jitted call costs the host.
+
+`--sweep`: the histogram path (counts x table) against the generic path (row
+gathers; sorted runs in the backward) on single small tables over bag lengths,
+table sizes and batch sizes: forward (`emb(...)`) and the fused row-wise Adagrad
+step (`apply_gradients`, donated), each timed enqueued (calls back to back, one
+block, median of `--reps`). This is the evidence for the static rule that sends
+small tables to the histogram path without a `bag_size_hint`.
+
+`--dispatch`: for presets, the forward's enqueued ms per call, the host time
+per call (enqueue only, no block), and the device time from a profiler trace
+(sum of kernel events per call), so the launch overhead is visible.
+
+Results go to benchmarks/results/paths-<date>-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import tbe_jax  # noqa: E402
+from tbe_jax import testing  # noqa: E402
+from bench_backward import time_chain  # noqa: E402
+from bench_forward import time_calls  # noqa: E402
+from trace_backward import device_events  # noqa: E402
+
+
+def _sets(num_rows, batch, bag_len, n_sets, dim, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_sets):
+        idx, off, _ = testing.make_batch(rng, [num_rows], [batch], bag_len)
+        g = rng.standard_normal((batch, dim), dtype=np.float32)
+        out.append((jnp.asarray(idx), jnp.asarray(off), jnp.asarray(g)))
+    return out
+
+
+def sweep_one(num_rows, dim, batch, bag_len, args):
+    sets = _sets(num_rows, batch, bag_len, args.sets, dim)
+    opt = tbe_jax.RowwiseAdagrad(0.1, 0.1)
+    row = {"E": num_rows, "D": dim, "B": batch, "L": bag_len}
+    ref = None
+    for name, hint, use_hist in (("histogram", 1 << 20, True), ("generic", None, False)):
+        emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(num_rows, dim, bag_size_hint=hint)],
+                                            weights_dtype=jnp.float16, use_histogram=use_hist)
+        assert emb.plan() == (name,), (name, emb.plan())
+        params = emb.init(jax.random.key(0))
+        fwd = jax.jit(lambda p, i, o, emb=emb: emb(p, i, o))
+        out = np.asarray(fwd(params, *sets[0][:2]), np.float64)
+        if ref is None:
+            ref = out
+        else:
+            row["fwd_max_rel_err"] = float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+        row[f"{name}_fwd_ms"] = time_calls(fwd, [(params,) + s[:2] for s in sets], args.iters, args.reps)
+
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def step(carry, i, o, g, emb=emb):
+            p, st = carry
+            return emb.apply_gradients(p, st, opt, i, o, g)
+
+        carry = (params, emb.init_opt_state(params, opt))
+        row[f"{name}_bwd_ms"], _ = time_chain(step, carry, list(sets), args.iters, args.reps, warmups=2)
+    row["fwd_hist_speedup"] = row["generic_fwd_ms"] / row["histogram_fwd_ms"]
+    row["bwd_hist_speedup"] = row["generic_bwd_ms"] / row["histogram_bwd_ms"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def dispatch_one(preset, args):
+    wl = testing.PRESETS[preset]
+    feats = wl.features()
+    rng = np.random.default_rng(0)
+    sets = []
+    for _ in range(args.sets):
+        idx, off, psw = testing.make_batch(rng, [e for e, _, _ in feats], [wl.B] * len(feats),
+                                           [l for _, _, l in feats], alpha=wl.alpha, weighted=wl.weighted)
+        sets.append(tuple(None if x is None else jnp.asarray(x) for x in (idx, off, psw)))
+    # Default TableSpecs (no hints): what a user gets.
+    emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(e, d) for e, d, _ in feats],
+                                        weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype)
+    params = emb.init(jax.random.key(0))
+    fn = jax.jit(lambda p, i, o, s: emb(p, i, o, s))
+    arg_sets = [(params,) + s for s in sets]
+    row = {"preset": preset, "plan": sorted(set(emb.plan(weighted=wl.weighted)))}
+    row["enqueued_ms"] = time_calls(fn, arg_sets, args.iters, args.reps)
+    # Host time per call: enqueue `iters` calls without blocking in between.
+    host = []
+    for _ in range(args.reps):
+        jax.block_until_ready(fn(*arg_sets[0]))
+        t0 = time.perf_counter()
+        outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(args.iters)]
+        host.append((time.perf_counter() - t0) * 1e3 / args.iters)
+        jax.block_until_ready(outs)
+        del outs
+    row["host_ms_per_call"] = statistics.median(host)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            out = None
+            for i in range(args.iters):
+                out = fn(*arg_sets[i % len(arg_sets)])
+            jax.block_until_ready(out)
+        ev = device_events(d)
+    per = {}
+    for e in ev:
+        per[e["name"]] = per.get(e["name"], 0.0) + e["dur"] / 1e3 / args.iters
+    row["kernel_ms"] = sum(per.values())
+    row["kernels"] = per
+    row["enqueued_over_kernel"] = row["enqueued_ms"] / row["kernel_ms"] if row["kernel_ms"] else None
+    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--dispatch", default="", help="comma-separated presets")
+    ap.add_argument("--rows", default="8,64")
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--batches", default="4096,65536")
+    ap.add_argument("--bags", default="1,4,16,64,128")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sets", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    res = {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "args": vars(args),
+           "sweep": [], "dispatch": []}
+    try:
+        import triton
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if args.sweep:
+        for e in map(int, args.rows.split(",")):
+            for d in map(int, args.dims.split(",")):
+                for b in map(int, args.batches.split(",")):
+                    for l in map(int, args.bags.split(",")):
+                        res["sweep"].append(sweep_one(e, d, b, l, args))
+    for p in filter(None, args.dispatch.split(",")):
+        res["dispatch"].append(dispatch_one(p, args))
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(args.out, f"paths-{stamp}-{res['gpu'].replace(' ', '_')}.json")
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1)
+    print("saved", path)
+
+
+if __name__ == "__main__":
+    main()
