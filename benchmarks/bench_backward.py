@@ -46,7 +46,7 @@ import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
 from bench_forward import FBGEMM_FWD_KERNEL_MS, time_calls, xla_baseline  # noqa: E402  (same timing, same baseline)
 
-# ../shared/anchors/README.md (H200, 2026-11-29): FBGEMM CUDA TBE backward "kernels" times (ms).
+# benchmarks/ANCHORS.md (H200, 2026-11-29): FBGEMM CUDA TBE backward "kernels" times (ms).
 FBGEMM_BWD_KERNEL_MS = {
     "base": 1.538, "zipf": 0.986, "weighted": 1.423, "large": 7.497, "fp32": 0.902, "smalltable": 0.820,
 }

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
 
-# From ../shared/anchors/README.md (H200, 2026-11-29): FBGEMM CUDA TBE forward
+# From benchmarks/ANCHORS.md (H200, 2026-11-29): FBGEMM CUDA TBE forward
 # kernel time and the anchors' own XLA baseline (ms).
 ANCHOR_XLA_FWD_MS = {
     "base": 0.449, "zipf": 0.316, "weighted": 0.371, "large": 1.327, "fp32": 0.436, "smalltable": 0.639,

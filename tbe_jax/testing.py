@@ -45,7 +45,7 @@ class Workload:
         return sum(4 * self.B * d + wbytes * self.B * d * l for _, d, l in self.features())
 
 
-# The anchors' six configurations (../shared/anchors/README.md).
+# The six reference workloads FBGEMM was measured on (benchmarks/ANCHORS.md).
 PRESETS = {
     "base": Workload("base", 32, 100_000, 128, 4096, 20, 1.0),
     "zipf": Workload("zipf", 32, 100_000, 128, 4096, 20, 1.15),

@@ -1,6 +1,6 @@
 """Synthetic TT embedding workloads for benchmarks and tests.
 
-- `workload_a()`: the anchors' single table (../shared/anchors/README.md, "Tensor-train anchors"):
+- `workload_a()`: the anchors' single table (benchmarks/ANCHORS.md, the tensor-train table):
   N = 10M rows as p = (200, 200, 250), D = 32 as q = (2, 4, 4), ranks (32, 32), every bag
   exactly L = 20 lookups, Zipf(1.1) ids through a fixed random permutation of the rows (drawn
   with `tbe_jax.testing.sample_ids`, as the anchors were).
