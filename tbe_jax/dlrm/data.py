@@ -18,19 +18,32 @@ hidden weights, effects and vectors are fixed random draws from the seed; the
 scale is set (from a pilot sample) so the hidden logit has a fixed spread and the
 bias so that about `ctr` of the labels are clicks.
 
-Everything is NumPy on the host and deterministic: batch `i` of a stream depends
-only on (seed, stream, i), so a training run resumed at step k sees the same
+`ClickLogGenerator` is NumPy on the host and deterministic: batch `i` of a stream
+depends only on (seed, stream, i), so a training run resumed at step k sees the same
 batches as a straight run. The Zipf draw uses the inverse CDF of the continuous
 power law (O(1) per id, no per-table CDF array), and the rank-to-row map is an
 affine bijection `(rank * P + shift) mod E` (P a prime above E), so the frequent
 rows are spread over the table without a stored permutation.
+
+`DeviceClickLog` draws the same kind of batches on the device, inside jitted code
+(`draw`), from the host generator's hidden model (its hidden rows, weights, pairs,
+rank-to-row maps, logit scale and bias, copied to the device once): the same feature
+cardinalities, bag-length distributions, Zipf ids and label model, other random
+numbers (jax.random instead of NumPy). Batch `i` of a stream is drawn from the key
+`fold_in(fold_in(key(seed), stream), i)`, so it too depends only on (seed, stream, i).
+Every batch has one static shape: the ids are packed into a fixed capacity (the host
+generator's `padded_len`) and zero-padded past `offsets[-1]`; the bag lengths come from
+per-feature inverse-CDF tables (no data-dependent loops: nothing waits on the host).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 NUM_DENSE = 13
@@ -244,3 +257,223 @@ class ClickLogGenerator:
     def batches(self, start: int, stop: int, stream: str = "train") -> Iterator[Batch]:
         for i in range(start, stop):
             yield self.batch(i, stream)
+
+
+# -- on the device ---------------------------------------------------------------------
+
+_STREAMS = {"train": _TRAIN, "eval": _EVAL}
+
+
+def length_cdf(bag_mean) -> np.ndarray:
+    """`[F, K]` float32: per feature, the CDF of its bag length at 0..K-1 (a one-hot feature present
+    with probability p: `[1-p, 1, 1, ...]`; a multi-hot one: Poisson(mean)), K where every row has
+    reached 1.0 in float32. A bag's length is the number of entries of its row a uniform u in [0, 1)
+    is >= to (inverse CDF; the Poisson tails past float32's resolution, below ~1e-7, are cut): at most
+    K - 1."""
+    rows = []
+    for m in np.asarray(bag_mean, np.float64):
+        if m < 1.0:
+            rows.append(np.array([1.0 - m, 1.0]))
+            continue
+        pmf = [np.exp(-m)]
+        while np.float32(np.sum(pmf)) < 1.0:
+            pmf.append(pmf[-1] * m / len(pmf))
+        rows.append(np.cumsum(pmf))
+    k = max(len(r) for r in rows)
+    out = np.ones((len(rows), k), np.float32)
+    for f, r in enumerate(rows):
+        out[f, : len(r)] = np.minimum(r, 1.0)
+    return out
+
+
+def mulmod(a, b, m, bits: int):
+    """`(a * b) mod m` elementwise for `0 <= a, b < m < 2**bits` (bits <= 30), without 64-bit integers.
+
+    Up to 20 bits: the quotient estimated in float32 (off by at most 1), the remainder
+    `a*b - q*m` in wrapping int32 arithmetic (exact: it lies in [-m, 2m)) and corrected once
+    each way. Above: Horner over chunks of `b` of `31 - bits` bits in uint32 (every partial
+    result stays below 2**32)."""
+    if not 1 <= bits <= 30:
+        raise ValueError(f"mulmod needs moduli below 2**30, got {bits} bits")
+    if bits <= 20:
+        a, b, m = (jnp.asarray(x).astype(jnp.int32) for x in (a, b, m))
+        q = jnp.floor(a.astype(jnp.float32) * b.astype(jnp.float32) / m.astype(jnp.float32)).astype(jnp.int32)
+        r = a * b - q * m  # int32 products wrap: the difference is exact modulo 2**32
+        r = jnp.where(r < 0, r + m, r)
+        return jnp.where(r >= m, r - m, r)
+    c = 31 - bits
+    a, b, m = (jnp.asarray(x).astype(jnp.uint32) for x in (a, b, m))
+    r = jnp.zeros_like(a)
+    for j in reversed(range(-(-bits // c))):
+        chunk = (b >> jnp.uint32(j * c)) & jnp.uint32((1 << c) - 1)
+        r = jax.lax.rem(r * jnp.uint32(1 << c) + a * chunk, m)
+    return r.astype(jnp.int32)
+
+
+def bag_sums(values, offsets, max_len, batch_size: int):
+    """Per bag, the sum of `values` `[N, d]` (packed bag after bag, feature-major: F*B bags) over
+    positions `offsets[j] .. offsets[j+1] - 1`: `[F, B, d]` (0 for empty bags), feature f's bags
+    holding at most `max_len[f]` ids (static). Each bag's sum is a masked sum over its slots:
+    deterministic (no scatter-add, no scan) and formed from its own ids only. The features are
+    grouped by their maximum length rounded up to a power of two (at most the longest): a few
+    groups, each one gather and one sum."""
+    n = values.shape[0]
+    f, b = len(max_len), int(batch_size)
+    lengths = jnp.diff(offsets).reshape(f, b)
+    starts = offsets[:-1].reshape(f, b)
+    top = max(int(x) for x in max_len)
+    width = [min(1 << max(int(x) - 1, 0).bit_length(), top) for x in max_len]
+    parts, order = [], []
+    for m in sorted(set(width)):
+        feats = np.asarray([g for g in range(f) if width[g] == m], np.int64)
+        slot = jnp.arange(max(m, 1), dtype=offsets.dtype)
+        idx = jnp.clip(starts[feats][..., None] + slot, 0, n - 1)  # [G, B, m]
+        mask = slot < lengths[feats][..., None]
+        parts.append(jnp.sum(jnp.where(mask[..., None], values[idx], 0.0), axis=2))
+        order.extend(feats.tolist())
+    return jnp.concatenate(parts)[np.argsort(np.asarray(order))]
+
+
+def gather_segments(values, starts, counts, cap: int):
+    """The segments `values[starts[s] : starts[s] + counts[s]]` one after another, zero-padded (or cut)
+    to `cap` entries (on the device; S = len(starts) is static)."""
+    ends = jnp.cumsum(counts)
+    q = jnp.arange(cap, dtype=ends.dtype)
+    seg = jnp.minimum(jnp.sum(q[:, None] >= ends[None, :], axis=1), len(starts) - 1)
+    src = starts[seg] + q - (ends[seg] - counts[seg])
+    src = jnp.clip(src, 0, values.shape[0] - 1)
+    return jnp.where(q < ends[-1], values[src], jnp.zeros((), values.dtype))
+
+
+def select_features(indices, offsets, batch_size: int, features, cap: int):
+    """On the device, `tbe_jax.dlrm.model.split_features`: the ids and offsets of `features` alone (in
+    that order), the ids zero-padded to `cap` (bags past `cap` ids are cut, which the host version
+    instead gives a larger shape). Returns (indices `[cap]` int32, offsets `[len(features)*B + 1]`)."""
+    feats = np.asarray(features, np.int64)
+    f = (offsets.shape[0] - 1) // batch_size
+    lengths = jnp.diff(offsets).reshape(f, batch_size)[feats]
+    out_off = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.minimum(jnp.cumsum(lengths.reshape(-1)), cap)])
+    starts = offsets[feats * batch_size]
+    counts = offsets[(feats + 1) * batch_size] - starts
+    return gather_segments(indices, starts, counts, cap).astype(jnp.int32), out_off.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What `draw` compiles in (hashable): it depends on the data's shape only, not on the seed."""
+
+    config: DataConfig
+    batch_size: int
+    cap: int
+
+
+def draw(config: DataConfig, params: dict, key, batch_size: int, cap: int) -> dict:
+    """One batch of `batch_size` examples drawn on the device (traceable; call it inside `jax.jit`).
+
+    `params` is `DeviceClickLog.params` (the hidden model). Returns {"dense" `[B, num_dense]` f32,
+    "indices" `[cap]` int32 (zero past offsets[-1]), "offsets" `[F*B + 1]` int32, "labels" `[B]` f32,
+    "logit" `[B]` f32 (the hidden model's)}.
+
+    The same steps as `ClickLogGenerator`: bag lengths (Bernoulli / Poisson, by inverse CDF),
+    ids by the Zipf inverse CDF mapped to rows by `(rank * P + shift) mod E`, the per-bag sums of the
+    hidden rows (`bag_sums`), the logit and a Bernoulli label. A batch with more than `cap` ids
+    (the capacity is mean + 8 standard deviations + 64) keeps its first `cap`: the bags past them are
+    cut (emptied), consistently in the ids, the offsets and the labels.
+    """
+    cfg = config
+    f, b = cfg.num_sparse, int(batch_size)
+    rows = np.asarray(cfg.table_rows, np.int64)
+    bits = max(int(rows.max() - 1).bit_length(), 1)
+    # One uniform draw for everything (each random call is another copy of the threefry hash to compile).
+    sizes = (b * cfg.num_dense, f * b, cap, b)
+    u = jax.random.uniform(key, (sum(sizes),), jnp.float32)
+    u_dense, u_len, u_ids, u_lab = jnp.split(u, np.cumsum(sizes)[:-1])
+    # Dense features: standard normal by the inverse normal CDF (u + 2**-24 is in (0, 1), symmetric).
+    dense = jax.scipy.special.ndtri(u_dense + jnp.float32(2.0**-24)).reshape(b, cfg.num_dense)
+
+    # Bag lengths: a uniform per bag through the feature's length CDF.
+    cdf_np = length_cdf(cfg.bag_mean)
+    max_len = tuple(int(np.argmax(r >= 1.0)) for r in cdf_np)  # the longest bag of each feature
+    cdf = jnp.asarray(cdf_np)
+    lengths = jnp.sum(u_len.reshape(f, b)[:, :, None] >= cdf[:, None, :], axis=2, dtype=jnp.int32)
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.minimum(jnp.cumsum(lengths.reshape(-1)), cap)])
+
+    # Ids: position p < offsets[-1] belongs to feature `feat` (bounds offsets[(g+1)*B]).
+    pos = jnp.arange(cap, dtype=jnp.int32)
+    valid = pos < offsets[-1]
+    feat = jnp.minimum(jnp.sum(pos[:, None] >= offsets[b::b][None, :], axis=1), f - 1)
+    n = jnp.asarray(rows.astype(np.float64), jnp.float32)[feat]
+    if abs(cfg.alpha - 1.0) < 1e-9:
+        x = jnp.exp(u_ids * jnp.asarray(np.log(rows + 1.0), jnp.float32)[feat])
+    else:
+        a = 1.0 - cfg.alpha
+        c = jnp.asarray((rows + 1.0) ** a - 1.0, jnp.float32)[feat]
+        x = jnp.exp(jnp.log1p(u_ids * c) / a)
+    rank = jnp.clip(jnp.floor(x) - 1.0, 0.0, n - 1.0).astype(jnp.int32)
+    rows_i = jnp.asarray(rows, jnp.int32)[feat]
+    prime_mod = np.asarray([_large_prime_above(int(e)) % int(e) for e in rows], np.int64)
+    ids = mulmod(rank, jnp.asarray(prime_mod, jnp.int32)[feat], rows_i, bits) + params["shift"][feat]
+    ids = jnp.where(ids >= rows_i, ids - rows_i, ids)  # (rank * P + shift) mod E, shift < E
+    ids = jnp.where(valid, ids, 0)
+
+    # Hidden logit (as ClickLogGenerator._draw), then the label.
+    row_base = jnp.asarray(np.concatenate([[0], np.cumsum(rows)[:-1]]), jnp.int32)
+    vals = jnp.where(valid[:, None], params["hidden_rows"][row_base[feat] + ids], 0.0)
+    sums = bag_sums(vals, offsets, max_len, b)  # [F, B, 1 + k]
+    u_bag = sums[..., 1:]
+    hi = jax.lax.Precision.HIGHEST
+    raw = jnp.dot(dense, params["w_dense"], precision=hi) + sums[..., 0].sum(axis=0)
+    raw = raw + jnp.sum(u_bag[params["pair_p"]] * u_bag[params["pair_q"]], axis=(0, 2))
+    xv = jnp.dot(dense, params["v_dense"], precision=hi)
+    raw = raw + jnp.sum(xv[None] * u_bag[params["dense_pairs"]], axis=(0, 2))
+    logit = raw * params["scale"] + params["bias"]
+    labels = (u_lab < jax.nn.sigmoid(logit)).astype(jnp.float32)
+    return {"dense": dense, "indices": ids, "offsets": offsets, "labels": labels, "logit": logit}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _draw_jit(static: _Static, params, key, i):
+    return draw(static.config, params, jax.random.fold_in(key, i), static.batch_size, static.cap)
+
+
+class DeviceClickLog:
+    """A `ClickLogGenerator`'s hidden model on the device, and batches drawn there (see `draw`).
+
+    Args:
+      gen: the host generator (its seed, batch size, hidden model and `padded_len`).
+      sharding: where to put the hidden model (default: the default device); replicated over a mesh
+        (`NamedSharding(mesh, P())`) for a sharded draw.
+
+    `batch(i, stream)` is one jitted call: batch `i` of the "train" or "eval" stream, drawn from
+    `fold_in(stream_key(stream), i)`, `stream_key(s) = fold_in(key(seed), s)`. The compiled code depends
+    on the data's shape (config, batch size, capacity), not on the seed: the seed's hidden model is in
+    `params` (hidden rows, dense weights, interaction pairs, rank-to-row shifts, logit scale and bias).
+    """
+
+    def __init__(self, gen: ClickLogGenerator, sharding=None):
+        self.config = gen.config
+        self.batch_size = gen.batch_size
+        self.seed = gen.seed
+        self.padded_len = gen.padded_len
+        pairs = np.asarray(gen.pairs, np.int32).reshape(-1, 2)
+        params = {
+            "hidden_rows": np.asarray(gen.hidden_rows, np.float32),
+            "w_dense": np.asarray(gen.w_dense, np.float32),
+            "v_dense": np.asarray(gen.v_dense, np.float32),
+            "pair_p": pairs[:, 0].copy(), "pair_q": pairs[:, 1].copy(),
+            "dense_pairs": np.asarray(gen.dense_pairs, np.int32),
+            "shift": np.asarray(gen.shift, np.int32),
+            "scale": np.float32(gen.scale), "bias": np.float32(gen.bias),
+        }
+        self.params = jax.device_put(params, sharding)
+
+    def stream_key(self, stream: str = "train"):
+        """The key of a stream; batch i's key is `jax.random.fold_in(stream_key, i)`."""
+        return jax.random.fold_in(jax.random.key(self.seed), _STREAMS[stream])
+
+    def batch(self, i, stream: str = "train", batch_size: int | None = None, cap: int | None = None) -> dict:
+        """Batch `i` of a stream (device arrays, see `draw`), by default of the generator's batch size
+        and capacity (`padded_len`)."""
+        static = _Static(self.config, self.batch_size if batch_size is None else int(batch_size),
+                         self.padded_len if cap is None else int(cap))
+        return _draw_jit(static, self.params, self.stream_key(stream), jnp.int32(i))

@@ -4,7 +4,7 @@
                                  [--lr LR] [--emb-lr LR] [--eval-batches K]
                                  [--tt-tables K [--tt-rank R] [--tt-lr LR] [--tt-opt rowwise_adagrad|adagrad]]
                                  [--ckpt-dir DIR [--ckpt-every N] [--resume]] [--emb-share] [--no-progress]
-                                 [--devices N]
+                                 [--devices N] [--data device|host [--workers W]] [--time-steps K]
 
 Each step is one `jax.jit` call of `tbe_jax.train_step` (`DLRM.train_step`): the TBE
 lookup, the gradient of the loss with respect to the dense MLPs and to the pooled
@@ -22,7 +22,7 @@ and the rest stay in the TBE; the step is one `tbe_jax.train_step` over a dict o
 lookups `{"tbe": ..., "tt": ...}`, and the TT cores are trained by row-wise Adagrad
 (`tt_jax.RowwiseAdagrad`, one accumulator per core slice; `--tt-opt adagrad`:
 element-wise `tt_jax.Adagrad`) on the touched core slices. Batches are split on the
-host (`DLRM.split_batch`). The run prints the embedding parameters' memory (the TBE's
+host (`DLRM.split_batch`), or with `--data device` on the device (`data.select_features`). The run prints the embedding parameters' memory (the TBE's
 tables plus the TT cores, against all tables dense) and the summary line says
 `tables: X MiB (TT saves Y%)`; the data and the dense init depend only on the seed, so
 a run with and one without `--tt-tables` (same seed and steps) compare like for like
@@ -38,12 +38,32 @@ split by rows over the same devices, and the dense MLPs run data parallel under 
 (parameters and Adam state replicated; XLA partitions the MLPs by the batch and sums
 their gradients). The step is the same `tbe_jax.train_step`, its lookup the sharded
 embedding's (ids to their tables' devices by all_to_all, the row-wise Adagrad update
-on the owners). The tables start from the sharded embedding's own draw (the same
+on the owners). With `--data device` (the default) each device instead draws its own local
+batch of B/N examples (`shard_map`; the same format, other examples than the one-device
+run's). The tables start from the sharded embedding's own draw (the same
 distribution as the one-device run, other values). On a CPU, make N devices with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` set before Python starts (before
 jax is imported; the demo also asks jax for N CPU devices itself when it can). Not
 with `--tt-tables`. Checkpoints hold the tables and their state in the one-device
 format (`ShardedTableBatchedEmbedding.to_unsharded`), and run.json the device count.
+
+Data (`--data`): `device` (the default) draws every batch on the device, in a jitted
+function (`data.DeviceClickLog`, `data.draw`: jax.random from the key
+`fold_in(fold_in(key(seed), stream), step)`, the host generator's hidden model copied to
+the device once; one static id capacity, ids zero-padded past `offsets[-1]`), so the
+training loop only enqueues work and never waits on the host; `host` is the NumPy
+generator (`data.ClickLogGenerator`) on `--workers` threads, its batches copied to the
+device (the data of the versions before `--data`). Both have the same feature
+cardinalities, bag-length distributions, Zipf ids and label model, from other random
+numbers: the two modes' batches (and their ceilings) differ. A `--data device` run's
+run.json says `"data": "device"`; a checkpoint without it holds a host-data run and
+resumes with `--data host`.
+
+Timing: the wall time per step (from the second step, checkpoint saves left out) and
+examples/s; then (`--time-steps K`, default 20; 0 skips it) the device step time: K
+training steps on batches already on the device, enqueued back to back and blocked once
+(`measure_device_step`, on copies of the state), and the device share = device step /
+wall step (1.0: the device never waits for the host).
 
 Evaluation: AUC (rank formula, ties averaged) and log loss on held-out batches,
 before and after training, next to the hidden model's own ("oracle") AUC.
@@ -63,8 +83,8 @@ reads the arrays into the structure of a freshly initialised state
 (`jax.eval_shape`), so NamedTuples come back as NamedTuples; a checkpoint written
 before the optimizer states had a `count` restores too (its count is set to the
 checkpoint's step). `--resume` continues from the newest `DIR/<step>` up to `--steps`
-total; batches depend only on (seed, step), so the result is bitwise what a straight
-run gives.
+total; batches depend only on (seed, step) (in both data modes), so the result is bitwise
+what a straight run gives.
 """
 
 from __future__ import annotations
@@ -351,6 +371,77 @@ def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: in
             yield futures.pop(i).result()
 
 
+@functools.lru_cache(maxsize=8)
+def device_batch_fn(model: DLRM, data_cfg: data_lib.DataConfig, batch_size: int, caps: tuple[int, ...]):
+    """The device data mode's jitted `(params, stream_key, i) -> batch`: batch `i` of a stream drawn on
+    the device (`data_lib.draw` with the key `fold_in(stream_key, i)`, `params` a `DeviceClickLog`'s)
+    in the model's input format, with "labels" and the hidden model's "logit".
+
+    `caps`: the id capacity of the whole batch; with TT tables `(whole, TBE features, TT features)`
+    (the batch is drawn whole, then split on the device by `data_lib.select_features`: the same
+    data as without TT tables); with a mesh `(one local batch,)`: each device draws its own local
+    batch of `batch_size / N` examples (`shard_map`, key `fold_in(fold_in(stream_key, i), k)` on
+    device k), so the batch is `indices [N, cap]`, `offsets [N, F*(B/N)+1]`, "dense"/"labels"
+    `[B, ...]` split by rows, as `DLRM.shard_batch` gives it (other examples than the one-device run's).
+    """
+    if model.mesh is not None:
+        n, ax = model.num_devices, model.axis_name
+        b = batch_size // n
+
+        def local(params, skey, i):
+            key = jax.random.fold_in(jax.random.fold_in(skey, i), jax.lax.axis_index(ax))
+            arrays = data_lib.draw(data_cfg, params, key, b, caps[0])
+            arrays["indices"], arrays["offsets"] = arrays["indices"][None], arrays["offsets"][None]
+            return arrays
+
+        spec = jax.sharding.PartitionSpec
+        return jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(spec(), spec(), spec()), out_specs=spec(ax)))
+
+    def make(params, skey, i):
+        arrays = data_lib.draw(data_cfg, params, jax.random.fold_in(skey, i), batch_size, caps[0])
+        if model.tt is None:
+            return arrays
+        out = {k: arrays[k] for k in ("dense", "labels", "logit")}
+        out["indices"], out["offsets"] = data_lib.select_features(
+            arrays["indices"], arrays["offsets"], batch_size, model.tbe_features, caps[1])
+        out["tt_indices"], out["tt_offsets"] = data_lib.select_features(
+            arrays["indices"], arrays["offsets"], batch_size, model.tt_features, caps[2])
+        return out
+
+    return jax.jit(make)
+
+
+class DeviceData:
+    """Batches drawn on the device (`--data device`) from `gen`'s hidden model, in `model`'s input format.
+
+    `batch(i, stream)` is one asynchronous jitted call (`device_batch_fn`): the training loop never
+    waits on the host. Batch i of a stream depends only on (seed, stream, i)."""
+
+    def __init__(self, gen: data_lib.ClickLogGenerator, model: DLRM):
+        if model.mesh is not None:
+            caps = (local_padded_len(gen, model.num_devices),)
+        elif model.tt is not None:
+            caps = (gen.padded_len, split_padded_len(gen, model.tbe_features),
+                    split_padded_len(gen, model.tt_features))
+        else:
+            caps = (gen.padded_len,)
+        self.caps = caps
+        self.source = data_lib.DeviceClickLog(gen, None if model.mesh is None else model.sharding())
+        self.fn = device_batch_fn(model, gen.config, gen.batch_size, caps)
+        self.keys = {s: self.source.stream_key(s) for s in ("train", "eval")}
+
+    def batch(self, i: int, stream: str = "train") -> dict:
+        """The model's inputs plus "labels" and "logit" (device arrays)."""
+        return self.fn(self.source.params, self.keys[stream], np.int32(i))
+
+    def train_batches(self, start: int, stop: int):
+        """Batches start..stop-1 as the training step takes them (without "logit")."""
+        for i in range(start, stop):
+            arrays = self.batch(i)
+            arrays.pop("logit")
+            yield arrays
+
+
 # -- timing ----------------------------------------------------------------------------
 
 
@@ -416,6 +507,23 @@ def measure_emb_share(model, built: Built, state: TrainState, batch, reps: int) 
     return {"step_ms": step_ms, "emb_ms": emb_ms, "share": emb_ms / step_ms}
 
 
+def measure_device_step(built: Built, state: TrainState, batches) -> float:
+    """The device step time: ms per training step with the batches already on the device.
+
+    One warm-up step, then `len(batches)` steps enqueued back to back and blocked once at the end,
+    on copies of `state` (the step donates the tables: the state itself is left as it is)."""
+    jax.block_until_ready(batches)
+    dense, opt, emb, es = (_copy(state.dense_params), _copy(state.dense_opt_state), _copy(state.emb_params),
+                           _copy(state.emb_state))
+    dense, emb, es, opt, loss = built.train_step(dense, emb, es, opt, built.emb_opt, batches[0])
+    jax.block_until_ready((dense, emb, es, opt, loss))
+    t0 = time.perf_counter()
+    for b in batches:
+        dense, emb, es, opt, loss = built.train_step(dense, emb, es, opt, built.emb_opt, b)
+    jax.block_until_ready((dense, emb, es, opt, loss))
+    return (time.perf_counter() - t0) * 1e3 / len(batches)
+
+
 # -- main ------------------------------------------------------------------------------
 
 
@@ -457,7 +565,16 @@ def parse_args(argv=None):
                     help="optimizer of the TT cores (on the touched core slices)")
     ap.add_argument("--emb-share", action="store_true",
                     help="measure the embeddings' share of step time (always done on a GPU)")
-    ap.add_argument("--workers", type=int, default=None, help="data-generation threads (default: by CPU count)")
+    ap.add_argument("--data", choices=("device", "host"), default="device",
+                    help="device (default): draw each batch on the device inside a jitted function (jax.random, "
+                         "key from seed and step), so the training loop never waits on the host; host: the "
+                         "NumPy generator on --workers threads, batches copied to the device (the data of "
+                         "earlier versions; checkpoints written without --data resume with --data host)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="--data host: data-generation threads (default: by CPU count)")
+    ap.add_argument("--time-steps", type=int, default=20,
+                    help="after training, time K steps enqueued back to back on batches already on the device "
+                         "(the device step time; device share = device step / wall step); 0: skip (default 20)")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     ap.add_argument("--devices", type=int, default=1,
                     help="shard the tables over the first N devices and split each batch into N local batches "
@@ -474,8 +591,8 @@ def parse_args(argv=None):
         ap.error("--resume needs --ckpt-dir")
     if not 0 <= args.tt_tables < data_lib.NUM_SPARSE or args.tt_rank < 1:
         ap.error(f"--tt-tables must be in [0, {data_lib.NUM_SPARSE}) and --tt-rank >= 1")
-    if args.steps < 0 or args.batch_size < 1 or args.eval_batches < 1:
-        ap.error("--steps must be >= 0, --batch-size and --eval-batches >= 1")
+    if args.steps < 0 or args.batch_size < 1 or args.eval_batches < 1 or args.time_steps < 0:
+        ap.error("--steps and --time-steps must be >= 0, --batch-size and --eval-batches >= 1")
     if args.devices < 1 or args.batch_size % args.devices:
         ap.error(f"--devices must be >= 1 and divide the batch size ({args.batch_size})")
     if args.devices > 1 and args.tt_tables:
@@ -521,10 +638,12 @@ def _placed(model: DLRM, state: TrainState) -> TrainState:
 
 def main(argv=None) -> dict:
     """Run the demo; returns {"auc_before", "auc_after", "eval_loss_before", "eval_loss_after",
-    "oracle_auc", "final_loss", "steps", "steps_per_s", "examples_per_s", "step_ms", "start_step", "ckpt",
-    "table_bytes", "dense_table_bytes", "state"} (state: the final `TrainState`; table_bytes: the embedding
-    parameters, dense_table_bytes: the same tables all dense), plus "emb_share" and "jit_step_ms" when
-    measured."""
+    "oracle_auc", "final_loss", "steps", "steps_per_s", "examples_per_s", "step_ms", "wall_step_ms", "data",
+    "start_step", "ckpt", "table_bytes", "dense_table_bytes", "state"} (state: the final `TrainState`;
+    step_ms = wall_step_ms: wall time per training step after the first; data: "device" or "host";
+    table_bytes: the embedding parameters, dense_table_bytes: the same tables all dense), plus
+    "device_step_ms" and "device_share" (device step / wall step) with --time-steps K > 0 (the default),
+    and "emb_share" and "jit_step_ms" when measured."""
     args = parse_args(argv)
     log = functools.partial(print, flush=True)
     mesh = make_mesh(args.devices) if args.devices > 1 else None  # first: it may set the CPU device count
@@ -551,6 +670,10 @@ def main(argv=None) -> dict:
         local_cap = local_padded_len(gen, args.devices)
         prepare = functools.partial(model.shard_batch, cap=local_cap)
         batch_sharding = model.sharding("batch")
+    device_data = None
+    if args.data == "device":  # (a checkpoint without "data" was written with the host generator's batches)
+        settings["data"] = "device"
+        device_data = DeviceData(gen, model)
     restore_init = init_fn
     if mesh is not None and args.resume:  # a checkpoint holds the one-device format: that model's init's structure
         restore_init = build(DLRM(config), args.lr, args.emb_lr).init
@@ -562,7 +685,9 @@ def main(argv=None) -> dict:
     log(f"size={args.size}: {data_cfg.num_dense} dense + {data_cfg.num_sparse} sparse features, tables of "
         f"{rows.min()}..{rows.max()} rows ({rows.sum():,} in all), D={model.config.embedding_dim}, "
         f"batch {args.batch_size}, ~{int(gen.bag_mean.sum() * args.batch_size):,} ids/batch "
-        f"(padded to {gen.padded_len:,}), Zipf({data_cfg.alpha})")
+        f"(padded to {gen.padded_len:,}), Zipf({data_cfg.alpha}); data: "
+        + ("drawn on the device (jax.random in a jitted function, key from seed and step)" if device_data else
+           "NumPy generator on the host"))
     if mesh is not None:
         counts = {st: model.emb.strategies.count(st) for st in ("table", "row", "column", "data")
                   if st in model.emb.strategies}
@@ -614,6 +739,11 @@ def main(argv=None) -> dict:
 
     eval_set = []
     for i in range(args.eval_batches):
+        if device_data is not None:
+            arrays = device_data.batch(i, "eval")
+            labels, logit = np.asarray(arrays.pop("labels")), np.asarray(arrays.pop("logit"))
+            eval_set.append((arrays, labels, logit))
+            continue
         b = gen.batch(i, "eval")
         arrays = b.arrays() if prepare is None else prepare(b.arrays())
         eval_set.append((jax.device_put({k: v for k, v in arrays.items() if k != "labels"}, batch_sharding),
@@ -644,7 +774,11 @@ def main(argv=None) -> dict:
     t_ckpt = 0.0  # time spent saving inside the loop (left out of the step time)
     t0 = time.perf_counter()
     ckpt = None
-    for i, batch in enumerate(prefetch(gen, start, args.steps, workers, prepare, batch_sharding), start):
+    if device_data is not None:
+        batches = device_data.train_batches(start, args.steps)
+    else:
+        batches = prefetch(gen, start, args.steps, workers, prepare, batch_sharding)
+    for i, batch in enumerate(batches, start):
         dense_params, emb_params, emb_state, dense_opt_state, loss = train_step(
             dense_params, emb_params, emb_state, dense_opt_state, emb_opt, batch)
         losses.append(loss)
@@ -653,10 +787,14 @@ def main(argv=None) -> dict:
             jax.block_until_ready(loss)
             t_warm = time.perf_counter()
             t_first = t_warm - t0
+        if done > 20 and done % 10 == 0:  # keep the host at most ~20 steps ahead (never draining the queue)
+            jax.block_until_ready(losses[-11])
         if bar is not None:
             bar.update(1)
             if done % 10 == 0 or i + 1 == args.steps:
-                recent = float(np.mean(jax.device_get(losses[-10:])))
+                # the 10 steps before the last 10 (already done: reading them does not drain the queue)
+                window = losses[-20:-10] if done >= 20 and i + 1 < args.steps else losses[-10:]
+                recent = float(np.mean(jax.device_get(window)))
                 rate = (done - 1) * args.batch_size / max(time.perf_counter() - t_warm, 1e-9) if done > 1 else 0.0
                 bar.set_postfix(loss=f"{recent:.4f}", ex_per_s=f"{rate:,.0f}")
         if args.ckpt_dir and args.ckpt_every and (i + 1) % args.ckpt_every == 0 and i + 1 < args.steps:
@@ -679,7 +817,8 @@ def main(argv=None) -> dict:
         log(f"trained steps {start}..{args.steps}: train loss {losses[:k].mean():.4f} (first {k}) -> "
             f"{losses[-k:].mean():.4f} (last {k}); first step {t_first:.2f} s (compiles); then "
             f"{step_ms:.2f} ms/step wall, {steps_per_s:.1f} steps/s, {steps_per_s * args.batch_size:,.0f} examples/s "
-            f"(wall time includes host data generation on {workers} thread{'s' if workers > 1 else ''})")
+            + ("(wall time includes drawing the batches on the device)" if device_data else
+               f"(wall time includes host data generation on {workers} thread{'s' if workers > 1 else ''})"))
 
     after = evaluate(eval_logits, state, eval_set)
     log(f"eval at step {state.step}: AUC {before['auc']:.4f} -> {after['auc']:.4f} "
@@ -695,14 +834,30 @@ def main(argv=None) -> dict:
         "eval_loss_after": after["loss"], "oracle_auc": oracle,
         "final_loss": float(losses[-k:].mean()) if n else float("nan"),
         "steps": n, "start_step": start, "steps_per_s": steps_per_s,
-        "examples_per_s": steps_per_s * args.batch_size, "step_ms": step_ms,
+        "examples_per_s": steps_per_s * args.batch_size, "step_ms": step_ms, "wall_step_ms": step_ms,
+        "data": args.data,
         "ckpt": None if ckpt is None else str(ckpt),
         "table_bytes": mem["total"], "dense_table_bytes": mem["dense"],
     }
 
+    timing_batches = []
+    if args.time_steps or args.emb_share or backend == "gpu":  # batches past the training ones, on the device
+        k_time = max(args.time_steps, 1)
+        if device_data is not None:
+            timing_batches = list(device_data.train_batches(args.steps, args.steps + k_time))
+        else:
+            timing_batches = list(prefetch(gen, args.steps, args.steps + k_time, workers, prepare, batch_sharding))
+    if args.time_steps:
+        dev_ms = measure_device_step(built, state, timing_batches)
+        results["device_step_ms"] = dev_ms
+        results["device_share"] = dev_ms / step_ms if timed > 0 else float("nan")
+        log(f"device step {dev_ms:.2f} ms ({args.time_steps} steps enqueued back to back on batches already on the "
+            f"device, blocked once) vs {step_ms:.2f} ms/step wall: device share {results['device_share']:.2f} "
+            f"({'data drawn on the device' if device_data else 'host data'}; "
+            f"{results['examples_per_s']:,.0f} examples/s)")
+
     if args.emb_share or backend == "gpu":
-        arrays = gen.batch(args.steps).arrays()
-        batch = jax.device_put(arrays if prepare is None else prepare(arrays), batch_sharding)
+        batch = timing_batches[0]
         reps = 20 if backend == "gpu" else 5
         m = measure_emb_share(model, built, state, batch, reps)
         results["emb_share"] = m["share"]
@@ -720,7 +875,10 @@ def main(argv=None) -> dict:
 
     log(f"SUMMARY size={args.size} steps={start}->{state.step} | AUC {before['auc']:.4f} -> {after['auc']:.4f} "
         f"(ceiling {oracle:.4f}) | eval loss {before['loss']:.4f} -> {after['loss']:.4f} | train loss "
-        f"{results['final_loss']:.4f} | {results['examples_per_s']:,.0f} examples/s | {step_ms:.2f} ms/step"
+        f"{results['final_loss']:.4f} | {results['examples_per_s']:,.0f} examples/s | {step_ms:.2f} ms/step wall"
+        + (f" (device step {results['device_step_ms']:.2f} ms, share {results['device_share']:.2f})"
+           if "device_step_ms" in results else "")
+        + f" | data on the {args.data}"
         + (f" | embeddings {100 * results['emb_share']:.0f}% of step" if "emb_share" in results else "")
         + f" | tables: {mem['total'] / 2**20:.2f} MiB"
         + (f" (TT saves {100 * (1 - mem['total'] / mem['dense']):.1f}%)" if model.tt is not None else ""))
