@@ -7,9 +7,11 @@ step (`apply_gradients`, donated), each timed enqueued (calls back to back, one
 block, median of `--reps`). This is the evidence for the static rule that sends
 small tables to the histogram path without a `bag_size_hint`.
 
-`--dispatch`: for presets, the forward's enqueued ms per call, the host time
-per call (enqueue only, no block), and the device time from a profiler trace
-(sum of kernel events per call), so the launch overhead is visible.
+`--dispatch`: for presets built from default `TableSpec`s (no `bag_size_hint`),
+the forward's enqueued ms per call, the host time per call (enqueue only, no
+block), and the device time from a profiler trace (sum of kernel events per
+call), so the launch overhead is visible; then the same for the fused row-wise
+Adagrad step (`apply_gradients`, donated); ratios to FBGEMM's kernel times.
 
 Results go to benchmarks/results/paths-<date>-<gpu>.json.
 """
@@ -34,8 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
-from bench_backward import time_chain  # noqa: E402
-from bench_forward import time_calls  # noqa: E402
+from bench_backward import FBGEMM_BWD_KERNEL_MS, time_chain  # noqa: E402
+from bench_forward import FBGEMM_FWD_KERNEL_MS, time_calls  # noqa: E402
 from trace_backward import device_events  # noqa: E402
 
 
@@ -80,7 +82,30 @@ def sweep_one(num_rows, dim, batch, bag_len, args):
     return row
 
 
+def _device_ms(fn, carry_or_args, iters, chain):
+    """Device time per call from a profiler trace: the sum of the kernel events."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            if chain:
+                step, carry, arg_sets = carry_or_args
+                for i in range(iters):
+                    carry = step(carry, *arg_sets[i % len(arg_sets)])
+                jax.block_until_ready(carry)
+            else:
+                out = None
+                for i in range(iters):
+                    out = fn(*carry_or_args[i % len(carry_or_args)])
+                jax.block_until_ready(out)
+        ev = device_events(d)
+    per = {}
+    for e in ev:
+        per[e["name"]] = per.get(e["name"], 0.0) + e["dur"] / 1e3 / iters
+    return sum(per.values()), per, (carry if chain else None)
+
+
 def dispatch_one(preset, args):
+    """A preset with default `TableSpec`s (no hints: what a user gets): the forward's enqueued ms, host
+    ms per call and profiler kernel ms; the fused row-wise Adagrad step's enqueued and kernel ms."""
     wl = testing.PRESETS[preset]
     feats = wl.features()
     rng = np.random.default_rng(0)
@@ -88,14 +113,15 @@ def dispatch_one(preset, args):
     for _ in range(args.sets):
         idx, off, psw = testing.make_batch(rng, [e for e, _, _ in feats], [wl.B] * len(feats),
                                            [l for _, _, l in feats], alpha=wl.alpha, weighted=wl.weighted)
-        sets.append(tuple(None if x is None else jnp.asarray(x) for x in (idx, off, psw)))
-    # Default TableSpecs (no hints): what a user gets.
+        g = rng.standard_normal((wl.B, sum(d for _, d, _ in feats)), dtype=np.float32)
+        sets.append(tuple(None if x is None else jnp.asarray(x) for x in (idx, off, psw, g)))
     emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(e, d) for e, d, _ in feats],
                                         weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype)
     params = emb.init(jax.random.key(0))
     fn = jax.jit(lambda p, i, o, s: emb(p, i, o, s))
-    arg_sets = [(params,) + s for s in sets]
-    row = {"preset": preset, "plan": sorted(set(emb.plan(weighted=wl.weighted)))}
+    arg_sets = [(params,) + s[:3] for s in sets]
+    row = {"preset": preset, "plan": sorted(set(emb.plan(weighted=wl.weighted))),
+           "backward_plan": sorted(set(emb.plan(weighted=wl.weighted, backward=True)))}
     row["enqueued_ms"] = time_calls(fn, arg_sets, args.iters, args.reps)
     # Host time per call: enqueue `iters` calls without blocking in between.
     host = []
@@ -107,27 +133,49 @@ def dispatch_one(preset, args):
         jax.block_until_ready(outs)
         del outs
     row["host_ms_per_call"] = statistics.median(host)
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            out = None
-            for i in range(args.iters):
-                out = fn(*arg_sets[i % len(arg_sets)])
-            jax.block_until_ready(out)
-        ev = device_events(d)
-    per = {}
-    for e in ev:
-        per[e["name"]] = per.get(e["name"], 0.0) + e["dur"] / 1e3 / args.iters
-    row["kernel_ms"] = sum(per.values())
-    row["kernels"] = per
+    # JAX's own floor: a jitted one-op function of the same arguments, enqueued the same way.
+    floor = jax.jit(lambda p, i, o, s: i[:8] + o[:8])
+    host = []
+    for _ in range(args.reps):
+        jax.block_until_ready(floor(*arg_sets[0]))
+        t0 = time.perf_counter()
+        outs = [floor(*arg_sets[i % len(arg_sets)]) for i in range(args.iters)]
+        host.append((time.perf_counter() - t0) * 1e3 / args.iters)
+        jax.block_until_ready(outs)
+    row["jax_floor_host_ms_per_call"] = statistics.median(host)
+    row["kernel_ms"], row["kernels"], _ = _device_ms(fn, arg_sets, args.iters, False)
     row["enqueued_over_kernel"] = row["enqueued_ms"] / row["kernel_ms"] if row["kernel_ms"] else None
-    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+    fb = FBGEMM_FWD_KERNEL_MS.get(preset)
+    if fb:
+        row["fwd_vs_fbgemm_enqueued"] = fb / row["enqueued_ms"]
+        row["fwd_vs_fbgemm_kernel"] = fb / row["kernel_ms"] if row["kernel_ms"] else None
+    if not args.no_backward:
+        opt = tbe_jax.RowwiseAdagrad(0.1, 0.1)
+
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def step(carry, i, o, s, g):
+            p, st = carry
+            return emb.apply_gradients(p, st, opt, i, o, g, s)
+
+        carry = (params, emb.init_opt_state(params, opt))
+        del params, arg_sets
+        bsets = [s for s in sets]
+        row["bwd_enqueued_ms"], carry = time_chain(step, carry, bsets, args.iters, args.reps, warmups=2)
+        row["bwd_kernel_ms"], row["bwd_kernels"], carry = _device_ms(None, (step, carry, bsets), args.iters, True)
+        fb = FBGEMM_BWD_KERNEL_MS.get(preset)
+        if fb:
+            row["bwd_vs_fbgemm_enqueued"] = fb / row["bwd_enqueued_ms"]
+            row["bwd_vs_fbgemm_kernel"] = fb / row["bwd_kernel_ms"] if row["bwd_kernel_ms"] else None
+        del carry
+    print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "bwd_kernels")}), flush=True)
     return row
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--dispatch", default="", help="comma-separated presets")
+    ap.add_argument("--dispatch", default="", help="comma-separated presets (default TableSpecs: no hints)")
+    ap.add_argument("--no-backward", action="store_true", help="--dispatch: the forward only")
     ap.add_argument("--rows", default="8,64")
     ap.add_argument("--dims", default="128")
     ap.add_argument("--batches", default="4096,65536")
