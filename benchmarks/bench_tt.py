@@ -12,11 +12,9 @@ Variants (`--variants`, comma-separated):
 - unique_only:  XLA, once per distinct row, gathered back (EcoRec-style dedup)           [a only]
 - prefix_reuse: XLA, each distinct prefix once, then each row's last core (unfused FlowTT) [a only]
 - dense:        a dense [N, D] fp32 table of the same shape through tbe_jax, for scale     [a only]
-- pallas:             the fused kernel, `--schedule` (default queue) and the config flags below
+- pallas:             the fused kernel, `--schedule` (default static) and the config flags below
 - pallas_static:      ... with schedule="static" (persistent, round-robin items; the default)
 - pallas_queue:       ... with schedule="queue" (persistent, atomic work counter: work stealing)
-- pallas_blocked:     ... with schedule="blocked", order="middle" (contiguous item ranges, groups ordered by the
-                      middle digit, the middle core slice kept in registers while it repeats)
 - pallas_grid:        ... with schedule="grid" (one program per item slot: the static baseline)
 - pallas_unique_only: ... with prefix_reuse=False (ablation: every distinct row recomputes its prefix)
 - pallas_whole_groups: ... with chunk=0 (items are whole prefix groups: no splitting of hot prefixes)
@@ -76,7 +74,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_forward import time_calls  # noqa: E402
 
 XLA_VARIANTS = ("per_index", "unique_only", "prefix_reuse", "dense")
-PALLAS_VARIANTS = ("pallas", "pallas_static", "pallas_queue", "pallas_blocked", "pallas_grid", "pallas_unique_only",
+PALLAS_VARIANTS = ("pallas", "pallas_static", "pallas_queue", "pallas_grid", "pallas_unique_only",
                    "pallas_whole_groups", "pallas_ieee", "pallas_bwd_xla", "pallas_plan", "pallas_plan_rows",
                    "train_sgd", "train_adagrad", "train_rowwise")
 TRAIN_VARIANTS = ("train_sgd", "train_adagrad", "train_rowwise")
@@ -176,7 +174,6 @@ def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpre
         "pallas": base,
         "pallas_static": dataclasses.replace(base, schedule="static"),
         "pallas_queue": dataclasses.replace(base, schedule="queue"),
-        "pallas_blocked": dataclasses.replace(base, schedule="blocked", order="middle"),
         "pallas_grid": dataclasses.replace(base, schedule="grid"),
         "pallas_unique_only": dataclasses.replace(base, prefix_reuse=False),
         "pallas_whole_groups": dataclasses.replace(base, chunk=0),
@@ -200,8 +197,7 @@ def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpre
             outs = []
             for layout, feats in prefix.stack_tables(specs, ftm):
                 plan = prefix.build_flow(layout, idx, off, features=feats, feature_table_map=ftm, batch=batch,
-                                         chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse,
-                                         middle_major=cfg.order == "middle")
+                                         chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse)
                 if name == "pallas_plan":
                     outs.append(plan)
                 else:
@@ -247,7 +243,7 @@ def main():
                     help="also time forward+backward (default: on for workload a)")
     ap.add_argument("--lookup-block", type=int, default=65536, help="multi-table per_index: lookups per block")
     # The fused kernel's base config (TTKernelConfig).
-    ap.add_argument("--schedule", default="static", choices=["queue", "static", "grid", "blocked"])
+    ap.add_argument("--schedule", default="static", choices=["queue", "static", "grid"])
     ap.add_argument("--chunk", type=int, default=None)
     ap.add_argument("--tile-rows", type=int, default=None)
     ap.add_argument("--num-programs", type=int, default=None)

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import tbe_jax  # noqa: E402
 import tt_jax  # noqa: E402
 from tt_jax import optim, prefix, workloads  # noqa: E402
+from tt_jax.backward import feature_col0  # noqa: E402
 from tt_jax.kernels import backward as kb  # noqa: E402
 from tt_jax.kernels import forward as kf  # noqa: E402
 
@@ -70,15 +71,14 @@ def main():
 
             (layout, feats), = prefix.stack_tables(specs, ftm)
             build = lambda i, o: prefix.build_flow(layout, i, o, features=feats, feature_table_map=ftm,  # noqa: E731
-                                                   batch=batch, chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse,
-                                                   middle_major=cfg.order == "middle")
+                                                   batch=batch, chunk=cfg.chunk, prefix_reuse=cfg.prefix_reuse)
             t("plan", build, idx, off)
             plan = jax.jit(build)(idx, off)
             emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)
             t("forward_total", lambda c, i, o: emb({"cores": c}, i, o), all_cores, idx, off)
             stacked = jax.jit(lambda c: prefix.stack_cores(layout, c))(all_cores)
             t("fwd_rows_kernel", lambda s, p: kf.tt_rows(s, p, layout, config=cfg, interpret=interpret), stacked, plan)
-            col0 = kb._col0(specs, ftm)
+            col0 = feature_col0(specs, ftm)
             t("bwd_total_dense_grads", lambda c, p, o, g: kb.dense_core_grads(
                 c, specs, ftm, [p], o, None, g, batch=batch, pooling="sum", want_psw=False, config=cfg,
                 interpret=interpret), all_cores, plan, off, g_out)

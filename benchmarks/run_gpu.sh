@@ -15,9 +15,7 @@
 #   ttrain    TT training steps (SGD, Adagrad, row-wise) at B 32768 -> ttrain.log
 #   ttprofile profile_tt.py at B 32768 (two group kernels)  -> profile-tt-a.json
 #   ttmetatrain profile_tt.py on meta-240 and meta-788, B 4096 -> profile-tt-meta-*.json
-#   histsweep histogram forward configs on smalltable, mixed -> histsweep.log
 #   bwdsweep  backward configs on smalltable, mixed, fp32    -> bwdsweep.log
-#   ttblocked the blocked schedule + middle-major order vs the default (a, meta-788, training) -> ttblocked.log
 #   ttmetab   meta-240/480/788 forward at B 8192..32768 (per-index and ours) -> ttmetab.log
 #   ttbwdsweep backward-kernel knobs of the TT training step on workload a, B 32768 -> ttbwdsweep.log
 #   ttmeta788 meta-788 forward at B 32768 alone (per-index and ours)   -> ttmeta788.log
@@ -29,7 +27,7 @@
 #   ttfwdsweep forward knobs never swept (num_warps, tile_rows) on a and meta-240 -> ttfwdsweep.log
 #   bwdsweep2 TBE backward launch knobs on fp32 (the one backward bar still missed), base, zipf -> bwdsweep2.log
 #   histsweep2 histogram forward at fewer warps (2, 1; never swept below 4) on smalltable, mixed -> histsweep2.log
-#   histsweep3 histogram forward around the one-warp default (C, lookahead, bags, mode 2) -> histsweep3.log
+#   histsweep3 histogram forward around the one-warp default (C, lookahead, bags) -> histsweep3.log
 #   bwdsweep3 TBE backward around small_block=16 (block 8, warps, K, prefetch)    -> bwdsweep3.log
 #   bwdsweep4 TBE backward persistent programs (2048, 8192) and prefetch at the new defaults -> bwdsweep4.log
 #   bwdtests  test_backward, test_grad, test_layers compiled                   -> bwdtests.log
@@ -84,21 +82,11 @@ for stage in "$@"; do
     ttmetatrain) for w in meta-240 meta-788; do
           timeout 100 python3 benchmarks/profile_tt.py --workload $w --batches 4096 --iters 2 --reps 1 \
             --out "$OUT/profile-tt-$w.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetatrain.log"; done ;;
-    histsweep) timeout 100 python3 benchmarks/bench_forward.py --presets smalltable,mixed --no-torch --iters 20 --reps 3 \
-          --hist-configs "default;counting=2,lookahead=0;counting=3;counting=3,align=4;counting=3,ids_per_step=64,lookahead=1,num_warps=8;counting=3,bags=32,ids_per_step=32,num_warps=8,align=4;counting=3,ids_per_step=16,lookahead=3,align=4;counting=2,ids_per_step=16,num_warps=8,align=4;counting=4,align=4" \
-          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep.log" | tail -6 ;;
     bwdsweep) timeout 80 python3 benchmarks/bench_backward.py --presets smalltable,mixed,fp32 --iters 10 --reps 3 \
           --configs "default;prefetch=0;lookups_per_step=16" --out "$OUT" \
           2>&1 | grep -v Warning | tee "$OUT/bwdsweep.log" | tail -8 ;;
     testsfast) timeout 400 python3 -m pytest -v -n 8 -p no:benchmark tests > "$OUT/tests.log" 2>&1;
            grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -12 ;;  # -v: a cut run still names its failures
-    ttblocked) timeout 150 python3 benchmarks/bench_tt.py --batches 4096,32768,131072 --no-bwd \
-          --variants pallas,pallas_blocked --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/ttblocked.log" | grep "^  ";
-        timeout 100 python3 benchmarks/bench_tt.py --workload meta-788 --batches 4096 --iters 3 --reps 2 --sets 1 \
-          --no-bwd --variants pallas,pallas_blocked --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/ttblocked.log" \
-          | grep "^  ";
-        timeout 80 python3 benchmarks/profile_tt.py --batches 32768 --configs schedule=blocked,order=middle \
-          --out "$OUT/profile-tt-blocked.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttblocked.log" ;;
     ttmetab) for w in meta-240 meta-480 meta-788; do
           timeout 150 python3 benchmarks/bench_tt.py --workload $w --batches 8192,16384,32768 --iters 3 --reps 2 --sets 1 \
             --no-bwd --variants per_index,pallas --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetab.log" \
@@ -131,7 +119,7 @@ for stage in "$@"; do
           --hist-configs "default;num_warps=2;num_warps=2,ids_per_step=16;num_warps=2,ids_per_step=16,lookahead=3;num_warps=1,ids_per_step=8;num_warps=2,lookahead=3" \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep2.log" | tail -8 ;;
     histsweep3) timeout 150 python3 benchmarks/bench_forward.py --presets smalltable,mixed --no-torch --iters 20 --reps 3 \
-          --hist-configs "default;ids_per_step=4;ids_per_step=16;lookahead=1;lookahead=3;lookahead=4;bags=32;num_warps=2;counting=2,ids_per_step=2" \
+          --hist-configs "default;ids_per_step=4;ids_per_step=16;lookahead=1;lookahead=3;lookahead=4;bags=32;num_warps=2" \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/histsweep3.log" | tail -8 ;;
     bwdsweep3) timeout 220 python3 benchmarks/bench_backward.py --presets fp32,base,zipf --iters 10 --reps 3 \
           --configs "default;small_block=8;small_block=8,small_num_warps=2;small_num_warps=8;num_warps=2;lookups_per_step=16;prefetch=1;prefetch=0" \

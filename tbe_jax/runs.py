@@ -121,12 +121,10 @@ def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_
 
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
-    sequence: bool = False, keys=None, rle_kernel: bool = False, interpret: bool = False,
+    sequence: bool = False, rle_kernel: bool = False, interpret: bool = False,
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
-    `keys`: the `(key, src, scale)` of `lookup_keys` when already computed (e.g. by
-    the Pallas pass `kernels.backward.lookup_keys`).
     `rle_kernel`: find the runs and the long-run list with the two Pallas passes of
     `kernels.rle` instead of XLA ops (same result).
     """
@@ -135,9 +133,8 @@ def build_runs(
     total = int(bases[-1])
     if total >= 2**31 - 1:
         raise ValueError(f"{total} rows in all tables: the int32 sort key needs fewer than 2**31 - 1")
-    if keys is None:
-        keys = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling, sequence=sequence)
-    key, src, scale = keys
+    key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
+                                  sequence=sequence)
     unit = per_sample_weights is None and (sequence or pooling == "sum")
     if unit:
         # No scale to carry: sort the output offsets themselves (the stable sort keeps

@@ -1,6 +1,6 @@
 """Where a sharded embedding's tables live: strategies, the planner, and the static layout every device shares.
 
-`plan_sharding` picks a strategy per table (`ShardingPlan`); `_Layout` turns a plan into what the routed step in
+`plan_sharding` picks a strategy per table (`ShardingPlan`); `ShardLayout` turns a plan into what the routed step in
 `tbe_jax.sharding` needs: per device and storage width its pieces (row and column blocks of tables) stacked in
 one buffer, the "slots" (a feature read through one of the device's pieces; the same count per width on every
 device), and the per-slot facts the senders index by destination.
@@ -149,7 +149,7 @@ def _pieces(emb: TableBatchedEmbedding, plan: ShardingPlan) -> list[_Piece]:
     return out
 
 
-class _Layout:
+class ShardLayout:
     """The static structure every device shares: storage widths, slots, routing and assembly maps."""
 
     def __init__(self, emb: TableBatchedEmbedding, plan: ShardingPlan):

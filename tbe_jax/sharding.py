@@ -48,7 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tbe_jax import bounds, optim, reference
-from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, _Layout, plan_sharding
+from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, plan_sharding
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
@@ -114,7 +114,7 @@ class ShardedTableBatchedEmbedding:
             if comm_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
                 raise ValueError(f"comm_dtype must be None, float32, bfloat16 or float16, got {comm_dtype}")
         self.comm_dtype = comm_dtype
-        self.layout = _Layout(emb, plan)
+        self.layout = ShardLayout(emb, plan)
         lay = self.layout
         self.local = TableBatchedEmbedding(
             [TableSpec(r, w) for r, w in zip(lay.pool_rows, lay.widths)],

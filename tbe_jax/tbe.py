@@ -62,7 +62,7 @@ class TableBatchedEmbedding:
         table on tensor cores); see `plan()`. False forces the generic kernel.
       histogram_config: `tbe_jax.HistogramConfig`; None for defaults.
       backward_config: `tbe_jax.BackwardConfig` for the sorted-run backward
-        kernels (`apply_gradients`, `fused_lookup`, `jax.grad`); None for defaults.
+        kernels (`apply_gradients`, `tbe_jax.train_step`, `jax.grad`); None for defaults.
 
     The object is immutable and hashable: pass it as a static argument to `jit`.
 
@@ -589,14 +589,8 @@ class TableBatchedEmbedding:
             return None
         plan = runs_lib.without_features(plan, hist)
         cfg = backward_config or self.backward_config
-        sequence = self.pooling == "none"
-        keys = None
-        if cfg.keys_kernel and not sequence:
-            keys = bwd_kernels.lookup_keys(
-                plan, runs_lib.feature_keys(self.layout, plan), int(runs_lib.group_bases(self.layout)[-1]),
-                indices, offsets, per_sample_weights, pooling=self.pooling, config=cfg, interpret=self.interpret)
         return runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
-                                   pooling=self.pooling, sequence=sequence, keys=keys,
+                                   pooling=self.pooling, sequence=self.pooling == "none",
                                    rle_kernel=cfg.rle_kernel, interpret=self.interpret)
 
     def _update_impl(self, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,
@@ -748,8 +742,8 @@ def _init_draw(key, starts, bounds, num_rows: int, dim: int, dtype: str):
 # the per-sample weights. On the kernel path the table gradient comes from the
 # sorted-run kernels (each looked-up row's gradient summed once, in a fixed order,
 # and stored into a zero gradient: the dense result is table-sized by definition);
-# on the XLA path from the jnp reference VJP. The fused path below is the same
-# backward with the optimizer applied instead of the store.
+# on the XLA path from the jnp reference VJP. `apply_gradients` and `train_step` run
+# the same backward with the optimizer applied instead of the store.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -97,10 +97,10 @@ def test_ineligible_dtypes_weighted_and_vbe_plan_generic(rng):
     assert_close(out, model, tolerance("float16", 300))
 
 
-@pytest.mark.parametrize("mode", ["tile_compare", "packed_c2_align", "tile_tc_align", "flat_tc"])
-def test_bad_ids_warning_mode(rng, mode):
+@pytest.mark.parametrize("tile", ["default", "bags32_c2"])
+def test_bad_ids_warning_mode(rng, tile):
     t = [tbe_jax.TableSpec(20, 64, bag_size_hint=128)]
-    emb = _emb(t, bounds_check="warning", histogram_config=histogram.HistogramConfig(**_MODES[mode]))
+    emb = _emb(t, bounds_check="warning", histogram_config=histogram.HistogramConfig(**_TILES[tile]))
     params = emb.init(jax.random.key(0))
     idx = rng.integers(0, 20, 700).astype(np.int32)
     idx[[3, 300, 600]] = [20, -7, 25]  # bad in the head and in the tail
@@ -133,9 +133,8 @@ def test_saved_counts_match_numpy(rng):
         np.testing.assert_array_equal(counts[r, :30], np.bincount(ids, minlength=30))
 
 
-@pytest.mark.parametrize("cfg", [dict(counting=0, ids_per_step=8), dict(lookahead=0, half_compare=False),
-                                 dict(bags=32, ids_per_step=64, lookahead=3), dict(counting=2, ids_per_step=1)],
-                         ids=["compare", "no_lookahead_int_compare", "bags32_c64", "c1"])
+@pytest.mark.parametrize("cfg", [dict(lookahead=0), dict(bags=32, ids_per_step=64, lookahead=3)],
+                         ids=["no_lookahead", "bags32_c64"])
 def test_config_variants_match_model(rng, cfg):
     t = tbe_jax.TableSpec(40, 64, bag_size_hint=64)
     emb = _emb([t], histogram_config=histogram.HistogramConfig(**cfg))
@@ -145,27 +144,20 @@ def test_config_variants_match_model(rng, cfg):
     assert_close(emb(params, idx, off), model, tolerance("float32", 300))
 
 
-# Every counting mode, with its pipelining knobs: bags of 0..600 ids (head and tail), E and D
-# across the limits (E_padded 16, 64, 64; one to four packed bytes in mode 3).
-_MODES = {
-    "flat_compare": dict(counting=0, ids_per_step=8),
-    "flat_tc": dict(counting=1),
-    "tile_compare": dict(counting=2),
-    "tile_compare_old": dict(counting=2, lookahead=0),
-    "tile_compare_align": dict(counting=2, ids_per_step=16, align=4, num_warps=8),
-    "packed": dict(counting=3),
-    "packed_c2_align": dict(counting=3, bags=32, ids_per_step=2, align=4, lookahead=3),
-    "packed_c64_align8": dict(counting=3, ids_per_step=64, align=8, lookahead=0),
-    "tile_tc": dict(counting=4, half_compare=False),
-    "tile_tc_align": dict(counting=4, ids_per_step=32, align=4, lookahead=1),
+# The packed counting with its tile and pipelining knobs: bags of 0..600 ids (head and tail), E and D
+# across the limits (E_padded 16, 64, 64: one to four packed bytes).
+_TILES = {
+    "default": dict(),
+    "bags32_c2": dict(bags=32, ids_per_step=2, lookahead=3),
+    "c64_no_lookahead": dict(ids_per_step=64, lookahead=0),
 }
 
 
-# Each counting mode on one of three (E, D) shapes, in turn (the product is slow in interpret mode).
-@pytest.mark.parametrize("mode,rows,dim", [(m, *[(1, 64), (33, 100), (64, 128)][i % 3]) for i, m in enumerate(_MODES)])
-def test_counting_modes_match_model(rng, mode, rows, dim):
+# Each tile on one of three (E, D) shapes, in turn (the product is slow in interpret mode).
+@pytest.mark.parametrize("tile,rows,dim", [(m, *[(1, 64), (33, 100), (64, 128)][i % 3]) for i, m in enumerate(_TILES)])
+def test_tiles_match_model(rng, tile, rows, dim):
     t = tbe_jax.TableSpec(rows, dim, bag_size_hint=64)
-    emb = _emb([t], histogram_config=histogram.HistogramConfig(**_MODES[mode]))
+    emb = _emb([t], histogram_config=histogram.HistogramConfig(**_TILES[tile]))
     assert emb.plan() == ("histogram",)
     params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
     idx, off, _ = testing.make_batch(rng, [rows], [18], (0, 600))
@@ -173,11 +165,11 @@ def test_counting_modes_match_model(rng, mode, rows, dim):
     assert_close(emb(params, idx, off), model, tolerance("float32", 600))
 
 
-@pytest.mark.parametrize("mode", ["tile_compare_align", "packed", "packed_c2_align", "tile_tc_align"])
-def test_saved_counts_all_one_row(rng, mode):
-    # Heavy single-row bags: a bag's count of one row reaches 256 (mode 3: the top byte of a
-    # word, 128 per 8-bit counter at C = 2, must neither carry nor sign-extend).
-    cfg = histogram.HistogramConfig(**_MODES[mode])
+@pytest.mark.parametrize("tile", ["default", "bags32_c2"])
+def test_saved_counts_all_one_row(rng, tile):
+    # Heavy single-row bags: a bag's count of one row reaches 256 (the top byte of a word,
+    # 128 per 8-bit counter at C = 2, must neither carry nor sign-extend).
+    cfg = histogram.HistogramConfig(**_TILES[tile])
     t = tbe_jax.TableSpec(64, 64, bag_size_hint=64)
     emb = _emb([t], histogram_config=cfg)
     params = emb.init(jax.random.key(0))
@@ -204,24 +196,19 @@ def test_config_errors():
         histogram.HistogramConfig(bags=8)
     with pytest.raises(ValueError, match="ids_per_step=512"):
         histogram.HistogramConfig(ids_per_step=512)
-    with pytest.raises(ValueError, match="counting=5"):
-        histogram.HistogramConfig(counting=5)
-    with pytest.raises(ValueError, match="ids_per_step=1 with counting=3"):
-        histogram.HistogramConfig(counting=3, ids_per_step=1)
-    with pytest.raises(ValueError, match="align=3"):
-        histogram.HistogramConfig(align=3)
+    with pytest.raises(ValueError, match="ids_per_step=1: a packed 8-bit counter would reach 256"):
+        histogram.HistogramConfig(ids_per_step=1)
     with pytest.raises(ValueError, match="grad_ids_per_step=0"):
         histogram.HistogramConfig(grad_ids_per_step=0)
-    assert histogram.HistogramConfig().counting == 3
-    cfg = histogram.HistogramConfig(counting=2)
-    assert (cfg.ids_per_step_for(64), cfg.ids_per_step_for(16)) == (8, 32)
-    assert histogram.HistogramConfig().ids_per_step_for(64) == 8  # mode 3: [16, C, 16] at 2048 elements
-    assert histogram.HistogramConfig(bags=64).ids_per_step_for(64) == 2  # and never below 2 (8-bit counters)
-    assert histogram.HistogramConfig(bags=256).ids_per_step_for(64) == 2
-    assert histogram.HistogramConfig(counting=1, bags=32).ids_per_step_for(64) == 16
+    assert histogram.HistogramConfig().resolved_ids_per_step() == 8  # [16, C, 16] at 2048 elements
+    assert histogram.HistogramConfig(bags=64).resolved_ids_per_step() == 2  # and never below 2 (8-bit counters)
+    assert histogram.HistogramConfig(bags=256).resolved_ids_per_step() == 2
+    assert histogram.HistogramConfig(ids_per_step=32).resolved_ids_per_step() == 32
     with pytest.raises(ValueError, match="lookahead=-1"):
         histogram.HistogramConfig(lookahead=-1)
-    assert histogram.HistogramConfig(half_compare=0) == histogram.HistogramConfig(half_compare=False)
+    for removed in ("counting", "half_compare", "align"):  # experiments measured slower, removed
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{removed}'"):
+            histogram.HistogramConfig(**{removed: 1})
 
 
 # -- backward: counts^T x dout, then the optimizer -----------------------------------
@@ -311,7 +298,7 @@ def test_backward_gradient_is_fp32_accurate(rng):
 
 
 @pytest.mark.parametrize("cfg", [dict(grad_bags=32, grad_ids_per_step=16, grad_lookahead=0, update_partials=1),
-                                 dict(grad_programs=1, half_compare=False, grad_ids_per_step=4)],
+                                 dict(grad_programs=1, grad_ids_per_step=4)],
                          ids=["tiles", "one_program"])
 def test_backward_config_variants(rng, cfg):
     tables = [tbe_jax.TableSpec(20, 64, bag_size_hint=64)]

@@ -161,7 +161,8 @@ def _groups(specs, feature_table_map, plans):
     return groups
 
 
-def _col0(specs, feature_table_map):
+def feature_col0(specs, feature_table_map):
+    """Per feature (all F), its first column in the `[B, sum D]` pooled output."""
     dims = [specs[t].embedding_dim for t in feature_table_map]
     return tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
 
@@ -189,7 +190,7 @@ def pooled_vjp(all_cores, specs, feature_table_map, plans, offsets, per_sample_w
       plans: per table group of `prefix.stack_tables(specs, feature_table_map)`, the forward's `FlowPlan`.
       offsets: `[F * B + 1]` int32; g_out: `[B, sum D]`.
     """
-    col0 = _col0(specs, feature_table_map)
+    col0 = feature_col0(specs, feature_table_map)
     d_cores = [[None] * len(cs) for cs in all_cores]
     d_psw = None
     if per_sample_weights is not None:
@@ -247,7 +248,7 @@ def touched_core_grads(all_cores, specs, feature_table_map, plans, offsets, per_
                        batch: int, pooling: str):
     """Per table per core, `(ids, grads)` of the slices this batch touches (padding ids = p_t), or None
     for a core no feature reads. Each touched slice appears once, with its gradient summed over the batch."""
-    col0 = _col0(specs, feature_table_map)
+    col0 = feature_col0(specs, feature_table_map)
     out = [[None] * len(cs) for cs in all_cores]
     for (layout, _), plan in zip(_groups(specs, feature_table_map, plans), plans):
         contribs, _, _, _ = _group_inputs(layout, plan, all_cores, offsets, per_sample_weights, g_out, batch=batch,

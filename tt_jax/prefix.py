@@ -231,7 +231,6 @@ def build_flow(
     batch: int,
     chunk: int = 64,
     prefix_reuse: bool = True,
-    middle_major: bool = False,
 ) -> FlowPlan:
     """Sort, unique, prefix groups, work items and the lookup -> distinct row map (FlowTT 3.3).
 
@@ -240,12 +239,6 @@ def build_flow(
     row (`inverse` -1). `chunk` caps the distinct rows of an item (0: whole
     prefix groups); with `prefix_reuse` False every distinct row is its own item
     (the "unique only" ablation: the kernel recomputes each row's prefix).
-
-    `middle_major` (T = 3 only; ignored otherwise): order the lookups by
-    (table, i_2, i_1, i_3) instead of (table, i_1, i_2, i_3). The prefix groups
-    and rows are the same, only their order changes: consecutive groups then
-    share the middle core's slice G_2[i_2] (32 x q_2 x 32 floats, the largest
-    load of a group), which the "blocked" schedule keeps in registers.
     """
     n = indices.shape[0]
     nf = len(feature_table_map)
@@ -261,25 +254,6 @@ def build_flow(
     def table_const(values):  # per local table -> int32 array to gather from
         return jnp.asarray(np.asarray(values, np.int32))
 
-    middle = middle_major and layout.num_cores == 3
-    if middle:
-        # Keys in (i2, i1, i3) order: k = (i2 p1 + i1) p3 + i3, a bijection of [0, p1 p2 p3) per table.
-        pp = [[sp.p_shapes[t] for sp in specs] for t in range(3)]
-
-        def to_middle(i, lt):  # id -> middle-major key (lt: local table per element, or None for one table)
-            p1, p2, p3 = (table_const(x)[lt] if lt is not None else x[0] for x in pp)
-            i1, rem = i // (p2 * p3), i % (p2 * p3)
-            return ((rem // p3) * p1 + i1) * p3 + rem % p3
-
-        def from_middle(k, lt):  # the inverse
-            p1, p2, p3 = (table_const(x)[lt] if lt is not None else x[0] for x in pp)
-            hi = k // p3
-            return ((hi % p1) * p2 + hi // p1) * p3 + k % p3
-
-        span = [int(np.prod(sp.p_shapes)) for sp in specs]  # each table's key range
-        if max(span) >= _SENTINEL:
-            raise ValueError("middle_major keys need prod(p_shapes) < 2**31 - 1 for every table")
-
     if len(specs) == 1:
         # One table: the key is the id; its prefix and last digit follow by division.
         if nf == 1:
@@ -287,10 +261,9 @@ def build_flow(
         else:
             lt_ok = jnp.asarray(np.asarray([x >= 0 for x in local]))[_feature_of(offsets, n, nf, batch)]
         valid = live & lt_ok & (ids >= 0) & (ids < specs[0].num_embeddings)
-        key = to_middle(ids, None) if middle else ids
-        skey, perm = jax.lax.sort((jnp.where(valid, key, _SENTINEL), pos), num_keys=1)
+        skey, perm = jax.lax.sort((jnp.where(valid, ids, _SENTINEL), pos), num_keys=1)
         valid_s = skey != _SENTINEL
-        id_s = from_middle(jnp.where(valid_s, skey, 0), None) if middle else skey
+        id_s = skey
         pt = specs[0].p_shapes[-1]
         pre_s = id_s // pt
         suf_s = id_s % pt
@@ -299,10 +272,9 @@ def build_flow(
         lt = table_const(local)[_feature_of(offsets, n, nf, batch)]
         safe = jnp.maximum(lt, 0)
         valid = live & (lt >= 0) & (ids >= 0) & (ids < table_const([s.num_embeddings for s in specs])[safe])
-        local_key = to_middle(ids, safe) if middle else ids
-        key_base = np.concatenate([[0], np.cumsum(span)]) if middle else np.asarray(layout.row_base)
+        key_base = np.asarray(layout.row_base)
         if key_base[-1] < min(_PACKED_LIMIT, _SENTINEL):
-            key = jnp.where(valid, table_const(key_base[:-1])[safe] + local_key, _SENTINEL)
+            key = jnp.where(valid, table_const(key_base[:-1])[safe] + ids, _SENTINEL)
             skey, perm = jax.lax.sort((key, pos), num_keys=1)
             valid_s = skey != _SENTINEL
             t_s = jnp.where(valid_s, jnp.maximum(lt, 0)[perm], 0)
@@ -310,12 +282,10 @@ def build_flow(
             same_row = skey[1:] == skey[:-1]
         else:
             t_s, id_s, perm = jax.lax.sort(
-                (jnp.where(valid, lt, _SENTINEL), jnp.where(valid, local_key, _SENTINEL), pos), num_keys=2)
+                (jnp.where(valid, lt, _SENTINEL), jnp.where(valid, ids, _SENTINEL), pos), num_keys=2)
             valid_s = t_s != _SENTINEL
             t_s = jnp.where(valid_s, t_s, 0)
             same_row = (t_s[1:] == t_s[:-1]) & (id_s[1:] == id_s[:-1])
-        if middle:
-            id_s = from_middle(jnp.where(valid_s, id_s, 0), t_s)
         pt = table_const([s.p_shapes[-1] for s in specs])[t_s]
         pre_s = table_const(layout.prefix_base[:-1])[t_s] + id_s // pt
         suf_s = id_s % pt

@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tbe_jax import bounds
 from tbe_jax.sharding import ShardingPlan
 from tt_jax import optim
-from tt_jax.tt import TTEmbeddingBag, _narrow_ids, _narrow_offsets
+from tt_jax.tt import TTEmbeddingBag, narrow_ids, narrow_offsets
 
 __all__ = ["STRATEGIES", "ShardedTTEmbeddingBag", "ShardingPlan", "plan_sharding", "shard"]
 
@@ -272,8 +272,8 @@ class ShardedTTEmbeddingBag:
                 raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}; it must match "
                                  f"indices {tuple(indices.shape)}")
         spec = P(self.axis_name)
-        indices = self._place(jnp.asarray(_narrow_ids(indices)), spec)
-        offsets = self._place(jnp.asarray(_narrow_offsets(offsets)), spec)
+        indices = self._place(jnp.asarray(narrow_ids(indices)), spec)
+        offsets = self._place(jnp.asarray(narrow_offsets(offsets)), spec)
         if per_sample_weights is not None:
             per_sample_weights = self._place(per_sample_weights, spec)
         return indices, offsets, per_sample_weights

@@ -235,10 +235,10 @@ class TTEmbeddingBag:
                                       [f"table {t}" for t in range(len(self.specs))])
             else:  # signed ids are checked as given (the message names the value); unsigned ones narrowed
                 signed = jnp.issubdtype(indices.dtype, jnp.signedinteger)
-                bounds.check_traced(plan, jnp.asarray(indices if signed else _narrow_ids(indices)),
+                bounds.check_traced(plan, jnp.asarray(indices if signed else narrow_ids(indices)),
                                     jnp.asarray(offsets))
-        indices = jnp.asarray(_narrow_ids(indices))
-        offsets = jnp.asarray(_narrow_offsets(offsets))
+        indices = jnp.asarray(narrow_ids(indices))
+        offsets = jnp.asarray(narrow_offsets(offsets))
         if mode == "warning":
             offsets, rep = bounds.report(plan, indices, offsets)
             if warn:
@@ -392,7 +392,7 @@ def _as_array(x):
     return x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
 
 
-def _narrow_ids(x):
+def narrow_ids(x):
     """int32 ids: an id outside the int32 range becomes -2 (a bad id), never another row (as `tbe_jax`)."""
     dt = np.dtype(x.dtype)
     if dt == np.int32 or dt.itemsize < 4:
@@ -404,7 +404,7 @@ def _narrow_ids(x):
     return xp.where(bad, np.int32(-2), x.astype(np.int32))
 
 
-def _narrow_offsets(x):
+def narrow_offsets(x):
     """int32 offsets, clamped into the int32 range (a malformed entry stays malformed)."""
     dt = np.dtype(x.dtype)
     if dt == np.int32 or dt.itemsize < 4:

@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
-from tbe_jax.kernels import programs
 from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
 from tbe_jax.runs import LONG, SMALL, Runs, class_bases, group_bases, width_classes
 from tbe_jax.specs import StorageLayout
@@ -61,8 +60,6 @@ class BackwardConfig:
         with element-wise state (4 runs, 4 warps) against (8, 2) on `base`: Adagrad
         1.188 vs 1.50 ms, Adam 1.798 vs 1.95 (`optimizers-20261130-1911*`,
         `optimizers-20261130-1914*`).
-      small_unroll: lookups per run per step of the small-run kernel (their
-        loads issued together; 1 is the configuration measured on the H200).
       lookups_per_step: output-gradient rows gathered together (K) by the mid-run
         and chunk kernels.
       programs: persistent programs of the mid-run, chunk and long-run kernels
@@ -70,13 +67,9 @@ class BackwardConfig:
         zipf -1.6%, weighted -4.4%, base +1.1% (`bwdsweep5/6-20261129-*`).
       small_programs: persistent programs of the small-run kernel.
       num_warps: warps per program of the mid-run, chunk and long-run kernels.
-      sort_in_forward: `fused_lookup` only: build the runs (sort, run-length
-        encoding) in the forward and keep them as residuals for the backward,
-        instead of building them in the backward.
-      keys_kernel: compute each lookup's sort key, output offset and scale with
-        a Pallas pass over the bags (`lookup_keys`) instead of XLA ops (bag ids by
-        a prefix sum over positions, then gathers). Pooled lookups only.
-      keys_bags: bags per program of that pass.
+      sort_in_forward: `tbe_jax.train_step` only: build the runs (sort, run-length
+        encoding) in the step's forward half and keep them as residuals for the
+        update, instead of building them in the update.
       prefetch: the mid-run and chunk kernels load step i+1's source offsets
         while step i's gradient rows arrive (software pipelining). None (default):
         on for tables with 4-byte rows elements (fp32), off for fp16/bf16: measured
@@ -86,26 +79,20 @@ class BackwardConfig:
         `kernels.rle` (run starts, keys, the long-run list) instead of ~15 XLA ops
         (on the H200: 8-11% off the whole backward on fp32, zipf, base, weighted,
         `benchmarks/results/bwdsweep5-20261129-1832-*`).
-
-    `keys_kernel` and `small_unroll` > 1 are off by default: compiled and timed on the
-    H200, neither was faster on the presets (benchmarks/NOTES.md).
     """
 
     small_block: int | None = None
     small_num_warps: int | None = None
-    small_unroll: int = 1
     lookups_per_step: int = 8
     programs: int = 8192
     small_programs: int = 4096
     num_warps: int = 1
     sort_in_forward: bool = False
-    keys_kernel: bool = False
-    keys_bags: int = 32
     prefetch: bool | None = None
     rle_kernel: bool = True
 
     def __post_init__(self):
-        for name in ("small_block", "lookups_per_step", "keys_bags", "small_unroll"):
+        for name in ("small_block", "lookups_per_step"):
             v = getattr(self, name)
             if v is None and name == "small_block":
                 continue
@@ -118,7 +105,7 @@ class BackwardConfig:
                 raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
 
 
-def _row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, acc, cols, col_ok, dim):
+def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, acc, cols, col_ok, dim):
     """Apply `rule` to rows `row` ([R] int32, where `row_ok`) with gradients `acc` ([R, Dp] f32).
 
     `s_in`/`s_out`: the refs of the optimizer state's slots (`rule.slot_rowwise` says
@@ -266,15 +253,13 @@ def _range(rng_ref, cls: _WidthClass, col: int):
 
 
 def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, cls, block, programs, scaled, unroll):
+                  opt, cls, block, programs, scaled):
     """Blocks of `block` consecutive runs of one width class; the small ones (<= SMALL lookups)
     are gathered in lockstep and updated, one row each; the others are left to the mid/long kernels.
 
     A block's lanes may belong to several buffers of the class: the gather serves them all
     (each lane masked to its run's dim), then each buffer present in the block updates its
-    lanes in its own branch. Each loop step takes `unroll` lookups of every run: their
-    source offsets are loaded first, then all their gradient tiles, so those loads are in
-    flight together.
+    lanes in its own branch. Each loop step takes one lookup of every run of the block.
     """
     state = _class_state(refs, opt, len(cls.buffers))
     lane = jnp.arange(block, dtype=jnp.int32)
@@ -293,27 +278,24 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
         col_ok = (cols < dim)[None, :] if cls.single else cols[None, :] < dim[:, None]  # [1 or block, W]
 
         def step(i, acc):
-            lives = [i * unroll + u < length for u in range(unroll)]
-            jjs = [first + i * unroll + u for u in range(unroll)]
-            srcs = [plgpu.load(src_ref.at[jj], mask=live, other=0) for jj, live in zip(jjs, lives)]
-            for jj, live, src in zip(jjs, lives, srcs):
-                g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok,
-                               other=0).astype(jnp.float32)
-                if scaled:
-                    g = g * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
-                acc = acc + g
-            return acc
+            live = i < length
+            jj = first + i
+            src = plgpu.load(src_ref.at[jj], mask=live, other=0)
+            g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok,
+                           other=0).astype(jnp.float32)
+            if scaled:
+                g = g * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
+            return acc + g
 
-        steps = (jnp.max(length) + unroll - 1) // unroll
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block, cls.width), jnp.float32))
+        acc = jax.lax.fori_loop(0, jnp.max(length), step, jnp.zeros((block, cls.width), jnp.float32))
 
         def update(i, mine):
             w_in, s_in, w_out, s_out = state[i]
             # Masked lanes point one past the buffer: never stored on a GPU, and dropped
             # (not written back over a live row) by interpret mode's masked store.
             row = jnp.where(mine, key - cls.bases[i], w_out.shape[0])
-            _row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, mine, acc, cols, cols < cls.dims[i],
-                        cls.dims[i])
+            row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, mine, acc, cols, cols < cls.dims[i],
+                       cls.dims[i])
 
         if cls.single:
             update(0, ok)
@@ -351,8 +333,8 @@ def _update_key_row(opt, hyper_ref, cls, state, key, acc, cols):
     def update(i):
         w_in, s_in, w_out, s_out = state[i]
         row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
-        _row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, jnp.ones((1,), jnp.bool_), acc, cols,
-                    cols < cls.dims[i], cls.dims[i])
+        row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, jnp.ones((1,), jnp.bool_), acc, cols,
+                   cols < cls.dims[i], cls.dims[i])
 
     cls.per_buffer(key, update)
 
@@ -512,8 +494,7 @@ def fused_update(
     for cls in classes:
         suffix = f"_w{cls.width}"
         aliased(
-            functools.partial(_small_kernel, opt=opt, cls=cls, block=blk, programs=p_small, scaled=scaled,
-                              unroll=config.small_unroll),
+            functools.partial(_small_kernel, opt=opt, cls=cls, block=blk, programs=p_small, scaled=scaled),
             "tbe_backward_small_runs" + suffix, p_small,
             [rng, hyper, runs.run_start, runs.run_key] + common, cls)
         aliased(
@@ -532,76 +513,3 @@ def fused_update(
             [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part], cls)
     return new_w, new_s
 
-
-# -- per-lookup keys ---------------------------------------------------------------
-# The runs' first step: for each lookup, its linear key (the row's index across all
-# storage buffers, or `total` if invalid), the flat offset of its bag's output row and
-# its scale (per-sample weight x 1/len for mean, 0 if invalid). A program owns a few
-# bags of one feature (static program table, as the forward's), so the feature's
-# facts are scalars and no position -> bag search is needed.
-
-_K_KEY0, _K_ROWS, _K_OUT_BASE, _K_STRIDE = range(4)
-
-
-def _keys_kernel(flist_ref, prefix_ref, ftab_ref, off_ref, idx_ref, *refs, seg, bags, n, total, mean, weighted):
-    if weighted:
-        psw_ref, refs = refs[0], refs[1:]
-    key_out, src_out, scale_out = refs[3:]
-    p = pl.program_id(0)
-    f, gb0, nb, lb0 = programs.locate(seg, p, flist_ref, prefix_ref)
-    key0 = plgpu.load(ftab_ref.at[f, jnp.int32(_K_KEY0)])
-    num_rows = plgpu.load(ftab_ref.at[f, jnp.int32(_K_ROWS)])
-    out_base = plgpu.load(ftab_ref.at[f, jnp.int32(_K_OUT_BASE)])
-    stride = plgpu.load(ftab_ref.at[f, jnp.int32(_K_STRIDE)])
-    lane = jnp.arange(bags, dtype=jnp.int32)
-    ok = lane < nb
-    b = gb0 + lane
-    start = jnp.clip(plgpu.load(off_ref.at[b], mask=ok, other=0), 0, n)
-    end = jnp.clip(plgpu.load(off_ref.at[b + 1], mask=ok, other=0), start, n)
-    length = jnp.where(ok, end - start, 0)
-    src = out_base + (lb0 + lane) * stride
-    coef = 1.0 / jnp.maximum(length, 1).astype(jnp.float32) if mean else jnp.ones((bags,), jnp.float32)
-
-    def step(j, carry):
-        live = j < length
-        # Masked lanes point past the end: never stored on a GPU, dropped in interpret mode.
-        pos = jnp.where(live, start + j, n)
-        ids = plgpu.load(idx_ref.at[pos], mask=live, other=-1)
-        valid = live & (ids >= 0) & (ids < num_rows)
-        scale = jnp.where(valid, coef, 0.0)
-        if weighted:
-            scale = scale * plgpu.load(psw_ref.at[pos], mask=live, other=0.0)
-        plgpu.store(key_out.at[pos], jnp.where(valid, key0 + ids, total), mask=live)
-        plgpu.store(src_out.at[pos], src, mask=live)
-        plgpu.store(scale_out.at[pos], scale, mask=live)
-        return carry
-
-    jax.lax.fori_loop(0, jnp.max(length), step, jnp.int32(0))
-
-
-def lookup_keys(plan, key0: np.ndarray, total: int, indices, offsets, per_sample_weights, *, pooling: str,
-                config: BackwardConfig, interpret: bool):
-    """Per lookup (key, src, scale) as `runs.build_runs` defines them, for pooled lookups.
-
-    Positions outside every bag keep key `total` and scale 0. Offsets must be
-    well formed (what the bounds checks guarantee); malformed offsets give
-    undefined keys, as everywhere with `bounds_check="none"`.
-    """
-    n = indices.shape[0]
-    pm = programs.build(plan.bag_base, plan.batch, [(range(plan.num_features), config.keys_bags)])
-    ftab = jnp.asarray(np.stack([key0, plan.num_rows, plan.out_base, plan.out_stride], axis=1).astype(np.int32))
-    init = [jnp.full((n,), total, jnp.int32), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32)]
-    weighted = per_sample_weights is not None
-    if not pm.segments:
-        return tuple(init)
-    args = [*programs.operands(pm), ftab, offsets, indices]
-    args += ([per_sample_weights.astype(jnp.float32)] if weighted else []) + init
-    return tuple(pallas_call(
-        functools.partial(_keys_kernel, seg=pm.segments[0], bags=config.keys_bags, n=n, total=total, mean=pooling == "mean",
-                          weighted=weighted),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in init],
-        grid=(pm.num_programs,),
-        input_output_aliases={len(args) - 3 + i: i for i in range(3)},
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret, name="tbe_backward_lookup_keys",
-    )(*args))

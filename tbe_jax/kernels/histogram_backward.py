@@ -16,8 +16,10 @@ launches in all, whatever the number of tables and storage buffers, no sort:
    table by a binary search over the first slots (log2(tables) scalar loads).
    The kernel has one static branch per distinct class (the table's
    `rows_padded(E)` and dim), never one per table. Per tile it counts the bag's
-   ids on tensor cores exactly as the forward does (`counts^T += one-hot^T @
-   S^T`, in rounds of 256 ids per bag so every count is <= 256), splits the
+   ids on tensor cores (`_count_ids`: `counts^T += one-hot^T @ S^T`, the fp16
+   one-hot of a step's ids and S the bag-membership matrix, in rounds of 256
+   ids per bag so every count is <= 256; the forward counts with packed 8-bit
+   counters instead, `histogram._count_packed`), splits the
    tile's fp32 output gradient into three bf16 parts `hi + mid + lo` (exactly:
    3 x 8 significand bits cover fp32's 24; bf16 keeps fp32's exponent range) and
    adds `counts^T @ hi + counts^T @ mid + counts^T @ lo` to an fp32 `[E, D]`
@@ -57,12 +59,59 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
-from tbe_jax.kernels.backward import _row_update, state_refs, state_width
+from tbe_jax.kernels.backward import row_update, state_refs, state_width
 from tbe_jax.optim import NUM_HYPER
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, OUT_BASE, OUT_STRIDE, feature_table
-from tbe_jax.kernels.histogram import HEAD, HistogramConfig, count_ids, rows_padded, tile_positions
+from tbe_jax.kernels.histogram import HEAD, HistogramConfig, rows_padded
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
+
+
+# -- counting on tensor cores ------------------------------------------------------------
+# A counting step covers C ids of each of `bags` bags as one flat vector of K = bags * C
+# positions: position p is id (k0 + p % C) of bag p // C. Loading the positions' bag
+# starts once per tile (from `offsets`, L1-resident) makes every step's id load a
+# single [K] gather with no per-step index arithmetic beyond one add.
+
+
+def _tile_positions(offsets_ref, first, nbags, *, bags: int, c: int):
+    """(bag of p [K], slot p % C [K], its bag's first id [K], its bag's length [K]); 0 for padding bags."""
+    p = jnp.arange(bags * c, dtype=jnp.int32)
+    pb, pc = p // c, p % c
+    ok = pb < nbags
+    p_start = plgpu.load(offsets_ref.at[first + pb], mask=ok, other=0)
+    p_len = plgpu.load(offsets_ref.at[first + pb + 1], mask=ok, other=0) - p_start
+    return pb, pc, p_start, jnp.where(ok, p_len, 0)
+
+
+def _count_ids(indices_ref, p_start, pc, limit, k0, n_steps, membership_t, *, c, rows, lookahead):
+    """Counts `[E_padded, bags]` (fp32, exact) of ids k0 .. k0 + n_steps * C - 1 (below `limit`) of each bag.
+
+    Per step the fp16 one-hot `O^T[e, p] = (id_p == e)` of the K ids, and `counts^T += O^T @ S^T`
+    with `membership_t` S^T `[K, bags]`. The compare is in fp16: exact for e < 2048, and rounding is
+    monotonic, so no id outside [0, E_padded) compares equal to a row; -1 (padding) matches nothing.
+    """
+    e = jnp.arange(rows, dtype=jnp.int32).astype(jnp.float16)
+
+    def ids_at(i):  # ids k0 + i * C + p % C of each position's bag, -1 at or past `limit`
+        k = k0 + i * c + pc
+        return plgpu.load(indices_ref.at[p_start + k], mask=k < limit, other=-1)
+
+    def add(acc, ids):
+        o_t = (e[:, None] == ids.astype(jnp.float16)[None, :]).astype(jnp.float16)
+        return acc + jnp.dot(o_t, membership_t, preferred_element_type=jnp.float32)
+
+    init = jnp.zeros((rows, membership_t.shape[1]), jnp.float32)
+    if not lookahead:
+        return jax.lax.fori_loop(0, n_steps, lambda i, acc: add(acc, ids_at(i)), init)
+
+    # Software pipelining by hand: the ids of the next `lookahead` steps are in flight
+    # (masked off past the limit) while this step's ids are counted.
+    def step(i, carry):
+        nxt = ids_at(i + lookahead)  # issued before this step's counting
+        return (add(carry[0], carry[1]),) + carry[2:] + (nxt,)
+
+    return jax.lax.fori_loop(0, n_steps, step, (init,) + tuple(ids_at(j) for j in range(lookahead)))[0]
 
 
 def split3(x):
@@ -151,14 +200,13 @@ def _find_table(tabs_ref, num_tables: int, col: int, q):
 
 
 def _grad_branch(pid, lo, hi, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, g_ref, part_ref, occ_ref,
-                 *, seg, bags, c, rows, dim, stride_rows, stride_cols, mean, half, lookahead):
+                 *, seg, bags, c, rows, dim, stride_rows, stride_cols, mean, lookahead):
     """Program `pid`: tiles [lo, hi) of one table of class (rows, dim), into partial slot `pid`."""
     block_dim = next_pow2(dim)
     g = jnp.arange(bags, dtype=jnp.int32)
     e = jnp.arange(rows, dtype=jnp.int32)
     cols = jnp.arange(block_dim, dtype=jnp.int32)
     col_ok = cols < dim
-    no_bad = lambda ids: jnp.int32(0)  # noqa: E731
 
     def tile(i, carry):
         acc, occ = carry
@@ -177,7 +225,7 @@ def _grad_branch(pid, lo, hi, flist_ref, prefix_ref, feat_ref, offsets_ref, indi
         if mean:
             dout = dout * (1.0 / jnp.maximum(length, 1).astype(jnp.float32))[:, None]
         parts = split3(dout)
-        pb, pc, p_start, p_len = tile_positions(offsets_ref, first, nbags, bags=bags, c=c)
+        pb, pc, p_start, p_len = _tile_positions(offsets_ref, first, nbags, bags=bags, c=c)
         membership_t = (pb[:, None] == g[None, :]).astype(jnp.float16)  # S^T [K, bags]
         longest = jnp.max(length)
 
@@ -185,9 +233,8 @@ def _grad_branch(pid, lo, hi, flist_ref, prefix_ref, feat_ref, offsets_ref, indi
             acc, occ = carry
             k0 = r * HEAD
             n_steps = (jnp.minimum(longest - k0, HEAD) + c - 1) // c
-            counts_t, _ = count_ids(indices_ref, p_start, pc, jnp.minimum(p_len, k0 + HEAD), k0, n_steps,
-                                    membership_t, no_bad, c=c, rows=rows, half=half, lookahead=lookahead,
-                                    rows_first=True)
+            counts_t = _count_ids(indices_ref, p_start, pc, jnp.minimum(p_len, k0 + HEAD), k0, n_steps,
+                                  membership_t, c=c, rows=rows, lookahead=lookahead)
             ct = counts_t.astype(jnp.bfloat16)  # <= HEAD = 256: exact
             for part in parts:
                 acc = acc + jnp.dot(ct, part, preferred_element_type=jnp.float32)
@@ -246,7 +293,7 @@ def _update_branch(e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref, 
     touched = jnp.zeros((1,), jnp.int32) + n > 0
     # Rows not in the batch point one past the buffer: never stored on a GPU, dropped in interpret mode.
     row = jnp.where(touched, row_offset + e, w_out.shape[0])
-    _row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, touched, acc, cols, col_ok, dim)
+    row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, touched, acc, cols, col_ok, dim)
 
 
 def _update_kernel(part_ref, occ_ref, hyper_ref, tabs_ref, *refs, opt, dims, num_tables, **kw):
@@ -313,7 +360,7 @@ def histogram_update(
         functools.partial(_grad_kernel, classes=sp.classes, num_tables=n_tab, per_program=sp.per_program,
                           seg=sp.pm.segments[0], bags=cfg.grad_bags,
                           c=cfg.grad_ids_per_step, stride_rows=sr, stride_cols=sc, mean=pooling == "mean",
-                          half=cfg.half_compare, lookahead=cfg.grad_lookahead),
+                          lookahead=cfg.grad_lookahead),
         out_shape=(jax.ShapeDtypeStruct((n_prog * sr * sc,), jnp.float32),
                    jax.ShapeDtypeStruct((n_prog * sr,), jnp.int32)),
         grid=(n_prog,),

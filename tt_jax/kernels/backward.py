@@ -47,10 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.specs import next_pow2
 from tt_jax import prefix
-from tt_jax.backward import _col0, position_bags
-from tt_jax.kernels.forward import (_PRECISIONS, TTKernelConfig, _load_last, _load_suffixes, _next_pow2, _pad,
-                                    _prefix_loads, _store, _Tiles, tt_rows)
+from tt_jax.backward import feature_col0, position_bags
+from tt_jax.kernels.forward import (PRECISIONS, Tiles, TTKernelConfig, dot_pad, load_last, load_suffixes, masked_store,
+                                    prefix_loads, tt_rows)
 
 _BIG = 2**31 - 1
 
@@ -107,7 +108,7 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
             return plgpu.load(ref["run_seg"].at[run0 + a], mask=ok, other=0)
 
         if mode in ("lookups", "dense"):
-            ep = _pad(e_b)  # e_a == 1: E = e_b
+            ep = dot_pad(e_b)  # e_a == 1: E = e_b
             cols = jnp.arange(ep, dtype=jnp.int32)
             col_ok = cols < e_b
             ok2 = live[:, None] & col_ok[None, :]
@@ -122,7 +123,7 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
                     rows = plgpu.load(ref["rows"].at[(u * e_b)[:, None] + cols[None, :]], mask=ok2, other=0.0)
                     coef = plgpu.load(ref["coef"].at[m], mask=live, other=0.0)
                     pos = plgpu.load(ref["perm"].at[m], mask=live, other=0)
-                    _store(ref["dpsw"], pos, coef * jnp.sum(rows * gy, axis=1), live, interpret)
+                    masked_store(ref["dpsw"], pos, coef * jnp.sum(rows * gy, axis=1), live, interpret)
             else:
                 mid = plgpu.load(ref["ids"].at[m], mask=live, other=0)
                 v = plgpu.load(ref["buf"].at[(mid * e_b)[:, None] + cols[None, :]], mask=ok2, other=0.0)
@@ -133,10 +134,10 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
             inner = has & ~left & ~right
             seg = seg_of(lane, inner)
             col2 = cols[None, :]
-            _store(out_ref, (seg * e_b)[:, None] + col2, part, inner[:, None] & col_ok[None, :], interpret)
+            masked_store(out_ref, (seg * e_b)[:, None] + col2, part, inner[:, None] & col_ok[None, :], interpret)
             slot = (2 * i + right.astype(jnp.int32)) * e_b
-            _store(edge_ref, slot[:, None] + col2, part, (has & (left | right))[:, None] & col_ok[None, :],
-                   interpret)
+            masked_store(edge_ref, slot[:, None] + col2, part, (has & (left | right))[:, None] & col_ok[None, :],
+                         interpret)
             return
 
         # mode == "outer": contributions P^T dP, P [J, e_a] and dP [J, e_b] per member.
@@ -148,8 +149,8 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
         local_c = jnp.where(c_ok, run_c - run0, k)
         gid = plgpu.load(ref["ids"].at[mc], mask=c_ok, other=0)
         row = gid * j_rows + jr
-        xa = jnp.arange(_pad(e_a), dtype=jnp.int32)
-        xb = jnp.arange(_pad(e_b), dtype=jnp.int32)
+        xa = jnp.arange(dot_pad(e_a), dtype=jnp.int32)
+        xb = jnp.arange(dot_pad(e_b), dtype=jnp.int32)
         a_ok, b_ok = xa < e_a, xb < e_b
         pt = plgpu.load(ref["p"].at[(row * e_a)[None, :] + xa[:, None]], mask=a_ok[:, None] & c_ok[None, :],
                         other=0.0)  # [e_a, (member, J)]
@@ -163,8 +164,8 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
             left, right = dest(a)
             edge = left | right
             seg = seg_of(a)
-            _store(out_ref, seg * e + off, acc, ok2 & ~edge, interpret)
-            _store(edge_ref, (2 * i + right.astype(jnp.int32)) * e + off, acc, ok2 & edge, interpret)
+            masked_store(out_ref, seg * e + off, acc, ok2 & ~edge, interpret)
+            masked_store(edge_ref, (2 * i + right.astype(jnp.int32)) * e + off, acc, ok2 & edge, interpret)
             return carry
 
         jax.lax.fori_loop(0, a_last + 1, per_run, jnp.int32(0))
@@ -200,7 +201,7 @@ def _seg_span_kernel(*refs, names, k, e, e_block, k_tiles, n_members, n_runs, id
         n = (last_tile - b + k_tiles) // k_tiles
         acc = jax.lax.fori_loop(0, n, step, acc)
         seg = r_hi if identity_seg else plgpu.load(ref["run_seg"].at[r_hi])
-        _store(out_ref, seg * e + cols, acc, col_ok, interpret)
+        masked_store(out_ref, seg * e + cols, acc, col_ok, interpret)
 
 
 def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, e_b: int, tile: int,
@@ -224,7 +225,7 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     n_runs = run_start.shape[0] - 1
     n_tiles = -(-m_total // tile)
     e = e_a * e_b
-    precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[config.precision]
+    precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     names, args = ["run"], [run]
     if run_seg is not None:
         names.append("run_seg")
@@ -248,7 +249,7 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
         out_shape.append(jax.ShapeDtypeStruct((psw_len,), jnp.float32))
     names += ["out", "edges"] + (["dpsw"] if want_psw else [])
     kernel = functools.partial(
-        _seg_tile_kernel, names=tuple(names), mode=mode, k=tile, j_rows=j_rows, j_pad=_next_pow2(j_rows), e_a=e_a,
+        _seg_tile_kernel, names=tuple(names), mode=mode, k=tile, j_rows=j_rows, j_pad=next_pow2(j_rows), e_a=e_a,
         e_b=e_b, n_members=m_total, n_runs=n_runs, identity_seg=run_seg is None, want_psw=want_psw,
         scaled="scale" in data, precision=precision, interpret=interpret)
     res = pallas_call(
@@ -257,7 +258,7 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     )(*args)
     out, edges = res[0], res[1]
     # Pass 2: runs crossing tile boundaries.
-    e_block = min(_next_pow2(e), 1024)
+    e_block = min(next_pow2(e), 1024)
     names2 = ["run", "run_start"] + (["run_seg"] if run_seg is not None else []) + ["edges", "out_in", "out"]
     args2 = [run, run_start] + ([run_seg] if run_seg is not None else []) + [edges, out]
     kernel2 = functools.partial(
@@ -303,8 +304,8 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
     cores = [ref[f"core{t}"] for t in range(t_cores)]
     cols = t_cores + 1
     g = pl.program_id(0)
-    qp = _pad(q[0])
-    rp = [_pad(x) for x in r]
+    qp = dot_pad(q[0])
+    rp = [dot_pad(x) for x in r]
     jj = jnp.arange(qp, dtype=jnp.int32)
     j_ok = jj < q[0]
 
@@ -332,7 +333,7 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
         c_tiles = prods[-1]
         n_c = len(c_tiles)
         # -- the group's rows, `rows_per_step` at a time --
-        s_rows, qlp = rows_per_step, _next_pow2(q[-1])
+        s_rows, qlp = rows_per_step, next_pow2(q[-1])
         ncol = s_rows * qlp
         col = jnp.arange(ncol, dtype=jnp.int32)
         lane, jt = col // qlp, col % qlp
@@ -356,12 +357,12 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
                 new.append(dcs[kk] + _dot(x, h, 1, 1, precision))
                 part = _dot(c_tiles[kk], x, 0, 0, precision)  # [r, S q_T]
                 dlast = part if dlast is None else dlast + part
-            _store(ref["dlast"], (row * (rl * q[-1]) + jt)[None, :] + (bb * q[-1])[:, None], dlast,
-                   b_ok[:, None] & col_ok[None, :], interpret)
+            masked_store(ref["dlast"], (row * (rl * q[-1]) + jt)[None, :] + (bb * q[-1])[:, None], dlast,
+                         b_ok[:, None] & col_ok[None, :], interpret)
             rows1 = first + c * s_rows + ss
             ok1 = c * s_rows + ss < count
             suffix1 = plgpu.load(suffix_ref.at[rows1], mask=ok1, other=0)
-            _store(ref["row_slice"], rows1, last_base + suffix1, ok1, interpret)
+            masked_store(ref["row_slice"], rows1, last_base + suffix1, ok1, interpret)
             return tuple(new)
 
         zeros = tuple(jnp.zeros((qp, rp[-2]), jnp.float32) for _ in range(n_c))
@@ -375,10 +376,10 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
             rb_ = jnp.arange(rp[t + 1], dtype=jnp.int32)
             for kk, p in enumerate(prev):
                 rowj = (g * j_rows + kk * q[0] + jj)[:, None]
-                _store(ref[f"p{t}"], rowj * ea + ra_[None, :], p, j_ok[:, None] & (ra_ < ea)[None, :], interpret)
+                masked_store(ref[f"p{t}"], rowj * ea + ra_[None, :], p, j_ok[:, None] & (ra_ < ea)[None, :], interpret)
                 for j in range(q[t]):
-                    _store(ref[f"dp{t}"], rowj * eb + j * r[t + 1] + rb_[None, :], dp[kk * q[t] + j],
-                           j_ok[:, None] & (rb_ < r[t + 1])[None, :], interpret)
+                    masked_store(ref[f"dp{t}"], rowj * eb + j * r[t + 1] + rb_[None, :], dp[kk * q[t] + j],
+                                 j_ok[:, None] & (rb_ < r[t + 1])[None, :], interpret)
             new = []
             for kk in range(len(prev)):
                 acc = None
@@ -388,14 +389,12 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
                 new.append(acc)
             dp = new
         aa = jnp.arange(rp[1], dtype=jnp.int32)
-        _store(ref["dfirst"], (g * q[0] + jj)[:, None] * r[1] + aa[None, :], dp[0],
-               j_ok[:, None] & (aa < r[1])[None, :], interpret)
+        masked_store(ref["dfirst"], (g * q[0] + jj)[:, None] * r[1] + aa[None, :], dp[0],
+                     j_ok[:, None] & (aa < r[1])[None, :], interpret)
 
 
-def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret, programs=None):
-    """T = 3, the forward's tile layout (`forward._prefix_loads`): one program per prefix group, or with
-    `programs` (the "blocked" schedule) persistent programs over contiguous ranges of groups, which keep the
-    middle slice operand Y in registers while consecutive groups share i2 (`order="middle"`).
+def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
+    """T = 3, the forward's tile layout (`forward.prefix_loads`): one program per prefix group.
 
     C = X @ Y with X `[(j1, j2), (j, a)]` = G1[i1, 0, j1, a] if j == j2 (else 0) and Y `[(j, a), b]` =
     G2[i2, a, j, b], so C is `[q1 q2, r2]` in one tile (rows (j1, j2)). Per step of S rows, with H `[r2,
@@ -413,16 +412,13 @@ def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret, programs=None
     pid = pl.program_id(0)
     n_groups = plgpu.load(ngroups_ref.at[pid * 0])
 
-    def do_group(g, reuse):
+    def do_group(g):
         base = g * 4
         first = plgpu.load(meta_ref.at[base])
         count = plgpu.load(meta_ref.at[base + 4]) - first
         digits = [plgpu.load(meta_ref.at[base + 1]), plgpu.load(meta_ref.at[base + 2])]
         last_base = plgpu.load(meta_ref.at[base + 3])
-        if reuse is not None:
-            y_prev, d_prev, not_first = reuse
-            reuse = (y_prev, (digits[1] == d_prev) & not_first)
-        x_op, y_op = _prefix_loads(cores, digits, tl, reuse)  # [rows_m, k_x], [k_x, r_pad2]
+        x_op, y_op = prefix_loads(cores, digits, tl)  # [rows_m, k_x], [k_x, r_pad2]
         c = _dot(x_op, y_op, 1, 0, precision)  # [rows_m, r_pad2]
         jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
         j_ok = jj < tl.rows_valid
@@ -431,33 +427,33 @@ def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret, programs=None
         ss = jnp.arange(tl.sub_rows, dtype=jnp.int32)
 
         def step(k, dc):
-            suffix, lane, jt, col_ok = _load_suffixes(suffix_ref, first, count, k, tl)
-            h = _load_last(cores[2], last_base, suffix, jt, col_ok, tl)  # [r_pad2, n_cols]
+            suffix, lane, jt, col_ok = load_suffixes(suffix_ref, first, count, k, tl)
+            h = load_last(cores[2], last_base, suffix, jt, col_ok, tl)  # [r_pad2, n_cols]
             row = first + lane
             xd = plgpu.load(drows_ref.at[(row * tl.dim + jt)[None, :] + (jj * q[2])[:, None]],
                             mask=j_ok[:, None] & col_ok[None, :], other=0.0)  # [rows_m, n_cols]
             dlast = _dot(c, xd, 0, 0, precision)  # [r_pad2, n_cols]
-            _store(ref["dlast"], (row * (r[2] * q[2]) + jt)[None, :] + (bb * q[2])[:, None], dlast,
-                   b_ok[:, None] & col_ok[None, :], interpret)
+            masked_store(ref["dlast"], (row * (r[2] * q[2]) + jt)[None, :] + (bb * q[2])[:, None], dlast,
+                         b_ok[:, None] & col_ok[None, :], interpret)
             rows1 = first + k * tl.sub_rows + ss
             ok1 = k * tl.sub_rows + ss < count
             suffix1 = plgpu.load(suffix_ref.at[rows1], mask=ok1, other=0)
-            _store(ref["row_slice"], rows1, last_base + suffix1, ok1, interpret)
+            masked_store(ref["row_slice"], rows1, last_base + suffix1, ok1, interpret)
             return dc + _dot(xd, h, 1, 1, precision)
 
         dc = jax.lax.fori_loop(0, (count + tl.sub_rows - 1) // tl.sub_rows, step,
                                jnp.zeros((tl.rows_m, tl.r_pad[2]), jnp.float32))
         # The middle core's members: P1 = G1[i1] `[q1, r1]` and dP1 = dC as `[q1, (j2, b)]`.
-        q1p = _pad(q[0])
+        q1p = dot_pad(q[0])
         j1 = jnp.arange(q1p, dtype=jnp.int32)
         aa = jnp.arange(tl.r_pad[1], dtype=jnp.int32)
         a_ok = aa < r[1]
         p1_mask = (j1 < q[0])[:, None] & a_ok[None, :]
         p1 = plgpu.load(cores[0].at[digits[0] * (q[0] * r[1]) + (j1 * r[1])[:, None] + aa[None, :]], mask=p1_mask,
                         other=0.0)
-        _store(ref["p1"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], p1, p1_mask, interpret)
-        _store(ref["dp1"], g * (tl.rows_valid * r[2]) + (jj * r[2])[:, None] + bb[None, :], dc,
-               j_ok[:, None] & b_ok[None, :], interpret)
+        masked_store(ref["p1"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], p1, p1_mask, interpret)
+        masked_store(ref["dp1"], g * (tl.rows_valid * r[2]) + (jj * r[2])[:, None] + bb[None, :], dc,
+                     j_ok[:, None] & b_ok[None, :], interpret)
         # dP1[j1, a] = sum_{j2} (dC Y^T)[(j1, j2), (j2, a)].
         kk = jnp.arange(tl.k_x, dtype=jnp.int32)
         dx = _dot(dc, y_op, 1, 1, precision)  # [rows_m, k_x]
@@ -467,23 +463,11 @@ def _group_kernel3(*refs, names, tl: _Tiles, precision, interpret, programs=None
         fold = ((kk % r[1])[:, None] == aa[None, :]) & (kk < q[1] * r[1])[:, None]  # F [k_x, r_pad1]
         tmp = _dot(sel.astype(jnp.float32), dx, 1, 0, precision)  # [q1p, k_x]
         dfirst = _dot(tmp, fold.astype(jnp.float32), 1, 0, precision)  # [q1p, r_pad1]
-        _store(ref["dfirst"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], dfirst, p1_mask, interpret)
-        return y_op, digits[1]
+        masked_store(ref["dfirst"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], dfirst, p1_mask, interpret)
 
-    if programs is None:
-        @pl.when(pid < n_groups)
-        def _():
-            do_group(pid, None)
-    else:
-        per = (n_groups + programs - 1) // programs
-        lo = pid * per
-
-        def step(i, carry):
-            y, d = do_group(lo + i, carry + (i > 0,))
-            return y, d
-
-        jax.lax.fori_loop(0, jnp.clip(n_groups - lo, 0, per), step,
-                          (jnp.zeros((tl.k_x, tl.r_pad[2]), jnp.float32), jnp.int32(-1)))
+    @pl.when(pid < n_groups)
+    def _():
+        do_group(pid)
 
 
 def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, *,
@@ -491,7 +475,7 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
     nc = layout.num_cores
     q, r = layout.q_shapes, layout.full_ranks
     cap = plan.row_suffix.shape[0]
-    precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[config.precision]
+    precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     names = ["meta", "ngroups", "suffix", "d_rows"] + [f"core{t}" for t in range(nc)]
     args = [plan.group_meta, plan.num_groups.reshape(1), plan.row_suffix, d_rows] + list(cores)
     outs = {"dlast": (cap * r[-2] * q[-1], jnp.float32), "row_slice": (cap, jnp.int32),
@@ -501,19 +485,15 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
         outs[f"p{t}"] = (n_groups * j_rows * r[t], jnp.float32)
         outs[f"dp{t}"] = (n_groups * j_rows * q[t] * r[t + 1], jnp.float32)
     names += list(outs)
-    grid = n_groups
     if nc == 3 and config.bwd_group_kernel == "tiles3":
-        programs = None
-        if config.schedule == "blocked":
-            grid = programs = config.programs(n_groups)
-        kernel = functools.partial(_group_kernel3, names=tuple(names), tl=_Tiles.make(layout, config.bwd_rows),
-                                   precision=precision, interpret=interpret, programs=programs)
+        kernel = functools.partial(_group_kernel3, names=tuple(names), tl=Tiles.make(layout, config.bwd_rows),
+                                   precision=precision, interpret=interpret)
     else:
         kernel = functools.partial(
             _group_kernel, names=tuple(names), t_cores=nc, q=q, r=r, dim=layout.dim,
-            rows_per_step=max(config.bwd_rows, 16 // _next_pow2(q[-1])), precision=precision, interpret=interpret)
+            rows_per_step=max(config.bwd_rows, 16 // next_pow2(q[-1])), precision=precision, interpret=interpret)
     res = pallas_call(
-        kernel, out_shape=tuple(jax.ShapeDtypeStruct((n,), dt) for n, dt in outs.values()), grid=(grid,),
+        kernel, out_shape=tuple(jax.ShapeDtypeStruct((n,), dt) for n, dt in outs.values()), grid=(n_groups,),
         compiler_params=_params(config), interpret=interpret, name="tt_bwd_groups",
     )(*args)
     return dict(zip(outs, res))
@@ -574,13 +554,11 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
     tile = config.bwd_member_tile
     grads = [None] * nc
-    major = 1 if (config.order == "middle" and nc == 3) else 0
     for t in range(nc - 1):
-        # Groups are numbered in sorted-key order ((table, i_1, ..., i_{T-1}), or (table, i_2, i_1) with
-        # `order="middle"`; a table's stacked slices ascend with the table), so the major digit's core
-        # slices are already non-decreasing: no sort for that core.
+        # Groups are numbered in sorted-key order ((table, i_1, ..., i_{T-1}); a table's stacked slices
+        # ascend with the table), so the first core's slices are already non-decreasing: no sort for it.
         order, run, run_seg, run_start = _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]),
-                                               presorted=t == major)
+                                               presorted=t == 0)
         if t == 0:
             out = _segment_sum("dense", run, run_start, data={"ids": order, "buf": bufs["dfirst"]},
                                out_slots=p_stacked[0], e_a=1, e_b=q[0] * r[1], tile=tile, config=config,
@@ -606,7 +584,7 @@ def dense_core_grads(all_cores, specs, feature_table_map, plans, offsets, per_sa
     groups = prefix.stack_tables(specs, feature_table_map)
     if len(groups) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(groups)} table groups")
-    col0 = _col0(specs, feature_table_map)
+    col0 = feature_col0(specs, feature_table_map)
     d_cores = [[None] * len(cs) for cs in all_cores]
     want_psw = want_psw and per_sample_weights is not None
     d_psw = None

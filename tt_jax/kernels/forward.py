@@ -48,11 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.specs import next_pow2
 from tt_jax import prefix
 
-_SCHEDULES = ("queue", "static", "grid", "blocked")
-_ORDERS = ("prefix", "middle")
-_PRECISIONS = {
+_SCHEDULES = ("queue", "static", "grid")
+PRECISIONS = {  # TTKernelConfig.precision -> the fp32 dot algorithm on the GPU
     "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
     "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
     "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
@@ -72,14 +72,7 @@ class TTKernelConfig:
         stealing) or "grid" (one program per item slot). On the H200 "static"
         was faster than "queue" in every measured run (workload a at every B
         from 2048 to 131072, meta-240/480/788: 8-15%; benchmarks/results/
-        tt-20261129-150311-*, tt-2026112915*), hence the default. "blocked":
-        persistent programs, each a contiguous range of items; for T = 3 a
-        program keeps the middle core's slice G2[i2] in registers while
-        consecutive items share i2 (with `order="middle"` most do). Not yet
-        compiled on a GPU (interpret-tested only).
-      order: the plan's group order: "prefix" ((table, i1, i2, ..)) or "middle"
-        (T = 3: (table, i2, i1, i3), so consecutive groups share G2[i2]; see
-        `prefix.build_flow(middle_major=...)`). Not yet timed on a GPU.
+        tt-20261129-150311-*, tt-2026112915*), hence the default.
       chunk: most distinct rows per work item (0: whole prefix groups, which
         can be p_T rows long). Items are the unit of load balancing; each item
         recomputes its prefix product.
@@ -97,7 +90,7 @@ class TTKernelConfig:
       pool_bags, pool_unroll, pool_warps: pooling kernel: bags per program,
         steps whose loads are issued together, warps.
       backward: the backward of `TTEmbeddingBag` on this path (`jax.grad`,
-        `apply_gradients`, `fused_lookup`): "pallas" (`tt_jax.kernels.backward`,
+        `apply_gradients`, `tbe_jax.train_step`): "pallas" (`tt_jax.kernels.backward`,
         deterministic) or "xla" (`tt_jax.backward`).
       bwd_lookup_tile: sorted lookups per program of the backward's per-row
         gradient sum (a power of 2 >= 16).
@@ -111,7 +104,6 @@ class TTKernelConfig:
     """
 
     schedule: str = "static"
-    order: str = "prefix"
     chunk: int = 64
     tile_rows: int = 16
     prefix_reuse: bool = True
@@ -140,12 +132,10 @@ class TTKernelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"TTKernelConfig.{name} must be a power of 2 >= 16, got {v!r}")
-        if self.order not in _ORDERS:
-            raise ValueError(f"TTKernelConfig.order must be one of {_ORDERS}, got {self.order!r}")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"TTKernelConfig.schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
-        if self.precision not in _PRECISIONS:
-            raise ValueError(f"TTKernelConfig.precision must be one of {tuple(_PRECISIONS)}, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"TTKernelConfig.precision must be one of {tuple(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.chunk, int) or self.chunk < 0:
             raise ValueError(f"TTKernelConfig.chunk must be an int >= 0, got {self.chunk!r}")
         for name in ("tile_rows", "programs_per_sm", "num_warps", "num_stages", "pool_bags", "pool_unroll",
@@ -179,17 +169,13 @@ def _sm_count() -> int:
     return int(n) if isinstance(n, int) and n > 0 else (132 if dev.platform == "gpu" else 2)
 
 
-def _pad(x: int) -> int:
+def dot_pad(x: int) -> int:
     """Next power of 2, at least 16 (Triton's smallest dot dimension)."""
-    return max(16, 1 << (max(1, x) - 1).bit_length())
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << (max(1, x) - 1).bit_length()
+    return max(16, next_pow2(x))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tiles:
+class Tiles:
     """Static tile geometry of one table group (see the module docstring)."""
 
     t: int  # cores
@@ -211,16 +197,16 @@ class _Tiles:
         return jnp.int64 if self.wide else jnp.int32
 
     @staticmethod
-    def make(layout: prefix.StackedTables, tile_rows: int) -> "_Tiles":
+    def make(layout: prefix.StackedTables, tile_rows: int) -> "Tiles":
         q, r, t = layout.q_shapes, layout.full_ranks, layout.num_cores
         rows_valid = q[0] if t == 2 else q[0] * q[1]
-        qlp = _next_pow2(q[-1])
+        qlp = next_pow2(q[-1])
         sub = max(tile_rows, 16 // qlp)
-        return _Tiles(t, q, r, layout.dim, _pad(rows_valid), rows_valid, _pad(q[1] * r[1]) if t >= 3 else 0,
-                      tuple(_pad(x) for x in r), sub, qlp, sub * qlp, q[2] if t == 4 else 1)
+        return Tiles(t, q, r, layout.dim, dot_pad(rows_valid), rows_valid, dot_pad(q[1] * r[1]) if t >= 3 else 0,
+                     tuple(dot_pad(x) for x in r), sub, qlp, sub * qlp, q[2] if t == 4 else 1)
 
 
-def _store(ref, addr, val, mask, interpret):
+def masked_store(ref, addr, val, mask, interpret):
     """Masked store. Interpret mode scatters masked lanes too (writing back the old value), so there a
     masked lane that aliases a live one could undo its write: send masked lanes past the end (dropped)."""
     if interpret:
@@ -232,12 +218,8 @@ def _dot(a, b, precision):
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _prefix_loads(core_refs, digits, tl: _Tiles, reuse=None):
-    """The core slices of the prefix product, as dot operands (see the module docstring).
-
-    `reuse` (T >= 3): `(y_prev, same)`: when `same` (a traced bool) holds, the middle slice Y is taken from
-    `y_prev` and its load is masked off entirely (no memory traffic).
-    """
+def prefix_loads(core_refs, digits, tl: Tiles):
+    """The core slices of the prefix product, as dot operands (see the module docstring)."""
     q, r = tl.q, tl.r
     if tl.t == 2:
         jj = jnp.arange(tl.rows_m, dtype=jnp.int32)[:, None]
@@ -256,11 +238,7 @@ def _prefix_loads(core_refs, digits, tl: _Tiles, reuse=None):
     y_ok = k_ok[:, None] & (bb < r[2])[None, :]
     y_addr = (digits[1].astype(tl.addr) * (r[1] * q[1] * r[2]) + (ak * (q[1] * r[2]) + jk * r[2])[:, None]
               + bb[None, :])
-    if reuse is None:
-        y = plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)
-    else:
-        y_prev, same = reuse
-        y = jnp.where(same, y_prev, plgpu.load(core_refs[1].at[y_addr], mask=y_ok & ~same, other=0.0))
+    y = plgpu.load(core_refs[1].at[y_addr], mask=y_ok, other=0.0)
     ops = [plgpu.load(core_refs[0].at[x_addr], mask=x_ok, other=0.0), y]
     if tl.t == 4:
         cc = jnp.arange(tl.r_pad[3], dtype=jnp.int32)
@@ -272,7 +250,7 @@ def _prefix_loads(core_refs, digits, tl: _Tiles, reuse=None):
     return ops
 
 
-def _prefix_product(ops, tl: _Tiles, precision):
+def _prefix_product(ops, tl: Tiles, precision):
     """The prefix product as a list of `[rows_m, r_pad[T-1]]` tiles (one per T=4 digit j3)."""
     if tl.t == 2:
         return ops
@@ -282,7 +260,7 @@ def _prefix_product(ops, tl: _Tiles, precision):
     return [_dot(c2, g3, precision) for g3 in ops[2:]]
 
 
-def _load_suffixes(suffix_ref, first, count, c, tl: _Tiles):
+def load_suffixes(suffix_ref, first, count, c, tl: Tiles):
     """Rows c*S .. c*S+S-1 of an item: per column (s, j), its row's last digit and the masks."""
     col = jnp.arange(tl.n_cols, dtype=jnp.int32)
     lane = c * tl.sub_rows + col // tl.q_last_pad  # row of the item, per column
@@ -293,7 +271,7 @@ def _load_suffixes(suffix_ref, first, count, c, tl: _Tiles):
     return suffix, lane, jt, col_ok
 
 
-def _load_last(core_last_ref, last_base, suffix, jt, col_ok, tl: _Tiles):
+def load_last(core_last_ref, last_base, suffix, jt, col_ok, tl: Tiles):
     """The rows' last-core slices G `[r_{T-1}, S q_T]`, G[b, (s, j)] = G_T[i_T(s), b, j, 0]."""
     q_last, r_last = tl.q[-1], tl.r[-2]
     bb = jnp.arange(tl.r_pad[-2], dtype=jnp.int32)
@@ -301,7 +279,7 @@ def _load_last(core_last_ref, last_base, suffix, jt, col_ok, tl: _Tiles):
     return plgpu.load(core_last_ref.at[addr], mask=(bb < r_last)[:, None] & col_ok[None, :], other=0.0)
 
 
-def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: _Tiles, precision, interpret):
+def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: Tiles, precision, interpret):
     """R = C @ G per prefix tile, stored to the distinct rows `first + lane` (column J q_T + j of each)."""
     jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
     mask = (jj < tl.rows_valid)[:, None] & col_ok[None, :]
@@ -309,10 +287,10 @@ def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: _Tiles, precisio
     for jl, tile in enumerate(tiles):
         out = _dot(tile, g, precision)  # [rows_m, n_cols]
         d = (jj * tl.list_size + jl) * tl.q[-1]
-        _store(out_ref, row_base + d[:, None], out, mask, interpret)
+        masked_store(out_ref, row_base + d[:, None], out, mask, interpret)
 
 
-def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, programs, max_items, precision,
+def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, programs, max_items, precision,
                  interpret):
     # inputs: meta_ref [(cap+1) * (T+1)], nitems_ref [1], suffix_ref [cap], T flat cores,
     #         (queue) counter [1] aliased; outputs: rows [cap * D], (queue) counter [1]
@@ -331,46 +309,27 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: _Tiles, schedule, 
         last_base = plgpu.load(meta_ref.at[base + tl.t])
         return (first, count, last_base) + tuple(plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1))
 
-    def do_item(meta, prefetch=None, reuse=None):
+    def do_item(meta, prefetch=None):
         """One item. Program order is issue order on a GPU: this item's loads first, then `prefetch()` (the
-        next item's metadata, whose latency then overlaps them), then the dependent loads and the dots.
-        With `reuse` (the "blocked" schedule, T = 3) returns (next meta, the middle slice operand)."""
+        next item's metadata, whose latency then overlaps them), then the dependent loads and the dots."""
         first, count, last_base, *digits = meta
-        suffix, lane, jt, col_ok = _load_suffixes(suffix_ref, first, count, 0, tl)  # the first S rows (peeled)
-        ops = _prefix_loads(core_refs, digits, tl, reuse)
+        suffix, lane, jt, col_ok = load_suffixes(suffix_ref, first, count, 0, tl)  # the first S rows (peeled)
+        ops = prefix_loads(core_refs, digits, tl)
         nxt = prefetch() if prefetch is not None else None
-        g = _load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
+        g = load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
         tiles = _prefix_product(ops, tl, precision)
         _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl, precision, interpret)
 
         def sub(c, carry):
-            suffix, lane, jt, col_ok = _load_suffixes(suffix_ref, first, count, c, tl)
-            g = _load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
+            suffix, lane, jt, col_ok = load_suffixes(suffix_ref, first, count, c, tl)
+            g = load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
             _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl, precision, interpret)
             return carry
 
         jax.lax.fori_loop(1, (count + tl.sub_rows - 1) // tl.sub_rows, sub, jnp.int32(0))
-        return nxt if reuse is None else (nxt, ops[1])
+        return nxt
 
-    if schedule == "blocked":
-        # Program pid: items [pid * per, min((pid + 1) * per, num_items)), in order. For T = 3 the middle slice
-        # operand rides in the loop carry and is reloaded only when the middle digit changes.
-        per = (num_items + programs - 1) // programs
-        lo = pid * per
-        n_mine = jnp.clip(num_items - lo, 0, per)
-        if tl.t == 3:
-            y0 = jnp.zeros((tl.k_x, tl.r_pad[2]), jnp.float32)
-
-            def step(i, carry):
-                meta, y_prev, d_prev = carry
-                same = (meta[4] == d_prev) & (i > 0)
-                nxt, y = do_item(meta, lambda: load_meta(lo + i + 1), reuse=(y_prev, same))
-                return nxt, y, meta[4]
-
-            jax.lax.fori_loop(0, n_mine, step, (load_meta(lo), y0, jnp.int32(-1)))
-        else:
-            jax.lax.fori_loop(0, n_mine, lambda i, meta: do_item(meta, lambda: load_meta(lo + i + 1)), load_meta(lo))
-    elif schedule == "grid":
+    if schedule == "grid":
         @pl.when(pid < num_items)
         def _():
             do_item(load_meta(pid))
@@ -413,11 +372,11 @@ def tt_rows(
 ) -> jax.Array:
     """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written)."""
     cap = plan.row_suffix.shape[0]
-    tl = _Tiles.make(layout, config.tile_rows)
+    tl = Tiles.make(layout, config.tile_rows)
     wide = max([cap * tl.dim] + [c.shape[0] for c in cores]) >= _INT32_MAX
     tl = dataclasses.replace(tl, wide=wide)
     programs = config.programs(cap)
-    precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[config.precision]
+    precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(
         _rows_kernel, tl=tl, schedule=config.schedule, programs=programs, max_items=cap, precision=precision,
         interpret=interpret,
@@ -481,7 +440,7 @@ def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, prog
     if mean:
         acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
     ptr = ((b0 + g).astype(adt) * out_stride + col0)[:, None] + cols[None, :]
-    _store(out_ref, ptr, acc, bag_ok[:, None] & col_ok[None, :], interpret)
+    masked_store(out_ref, ptr, acc, bag_ok[:, None] & col_ok[None, :], interpret)
 
 
 def tt_pool(
@@ -502,13 +461,13 @@ def tt_pool(
 ) -> jax.Array:
     """Writes the `features`' columns of the flat `[B * total_dim]` pooled output."""
     wide = max(batch * total_dim, rows.shape[0]) >= _INT32_MAX
-    bags = max(1, min(config.pool_bags, _next_pow2(batch)))
+    bags = max(1, min(config.pool_bags, next_pow2(batch)))
     per_feature = -(-batch // bags)
     feat = jnp.asarray(np.asarray([(f, col0[f]) for f in features], np.int32).reshape(-1))
     weighted = per_sample_weights is not None
     kernel = functools.partial(
         _pool_kernel, weighted=weighted, bags=bags, progs_per_feature=per_feature, batch=batch, dim=dim,
-        block_dim=_next_pow2(dim), unroll=config.pool_unroll, mean=pooling == "mean", out_stride=total_dim,
+        block_dim=next_pow2(dim), unroll=config.pool_unroll, mean=pooling == "mean", out_stride=total_dim,
         wide=wide, interpret=interpret,
     )
     args = [feat, offsets, inverse] + ([per_sample_weights] if weighted else []) + [rows]
@@ -533,8 +492,7 @@ def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, b
     """Per table group of `prefix.stack_tables` (in order), the batch's `FlowPlan`."""
     return tuple(
         prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=feature_table_map,
-                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse,
-                          middle_major=config.order == "middle")
+                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse)
         for layout, feats in prefix.stack_tables(specs, feature_table_map)
     )
 
