@@ -21,7 +21,11 @@ class TableSpec:
       embedding_dim: values per row (D), at least 1.
       name: optional label, used in error messages.
       bag_size_hint: optional typical bag length of the features reading this
-        table; a static hint for kernel selection (never needed for correctness).
+        table. Only small tables use it (E <= 64, 64 <= D <= 128; see
+        `TableBatchedEmbedding.plan`): it fixes their forward's kernel (>= 64: the
+        histogram kernel, smaller: the generic one). Without it (the default) that
+        choice is made on the device for each batch from the bag lengths. Never
+        needed for correctness, nor for speed in the usual case.
     """
 
     num_embeddings: int

@@ -165,23 +165,34 @@ class TableBatchedEmbedding:
     def feature_dims(self) -> tuple[int, ...]:
         return tuple(self.tables[t].embedding_dim for t in self.feature_table_map)
 
-    def plan(self, *, weighted: bool = False, vbe: bool = False) -> tuple[str, ...]:
-        """Per feature, the kernel path it takes: "histogram" or "generic".
+    def plan(self, *, weighted: bool = False, vbe: bool = False, backward: bool = False) -> tuple[str, ...]:
+        """Per feature, the kernel path its forward takes: "histogram", "generic" or "auto".
 
-        Decided statically: a feature takes the small-table histogram path when
-        its table has E <= 64, 64 <= D <= 128 and `bag_size_hint >= 64`, weights
-        are fp16, output fp32, pooling is sum or mean, and the call is unweighted
-        and without VBE (pass `weighted=` / `vbe=` to see the plan for such calls).
-        On the XLA path (`impl="xla"`, or "auto" on CPU) no kernel runs, but the
-        plan still says what the kernels would do.
+        A feature can take the small-table histogram path (counts x table) when its
+        table has E <= 64 and 64 <= D <= 128, weights are fp16, output fp32, pooling
+        is sum or mean, and the call is unweighted and without VBE (pass `weighted=` /
+        `vbe=` to see the plan for such calls). Such a feature's backward always
+        takes the histogram kernels (`backward=True` shows the backward's plan:
+        "histogram" or "generic"). Its forward takes them when the table's
+        `bag_size_hint` is >= 64, the generic kernel when the hint is smaller, and
+        without a hint ("auto") the choice is made on the device for each batch:
+        the histogram kernel when the feature's mean bag length is >= 64 ids (both
+        forward kernels are launched; each does nothing for the features the other
+        computes, so nothing syncs with the host or recompiles).
+
+        Decided statically. On the XLA path (`impl="xla"`, or "auto" on CPU) no kernel
+        runs, but the plan still says what the kernels would do.
         """
         ok = self.use_histogram and self.pooling != "none" and not weighted and not vbe
-        return tuple(
-            "histogram"
-            if ok and hist_kernels.eligible(self.tables[t], self.weights_dtype, self.output_dtype)
-            else "generic"
-            for t in self.feature_table_map
-        )
+        out = []
+        for t in self.feature_table_map:
+            if not (ok and hist_kernels.eligible(self.tables[t], self.weights_dtype, self.output_dtype)):
+                out.append("generic")
+            elif backward:
+                out.append("histogram")
+            else:
+                out.append(hist_kernels.forward_mode(self.tables[t]))
+        return tuple(out)
 
     # -- parameters -------------------------------------------------------------
     def init(self, key: jax.Array) -> dict:
@@ -434,15 +445,21 @@ class TableBatchedEmbedding:
                 pooling=self.pooling, output_dtype=self.output_dtype,
             ), n_bad
         paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
-        generic = [f for f, p in enumerate(paths) if p == "generic"]
-        hist = [f for f, p in enumerate(paths) if p == "histogram"]
+        generic = [f for f, p in enumerate(paths) if p != "histogram"]
+        hist = [f for f, p in enumerate(paths) if p != "generic"]
+        auto = [f for f, p in enumerate(paths) if p == "auto"]
+        live_generic = live_hist = None
+        if auto:  # chosen on the device from this batch's bag lengths: each kernel skips the other's features
+            fixed = np.asarray([p == "histogram" for p in paths], np.int32)
+            live_hist = jnp.asarray(fixed) + hist_kernels.long_bags(plan, offsets, auto)
+            live_generic = 1 - live_hist
         flat = None
         if generic:
             flat = fwd_kernels.pooled_forward(
                 params, self.layout, plan, indices, offsets, per_sample_weights,
                 pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
                 config=self.kernel_config, interpret=self.interpret,
-                count_invalid=count, features=generic,
+                count_invalid=count, features=generic, live=live_generic,
             )
             if count:
                 flat, n_bad = flat
@@ -450,7 +467,7 @@ class TableBatchedEmbedding:
             flat = hist_kernels.histogram_forward(
                 flat, params, self.layout, plan, hist, indices, offsets,
                 pooling=self.pooling, check_upper=check_upper, interpret=self.interpret,
-                config=self.histogram_config, count_invalid=count,
+                config=self.histogram_config, count_invalid=count, live=live_hist,
             )
             if count:
                 flat, hist_bad = flat
@@ -572,10 +589,10 @@ class TableBatchedEmbedding:
         return new_w, opt.next_state(opt_state, new_s)
 
     def _histogram_features(self, plan, per_sample_weights) -> list[int]:
-        """Features whose lookups take the histogram kernels (forward and backward) in this call."""
+        """Features whose backward takes the histogram kernels in this call (`plan(backward=True)`)."""
         if self.pooling == "none" or not self._use_kernel():
             return []
-        paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
+        paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe, backward=True)
         return [f for f, p in enumerate(paths) if p == "histogram"]
 
     def _runs(self, plan, indices, offsets, per_sample_weights, backward_config=None):

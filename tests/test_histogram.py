@@ -72,7 +72,7 @@ def test_mixed_batch_and_limits(rng):
         tbe_jax.TableSpec(40, 64),  # no hint
         tbe_jax.TableSpec(10, 64, bag_size_hint=64),  # eligible
     ]
-    expect = ("histogram", "generic", "generic", "generic", "generic", "generic", "generic", "histogram",
+    expect = ("histogram", "generic", "generic", "generic", "generic", "generic", "auto", "histogram",
               "histogram")
     _check(rng, tables, [9] * 9, (0, 300), expect=expect, fmap=[0, 1, 2, 3, 4, 5, 6, 7, 0])
 
@@ -350,9 +350,9 @@ def test_dense_grad_and_train_step(rng):
 def test_histogram_lookups_form_no_runs(rng):
     # The histogram features' lookups get the sentinel key: the sorted-run backward never sees
     # their tables; with only histogram features there are no runs at all.
-    tables = [tbe_jax.TableSpec(16, 64, bag_size_hint=64), tbe_jax.TableSpec(50, 64)]
+    tables = [tbe_jax.TableSpec(16, 64, bag_size_hint=64), tbe_jax.TableSpec(100, 64)]
     emb = _emb(tables)
-    idx, off, _ = testing.make_batch(rng, [16, 50], [6, 6], (1, 40))
+    idx, off, _ = testing.make_batch(rng, [16, 100], [6, 6], (1, 40))
     plan = emb.plan_for(len(off))
     runs = emb._runs(plan, jnp.asarray(idx), jnp.asarray(off), None)
     n = int(runs.num_runs)

@@ -252,11 +252,14 @@ def pooled_forward(
     interpret: bool,
     count_invalid: bool = False,
     features=None,
+    live=None,
 ):
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
 
     Only `features` (default: all) are computed; other features' columns are
     left for another kernel to write (see `histogram.histogram_forward`).
+    `live` (a traced `[F]` 0/1 array, see `programs.operands`) drops more of them
+    at run time: a feature of `features` with `live == 0` is left unwritten too.
 
     With `count_invalid`, also returns how many ids outside `[0, E)` (other than
     -1) were skipped, counted by the kernel itself (int32 scalar).
@@ -282,7 +285,7 @@ def pooled_forward(
         accumulation=accumulation,
         count_invalid=count_invalid,
     )
-    args = [*programs.operands(pm), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
+    args = [*programs.operands(pm, live), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)

@@ -23,8 +23,11 @@ path's up to fp32 rounding of the sum order. (FBTriton's fp16 high/low split is
 only needed where an fp32 operand meets the tensor cores, as in the backward's
 `counts^T @ dout`, see `histogram_backward`; here both operands are exactly fp16.)
 
-Eligibility is static (see `eligible`): E <= 64, 64 <= D <= 128, the table's
-`bag_size_hint >= 64`, fp16 weights, fp32 output, unweighted, no VBE.
+Eligibility is static (see `eligible`): E <= 64, 64 <= D <= 128, fp16 weights,
+fp32 output, unweighted, no VBE. The backward of an eligible table always takes
+the histogram kernels; its forward follows `forward_mode` (the table's
+`bag_size_hint`, or without one a choice on the device per batch: `live` masks
+on both forward kernels, so no host sync and no recompile).
 """
 
 from __future__ import annotations
@@ -133,16 +136,47 @@ class HistogramConfig:
 
 
 def eligible(table: TableSpec, weights_dtype, output_dtype) -> bool:
-    """Static part of the eligibility (per-call: unweighted and no VBE)."""
-    hint = table.bag_size_hint
+    """Whether a table can take the histogram kernels (per call also: unweighted, no VBE).
+
+    E <= 64, 64 <= D <= 128, fp16 weights, fp32 output. Its backward then always
+    takes them: counts^T x dout with no sort measured 1.2-7.4x faster than the
+    sorted runs on every table size, dim, batch and bag length tried, bags of 1 to
+    128 ids (`benchmarks/bench_paths.py --sweep`, `paths-20261201-024758-*`).
+    """
     return (
         table.num_embeddings <= MAX_ROWS
         and MIN_DIM <= table.embedding_dim <= MAX_DIM
-        and hint is not None
-        and hint >= MIN_BAG
         and jnp.dtype(weights_dtype) == jnp.float16
         and jnp.dtype(output_dtype) == jnp.float32
     )
+
+
+def forward_mode(table: TableSpec) -> str:
+    """The forward path of an eligible table: "histogram", "generic" or "auto".
+
+    The forward pays only for long bags (same sweep: 1.4-3.1x the generic kernel at
+    64-128 ids per bag and B = 65536, up to 1.7x slower at 4-16), so it follows the
+    table's `bag_size_hint` when one is given (>= MIN_BAG: histogram) and otherwise
+    is "auto": chosen on the device per batch and feature, histogram when the
+    feature's mean bag length is >= MIN_BAG (see `long_bags`).
+    """
+    hint = table.bag_size_hint
+    if hint is None:
+        return "auto"
+    return "histogram" if hint >= MIN_BAG else "generic"
+
+
+def long_bags(plan: FeaturePlan, offsets: jax.Array, features) -> jax.Array:
+    """`[F]` int32 on the device: 1 for each of `features` whose mean bag length in this batch
+    is >= MIN_BAG, else 0 (one tiny fused op on `offsets`, no host sync)."""
+    feats = list(features)
+    starts = np.asarray([plan.bag_base[f] for f in feats], np.int32)
+    ends = np.asarray([plan.bag_base[f] + plan.batch[f] for f in feats], np.int32)
+    need = np.asarray([MIN_BAG * plan.batch[f] for f in feats], np.int32)
+    total = offsets[jnp.asarray(ends)] - offsets[jnp.asarray(starts)]
+    hit = (total >= jnp.asarray(need)) & (jnp.asarray(need) > 0)
+    return jnp.zeros((plan.num_features,), jnp.int32).at[jnp.asarray(np.asarray(feats, np.int32))].set(
+        hit.astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,10 +369,13 @@ def histogram_forward(
     config: HistogramConfig | None = None,
     count_invalid: bool = False,
     save_counts: bool = False,
+    live=None,
 ):
     """Writes the histogram features' columns into `out_flat` (aliased, no copy).
 
     With `out_flat=None` (every feature takes this path) the output is fresh.
+    `live` (traced `[F]` 0/1, see `programs.operands`): features of `features`
+    with `live == 0` are left as they are (the generic kernel wrote them).
 
     Returns `out_flat`, plus the number of skipped bad ids (`count_invalid`) and
     the per-bag counts `[programs * bags, E_padded]` int32 (`save_counts`; row
@@ -357,7 +394,7 @@ def histogram_forward(
         _hist_kernel, branches=branches, n_buffers=len(used), pooling=pooling, check_upper=check_upper,
         count_invalid=count_invalid, save_counts=save_counts, cfg=cfg, aliased=out_flat is not None,
     )
-    args = [*programs.operands(pm), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
+    args = [*programs.operands(pm, live), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
     args += [buffers[layout.key(g)] for g in used]
     if out_flat is not None:
         args.append(out_flat)

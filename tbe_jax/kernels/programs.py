@@ -120,6 +120,16 @@ def rows(pm: ProgramMap) -> np.ndarray:
     return np.asarray(out, np.int32).reshape(-1, 4)
 
 
-def operands(pm: ProgramMap):
-    """The two kernel operands (flat int32 device arrays)."""
-    return jnp.asarray(pm.flist.reshape(-1)), jnp.asarray(pm.prefix)
+def operands(pm: ProgramMap, live=None):
+    """The two kernel operands (flat int32 device arrays).
+
+    `live`: None, or a traced `[F]` int32 of 0/1 per feature (decided on the device
+    from the batch). A feature with `live == 0` is given no bags: its programs
+    still run but do nothing, so another kernel can own its output columns. The
+    grid and every static fact stay the same, whatever `live` holds.
+    """
+    flist = jnp.asarray(pm.flist)
+    if live is not None and pm.flist.shape[0]:
+        batch = flist[:, 2] * live[jnp.asarray(pm.flist[:, 0])].astype(jnp.int32)
+        flist = flist.at[:, 2].set(batch)
+    return flist.reshape(-1), jnp.asarray(pm.prefix)
