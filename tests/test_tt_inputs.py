@@ -38,9 +38,12 @@ def _emb(impl="xla", **kw):
 
 @functools.lru_cache(maxsize=None)
 def _params():
+    # Cached, and first called from whichever test runs first in a worker, possibly inside a jit trace:
+    # built concretely there too, or the cache would hold (and leak) that trace's tracers.
     rng = np.random.default_rng(0)
-    return _emb().set_cores(None, [[rng.normal(0, 0.5, c).astype(np.float32) for c in s.core_shapes()]
-                                   for s in SPECS])
+    with jax.ensure_compile_time_eval():
+        return _emb().set_cores(None, [[rng.normal(0, 0.5, c).astype(np.float32) for c in s.core_shapes()]
+                                       for s in SPECS])
 
 
 def _model(idx, off):
