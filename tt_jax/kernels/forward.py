@@ -83,6 +83,10 @@ class TTKernelConfig:
         device's SM count times `programs_per_sm` (capped by the item bound).
       programs_per_sm: see `num_programs`.
       num_warps, num_stages: Triton launch knobs of the rows kernel.
+        Defaults (2 warps, `tile_rows` 8, 32 programs per SM) from the H200 sweep on
+        workload a (`benchmarks/results/tt-20261201-0403*`, `-0404*`): forward 0.645 ->
+        0.488 ms at B = 32768 and 0.350 -> 0.280 at B = 4096 against the earlier (4, 16,
+        16); 1 or 8 warps, `tile_rows` 4 or 32, 2 stages were slower.
       precision: fp32 dot algorithm on the GPU: "tf32x3" (three TF32 tensor-core
         passes, about fp32 accuracy), "ieee" (fp32 FMA, no tensor cores) or
         "tf32" (one pass, ~1e-3 relative error). Interpret mode always uses
@@ -105,11 +109,11 @@ class TTKernelConfig:
 
     schedule: str = "static"
     chunk: int = 64
-    tile_rows: int = 16
+    tile_rows: int = 8
     prefix_reuse: bool = True
     num_programs: int | None = None
-    programs_per_sm: int = 16
-    num_warps: int = 4
+    programs_per_sm: int = 32
+    num_warps: int = 2
     num_stages: int = 1
     precision: str = "tf32x3"
     pool_bags: int = 8
