@@ -71,8 +71,10 @@ def local_batches(rng, emb, n=N_DEV, b=B, cap=CAP, bad=False):
 
 def global_batch(emb, idx, off, w):
     """The devices' samples as one batch in `emb`'s format (feature-major: feature f's bags of device 0,
-    then device 1, ...)."""
-    gi, go, gw, _ = testing.stack_batches(idx, off, w, num_features=len(emb.feature_table_map))
+    then device 1, ...), ids and weights padded past offsets[-1] to one length (n*cap): the oracle compiles
+    once for every step."""
+    gi, go, gw, _ = testing.stack_batches(idx, off, w, num_features=len(emb.feature_table_map),
+                                          pad_to=np.asarray(idx).size)
     return gi, go, gw
 
 
