@@ -103,6 +103,18 @@ def _device_ms(fn, carry_or_args, iters, chain):
     return sum(per.values()), per, (carry if chain else None)
 
 
+def host_ms(fn, arg_sets, iters, reps):
+    """Median host ms per call: `iters` calls enqueued without blocking in between (block after)."""
+    samples = []
+    for _ in range(reps):
+        jax.block_until_ready(fn(*arg_sets[0]))
+        t0 = time.perf_counter()
+        outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(iters)]
+        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+        jax.block_until_ready(outs)
+    return statistics.median(samples)
+
+
 def dispatch_one(preset, args):
     """A preset with default `TableSpec`s (no hints: what a user gets): the forward's enqueued ms, host
     ms per call and profiler kernel ms; the fused row-wise Adagrad step's enqueued and kernel ms."""
@@ -123,26 +135,10 @@ def dispatch_one(preset, args):
     row = {"preset": preset, "plan": sorted(set(emb.plan(weighted=wl.weighted))),
            "backward_plan": sorted(set(emb.plan(weighted=wl.weighted, backward=True)))}
     row["enqueued_ms"] = time_calls(fn, arg_sets, args.iters, args.reps)
-    # Host time per call: enqueue `iters` calls without blocking in between.
-    host = []
-    for _ in range(args.reps):
-        jax.block_until_ready(fn(*arg_sets[0]))
-        t0 = time.perf_counter()
-        outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(args.iters)]
-        host.append((time.perf_counter() - t0) * 1e3 / args.iters)
-        jax.block_until_ready(outs)
-        del outs
-    row["host_ms_per_call"] = statistics.median(host)
+    row["host_ms_per_call"] = host_ms(fn, arg_sets, args.iters, args.reps)
     # JAX's own floor: a jitted one-op function of the same arguments, enqueued the same way.
-    floor = jax.jit(lambda p, i, o, s: i[:8] + o[:8])
-    host = []
-    for _ in range(args.reps):
-        jax.block_until_ready(floor(*arg_sets[0]))
-        t0 = time.perf_counter()
-        outs = [floor(*arg_sets[i % len(arg_sets)]) for i in range(args.iters)]
-        host.append((time.perf_counter() - t0) * 1e3 / args.iters)
-        jax.block_until_ready(outs)
-    row["jax_floor_host_ms_per_call"] = statistics.median(host)
+    row["jax_floor_host_ms_per_call"] = host_ms(jax.jit(lambda p, i, o, s: i[:8] + o[:8]), arg_sets,
+                                                args.iters, args.reps)
     row["kernel_ms"], row["kernels"], _ = _device_ms(fn, arg_sets, args.iters, False)
     row["enqueued_over_kernel"] = row["enqueued_ms"] / row["kernel_ms"] if row["kernel_ms"] else None
     fb = FBGEMM_FWD_KERNEL_MS.get(preset)
