@@ -15,7 +15,8 @@ from tbe_jax.dlrm import data as data_lib
 from tbe_jax.dlrm import model as model_lib
 from tbe_jax.dlrm import train
 
-TINY = ["--size", "tiny", "--impl", "xla", "--no-progress"]
+# --time-steps 0: no device-step timing after training (20 more steps per run otherwise).
+TINY = ["--size", "tiny", "--impl", "xla", "--no-progress", "--time-steps", "0"]
 
 
 def _tree_equal(a, b):
@@ -146,14 +147,14 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     common = TINY + ["--eval-batches", "1"]
     if jax.default_backend() == "gpu":
         common = [a if a != "xla" else "pallas" for a in common]
-    straight = train.main(common + ["--steps", "24", "--ckpt-dir", str(tmp_path / "a")])
-    first = train.main(common + ["--steps", "10", "--ckpt-dir", str(tmp_path / "b")])
-    assert (tmp_path / "b" / "10").is_dir() and (tmp_path / "b" / "run.json").is_file()
-    resumed = train.main(common + ["--steps", "24", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
-    assert resumed["start_step"] == 10 and resumed["steps"] == 14
+    straight = train.main(common + ["--steps", "8", "--ckpt-dir", str(tmp_path / "a")])
+    first = train.main(common + ["--steps", "3", "--ckpt-dir", str(tmp_path / "b")])
+    assert (tmp_path / "b" / "3").is_dir() and (tmp_path / "b" / "run.json").is_file()
+    resumed = train.main(common + ["--steps", "8", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+    assert resumed["start_step"] == 3 and resumed["steps"] == 5
 
     a, b = straight["state"], resumed["state"]
-    assert a.step == b.step == 24
+    assert a.step == b.step == 8
     assert _tree_equal(a, b)  # dense params, Adam state, tables, row-wise accumulators: bitwise
     assert not _tree_equal(a.emb_params, first["state"].emb_params)  # (and training did move them)
 
@@ -164,9 +165,9 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     init_fn = train.build(model, tiny.lr, tiny.emb_lr)[0]
     on_disk_a = train.restore_checkpoint(train.latest_checkpoint(tmp_path / "a"), init_fn)
     on_disk_b = train.restore_checkpoint(train.latest_checkpoint(tmp_path / "b"), init_fn)
-    assert on_disk_a.step == on_disk_b.step == 24
+    assert on_disk_a.step == on_disk_b.step == 8
     assert isinstance(on_disk_b.emb_state, tbe_jax.RowwiseAdagradState)
-    assert on_disk_b.emb_state.count.dtype == jnp.int32 and int(on_disk_b.emb_state.count) == 24
+    assert on_disk_b.emb_state.count.dtype == jnp.int32 and int(on_disk_b.emb_state.count) == 8
     assert _tree_equal(on_disk_a, a) and _tree_equal(on_disk_b, a)
 
     # Resuming with different settings is refused.
@@ -247,7 +248,7 @@ def test_tt_split_and_merge_equal_the_all_tbe_model():
 
 
 def test_tt_tables_train_and_shrink_table_memory():
-    dense = train.main(TINY + ["--steps", "60", "--eval-batches", "8"])
+    dense = train.main(TINY + ["--steps", "0", "--eval-batches", "1"])  # its table bytes (training: above)
     r = train.main(TINY + TT + ["--steps", "60", "--eval-batches", "8"])
     assert r["auc_after"] > r["auc_before"] + 0.1
     assert r["eval_loss_after"] < r["eval_loss_before"] - 0.03
@@ -262,20 +263,21 @@ def test_tt_tables_train_and_shrink_table_memory():
 
 
 def test_tt_checkpoint_resume_is_bit_exact(tmp_path):
-    # impl "auto": the Pallas TT kernels on a GPU (deterministic), the XLA path on a CPU. The XLA TT
-    # backward's GPU scatter-adds sum in an unspecified order, so it is not bitwise reproducible there.
-    tiny = [a if a != "xla" else "auto" for a in TINY]
+    # The Pallas TT kernels on a GPU (deterministic), the XLA path on a CPU (TINY's: the programs of
+    # test_tt_tables_train_and_shrink_table_memory). The XLA TT backward's GPU scatter-adds sum in an
+    # unspecified order, so it is not bitwise reproducible there.
+    tiny = TINY if jax.default_backend() != "gpu" else [a if a != "xla" else "pallas" for a in TINY]
     common = tiny + TT + ["--eval-batches", "1"]
-    straight = train.main(common + ["--steps", "12", "--ckpt-dir", str(tmp_path / "a")])
-    train.main(common + ["--steps", "5", "--ckpt-dir", str(tmp_path / "b")])
+    straight = train.main(common + ["--steps", "6", "--ckpt-dir", str(tmp_path / "a")])
+    train.main(common + ["--steps", "2", "--ckpt-dir", str(tmp_path / "b")])
     saved = json.loads((tmp_path / "b" / "run.json").read_text())
     assert (saved["tt_tables"], saved["tt_rank"], saved["tt_opt"]) == (6, 8, "rowwise_adagrad")
-    resumed = train.main(common + ["--steps", "12", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
-    assert resumed["start_step"] == 5 and resumed["steps"] == 7
+    resumed = train.main(common + ["--steps", "6", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+    assert resumed["start_step"] == 2 and resumed["steps"] == 4
     a, b = straight["state"], resumed["state"]
     assert isinstance(b.emb_state["tt"], tt_jax.RowwiseAdagradState)
     assert _tree_equal(a, b)  # TT cores and their accumulators included
     # A run without TT tables (or with other TT settings) does not resume this checkpoint.
     for other in (tiny, common + ["--tt-opt", "adagrad"]):
         with pytest.raises(SystemExit):
-            train.main(other + ["--eval-batches", "1", "--steps", "14", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
+            train.main(other + ["--eval-batches", "1", "--steps", "8", "--ckpt-dir", str(tmp_path / "b"), "--resume"])
