@@ -249,7 +249,8 @@ def test_tt_split_and_merge_equal_the_all_tbe_model():
 
 def test_tt_tables_train_and_shrink_table_memory():
     dense = train.main(TINY + ["--steps", "0", "--eval-batches", "1"])  # its table bytes (training: above)
-    r = train.main(TINY + TT + ["--steps", "60", "--eval-batches", "8"])
+    # 40 steps: AUC +0.22 and eval loss -0.060 on CPU (60 steps: +0.24, -0.079), twice the margins below.
+    r = train.main(TINY + TT + ["--steps", "40", "--eval-batches", "8"])
     assert r["auc_after"] > r["auc_before"] + 0.1
     assert r["eval_loss_after"] < r["eval_loss_before"] - 0.03
     assert r["dense_table_bytes"] == dense["table_bytes"] == dense["dense_table_bytes"]
@@ -258,7 +259,7 @@ def test_tt_tables_train_and_shrink_table_memory():
     assert sorted(s.emb_params) == sorted(s.emb_state) == ["tbe", "tt"]
     assert isinstance(s.emb_state["tt"], tt_jax.RowwiseAdagradState)
     assert isinstance(s.emb_state["tbe"], tbe_jax.RowwiseAdagradState)
-    assert int(s.emb_state["tt"].count) == int(s.emb_state["tbe"].count) == 60
+    assert int(s.emb_state["tt"].count) == int(s.emb_state["tbe"].count) == 40
     assert any(np.any(np.asarray(m) > 0) for m in jax.tree_util.tree_leaves(s.emb_state["tt"]))  # cores trained
 
 
