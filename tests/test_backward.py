@@ -119,6 +119,21 @@ def test_many_dims_width_classes(rng):
                 weighted=True, steps=1, empty_bag=True)
 
 
+def test_width_class_split_into_segments(rng):
+    # Ten dims of one width class (33..42 -> 64) and one of another: the class is served by two
+    # segments (8 + 2 buffers, backward.SEGMENT_BUFFERS) of the same launches, next to a third
+    # segment; small-run blocks straddle buffers (E 3-4), a mid run (E 1) and an empty bag.
+    from tbe_jax.kernels import backward as bwd
+
+    dims = list(range(33, 43)) + [8]
+    tables = specs([3, 4, 3, 4, 3, 4, 3, 4, 1, 3, 4], dims)
+    layout = tbe_jax.TableBatchedEmbedding(tables).layout
+    assert [len(s.buffers) for s in bwd._segments(layout)] == [1, bwd.SEGMENT_BUFFERS, 2]
+    fmap = list(range(len(dims)))
+    _check_step(rng, tables, fmap, [2] * len(fmap), (0, 8), tbe_jax.RowwiseAdagrad(0.05, 1e-3), steps=1,
+                empty_bag=True)
+
+
 # bfloat16 tables with row-wise Adagrad on these tables and batch: test_optimizers.py::test_low_precision_tables
 # [rowwise-l2-bfloat16] (and every optimizer family member on fp16/bf16 there).
 @pytest.mark.parametrize("wdtype", ["float16"])

@@ -2,11 +2,12 @@
 
 Input: the runs of `tbe_jax.runs.build_runs` (one run per distinct table row in
 the batch, its lookups contiguous in key order) and the output gradient. Each
-kernel is launched once per width class `next_pow2(D)` (`runs.width_classes`:
-the classes' keys, hence their runs and tasks, are contiguous), compiled for
-that tile width: the gradient gather-and-sum is one code path masked to each
-run's dim, and only the row update branches per storage buffer of the class
-(its weights' row stride a compile-time constant). Per class:
+kernel is launched once, whatever the number of tables and dims: it branches per
+segment of a width class `next_pow2(D)` (`runs.width_classes` orders the key space
+class by class, so each segment's keys, runs and tasks are contiguous), each branch
+compiled for its tile width: the gradient gather-and-sum is one code path masked to
+each run's dim, and only the row update branches per storage buffer (its weights'
+row stride a compile-time constant). Per segment:
 
 - small runs (<= SMALL lookups; most runs, typically of length 1 or 2): a task
   takes a block of runs and walks their lookups in lockstep, gathering a
@@ -40,7 +41,7 @@ import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
 from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
-from tbe_jax.runs import LONG, SMALL, Runs, class_bases, group_bases, width_classes
+from tbe_jax.runs import LONG, SMALL, Runs, group_bases, width_classes
 from tbe_jax.specs import StorageLayout
 
 
@@ -188,19 +189,28 @@ def _strided_tasks(lo, hi, programs, body):
     jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
 
 
-@dataclasses.dataclass(frozen=True)
-class _WidthClass:
-    """The storage buffers of one width class `next_pow2(D)`, as one launch of each kernel serves them.
+# Buffers per segment: a width class with more buffers is split into segments (branches of
+# the launches) of at most this many. Measured on the H200 (`dims4-128/4`: a class of 16
+# buffers): one 16-buffer segment 0.475 ms of small-run kernel, two of 8 0.378 ms, four of 4
+# 0.365 ms (benchmarks/results/dims-trace-20261201-*).
+SEGMENT_BUFFERS = 8
 
-    The class's rows are one contiguous key range (`runs.width_classes`), so its runs and
-    its mid/chunk/long tasks are contiguous too (row `index` of `_task_ranges`). A launch
-    gathers every run's gradient with one code path, `width` columns wide and masked to
-    the run's dim (a runtime value when the class holds several dims), and branches per
-    buffer only for the row update (its weights' row stride is a compile-time constant).
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """Storage buffers of one width class `next_pow2(D)` (at most SEGMENT_BUFFERS of them) that one
+    branch of each backward kernel serves.
+
+    The buffers' rows are one contiguous key range (`runs.width_classes` orders the key space
+    class by class), so the segment's runs and its mid/chunk/long tasks are contiguous too (row
+    `index` of `_task_ranges`), and segments follow each other in key order. The branch gathers
+    every run's gradient with one code path, `width` columns wide and masked to the run's dim
+    (a runtime value when the segment holds several dims), and branches per buffer only for the
+    row update (its weights' row stride is a compile-time constant).
     """
 
-    index: int  # row of the task-range table
-    width: int  # the class's tile width: next_pow2 of each of its dims
+    index: int  # row of the task-range table; segments are in key order
+    width: int  # the tile width: next_pow2 of each of its dims
     buffers: tuple[int, ...]  # storage buffers (layout indices), in key order
     dims: tuple[int, ...]  # their embedding dims (distinct)
     bases: tuple[int, ...]  # their first keys (ascending)
@@ -211,7 +221,7 @@ class _WidthClass:
         return len(self.buffers) == 1
 
     def dim_of(self, key):
-        """Embedding dim of the rows with keys `key` (int32 scalar or vector); a Python int if the class
+        """Embedding dim of the rows with keys `key` (int32 scalar or vector); a Python int if the segment
         has one buffer (the gather masks then compile to constants, as a one-dim model's)."""
         if self.single:
             return self.dims[0]
@@ -221,11 +231,11 @@ class _WidthClass:
         return dim
 
     def holds(self, i, key):
-        """Whether `key` is a row of the class's buffer `i` (for keys of this class)."""
+        """Whether `key` is a row of the segment's buffer `i` (for keys of this segment)."""
         return (key >= self.bases[i]) & (key < self.ends[i])
 
     def per_buffer(self, key, body):
-        """`body(i)` in the branch of the buffer `i` holding `key` (a scalar key of this class)."""
+        """`body(i)` in the branch of the buffer `i` holding `key` (a scalar key of this segment)."""
         if self.single:
             body(0)
             return
@@ -238,44 +248,75 @@ def state_width(opt) -> int:
     return 1 + (opt.num_slots if opt is not None else 0)
 
 
-def _class_state(refs, opt, num_buffers: int):
-    """Per buffer of a launch, its (w_in, slots_in, w_out, slots_out) refs (inputs, then aliased outputs)."""
+def _segment_states(refs, opt, segs):
+    """Per segment, per buffer, its (w_in, slots_in, w_out, slots_out) refs; `refs` holds every
+    buffer's inputs in segment order, then the aliased outputs in the same order."""
     n_state = state_width(opt)
-    ins, outs = refs[: n_state * num_buffers], refs[n_state * num_buffers :]
-    return [state_refs(ins[i * n_state : (i + 1) * n_state] + outs[i * n_state : (i + 1) * n_state], opt)
-            for i in range(num_buffers)]
+    total = n_state * sum(len(seg.buffers) for seg in segs)
+    ins, outs = refs[:total], refs[total:]
+    out, i = [], 0
+    for seg in segs:
+        per = []
+        for _ in seg.buffers:
+            per.append(state_refs(ins[i:i + n_state] + outs[i:i + n_state], opt))
+            i += n_state
+        out.append(per)
+    return out
 
 
-def _range(rng_ref, cls: _WidthClass, col: int):
-    """(lo, hi) of column pair `col` of the class's row of the task-range table (scalars)."""
-    return (plgpu.load(rng_ref.at[jnp.int32(8 * cls.index + col)]),
-            plgpu.load(rng_ref.at[jnp.int32(8 * cls.index + col + 1)]))
+def _range(rng_ref, seg: _Segment, col: int):
+    """(lo, hi) of column pair `col` of the segment's row of the task-range table (scalars)."""
+    return (plgpu.load(rng_ref.at[jnp.int32(8 * seg.index + col)]),
+            plgpu.load(rng_ref.at[jnp.int32(8 * seg.index + col + 1)]))
+
+
+def _by_segment(segs, t, bounds, body):
+    """`body(c, t)` in the branch of the segment `c` with `bounds[c] <= t < bounds[c + 1]`."""
+    if len(segs) == 1:
+        body(0, t)
+        return
+    for c in range(len(segs)):
+        pl.when((t >= bounds[c]) & (t < bounds[c + 1]))(functools.partial(body, c, t))
+
+
+def _list_kernel_tasks(rng_ref, segs, col, programs, body):
+    """Walk one task list (column pair `col`: mid runs, chunks or long runs) over every segment: the
+    segments' ranges of the list follow each other, so the tasks are one range."""
+    bounds = [_range(rng_ref, seg, col)[0] for seg in segs] + [_range(rng_ref, segs[-1], col)[1]]
+    _strided_tasks(bounds[0], bounds[-1], programs, lambda t: _by_segment(segs, t, bounds, body))
 
 
 def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, cls, block, programs, scaled):
-    """Blocks of `block` consecutive runs of one width class; the small ones (<= SMALL lookups)
+                  opt, segs, block, programs, scaled):
+    """Blocks of `block` consecutive runs of one segment; the small ones (<= SMALL lookups)
     are gathered in lockstep and updated, one row each; the others are left to the mid/long kernels.
 
-    A block's lanes may belong to several buffers of the class: the gather serves them all
-    (each lane masked to its run's dim), then each buffer present in the block updates its
-    lanes in its own branch. Each loop step takes one lookup of every run of the block.
+    Tasks are numbered segment after segment (a block never spans two segments), and every
+    program walks them all, so small segments do not wait on each other. A block's lanes may
+    belong to several buffers of its segment: the gather serves them all (each lane masked to
+    its run's dim), then each buffer present in the block updates its lanes in its own branch.
+    Each loop step takes one lookup of every run of the block.
     """
-    state = _class_state(refs, opt, len(cls.buffers))
+    states = _segment_states(refs, opt, segs)
     lane = jnp.arange(block, dtype=jnp.int32)
-    lo, hi = _range(rng_ref, cls, 0)
-    cols = jnp.arange(cls.width, dtype=jnp.int32)
+    ranges = [_range(rng_ref, seg, 0) for seg in segs]
+    first_task = [jnp.int32(0)]
+    for lo, hi in ranges:
+        first_task.append(first_task[-1] + (hi - lo + block - 1) // block)
 
-    def task(b):
-        r = lo + b * block + lane
+    def task(c, t):
+        seg, (lo, hi), state = segs[c], ranges[c], states[c]
+        cols = jnp.arange(seg.width, dtype=jnp.int32)
+        r0 = lo + (t - first_task[c]) * block
+        r = r0 + lane
         ok = r < hi
         first = plgpu.load(run_start_ref.at[r], mask=ok, other=0)
         length = plgpu.load(run_start_ref.at[r + 1], mask=ok, other=0) - first
         ok = ok & (length <= SMALL)
         length = jnp.where(ok, length, 0)
         key = plgpu.load(run_key_ref.at[r], mask=ok, other=0)
-        dim = cls.dim_of(key)
-        col_ok = (cols < dim)[None, :] if cls.single else cols[None, :] < dim[:, None]  # [1 or block, W]
+        dim = seg.dim_of(key)
+        col_ok = (cols < dim)[None, :] if seg.single else cols[None, :] < dim[:, None]  # [1 or block, W]
 
         def step(i, acc):
             live = i < length
@@ -287,96 +328,98 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
                 g = g * plgpu.load(scale_ref.at[jj], mask=live, other=0.0)[:, None]
             return acc + g
 
-        acc = jax.lax.fori_loop(0, jnp.max(length), step, jnp.zeros((block, cls.width), jnp.float32))
+        acc = jax.lax.fori_loop(0, jnp.max(length), step, jnp.zeros((block, seg.width), jnp.float32))
 
         def update(i, mine):
             w_in, s_in, w_out, s_out = state[i]
             # Masked lanes point one past the buffer: never stored on a GPU, and dropped
             # (not written back over a live row) by interpret mode's masked store.
-            row = jnp.where(mine, key - cls.bases[i], w_out.shape[0])
-            row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, mine, acc, cols, cols < cls.dims[i],
-                       cls.dims[i])
+            row = jnp.where(mine, key - seg.bases[i], w_out.shape[0])
+            row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, mine, acc, cols, cols < seg.dims[i],
+                       seg.dims[i])
 
-        if cls.single:
+        if seg.single:
             update(0, ok)
             return
-        for i in range(len(cls.buffers)):
-            mine = ok & cls.holds(i, key)
-            pl.when(jnp.sum(mine.astype(jnp.int32)) > 0)(functools.partial(update, i, mine))
+        # Keys ascend within the segment and each buffer's keys are contiguous: the buffers present
+        # in the block lie between those of its first and last runs (two scalar loads instead of a
+        # cross-lane reduction per buffer).
+        k0 = plgpu.load(run_key_ref.at[r0])
+        k1 = plgpu.load(run_key_ref.at[jnp.minimum(r0 + block, hi) - 1])
+        for i in range(len(seg.buffers)):
+            pl.when((k0 < seg.ends[i]) & (k1 >= seg.bases[i]))(
+                functools.partial(update, i, ok & seg.holds(i, key)))
 
-    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task)
+    _strided_tasks(0, first_task[-1], programs, lambda t: _by_segment(segs, t, first_task, task))
 
 
 def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                opt, cls, k, programs, scaled, prefetch):
-    """One mid run of the class per task: its lookups gathered `k` at a time, one row update."""
-    state = _class_state(refs, opt, len(cls.buffers))
-    lo, hi = _range(rng_ref, cls, 2)
-    cols = jnp.arange(cls.width, dtype=jnp.int32)
+                opt, segs, k, programs, scaled, prefetch):
+    """One mid run per task: its lookups gathered `k` at a time, one row update."""
+    states = _segment_states(refs, opt, segs)
 
-    def body(t):
+    def body(c, t):
+        seg = segs[c]
+        cols = jnp.arange(seg.width, dtype=jnp.int32)
         r = plgpu.load(mid_ref.at[t])
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
         key = plgpu.load(run_key_ref.at[r])
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < cls.dim_of(key),
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < seg.dim_of(key),
                           scaled=scaled, prefetch=prefetch)
+        _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 
-        _update_key_row(opt, hyper_ref, cls, state, key, acc, cols)
-
-    _strided_tasks(lo, hi, programs, body)
+    _list_kernel_tasks(rng_ref, segs, 2, programs, body)
 
 
-def _update_key_row(opt, hyper_ref, cls, state, key, acc, cols):
+def _update_key_row(opt, hyper_ref, seg, state, key, acc, cols):
     """The row update of one run (linear key `key`, summed gradient `acc` `[1, width]`), in the branch of
-    the class's buffer that holds the key."""
+    the segment's buffer that holds the key."""
     def update(i):
         w_in, s_in, w_out, s_out = state[i]
-        row = key - cls.bases[i] + jnp.zeros((1,), jnp.int32)
+        row = key - seg.bases[i] + jnp.zeros((1,), jnp.int32)
         row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, jnp.ones((1,), jnp.bool_), acc, cols,
-                   cols < cls.dims[i], cls.dims[i])
+                   cols < seg.dims[i], seg.dims[i])
 
-    cls.per_buffer(key, update)
+    seg.per_buffer(key, update)
 
 
 def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
-                  g_ref, part_ref, *, cls, k, programs, scaled, prefetch):
-    """One LONG-lookup chunk of a long run of the class per task: its fp32 partial sum (zero past
-    the run's dim) to row `t` of the class's workspace."""
-    lo, hi = _range(rng_ref, cls, 4)
-    cols = jnp.arange(cls.width, dtype=jnp.int32)
-
-    def body(t):
+                  g_ref, part_ref, *, segs, k, programs, scaled, prefetch):
+    """One LONG-lookup chunk of a long run per task: its fp32 partial sum (zero past the run's dim)
+    to row `t` of the workspace (the first `width` columns of its segment)."""
+    def body(c, t):
+        seg = segs[c]
+        cols = jnp.arange(seg.width, dtype=jnp.int32)
         first = plgpu.load(chunk_first_ref.at[t])
         r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
-        dim = cls.dims[0] if cls.single else cls.dim_of(plgpu.load(run_key_ref.at[r]))
+        dim = seg.dims[0] if seg.single else seg.dim_of(plgpu.load(run_key_ref.at[r]))
         acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < dim, scaled=scaled,
                           prefetch=prefetch)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
-    _strided_tasks(lo, hi, programs, body)
+    _list_kernel_tasks(rng_ref, segs, 4, programs, body)
 
 
-def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, cls, programs):
-    """One long run of the class per task: the sum of its chunk partials (in chunk order), one row update."""
-    state = _class_state(refs, opt, len(cls.buffers))
-    lo, hi = _range(rng_ref, cls, 6)
-    cols = jnp.arange(cls.width, dtype=jnp.int32)
+def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, segs, programs):
+    """One long run per task: the sum of its chunk partials (in chunk order), one row update."""
+    states = _segment_states(refs, opt, segs)
 
-    def body(li):
+    def body(c, li):
+        seg = segs[c]
+        cols = jnp.arange(seg.width, dtype=jnp.int32)
         c0 = plgpu.load(long_chunk0_ref.at[li])
         c1 = plgpu.load(long_chunk0_ref.at[li + 1])
 
-        def add(c, acc):
-            return acc + plgpu.load(part_ref.at[(c + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]])
+        def add(ch, acc):
+            return acc + plgpu.load(part_ref.at[(ch + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]])
 
-        acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, cls.width), jnp.float32))
+        acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, seg.width), jnp.float32))
         key = plgpu.load(run_key_ref.at[plgpu.load(long_ref.at[li])])
+        _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 
-        _update_key_row(opt, hyper_ref, cls, state, key, acc, cols)
-
-    _strided_tasks(lo, hi, programs, body)
+    _list_kernel_tasks(rng_ref, segs, 6, programs, body)
 
 
 def state_refs(refs, opt):
@@ -387,17 +430,25 @@ def state_refs(refs, opt):
     return ins[0], tuple(ins[1:]), outs[0], tuple(outs[1:])
 
 
-def _width_classes(layout: StorageLayout) -> list[_WidthClass]:
+def _segments(layout: StorageLayout) -> list[_Segment]:
+    """The width classes (`runs.width_classes`, in key order), each split into segments of at most
+    SEGMENT_BUFFERS buffers."""
     bases = group_bases(layout)
-    return [_WidthClass(c, w, gs, tuple(layout.dims[g] for g in gs), tuple(int(bases[g]) for g in gs),
-                        tuple(int(bases[g]) + layout.group_rows[g] for g in gs))
-            for c, (w, gs) in enumerate(width_classes(layout))]
+    segs = []
+    for w, gs in width_classes(layout):
+        for i in range(0, len(gs), SEGMENT_BUFFERS):
+            part = gs[i:i + SEGMENT_BUFFERS]
+            segs.append(_Segment(len(segs), w, part, tuple(layout.dims[g] for g in part),
+                                 tuple(int(bases[g]) for g in part),
+                                 tuple(int(bases[g]) + layout.group_rows[g] for g in part)))
+    return segs
 
 
 def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
-    """[num_width_classes, 8] int32: per width class (`runs.width_classes` order) its [lo, hi) in the
-    runs (small-run kernel) and in the mid, chunk and long task lists."""
-    bases = jnp.asarray(class_bases(layout).astype(np.int32))
+    """[num_segments, 8] int32: per segment (`_segments` order) its [lo, hi) in the runs (small-run
+    kernel) and in the mid, chunk and long task lists."""
+    segs = _segments(layout)
+    bases = jnp.asarray(np.asarray([seg.bases[0] for seg in segs] + [int(group_bases(layout)[-1])], np.int32))
     total = bases[-1]
     n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     key_of = lambda r: jnp.where(r < n, runs.run_key[jnp.minimum(r, n - 1)], total)  # noqa: E731
@@ -413,7 +464,7 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
         edges = jnp.sum(keys[None, :] < bases[:, None], axis=1, dtype=jnp.int32)
         return edges[:-1], edges[1:]
 
-    # Small runs: the range of all runs in the class (run_key is sorted, padded with total).
+    # Small runs: the range of all runs in the segment (run_key is sorted, padded with total).
     parts = [bounds(runs.run_key), bounds(keys(runs.mid, n_mid)), bounds(chunk_keys), bounds(long_keys)]
     return jnp.stack([e for lo_hi in parts for e in lo_hi], axis=1)
 
@@ -461,8 +512,8 @@ def fused_update(
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
     max_chunks = runs.chunk_first.shape[0]
-    # Every class's launches get the full program count: scaling it down by the class's share of
-    # the tables measured slower (benchmarks/results/dims-20261130-164044-NVIDIA_H200.json).
+    # Every program walks every segment's tasks (scaling a class's programs by its share of the
+    # tables measured slower when classes had launches of their own: dims-20261130-164044).
     p_small = max(1, min(max_small, -(-n // blk)))
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
@@ -472,8 +523,16 @@ def fused_update(
         jnp.dtype(new_w[key].dtype).itemsize == 4 for key in keys))
     rng = ranges.reshape(-1)
 
-    def aliased(kernel, name, grid, args, cls):
-        state = [x for g in cls.buffers for x in [new_w[keys[g]]] + [d[keys[g]] for d in new_s]]
+    # One launch per kernel kind, whatever the number of tables and dims: each launch branches per
+    # segment (at most one width class per power of two, split every SEGMENT_BUFFERS buffers) and
+    # every program walks every segment's tasks, so small classes neither serialise nor leave
+    # launches that find no work (an empty persistent launch still costs ~6 us on the H200).
+    segs = _segments(layout)
+    buffers = [g for seg in segs for g in seg.buffers]
+    width = max(seg.width for seg in segs)
+
+    def aliased(kernel, name, grid, args, buffers=buffers):
+        state = [x for g in buffers for x in [new_w[keys[g]]] + [d[keys[g]] for d in new_s]]
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
         args = list(args) + state
         out = pallas_call(
@@ -483,33 +542,25 @@ def fused_update(
             interpret=interpret, name=name,
         )(*args)
         per = 1 + n_slots
-        for i, g in enumerate(cls.buffers):
+        for i, g in enumerate(buffers):
             new_w[keys[g]] = out[per * i]
             for j, d in enumerate(new_s):
                 d[keys[g]] = out[per * i + 1 + j]
 
-    # One launch per kernel kind and width class (a constant number: at most one class per
-    # power of two), each serving the class's buffers.
-    classes = _width_classes(layout)
-    for cls in classes:
-        suffix = f"_w{cls.width}"
-        aliased(
-            functools.partial(_small_kernel, opt=opt, cls=cls, block=blk, programs=p_small, scaled=scaled),
-            "tbe_backward_small_runs" + suffix, p_small,
-            [rng, hyper, runs.run_start, runs.run_key] + common, cls)
-        aliased(
-            functools.partial(_mid_kernel, opt=opt, cls=cls, k=k, programs=p_mid, scaled=scaled, prefetch=prefetch),
-            "tbe_backward_mid_runs" + suffix, p_mid,
-            [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common, cls)
-        part = pallas_call(
-            functools.partial(_chunk_kernel, cls=cls, k=k, programs=p_long, scaled=scaled, prefetch=prefetch),
-            out_shape=jax.ShapeDtypeStruct((max_chunks, cls.width), jnp.float32),
-            grid=(p_long,),
-            compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks" + suffix,
-        )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, runs.run_key, *common)
-        aliased(
-            functools.partial(_long_kernel, opt=opt, cls=cls, programs=p_long),
-            "tbe_backward_long_runs" + suffix, p_long,
-            [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part], cls)
+    segs = tuple(segs)
+    for seg in segs:
+        aliased(functools.partial(_small_kernel, opt=opt, segs=(seg,), block=blk, programs=p_small, scaled=scaled),
+                f"tbe_backward_small_runs_w{seg.width}", p_small, [rng, hyper, runs.run_start, runs.run_key] + common,
+                seg.buffers)
+    aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
+                              prefetch=prefetch),
+            "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
+    part = pallas_call(
+        functools.partial(_chunk_kernel, segs=segs, k=k, programs=p_long, scaled=scaled, prefetch=prefetch),
+        out_shape=jax.ShapeDtypeStruct((max_chunks, width), jnp.float32),
+        grid=(p_long,),
+        compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
+    )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, runs.run_key, *common)
+    aliased(functools.partial(_long_kernel, opt=opt, segs=segs, programs=p_long),
+            "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part])
     return new_w, new_s
-
