@@ -80,9 +80,16 @@ def build_core(core_cls, first, options: dict):
 def _check_true_gradient(core) -> None:
     """True-gradient mode on a sharded TBE core: replicated ("data") tables are refused. The forward reads a
     replicated table from one copy, so `jax.grad` gives the whole batch's gradient to that copy and none to
-    the others, and a dense optimizer would let the copies drift apart (the sparse path updates every copy)."""
+    the others, and a dense optimizer would let the copies drift apart (the sparse path updates every copy).
+    A sharded TT core (`tt_jax.shard`: every table replicated) likewise: its forward is not differentiable
+    with respect to the replicated cores (their custom VJP runs per device)."""
     from tbe_jax.sharding import ShardedTableBatchedEmbedding
 
+    if is_sharded(core) and not isinstance(core, ShardedTableBatchedEmbedding):
+        raise ValueError(
+            "a sharded TT layer (built with a mesh) replicates its cores on every device (strategy \"data\"): "
+            "true-gradient mode (optimizer=None) cannot differentiate them. Give the layer a sparse optimizer "
+            "(tt_jax.RowwiseAdagrad(...), tt_jax.SGD(...), ...) and train it with train_step")
     if isinstance(core, ShardedTableBatchedEmbedding) and "data" in core.strategies:
         rep = [t for t, st in enumerate(core.strategies) if st == "data"]
         raise ValueError(
@@ -136,6 +143,10 @@ def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity: int | N
         if plan is not None or capacity is not None:
             raise ValueError("sharding_plan and capacity shard the tables over a mesh: give the layer a mesh too")
         return core
+    from tbe_jax.tbe import TableBatchedEmbedding
+
+    if isinstance(plan, (list, tuple)) and not isinstance(core, TableBatchedEmbedding):
+        plan = dict(enumerate(plan))  # tt_jax.shard's one strategy per table, as a (hashable) dict
     return _cached_shard(core, mesh, axis_name, _plan_key(plan), capacity)
 
 

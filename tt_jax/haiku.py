@@ -85,6 +85,37 @@ The functional core: `layer.tt` (inside a transform) or, outside, a
 `fused_params(state["<module name>"], emb)` (sparse mode), and
 `fused_opt_state(state["<module name>"], emb, optimizer)` rebuilds the optimizer state;
 `module_params` and `module_state` build a layer's entries from a core's params.
+
+Sharding: `TTEmbeddingBag(specs, ..., optimizer=..., mesh=mesh, axis_name="data")` runs
+the tables data parallel over a mesh axis (`tt_jax.shard`: every device holds all the
+cores, replicated, and looks up its own local batch): `layer.tt` is then the
+`ShardedTTEmbeddingBag`, the layer's state holds its replicated cores and optimizer
+state (the same names, format and values as unsharded: the helpers above take the
+unsharded core or the sharded one), and the layer takes each device's local batch
+(`indices [n, N]`, `offsets [n, F*b+1]`) and returns the global batch's `[n*b, sum D]`;
+`train_step` runs the sharded sparse update (equal to the unsharded update on the global
+batch). See `TTEmbeddingBag`'s arguments. Here every device of a mesh looks up the two
+bags above, so the global batch is n copies of them:
+
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+>>> n = mesh.shape["data"]
+>>> sgd = tt_jax.SGD(0.1)
+>>> sharded = hk.without_apply_rng(hk.transform_with_state(lambda i, o: TTEmbeddingBag(
+...     specs, pooling="mean", impl="xla", optimizer=sgd, mesh=mesh, axis_name="data", name="embed")(i, o)))
+>>> local_indices, local_offsets = jnp.tile(indices, (n, 1)), jnp.tile(offsets, (n, 1))   # [n, N], [n, F*b+1]
+>>> params, state = sharded.init(jax.random.key(0), local_indices, local_offsets)
+>>> out, _ = sharded.apply(params, state, local_indices, local_offsets)
+>>> out.shape == (n * 2, 12)
+True
+>>> tt_params = tt_jax.haiku.fused_params(state["embed"], emb)   # emb: the unsharded core, as above
+>>> bool(jnp.allclose(out, jnp.tile(emb(tt_params, indices, offsets), (n, 1))))
+True
+>>> def embed_loss(params, state, indices, offsets):
+...     return jnp.sum(sharded.apply(params, state, indices, offsets)[0] ** 2)
+>>> step = jax.jit(lambda p, s, i, o: tt_jax.haiku.train_step(embed_loss, p, s, i, o))
+>>> loss, _, state = step(params, state, local_indices, local_offsets)
+>>> int(tt_jax.haiku.fused_opt_state(state["embed"], emb, sgd).count)
+1
 """
 
 from __future__ import annotations
@@ -98,13 +129,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tt_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
-from tbe_jax._layers import build_core
+from tbe_jax._layers import build_core, shard_core
 from tbe_jax.haiku import (
     FUSED_PREFIX, SparseEmbedBase, StepResult, core_params, fused_opt_state, fused_params, is_fused, module_params,
     module_state, train_step,
 )
 from tbe_jax.optim import Optimizer
 from tt_jax.kernels.forward import TTKernelConfig
+from tt_jax.sharding import ShardedTTEmbeddingBag
 from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
@@ -128,11 +160,30 @@ class TTEmbeddingBag(SparseEmbedBase):
         `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`)
         (sparse mode: cores and optimizer state are state entries "fused_cores_0_0",
         ..., trained by `train_step`; see the module docstring).
+      mesh, axis_name, sharding_plan: run the tables over the devices of `mesh`'s axis
+        `axis_name` (default None: unsharded, the layer as before). The layer's core is
+        then `tt_jax.shard(tt_jax.TTEmbeddingBag(...), mesh, axis_name, sharding_plan)`
+        (see `tt_jax.ShardedTTEmbeddingBag`): data parallel, every table's cores and
+        optimizer state replicated on every device. `sharding_plan`: None, a dict
+        `{table: "data"}`, a sequence of one strategy per table or a `ShardingPlan`;
+        `"data"` is the only strategy for TT tables (another one, e.g. `"row"`, raises
+        `tt_jax.sharding.plan_sharding`'s error when the layer is built). Its state
+        holds the cores (drawn as unsharded: the same values) and their optimizer state,
+        replicated on the mesh, under the names above; outside the transform, the
+        unsharded `tt_jax.TTEmbeddingBag` reads and writes them (`fused_params`,
+        `fused_opt_state`, `module_state`). Inputs are then per device: `indices [n,
+        N]`, `offsets [n, F*b+1]` (row k: device k's local batch of b samples),
+        per-sample weights `[n, N]`; the output is the global batch's `[n*b, sum D]`
+        (device k's samples at rows `k*b ...`), sharded over the axis. Sparse mode only
+        (a sparse `optimizer`; replicated cores cannot take `jax.grad`'s true gradient:
+        `ValueError`, as for the TBE layer's replicated tables); train with `train_step`
+        under `jax.jit`, on a mesh whose axis is `jax.sharding.AxisType.Auto`. There is
+        no `capacity` (no ids are routed).
       name: the module name (default "tt_embedding_bag").
 
     Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional
-    core's input format and output. Indices and offsets must be integer arrays (else
-    `ValueError`).
+    core's input format and output (with a mesh, the per-device format above). Indices
+    and offsets must be integer arrays (else `ValueError`).
 
     Initialisation: the cores are `layer.tt.init(hk.next_rng_key(), ...)`, drawn once at
     init: the same values as the functional core given that key.
@@ -169,12 +220,15 @@ class TTEmbeddingBag(SparseEmbedBase):
         initializer: str = "approx-normal",
         init_std: float | None = None,
         optimizer: Optimizer | None = None,
+        mesh=None,
+        axis_name: str = "data",
+        sharding_plan=None,
         name: str | None = None,
     ):
         super().__init__(name=name)
-        self._setup(build_core(_TTCore, specs, dict(feature_table_map=feature_table_map, pooling=pooling, impl=impl,
-                                                    interpret=interpret, config=config, bounds_check=bounds_check)),
-                    optimizer)
+        core = build_core(_TTCore, specs, dict(feature_table_map=feature_table_map, pooling=pooling, impl=impl,
+                                               interpret=interpret, config=config, bounds_check=bounds_check))
+        self._setup(shard_core(core, mesh, axis_name, sharding_plan), optimizer)
         self.initializer = initializer
         self.init_std = init_std
 
@@ -182,8 +236,8 @@ class TTEmbeddingBag(SparseEmbedBase):
         return self._core.init(key, self.initializer, self.init_std)
 
     @property
-    def tt(self) -> _TTCore:
-        """The wrapped functional `tt_jax.TTEmbeddingBag`."""
+    def tt(self) -> _TTCore | ShardedTTEmbeddingBag:
+        """The wrapped functional `tt_jax.TTEmbeddingBag` (the `ShardedTTEmbeddingBag` with a mesh)."""
         return self._core
 
     def __call__(self, indices, offsets, per_sample_weights=None):

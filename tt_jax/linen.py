@@ -85,22 +85,52 @@ The functional core: `layer.tt` is the wrapped `tt_jax.TTEmbeddingBag`, so
 `layer.tt.full_table(...)` the materialised tables, and
 `layer.tt.get_momentum(...["opt_state"])` the Adagrad accumulators
 (`layer.tt.get_state(..., "momentum1")` / `"momentum2"`: Adam's moments).
+
+Sharding: `TTEmbeddingBag(specs, ..., optimizer=..., mesh=mesh, axis_name="data")` runs the
+tables data parallel over a mesh axis (`tt_jax.shard`: every device holds all the cores,
+replicated, and looks up its own local batch): `layer.tt` is then the
+`ShardedTTEmbeddingBag`, `"embedding"` and `"opt_state"` hold its replicated cores and
+state (the same format and values as unsharded), and the layer takes each device's
+local batch (`indices [n, N]`, `offsets [n, F*b+1]`) and returns the global batch's
+`[n*b, sum D]`; `train_step` runs the sharded sparse update (equal to the unsharded
+update on the global batch). See `TTEmbeddingBag`'s arguments. Here every device of a
+mesh looks up the two bags above, so the global batch is n copies of them:
+
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+>>> n = mesh.shape["data"]
+>>> layer = TTEmbeddingBag(specs, pooling="mean", impl="xla", optimizer=tt_jax.SGD(0.1), mesh=mesh,
+...                        axis_name="data", name="embed")
+>>> local_indices, local_offsets = jnp.tile(indices, (n, 1)), jnp.tile(offsets, (n, 1))   # [n, N], [n, F*b+1]
+>>> variables = layer.init(jax.random.key(0), local_indices, local_offsets)
+>>> tt_params = variables["tbe_fused"]["embedding"]
+>>> out = layer.apply(variables, local_indices, local_offsets)
+>>> out.shape == (n * 2, 12)
+True
+>>> bool(jnp.allclose(out, jnp.tile(layer.tt.emb(tt_params, indices, offsets), (n, 1))))
+True
+>>> def embed_loss(variables, indices, offsets):
+...     return jnp.sum(layer.apply(variables, indices, offsets) ** 2)
+>>> step = jax.jit(lambda v, i, o: tt_jax.linen.train_step(embed_loss, v, i, o))
+>>> loss, _, variables = step(variables, local_indices, local_offsets)
+>>> int(variables["tbe_fused"]["opt_state"].count)
+1
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 try:
     import flax.linen as nn
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import cached_core
+from tbe_jax._layers import cached_core, shard_core
 from tbe_jax.linen import FUSED_COLLECTION, SparseEmbedBase, StepResult, train_step
 from tbe_jax.optim import Optimizer
 from tt_jax.kernels.forward import TTKernelConfig
+from tt_jax.sharding import ShardedTTEmbeddingBag
 from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
@@ -123,11 +153,27 @@ class TTEmbeddingBag(SparseEmbedBase):
         `PartialRowwiseLamb`) (sparse mode: the cores, `"embedding"`, and the optimizer
         state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
         `train_step`, see the module docstring).
+      mesh, axis_name, sharding_plan: run the tables over the devices of `mesh`'s axis
+        `axis_name` (default None: unsharded, the layer as before). The layer's core is
+        then `tt_jax.shard(tt_jax.TTEmbeddingBag(...), mesh, axis_name, sharding_plan)`
+        (see `tt_jax.ShardedTTEmbeddingBag`): data parallel, every table's cores and
+        optimizer state replicated on every device. `sharding_plan`: None, a dict
+        `{table: "data"}`, a sequence of one strategy per table or a `ShardingPlan`;
+        `"data"` is the only strategy for TT tables (another one, e.g. `"row"`, raises
+        `tt_jax.sharding.plan_sharding`'s error when the layer is built). The cores are
+        drawn as unsharded (`layer.tt.init`: the same values) and placed on the mesh.
+        Inputs are then per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k:
+        device k's local batch of b samples), per-sample weights `[n, N]`; the output is
+        the global batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`), sharded
+        over the axis. Sparse mode only (a sparse `optimizer`; replicated cores cannot
+        take `jax.grad`'s true gradient: `ValueError`, as for the TBE layer's replicated
+        tables); train with `train_step` under `jax.jit`, on a mesh whose axis is
+        `jax.sharding.AxisType.Auto`. There is no `capacity` (no ids are routed).
 
     Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional
     core's input format (FBGEMM's: flat ids, feature-major offsets of length F*B+1)
-    and output `[B, sum_f D_f]`. Indices and offsets must be integer arrays (else
-    `ValueError`).
+    and output `[B, sum_f D_f]` (with a mesh, the per-device format above). Indices and
+    offsets must be integer arrays (else `ValueError`).
 
     Parameters: `"embedding"` is exactly the functional core's params dict, so
     `layer.tt(variables["params"]["embedding"], indices, offsets)` equals
@@ -161,23 +207,29 @@ class TTEmbeddingBag(SparseEmbedBase):
     initializer: str = "approx-normal"
     init_std: float | None = None
     optimizer: Optimizer | None = None
+    mesh: Any = None
+    axis_name: str = "data"
+    sharding_plan: Any = None
 
     _MAKERS = ("tt_jax.RowwiseAdagrad(...), tt_jax.SGD, tt_jax.Adagrad, tt_jax.Adam, tt_jax.PartialRowwiseAdam, "
                "tt_jax.Lamb or tt_jax.PartialRowwiseLamb")
 
-    def _build_core(self) -> _TTCore:
+    def _build_core(self) -> _TTCore | ShardedTTEmbeddingBag:
         specs = (self.specs,) if isinstance(self.specs, TTSpec) else tuple(self.specs)
         fmap = None if self.feature_table_map is None else tuple(int(t) for t in self.feature_table_map)
-        return cached_core(_TTCore, specs, dict(feature_table_map=fmap, pooling=self.pooling, impl=self.impl,
+        core = cached_core(_TTCore, specs, dict(feature_table_map=fmap, pooling=self.pooling, impl=self.impl,
                                                 interpret=bool(self.interpret), config=self.config,
                                                 bounds_check=self.bounds_check))
+        return shard_core(core, self.mesh, self.axis_name, self.sharding_plan)
 
     def _init_params(self, key):
         return self._build_core().init(key, self.initializer, self.init_std)
 
     @property
-    def tt(self) -> _TTCore:
-        """The wrapped functional `tt_jax.TTEmbeddingBag` (immutable, hashable)."""
+    def tt(self) -> _TTCore | ShardedTTEmbeddingBag:
+        """The wrapped functional `tt_jax.TTEmbeddingBag` (immutable, hashable); with a mesh, the
+        `ShardedTTEmbeddingBag` over it (the same methods: `get_cores`, `set_cores`, `full_table`,
+        `get_momentum`, ...; `.emb` is the unsharded core)."""
         return self._build_core()
 
     @nn.compact

@@ -69,6 +69,33 @@ The functional core: `layer.tt` is the wrapped `tt_jax.TTEmbeddingBag`;
 `layer.tt(layer.get_params(), indices, offsets)` equals `layer(indices, offsets)` and
 `layer.tt.full_table(layer.get_params())` gives the tables; `layer.set_params(params)`
 copies a core's params in (`get_opt_state`/`set_opt_state` likewise for the state).
+
+Sharding: `TTEmbeddingBag(specs, ..., optimizer=..., mesh=mesh, axis_name="data", rngs=...)`
+runs the tables data parallel over a mesh axis (`tt_jax.shard`: every device holds all
+the cores, replicated, and looks up its own local batch): `layer.tt` is then the
+`ShardedTTEmbeddingBag`, the layer's variables hold its replicated cores and state (the
+same format and values as unsharded), and the layer takes each device's local batch
+(`indices [n, N]`, `offsets [n, F*b+1]`) and returns the global batch's `[n*b, sum D]`;
+`train_step` runs the sharded sparse update (equal to the unsharded update on the global
+batch). See `TTEmbeddingBag`'s arguments. Here every device of a mesh looks up the two
+bags above, so the global batch is n copies of them:
+
+>>> mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+>>> n = mesh.shape["data"]
+>>> layer = TTEmbeddingBag(specs, pooling="mean", impl="xla", optimizer=tt_jax.SGD(0.1), mesh=mesh,
+...                        axis_name="data", rngs=nnx.Rngs(0))
+>>> local_indices, local_offsets = jnp.tile(indices, (n, 1)), jnp.tile(offsets, (n, 1))   # [n, N], [n, F*b+1]
+>>> out = layer(local_indices, local_offsets)
+>>> out.shape == (n * 2, 12)
+True
+>>> bool(jnp.allclose(out, jnp.tile(layer.tt.emb(layer.get_params(), indices, offsets), (n, 1))))
+True
+>>> @nnx.jit
+... def step(layer, indices, offsets):
+...     return tt_jax.nnx.train_step(lambda m, i, o: jnp.sum(m(i, o) ** 2), layer, indices, offsets)
+>>> loss, _ = step(layer, local_indices, local_offsets)
+>>> int(layer.get_opt_state().count)
+1
 """
 
 from __future__ import annotations
@@ -80,10 +107,11 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import build_core
+from tbe_jax._layers import build_core, check_optimizer, shard_core
 from tbe_jax.nnx import Fused, SparseEmbedBase, train_step
 from tbe_jax.optim import Optimizer
 from tt_jax.kernels.forward import TTKernelConfig
+from tt_jax.sharding import ShardedTTEmbeddingBag
 from tt_jax.specs import TTSpec
 from tt_jax.tt import TTEmbeddingBag as _TTCore
 
@@ -104,19 +132,38 @@ class TTEmbeddingBag(SparseEmbedBase):
         `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`)
         (sparse mode: cores and optimizer state are `Fused` variables, trained by
         `train_step`; see the module docstring).
+      mesh, axis_name, sharding_plan: run the tables over the devices of `mesh`'s axis
+        `axis_name` (default None: unsharded, the layer as before). The layer's core is
+        then `tt_jax.shard(tt_jax.TTEmbeddingBag(...), mesh, axis_name, sharding_plan)`
+        (see `tt_jax.ShardedTTEmbeddingBag`): data parallel, every table's cores and
+        optimizer state replicated on every device. `sharding_plan`: None, a dict
+        `{table: "data"}`, a sequence of one strategy per table or a `ShardingPlan`;
+        `"data"` is the only strategy for TT tables (another one, e.g. `"row"`, raises
+        `tt_jax.sharding.plan_sharding`'s error when the layer is built). Its variables
+        hold the cores as unsharded (the same values given `rngs`) and their optimizer
+        state, replicated on the mesh. Inputs are then per device: `indices [n, N]`,
+        `offsets [n, F*b+1]` (row k: device k's local batch of b samples), per-sample
+        weights `[n, N]`; the output is the global batch's `[n*b, sum D]` (device k's
+        samples at rows `k*b ...`), sharded over the axis. Sparse mode only (a sparse
+        `optimizer`; replicated cores cannot take `nnx.grad`'s true gradient:
+        `ValueError`, as for the TBE layer's replicated tables); train with `train_step`
+        under `nnx.jit`, on a mesh whose axis is `jax.sharding.AxisType.Auto`. There is
+        no `capacity` (no ids are routed).
       rngs: `nnx.Rngs`; the cores are `layer.tt.init(rngs.params(), ...)`, the same
         values as the functional core given that key.
 
     Attributes:
-      tt: the wrapped `tt_jax.TTEmbeddingBag` (static).
+      tt: the wrapped `tt_jax.TTEmbeddingBag` (static); with a mesh, the
+        `ShardedTTEmbeddingBag` over it (the same methods: `get_cores`, `set_cores`,
+        `full_table`, `get_momentum`, ...; `.emb` is the unsharded core).
       embedding: `nnx.Dict` of one variable per core ("cores_<table>_<core>"):
         `nnx.Param`, or `Fused` in sparse mode.
       opt_state: sparse mode only: `nnx.Dict` of `Fused` variables, one per leaf of the
         optimizer state; `get_opt_state()` reassembles it.
 
     Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional
-    core's input format and output. Indices and offsets must be integer arrays (else
-    `ValueError`).
+    core's input format and output (with a mesh, the per-device format above). Indices
+    and offsets must be integer arrays (else `ValueError`).
 
     Example:
       >>> import jax, jax.numpy as jnp, tt_jax
@@ -147,15 +194,20 @@ class TTEmbeddingBag(SparseEmbedBase):
         initializer: str = "approx-normal",
         init_std: float | None = None,
         optimizer: Optimizer | None = None,
+        mesh=None,
+        axis_name: str = "data",
+        sharding_plan=None,
         rngs: nnx.Rngs,
     ):
         core = build_core(_TTCore, specs, dict(feature_table_map=feature_table_map, pooling=pooling, impl=impl,
                                                interpret=interpret, config=config, bounds_check=bounds_check))
+        core = shard_core(core, mesh, axis_name, sharding_plan)
+        check_optimizer(optimizer, core, self._MAKERS)  # before drawing the cores
         self._setup(core, core.init(rngs.params(), initializer, init_std), optimizer)
 
     @property
-    def tt(self) -> _TTCore:
-        """The wrapped functional `tt_jax.TTEmbeddingBag`."""
+    def tt(self) -> _TTCore | ShardedTTEmbeddingBag:
+        """The wrapped functional `tt_jax.TTEmbeddingBag` (the `ShardedTTEmbeddingBag` with a mesh)."""
         return self._core
 
     def __call__(self, indices, offsets, per_sample_weights=None):
