@@ -69,3 +69,50 @@ def test_sharded_step_equals_one_device_step():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
     assert int(s_res.opt_state.count) == 1
+
+
+def test_sharded_tt_step_equals_one_device_step():
+    # TT tables on a mesh (tt_jax.shard: cores replicated, data parallel): one step on a batch split by
+    # DLRM.shard_batch (each local batch split into the TBE's and the TT tables' features) equals the
+    # one-device model's step on the whole batch (split by DLRM.split_batch).
+    import dataclasses
+
+    import tt_jax
+
+    n = 2
+    if len(jax.devices()) < n:
+        pytest.skip("needs 2 devices")
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+    data_cfg = data_lib.DataConfig.preset("tiny")
+    config = dataclasses.replace(model_lib.DLRMConfig.preset("tiny", data_cfg.table_rows, impl="xla"),
+                                 tt_tables=2, tt_ranks=(4, 4))
+    one, sharded = model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
+    assert isinstance(sharded.tt, tt_jax.ShardedTTEmbeddingBag) and sharded.tt_unsharded == one.tt
+    opt = train.make_emb_opt(one, 0.05, 0.1)
+    dense, tables = jax.jit(one.init)(jax.random.key(0))
+    state = {"tbe": one.emb.init_opt_state(tables["tbe"], opt["tbe"]),
+             "tt": one.tt.init_opt_state(tables["tt"], opt["tt"])}
+    s_tables, s_state = train._per_embedding(sharded, "from_unsharded", tables, state)
+    s_dense = jax.device_put(dense, sharded.sharding())
+
+    gen = data_lib.ClickLogGenerator(data_cfg, 64, seed=2)
+    arrays = gen.batch(0).arrays()
+    batch = one.split_batch(arrays, (train.split_padded_len(gen, one.tbe_features),
+                                     train.split_padded_len(gen, one.tt_features)))
+    caps = tuple(train.local_padded_len(gen, n, f) for f in (sharded.tbe_features, sharded.tt_features))
+    local = sharded.shard_batch(arrays, caps)
+    assert local["tt_offsets"].shape == (n, 2 * 32 + 1) and local["offsets"].shape == (n, 24 * 32 + 1)
+    assert local["offsets"][:, -1].sum() + local["tt_offsets"][:, -1].sum() == arrays["offsets"][-1]
+
+    res = jax.jit(one.train_step)(dense, tables, state, opt, jax.device_put(batch))
+    s_res = jax.jit(sharded.train_step)(s_dense, s_tables, s_state, opt,
+                                        jax.device_put(local, sharded.sharding("batch")))
+    np.testing.assert_allclose(float(s_res.loss), float(res.loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s_res.grads), jax.tree.leaves(res.grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    got = train._per_embedding(sharded, "to_unsharded", s_res.params, s_res.opt_state)
+    assert jax.tree.structure(got) == jax.tree.structure((res.params, res.opt_state))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((res.params, res.opt_state))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    assert int(s_res.opt_state["tt"].count) == 1
+    assert not np.array_equal(np.asarray(s_res.params["tt"]["cores"][0][0]), np.asarray(tables["tt"]["cores"][0][0]))

@@ -29,7 +29,13 @@ B examples is N local batches of B/N (`shard_batch`: `indices [N, cap]`, `offset
 F*(B/N)+1]`; the dense features and labels stay `[B, ...]`, sharded by rows over the
 same axis), the pooled output is `[B, F*D]` in the global batch's order, and the dense
 MLPs (replicated parameters) run data parallel under `jit`: XLA partitions them by the
-batch and sums their gradients.
+batch and sums their gradients. TT tables combine with a mesh: `tt` is then
+`tt_jax.shard`'s `ShardedTTEmbeddingBag` (data parallel, the cores replicated on every
+device; `tt_unsharded` the core it runs), whose inputs are per device like the TBE's
+(`shard_batch` splits both feature groups: "indices"/"offsets" and
+"tt_indices"/"tt_offsets", each `[N, cap]` / `[N, K*(B/N)+1]`) and whose output is
+`[B, K*D]` in the same global order: the step is the same `tbe_jax.train_step` over the
+two sharded lookups.
 """
 
 from __future__ import annotations
@@ -191,7 +197,9 @@ class DLRM:
       emb: the `TableBatchedEmbedding` (all features, or those not in `tt_features`); with a
         `mesh`, the `ShardedTableBatchedEmbedding` over it.
       emb_unsharded: the `TableBatchedEmbedding` (`emb` itself without a mesh).
-      tt: the `tt_jax.TTEmbeddingBag` of the `tt_features` (None when `config.tt_tables` is 0).
+      tt: the `tt_jax.TTEmbeddingBag` of the `tt_features` (None when `config.tt_tables` is 0); with a
+        `mesh`, the `tt_jax.ShardedTTEmbeddingBag` over it (cores replicated, the batch split).
+      tt_unsharded: the `tt_jax.TTEmbeddingBag` (`tt` itself without a mesh; None without TT tables).
       tbe_features, tt_features: which features each holds (ascending feature ids).
       mesh, axis_name: the mesh the tables are sharded over and the batch split over (None: one device).
     """
@@ -202,8 +210,6 @@ class DLRM:
         k = config.tt_tables
         if not 0 <= k < len(rows):
             raise ValueError(f"tt_tables={k} must be in [0, {len(rows)}): at least one table stays in the TBE")
-        if mesh is not None and k:
-            raise ValueError("a sharded DLRM (mesh) holds every table in the TBE: tt_tables must be 0")
         # The K largest tables (ties: lower feature id first).
         largest = sorted(range(len(rows)), key=lambda f: (-rows[f], f))[:k]
         self.tt_features = tuple(sorted(largest))
@@ -220,6 +226,9 @@ class DLRM:
             tt_specs = [tt_jax.TTSpec(rows[f], config.embedding_dim, ranks=tuple(config.tt_ranks))
                         for f in self.tt_features]
             self.tt = tt_jax.TTEmbeddingBag(tt_specs, pooling="sum", impl=config.impl, interpret=interpret)
+        self.tt_unsharded = self.tt
+        if mesh is not None and self.tt is not None:
+            self.tt = tt_jax.shard(self.tt, mesh, axis_name)
         # Columns of [TBE features..., TT features...] in feature order (a static permutation).
         self._feature_order = np.argsort(np.asarray(self.tbe_features + self.tt_features))
 
@@ -267,9 +276,11 @@ class DLRM:
         same standard deviation) with a key folded from `key`.
 
         With a mesh: the sharded embedding's `init` (the same distribution, other values: each device
-        draws its own shards, so no table is ever whole on one device)."""
+        draws its own shards, so no table is ever whole on one device); the TT cores as without a mesh
+        (`tt.init`, the same values), replicated on it."""
         if self.mesh is not None:
-            return self.emb.init(key)
+            tbe = self.emb.init(key)
+            return tbe if self.tt is None else {"tbe": tbe, "tt": self.tt.init(jax.random.fold_in(key, 1))}
         rows = np.asarray(self.config.table_rows)
         bound = np.repeat(1.0 / np.sqrt(rows), rows).astype(np.float32)
         u = jax.random.uniform(key, (int(rows.sum()), self.config.embedding_dim), jnp.float32, -1.0, 1.0)
@@ -291,13 +302,23 @@ class DLRM:
         tt = 0 if self.tt is None else 4 * sum(s.num_parameters() for s in self.tt.specs)
         return {"dense": dense, "tbe": tbe, "tt": tt, "total": tbe + tt}
 
-    def shard_batch(self, arrays: dict, cap: int) -> dict:
+    def shard_batch(self, arrays: dict, cap) -> dict:
         """Host side: a generator batch (B examples) as the sharded model's input: "indices" `[N, cap']`
         and "offsets" `[N, F*(B/N)+1]`, device k's local batch the examples `k*B/N .. (k+1)*B/N - 1`
-        (`split_local`); "dense" and "labels" as they are (`[B, ...]`, the same example order)."""
-        out = dict(arrays)
-        out["indices"], out["offsets"] = split_local(arrays["indices"], arrays["offsets"], self.num_features,
-                                                     self.num_devices, cap)
+        (`split_local`); "dense" and "labels" as they are (`[B, ...]`, the same example order).
+
+        With TT tables, `cap` is `(TBE cap, TT cap)`: the batch is first split by features (`split_batch`),
+        then each part into local batches: "indices"/"offsets" the TBE's features, "tt_indices"/"tt_offsets"
+        the TT tables' (`[N, K*(B/N)+1]` offsets)."""
+        if self.tt is None:
+            out = dict(arrays)
+            out["indices"], out["offsets"] = split_local(arrays["indices"], arrays["offsets"], self.num_features,
+                                                         self.num_devices, cap)
+            return out
+        out = self.split_batch(arrays, (0, 0))
+        for pre, features, c in (("", self.tbe_features, cap[0]), ("tt_", self.tt_features, cap[1])):
+            out[pre + "indices"], out[pre + "offsets"] = split_local(
+                out[pre + "indices"], out[pre + "offsets"], len(features), self.num_devices, c)
         return out
 
     def split_batch(self, arrays: dict, padded_len: tuple[int, int]) -> dict:

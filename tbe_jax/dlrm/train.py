@@ -43,9 +43,13 @@ batch of B/N examples (`shard_map`; the same format, other examples than the one
 run's). The tables start from the sharded embedding's own draw (the same
 distribution as the one-device run, other values). On a CPU, make N devices with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` set before Python starts (before
-jax is imported; the demo also asks jax for N CPU devices itself when it can). Not
-with `--tt-tables`. Checkpoints hold the tables and their state in the one-device
-format (`ShardedTableBatchedEmbedding.to_unsharded`), and run.json the device count.
+jax is imported; the demo also asks jax for N CPU devices itself when it can). With
+`--tt-tables` the TT tables run data parallel over the same mesh (`tt_jax.shard`: the
+cores and their state replicated on every device, each device looking up its own local
+batch, the update on the whole batch's gradient); each local batch is split by features
+into the TBE's and the TT tables' ids. Checkpoints hold the tables and their state in
+the one-device format (`ShardedTableBatchedEmbedding.to_unsharded`; the TT cores as they
+are), and run.json the device count.
 
 Data (`--data`): `device` (the default) draws every batch on the device, in a jitted
 function (`data.DeviceClickLog`, `data.draw`: jax.random from the key
@@ -382,7 +386,8 @@ def device_batch_fn(model: DLRM, data_cfg: data_lib.DataConfig, batch_size: int,
     data as without TT tables); with a mesh `(one local batch,)`: each device draws its own local
     batch of `batch_size / N` examples (`shard_map`, key `fold_in(fold_in(stream_key, i), k)` on
     device k), so the batch is `indices [N, cap]`, `offsets [N, F*(B/N)+1]`, "dense"/"labels"
-    `[B, ...]` split by rows, as `DLRM.shard_batch` gives it (other examples than the one-device run's).
+    `[B, ...]` split by rows, as `DLRM.shard_batch` gives it (other examples than the one-device run's);
+    with a mesh and TT tables `(one local batch, its TBE features, its TT features)`.
     """
     if model.mesh is not None:
         n, ax = model.num_devices, model.axis_name
@@ -391,6 +396,13 @@ def device_batch_fn(model: DLRM, data_cfg: data_lib.DataConfig, batch_size: int,
         def local(params, skey, i):
             key = jax.random.fold_in(jax.random.fold_in(skey, i), jax.lax.axis_index(ax))
             arrays = data_lib.draw(data_cfg, params, key, b, caps[0])
+            if model.tt is not None:  # the local batch split by features, as without a mesh
+                idx, off = arrays["indices"], arrays["offsets"]
+                arrays["indices"], arrays["offsets"] = data_lib.select_features(idx, off, b, model.tbe_features,
+                                                                                caps[1])
+                arrays["tt_indices"], arrays["tt_offsets"] = data_lib.select_features(idx, off, b, model.tt_features,
+                                                                                      caps[2])
+                arrays["tt_indices"], arrays["tt_offsets"] = arrays["tt_indices"][None], arrays["tt_offsets"][None]
             arrays["indices"], arrays["offsets"] = arrays["indices"][None], arrays["offsets"][None]
             return arrays
 
@@ -420,6 +432,9 @@ class DeviceData:
     def __init__(self, gen: data_lib.ClickLogGenerator, model: DLRM):
         if model.mesh is not None:
             caps = (local_padded_len(gen, model.num_devices),)
+            if model.tt is not None:
+                caps += (local_padded_len(gen, model.num_devices, model.tbe_features),
+                         local_padded_len(gen, model.num_devices, model.tt_features))
         elif model.tt is not None:
             caps = (gen.padded_len, split_padded_len(gen, model.tbe_features),
                     split_padded_len(gen, model.tt_features))
@@ -445,12 +460,15 @@ class DeviceData:
 # -- timing ----------------------------------------------------------------------------
 
 
-def local_padded_len(gen: data_lib.ClickLogGenerator, n: int) -> int:
+def local_padded_len(gen: data_lib.ClickLogGenerator, n: int, features=None) -> int:
     """A fixed padded id count for one of `n` local batches of `gen.batch_size / n` examples (the
-    generator's rule: the mean count plus 8 standard deviations plus 64, rounded up to 256)."""
-    var = np.where(gen.one_hot, gen.bag_mean * (1 - gen.bag_mean), gen.bag_mean)
+    generator's rule: the mean count plus 8 standard deviations plus 64, rounded up to 256); of
+    `features` alone when given (the TBE's or the TT tables' part of a local batch)."""
+    f = slice(None) if features is None else list(features)
+    m, one_hot = gen.bag_mean[f], gen.one_hot[f]
+    var = np.where(one_hot, m * (1 - m), m)
     b = gen.batch_size // n
-    return int(-(-(b * gen.bag_mean.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
+    return int(-(-(b * m.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
 
 
 def split_padded_len(gen: data_lib.ClickLogGenerator, features) -> int:
@@ -595,8 +613,6 @@ def parse_args(argv=None):
         ap.error("--steps and --time-steps must be >= 0, --batch-size and --eval-batches >= 1")
     if args.devices < 1 or args.batch_size % args.devices:
         ap.error(f"--devices must be >= 1 and divide the batch size ({args.batch_size})")
-    if args.devices > 1 and args.tt_tables:
-        ap.error("--devices > 1 shards the TBE's tables: it does not combine with --tt-tables")
     return args
 
 
@@ -623,15 +639,23 @@ def _portable(model: DLRM, state: TrainState) -> TrainState:
     """The state to save: with a mesh, the tables and their optimizer state in the one-device format."""
     if model.mesh is None:
         return state
-    emb_params, emb_state = model.emb.to_unsharded(state.emb_params, state.emb_state)
+    emb_params, emb_state = _per_embedding(model, "to_unsharded", state.emb_params, state.emb_state)
     return state._replace(emb_params=emb_params, emb_state=emb_state)
+
+
+def _per_embedding(model: DLRM, method: str, emb_params, emb_state):
+    """`model.emb.<method>(params, state)`, or with TT tables that of each part ({"tbe": ..., "tt": ...})."""
+    if model.tt is None:
+        return getattr(model.emb, method)(emb_params, emb_state)
+    parts = {k: getattr(e, method)(emb_params[k], emb_state[k]) for k, e in (("tbe", model.emb), ("tt", model.tt))}
+    return {k: p for k, (p, _) in parts.items()}, {k: s for k, (_, s) in parts.items()}
 
 
 def _placed(model: DLRM, state: TrainState) -> TrainState:
     """A restored (one-device format) state on the model's mesh: tables sharded, dense state replicated."""
     if model.mesh is None:
         return state
-    emb_params, emb_state = model.emb.from_unsharded(state.emb_params, state.emb_state)
+    emb_params, emb_state = _per_embedding(model, "from_unsharded", state.emb_params, state.emb_state)
     dense_params, dense_opt_state = jax.device_put((state.dense_params, state.dense_opt_state), model.sharding())
     return TrainState(state.step, dense_params, dense_opt_state, emb_params, emb_state)
 
@@ -668,6 +692,9 @@ def main(argv=None) -> dict:
     if mesh is not None:  # (only then, likewise)
         settings["devices"] = args.devices
         local_cap = local_padded_len(gen, args.devices)
+        if args.tt_tables:  # each local batch split by features (TBE, TT)
+            local_cap = (local_padded_len(gen, args.devices, model.tbe_features),
+                         local_padded_len(gen, args.devices, model.tt_features))
         prepare = functools.partial(model.shard_batch, cap=local_cap)
         batch_sharding = model.sharding("batch")
     device_data = None
@@ -676,7 +703,7 @@ def main(argv=None) -> dict:
         device_data = DeviceData(gen, model)
     restore_init = init_fn
     if mesh is not None and args.resume:  # a checkpoint holds the one-device format: that model's init's structure
-        restore_init = build(DLRM(config), args.lr, args.emb_lr).init
+        restore_init = build(DLRM(config), args.lr, args.emb_lr, *tt_args).init
 
     emb = model.emb_unsharded
     path = "Pallas kernels" if emb._use_kernel() else "XLA path"
@@ -703,7 +730,10 @@ def main(argv=None) -> dict:
             + ", ".join(f"{c} {st}-wise" for st, c in counts.items())
             + f" (tbe_jax.shard's planner; table bytes per device {min(per_dev) / 2**20:.2f}.."
             f"{max(per_dev) / 2**20:.2f} MiB); each batch = {args.devices} local batches of "
-            f"{args.batch_size // args.devices} (ids padded to {local_cap:,} per device); dense MLPs data parallel")
+            f"{args.batch_size // args.devices} (ids padded to "
+            + (f"{local_cap:,}" if not args.tt_tables else f"{local_cap[0]:,} TBE + {local_cap[1]:,} TT")
+            + " per device); dense MLPs data parallel"
+            + ("; TT tables data parallel (cores replicated, tt_jax.shard)" if args.tt_tables else ""))
 
     # State: fresh, or restored from the newest checkpoint.
     if args.resume and latest_checkpoint(args.ckpt_dir) is not None:
@@ -733,7 +763,7 @@ def main(argv=None) -> dict:
             f"p x q shapes {[(s.p_shapes, s.q_shapes) for s in model.tt.specs]}: {n_tt:,} core parameters, "
             f"{mem['tt'] / 2**20:.2f} MiB instead of {tt_dense / 2**20:.2f} MiB dense "
             f"({tt_dense / max(mem['tt'], 1):.0f}x smaller); {args.tt_opt} on the touched core slices, "
-            f"lr {args.tt_lr} | TT: {'Pallas kernel' if model.tt.resolved_impl == 'pallas' else 'XLA path'}")
+            f"lr {args.tt_lr} | TT: {'Pallas kernel' if model.tt_unsharded.resolved_impl == 'pallas' else 'XLA path'}")
     log(f"embedding parameters: {_mem_summary(mem)}; their optimizer state: "
         f"{_state_bytes(state.emb_state) / 2**20:.2f} MiB")
 
