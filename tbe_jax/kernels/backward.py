@@ -1,13 +1,14 @@
 """Sorted-run backward with the optimizer fused in (seed: FBTriton backward).
 
 Input: the runs of `tbe_jax.runs.build_runs` (one run per distinct table row in
-the batch, its lookups contiguous in key order) and the output gradient. Each
-kernel is launched once, whatever the number of tables and dims: it branches per
-segment of a width class `next_pow2(D)` (`runs.width_classes` orders the key space
-class by class, so each segment's keys, runs and tasks are contiguous), each branch
-compiled for its tile width: the gradient gather-and-sum is one code path masked to
-each run's dim, and only the row update branches per storage buffer (its weights'
-row stride a compile-time constant). Per segment:
+the batch, its lookups contiguous in key order) and the output gradient. The
+small-run kernel is launched once per segment of a width class `next_pow2(D)` (at
+most SEGMENT_BUFFERS storage buffers; `runs.width_classes` orders the key space
+class by class, so each segment's keys, runs and tasks are contiguous); the mid-run,
+chunk and long-run kernels are launched once each and branch per segment. Each
+segment's code is compiled for its tile width: the gradient gather-and-sum is one
+code path masked to each run's dim, and only the row update branches per storage
+buffer (its weights' row stride a compile-time constant). Per segment:
 
 - small runs (<= SMALL lookups; most runs, typically of length 1 or 2): a task
   takes a block of runs and walks their lookups in lockstep, gathering a
@@ -287,27 +288,21 @@ def _list_kernel_tasks(rng_ref, segs, col, programs, body):
 
 
 def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, segs, block, programs, scaled):
-    """Blocks of `block` consecutive runs of one segment; the small ones (<= SMALL lookups)
+                  opt, seg, block, programs, scaled):
+    """Blocks of `block` consecutive runs of the segment `seg`; the small ones (<= SMALL lookups)
     are gathered in lockstep and updated, one row each; the others are left to the mid/long kernels.
 
-    Tasks are numbered segment after segment (a block never spans two segments), and every
-    program walks them all, so small segments do not wait on each other. A block's lanes may
-    belong to several buffers of its segment: the gather serves them all (each lane masked to
-    its run's dim), then each buffer present in the block updates its lanes in its own branch.
-    Each loop step takes one lookup of every run of the block.
+    A block's lanes may belong to several buffers of the segment: the gather serves them all
+    (each lane masked to its run's dim), then each buffer present in the block updates its
+    lanes in its own branch. Each loop step takes one lookup of every run of the block.
     """
-    states = _segment_states(refs, opt, segs)
+    (state,) = _segment_states(refs, opt, (seg,))
     lane = jnp.arange(block, dtype=jnp.int32)
-    ranges = [_range(rng_ref, seg, 0) for seg in segs]
-    first_task = [jnp.int32(0)]
-    for lo, hi in ranges:
-        first_task.append(first_task[-1] + (hi - lo + block - 1) // block)
+    lo, hi = _range(rng_ref, seg, 0)
+    cols = jnp.arange(seg.width, dtype=jnp.int32)
 
-    def task(c, t):
-        seg, (lo, hi), state = segs[c], ranges[c], states[c]
-        cols = jnp.arange(seg.width, dtype=jnp.int32)
-        r0 = lo + (t - first_task[c]) * block
+    def task(t):
+        r0 = lo + t * block
         r = r0 + lane
         ok = r < hi
         first = plgpu.load(run_start_ref.at[r], mask=ok, other=0)
@@ -350,7 +345,7 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
             pl.when((k0 < seg.ends[i]) & (k1 >= seg.bases[i]))(
                 functools.partial(update, i, ok & seg.holds(i, key)))
 
-    _strided_tasks(0, first_task[-1], programs, lambda t: _by_segment(segs, t, first_task, task))
+    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task)
 
 
 def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
@@ -512,8 +507,8 @@ def fused_update(
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
     max_chunks = runs.chunk_first.shape[0]
-    # Every program walks every segment's tasks (scaling a class's programs by its share of the
-    # tables measured slower when classes had launches of their own: dims-20261130-164044).
+    # Every launch gets the full program count (scaling a class's programs by its share of the
+    # tables measured slower: dims-20261130-164044).
     p_small = max(1, min(max_small, -(-n // blk)))
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
@@ -523,10 +518,11 @@ def fused_update(
         jnp.dtype(new_w[key].dtype).itemsize == 4 for key in keys))
     rng = ranges.reshape(-1)
 
-    # One launch per kernel kind, whatever the number of tables and dims: each launch branches per
-    # segment (at most one width class per power of two, split every SEGMENT_BUFFERS buffers) and
-    # every program walks every segment's tasks, so small classes neither serialise nor leave
-    # launches that find no work (an empty persistent launch still costs ~6 us on the H200).
+    # Segments: at most one width class per power of two, split every SEGMENT_BUFFERS buffers. The
+    # mid-run, chunk and long-run kernels are one launch each, branching per segment (their work is
+    # often small: a launch per segment cost ~6 us even when it found nothing to do, on the H200).
+    # The small-run kernel does most of the work and is one launch per segment: one launch for all
+    # segments measured slower (dims-trace-20261201-0907-onelaunch vs -0914-segments).
     segs = _segments(layout)
     buffers = [g for seg in segs for g in seg.buffers]
     width = max(seg.width for seg in segs)
@@ -549,7 +545,7 @@ def fused_update(
 
     segs = tuple(segs)
     for seg in segs:
-        aliased(functools.partial(_small_kernel, opt=opt, segs=(seg,), block=blk, programs=p_small, scaled=scaled),
+        aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=blk, programs=p_small, scaled=scaled),
                 f"tbe_backward_small_runs_w{seg.width}", p_small, [rng, hyper, runs.run_start, runs.run_key] + common,
                 seg.buffers)
     aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
