@@ -81,15 +81,11 @@ def _check_true_gradient(core) -> None:
     """True-gradient mode on a sharded TBE core: replicated ("data") tables are refused. The forward reads a
     replicated table from one copy, so `jax.grad` gives the whole batch's gradient to that copy and none to
     the others, and a dense optimizer would let the copies drift apart (the sparse path updates every copy).
-    A sharded TT core (`tt_jax.shard`: every table replicated) likewise: its forward is not differentiable
-    with respect to the replicated cores (their custom VJP runs per device)."""
+    A sharded TT core (`tt_jax.shard`: every table replicated) is accepted: its forward sums the devices'
+    cotangents of the replicated cores over the mesh axis, so `jax.grad` gives every copy the global batch's
+    gradient (see `tt_jax.sharding`)."""
     from tbe_jax.sharding import ShardedTableBatchedEmbedding
 
-    if is_sharded(core) and not isinstance(core, ShardedTableBatchedEmbedding):
-        raise ValueError(
-            "a sharded TT layer (built with a mesh) replicates its cores on every device (strategy \"data\"): "
-            "true-gradient mode (optimizer=None) cannot differentiate them. Give the layer a sparse optimizer "
-            "(tt_jax.RowwiseAdagrad(...), tt_jax.SGD(...), ...) and train it with train_step")
     if isinstance(core, ShardedTableBatchedEmbedding) and "data" in core.strategies:
         rep = [t for t, st in enumerate(core.strategies) if st == "data"]
         raise ValueError(

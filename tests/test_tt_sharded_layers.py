@@ -6,8 +6,9 @@ parallel, cores replicated): it takes each device's local batch (`indices [n, N]
 the unsharded layer's cores (replicated on the mesh); a model (the layer and a dense head) gives the
 unsharded model's predictions on the global batch, and two jitted steps of the framework's
 `train_step` (sparse mode; the head trained by SGD, data parallel) give its losses, dense gradients,
-cores and optimizer state. Strategies other than "data", true-gradient mode and a plan without a mesh
-are refused when the layer is built.
+cores and optimizer state. True-gradient mode (`optimizer=None`, Linen): two optax SGD steps on
+`jax.grad` through the sharded layer equal the unsharded layer's on the global batch. Strategies other
+than "data" and a plan without a mesh are refused when the layer is built.
 
 CPU: 4 fake devices (tests/conftest.py); the XLA path; small shapes (every program is a compile).
 """
@@ -259,8 +260,8 @@ def _build(framework, **kw):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_plans_and_errors(framework):
     """Strategy "data" (a dict, a sequence or the default) builds the data-parallel core; any other strategy
-    raises `tt_jax.sharding.plan_sharding`'s error; true-gradient mode, a plan without a mesh and lookup
-    inputs in the unsharded format are refused."""
+    raises `tt_jax.sharding.plan_sharding`'s error; a plan without a mesh and lookup inputs in the unsharded
+    format are refused. True-gradient mode builds (`test_linen_true_gradient_matches_unsharded`)."""
     mod = module(framework)
     mesh = auto_mesh()
     opt = tt_jax.SGD(0.1)
@@ -280,13 +281,72 @@ def test_plans_and_errors(framework):
         _build(framework, optimizer=opt, mesh=mesh, sharding_plan={2: "data"})
     with pytest.raises(ValueError, match="give the layer a mesh"):
         _build(framework, optimizer=opt, sharding_plan={0: "data"})
-    with pytest.raises(ValueError, match="true-gradient mode"):
-        _build(framework, mesh=mesh)
     with pytest.raises(ValueError, match="is not an axis of the mesh"):
         _build(framework, optimizer=opt, mesh=mesh, axis_name="model")
+    _build(framework, mesh=mesh)  # true-gradient mode on a mesh: built (no longer refused)
     if framework == "nnx":  # flat (unsharded-format) inputs: the sharded core's shape check
         from flax import nnx
 
         layer = mod.TTEmbeddingBag(SPECS, optimizer=opt, mesh=mesh, rngs=nnx.Rngs(0), **KW)
         with pytest.raises(ValueError, match="one row per device"):
             layer(jnp.zeros((4,), jnp.int32), jnp.zeros((7,), jnp.int32))
+
+
+def test_linen_true_gradient_matches_unsharded():
+    """True-gradient mode on a mesh (`optimizer=None`): `jax.value_and_grad` through the sharded layer w.r.t.
+    the replicated cores and the head, and two jitted optax SGD steps on it, equal the unsharded layer's on
+    the global batch (the cores' gradient is the devices' shares summed over the axis)."""
+    import flax.linen as nn
+
+    optax = pytest.importorskip("optax")
+    mod = module("linen")
+    rng = np.random.default_rng(4)
+    mesh = auto_mesh()
+
+    def make(**shard_kw):
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, idx, off, psw):
+                pooled = mod.TTEmbeddingBag(SPECS, name="embed", **KW, **shard_kw)(idx, off, psw)
+                return nn.Dense(1, name="head")(pooled)[:, 0]
+
+        return Model()
+
+    ref, got = make(), make(mesh=mesh, axis_name="data")
+    batches = [local_batches(rng) for _ in range(2)]
+    gbatches = [global_batch(*b) for b in batches]
+    params = ref.init(jax.random.key(0), *gbatches[0][:3])["params"]
+    s_params = got.init(jax.random.key(0), *batches[0][:3])["params"]
+    close(s_params["embed"], params["embed"], rtol=0, atol=0)  # the same draw, replicated on the mesh
+    assert all(v.sharding.is_fully_replicated and len(v.sharding.device_set) == N_DEV
+               for v in jax.tree.leaves(s_params["embed"]))
+    # Both from the same sizeable cores (the default init's are tiny); the sharded copy replicated on the mesh.
+    emb = tt_jax.TTEmbeddingBag(SPECS, **KW)
+    params = {**params, "embed": {"embedding": emb.init(jax.random.key(7), std=0.3)}}
+    s_params = jax.device_put(params, NamedSharding(mesh, P()))
+    tx = optax.sgd(0.3)
+
+    def stepper(model):
+        @jax.jit
+        def step(params, opt_state, batch):
+            def loss_fn(p):
+                idx, off, psw, y = batch
+                return jnp.mean((model.apply({"params": p}, idx, off, psw) - y) ** 2)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, grads
+
+        return step
+
+    step_ref, step_got = stepper(ref), stepper(got)
+    state, s_state = tx.init(params), tx.init(s_params)
+    for b, gb in zip(batches, gbatches):
+        s_params, s_state, loss, grads = step_got(s_params, s_state, tuple(jnp.asarray(x) for x in b))
+        params, state, want_loss, want_grads = step_ref(params, state, tuple(jnp.asarray(x) for x in gb))
+        close(loss, want_loss, msg="loss")
+        close(grads, want_grads, msg="grads")
+        close(s_params, params, msg="params")
+    assert all(v.sharding.is_fully_replicated for v in jax.tree.leaves(s_params["embed"]))
+    assert not np.allclose(np.asarray(s_params["embed"]["embedding"]["cores"][0][0]),
+                           np.asarray(emb.init(jax.random.key(7), std=0.3)["cores"][0][0]))  # it trained

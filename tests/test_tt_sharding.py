@@ -297,6 +297,47 @@ def test_kernel_path(rng):
     assert_trees_close(p, p_ref)
 
 
+# -- true gradient -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pooling,weighted,path", [("sum", False, "xla"), ("mean", True, "xla"),
+                                                   ("mean", True, "kernel")])
+def test_grad_matches_global_batch(rng, pooling, weighted, path):
+    """`jax.jit(jax.grad(loss))` (and `value_and_grad`) through the sharded forward w.r.t. the replicated
+    cores: the unsharded `emb`'s gradient on the global batch (the devices' shares summed over the axis),
+    replicated. XLA: 4 devices, an explicit axis (grad) and an automatic one (value_and_grad). Kernel:
+    the Pallas path in interpret mode on CPU (`check_vma` off there: shard_map's transpose sums the
+    cotangent), 2 devices, one small table, against the XLA path on the global batch."""
+    if path == "kernel":
+        specs, ftm, n, b, cap = (SPECS[1],), (0, 0), 2, 2, 8
+        emb, ref = make_emb(pooling, specs, ftm, **KERNEL_KW), make_emb(pooling, specs, ftm)
+    else:
+        specs, ftm, n, b, cap = SPECS, FTM, N_DEV, B, CAP
+        emb = ref = make_emb(pooling)
+    sh = tt_jax.shard(emb, mesh(n, auto=weighted))
+    params = init_params(sh)
+    idx, off, w_all = local_batches(rng, emb, n=n, b=b, cap=cap)
+    w = w_all if weighted else None
+    dim = sum(specs[t].embedding_dim for t in ftm)
+    coef = jnp.asarray(rng.normal(size=(n * b, dim)).astype(np.float32))
+
+    def loss(p, e, i, o, ww):
+        return jnp.sum(jnp.tanh(e(p, i, o, ww)) * coef) / (n * b)
+
+    gi, go, gw = global_batch(emb, idx, off, w_all)
+    gw = gw if weighted else None
+    want_loss, want = jax.jit(jax.value_and_grad(loss), static_argnums=1)(on_host(params), ref, gi, go, gw)
+    if weighted:
+        got_loss, got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, sh, idx, off, w)
+        np.testing.assert_allclose(np.asarray(got_loss), np.asarray(want_loss), rtol=1e-6)
+    else:
+        got = jax.jit(jax.grad(loss), static_argnums=1)(params, sh, idx, off, w)
+    assert_replicated(got)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert_trees_close(got, want)
+    assert all(np.any(np.asarray(x) != 0) for x in jax.tree_util.tree_leaves(want))
+
+
 def test_errors():
     emb = make_emb()
     m = mesh()

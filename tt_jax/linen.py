@@ -165,9 +165,10 @@ class TTEmbeddingBag(SparseEmbedBase):
         Inputs are then per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k:
         device k's local batch of b samples), per-sample weights `[n, N]`; the output is
         the global batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`), sharded
-        over the axis. Sparse mode only (a sparse `optimizer`; replicated cores cannot
-        take `jax.grad`'s true gradient: `ValueError`, as for the TBE layer's replicated
-        tables); train with `train_step` under `jax.jit`, on a mesh whose axis is
+        over the axis. Both modes: true gradient (`optimizer=None`: `jax.grad` through
+        the layer gives the replicated cores the unsharded gradient on the global batch,
+        the devices' shares summed over the axis; any optax optimizer consumes it) and
+        sparse (train with `train_step`), under `jax.jit`, on a mesh whose axis is
         `jax.sharding.AxisType.Auto`. There is no `capacity` (no ids are routed).
 
     Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional

@@ -28,6 +28,18 @@ apart. So in that one case (`sync_replicas=None`, the default; True or False for
 cores and state are broadcast after each step (an all-reduce of their bits, zeros from the other devices:
 exact), which moves the cores and state once more per step.
 
+True gradient: `jax.grad` (or `value_and_grad`, under `jax.jit`) of a loss through the forward with respect
+to the replicated cores is `emb`'s gradient on the global batch, replicated (what a dense optax optimizer
+needs; the TT layers' `optimizer=None` mode). Each device's lookup differentiates its own local batch (its
+custom VJP, as unsharded) and the devices' shares are summed over the axis by one `psum` in the backward:
+with `shard_map`'s type checks on (`check_vma=True`: the XLA path, compiled Pallas kernels) the forward marks
+the cores varying over the axis (`lax.pcast(..., to="varying")`), whose transpose is that `psum`; with them off
+(`_smap` turns them off for the Pallas kernels in interpret mode, on a CPU, where the interpreter trips on the
+varying-axes types) there is no such type, and `shard_map`'s own transpose sums the cotangent of a replicated
+input over the axis (the same `psum`). The sum runs over devices rather than over the batch, so the gradient
+equals the unsharded one up to float rounding (the order of the additions). The gradient with respect to the
+per-sample weights is per device, sharded like them. Costs: one all-reduce of the cores' gradient per step.
+
 Bounds checks: `emb.bounds_check` "ignore", "none" and "warning" behave as unsharded (in "warning" each
 device repairs its own offsets, and the counts are summed over the devices before the one warning);
 "fatal" is not supported.
@@ -115,7 +127,9 @@ class ShardedTTEmbeddingBag:
 
     Params are `emb`'s (`{"cores": per table, per core}`), each array replicated on the mesh; the
     optimizer state likewise. `init`, `set_cores`, `get_cores`, `full_table`, `init_opt_state`,
-    `get_state` and `get_momentum` take and return them as `emb`'s do.
+    `get_state` and `get_momentum` take and return them as `emb`'s do. The forward is differentiable with
+    respect to them: `jax.grad` gives `emb`'s gradient on the global batch, replicated (the devices' shares
+    summed over the axis; see the module doc).
     """
 
     def __init__(self, emb, mesh, axis_name="data", plan=None, *, sync_replicas=None):
@@ -177,9 +191,13 @@ class ShardedTTEmbeddingBag:
     # -- placement ---------------------------------------------------------------
     def _smap(self, f, in_specs, out_specs):
         # As tbe_jax.shard: the Pallas kernels in interpret mode trip the interpreter on shard_map's
-        # varying-axes types; compiled kernels and the XLA path run under the default checks.
-        check = not (self.emb.interpret and self.emb.resolved_impl == "pallas")
-        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+        # varying-axes types; compiled kernels and the XLA path run under the default checks. Either way the
+        # replicated cores' cotangent is summed over the axis (see `_varying`).
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=self._check_vma)
+
+    @property
+    def _check_vma(self) -> bool:
+        return not (self.emb.interpret and self.emb.resolved_impl == "pallas")
 
     def _explicit(self) -> bool:
         types = getattr(self.mesh, "axis_types", None)
@@ -346,14 +364,35 @@ def _zero_report():
     return bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
 
 
+def _varying(tree, ax):
+    """`tree`'s (replicated, invariant) arrays typed as varying over `ax` inside `shard_map` (no work, no
+    communication): `lax.pcast(..., to="varying")`, or `lax.pvary` on a jax without `pcast`.
+
+    Why: each device's lookup differentiates its local batch, so its cotangent for the cores is that device's
+    share, typed varying; `shard_map` (with `check_vma=True`) refuses it for an invariant input, and the
+    custom VJP's type check fails. Marking the cores varying makes the cotangent's type match, and the
+    transpose of the cast is a `psum` over `ax`: the cores' gradient is the sum of the devices' shares, i.e.
+    the gradient on the global batch. With `check_vma=False` (the Pallas kernels in interpret mode, see
+    `_smap`) there are no such types; there `shard_map`'s own transpose sums the cotangent of a replicated
+    input over the axes it is not split on (the same `psum`), and the cast is not needed.
+    """
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        return jax.tree_util.tree_map(lambda x: pcast(x, (ax,), to="varying"), tree)
+    return jax.lax.pvary(tree, (ax,))
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _forward(s: ShardedTTEmbeddingBag, params, idx, off, psw):
     ax = s.axis_name
     warn = s.emb.bounds_check == "warning"
+    check = s._check_vma
 
     def body(params, idx, off, psw):
         idx, off = idx[0], off[0]
         psw = None if psw is None else psw[0]
+        if check:  # the replicated cores typed varying: their cotangent is summed over the axis (see _varying)
+            params = _varying(params, ax)
         rep = _zero_report()
         if warn:
             off, rep = bounds.report(s.emb._feature_plan((off.shape[0] - 1) // len(s.emb.feature_table_map)),
