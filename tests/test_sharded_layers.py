@@ -8,19 +8,24 @@ global batch, and two jitted steps of the framework's `train_step` (sparse mode;
 trained by SGD, data parallel) give its losses, dense gradients, tables and optimizer state.
 True-gradient mode (Linen): output and gradient of the tables equal the unsharded layer's.
 
+The models, batches and helpers: tests/sharded_layer_models.py (shared with tests/test_tt_sharded_layers.py).
+
 CPU: 4 fake devices (tests/conftest.py); the XLA path.
 """
+
+import importlib
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import sharded_layer_models as M
 import tbe_jax
-from tbe_jax import testing
 from jax.sharding import NamedSharding, PartitionSpec as P
+from sharded_layer_models import B, N_DEV, auto_mesh, close
 
-N_DEV = min(4, len(jax.devices()))
 pytestmark = pytest.mark.skipif(N_DEV < 2, reason="needs 2+ devices")
 
 TABLES = [tbe_jax.TableSpec(37, 8, name="a"), tbe_jax.TableSpec(50, 4), tbe_jax.TableSpec(9, 8),
@@ -28,174 +33,25 @@ TABLES = [tbe_jax.TableSpec(37, 8, name="a"), tbe_jax.TableSpec(50, 4), tbe_jax.
 FMAP = (0, 1, 2, 3, 1)                                 # table 1 read by two features
 OUT_DIM = 8 + 4 + 8 + 8 + 4
 PLAN = {"a": "row", 1: "table", 2: "data", 3: "column"}
-B = 2                                                  # samples per device
-CAP = 3 * len(FMAP) * B                                # ids per device (bags of 0..3 ids)
 KW = dict(feature_table_map=FMAP, pooling="mean", impl="xla")
-LR = 0.1                                               # the head's SGD
+
+local_batches = partial(M.local_batches, tables=TABLES, fmap=FMAP)
+global_batch = partial(M.global_batch, num_features=len(FMAP))
 
 
-def auto_mesh(n=N_DEV):
-    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+# -- one model per framework (tests/sharded_layer_models.py), the layer TableBatchedEmbed ------------------
 
 
-def local_batches(rng, n=N_DEV, b=B, cap=CAP):
-    """Per device: ids [cap] (padding past offsets[-1]), offsets [F*b+1], weights [cap]; labels [n*b]."""
-    nf = len(FMAP)
-    idx = np.zeros((n, cap), np.int32)
-    off = np.zeros((n, nf * b + 1), np.int32)
-    for k in range(n):
-        off[k, 1:] = np.cumsum(rng.integers(0, 4, size=nf * b))
-        for f in range(nf):
-            a, z = off[k, f * b], off[k, (f + 1) * b]
-            idx[k, a:z] = rng.integers(0, TABLES[FMAP[f]].num_embeddings, size=z - a)
-    w = rng.uniform(0.5, 1.5, size=idx.shape).astype(np.float32)
-    y = rng.standard_normal(n * b).astype(np.float32)
-    return idx, off, w, y
-
-
-def global_batch(idx, off, w, y):
-    """The same samples as one batch in the unsharded format (device k's sample i is sample k*b + i), padded to a
-    fixed size (the steps compile once)."""
-    gi, go, gw, _ = testing.stack_batches(idx, off, w, num_features=len(FMAP), pad_to=idx.shape[0] * idx.shape[1] + 1)
-    return gi, go, gw, y
-
-
-def close(a, b, rtol=1e-5, atol=1e-6, msg=""):
-    assert jax.tree.structure(a) == jax.tree.structure(b), msg
-    for x, z in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(z), rtol=rtol, atol=atol, err_msg=msg)
-
-
-# -- one model per framework: pred = head(embed(idx, off, psw)), trained by the framework's train_step -----
-
-
-def linen_model(opt, **shard_kw):
-    import flax.linen as nn
-    from tbe_jax import linen as mod
-
-    class Model(nn.Module):
-        @nn.compact
-        def __call__(self, idx, off, psw):
-            pooled = mod.TableBatchedEmbed(TABLES, optimizer=opt, name="embed", **KW, **shard_kw)(idx, off, psw)
-            return nn.Dense(1, name="head")(pooled)[:, 0]
-
-    model = Model()
-    box = {}
-
-    def init(batch):
-        box["v"] = model.init(jax.random.key(0), *batch[:3])
-        return box["v"]["tbe_fused"]["embed"]["embedding"], box["v"]["params"]["head"]
-
-    def load(tables, state, head):
-        box["v"] = {"params": {"head": head}, "tbe_fused": {"embed": {"embedding": tables, "opt_state": state}}}
-
-    def loss_fn(v, idx, off, psw, y):
-        return jnp.mean((model.apply(v, idx, off, psw) - y) ** 2)
-
-    @jax.jit
-    def jstep(v, batch):
-        loss, grads, v = mod.train_step(loss_fn, v, *batch)
-        v = {**v, "params": jax.tree.map(lambda p, g: p - LR * g, v["params"], grads)}
-        return loss, grads["head"], v
-
-    def step(batch):
-        loss, grads, box["v"] = jstep(box["v"], batch)
-        return loss, grads
-
-    def predict(batch):
-        return model.apply(box["v"], *batch[:3])
-
-    def read():
-        e = box["v"]["tbe_fused"]["embed"]
-        return e["embedding"], e["opt_state"], box["v"]["params"]["head"]
-
-    return init, load, predict, step, read
-
-
-def nnx_model(opt, **shard_kw):
-    from flax import nnx
-    from tbe_jax import nnx as mod
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = mod.TableBatchedEmbed(TABLES, optimizer=opt, rngs=rngs, **KW, **shard_kw)
-            self.head = nnx.Linear(OUT_DIM, 1, rngs=rngs)
-
-        def __call__(self, idx, off, psw):
-            return self.head(self.embed(idx, off, psw))[:, 0]
-
-    box = {}
-
-    def init(batch):
-        box["m"] = Model(nnx.Rngs(0))
-        return box["m"].embed.get_params(), {"kernel": box["m"].head.kernel[...], "bias": box["m"].head.bias[...]}
-
-    def load(tables, state, head):
-        m = box["m"]
-        m.embed.set_params(tables)
-        m.embed.set_opt_state(state)
-        m.head.kernel[...], m.head.bias[...] = head["kernel"], head["bias"]
-
-    def loss_fn(m, idx, off, psw, y):
-        return jnp.mean((m(idx, off, psw) - y) ** 2)
-
-    @nnx.jit
-    def jstep(m, batch):
-        loss, grads = mod.train_step(loss_fn, m, *batch)
-        g = {"kernel": grads["head"]["kernel"][...], "bias": grads["head"]["bias"][...]}
-        m.head.kernel[...] = m.head.kernel[...] - LR * g["kernel"]
-        m.head.bias[...] = m.head.bias[...] - LR * g["bias"]
-        return loss, g
-
-    def read():
-        m = box["m"]
-        return m.embed.get_params(), m.embed.get_opt_state(), {"kernel": m.head.kernel[...],
-                                                                "bias": m.head.bias[...]}
-
-    return init, load, lambda batch: box["m"](*batch[:3]), lambda batch: jstep(box["m"], batch), read
-
-
-def haiku_model(opt, **shard_kw):
-    hk = pytest.importorskip("haiku")
-    from tbe_jax import haiku as mod
-
-    def forward(idx, off, psw):
-        pooled = mod.TableBatchedEmbed(TABLES, optimizer=opt, name="embed", **KW, **shard_kw)(idx, off, psw)
-        return hk.Linear(1, name="head")(pooled)[:, 0]
-
-    f = hk.without_apply_rng(hk.transform_with_state(forward))
+def _haiku_core(**shard_kw):
     core = tbe_jax.TableBatchedEmbedding(TABLES, **KW)
     if shard_kw:  # the layer's core, outside the transform
         core = tbe_jax.shard(core, shard_kw["mesh"], "data", shard_kw["sharding_plan"])
-    box = {}
-
-    def init(batch):
-        box["p"], box["s"] = f.init(jax.random.key(0), *batch[:3])
-        return mod.fused_params(box["s"]["embed"], core), box["p"]["head"]
-
-    def load(tables, state, head):
-        box["p"], box["s"] = {"head": head}, {"embed": mod.module_state(tables, state)}
-
-    def loss_fn(p, s, idx, off, psw, y):
-        return jnp.mean((f.apply(p, s, idx, off, psw)[0] - y) ** 2)
-
-    @jax.jit
-    def jstep(p, s, batch):
-        loss, grads, s = mod.train_step(loss_fn, p, s, *batch)
-        return loss, grads["head"], jax.tree.map(lambda a, g: a - LR * g, p, grads), s
-
-    def step(batch):
-        loss, grads, box["p"], box["s"] = jstep(box["p"], box["s"], batch)
-        return loss, grads
-
-    def read():
-        e = box["s"]["embed"]
-        return mod.fused_params(e, core), mod.fused_opt_state(e, core, opt), box["p"]["head"]
-
-    return init, load, lambda batch: f.apply(box["p"], box["s"], *batch[:3])[0], step, read
+    return core
 
 
-MODELS = {"linen": linen_model, "nnx": nnx_model, "haiku": haiku_model}
+MODELS = M.model_builders(
+    lambda framework: importlib.import_module(f"tbe_jax.{framework}"),
+    lambda mod, opt, **kw: mod.TableBatchedEmbed(TABLES, optimizer=opt, **KW, **kw), OUT_DIM, _haiku_core)
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])

@@ -10,8 +10,12 @@ cores and optimizer state. True-gradient mode (`optimizer=None`, Linen): two opt
 `jax.grad` through the sharded layer equal the unsharded layer's on the global batch. Strategies other
 than "data" and a plan without a mesh are refused when the layer is built.
 
+The models, batches and helpers: tests/sharded_layer_models.py (shared with tests/test_sharded_layers.py).
+
 CPU: 4 fake devices (tests/conftest.py); the XLA path; small shapes (every program is a compile).
 """
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +23,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import tbe_jax
+import sharded_layer_models as M
 import tt_jax
-from tbe_jax import testing
 from conftest import layer_build
+from sharded_layer_models import N_DEV, auto_mesh, close
 
-N_DEV = min(4, len(jax.devices()))
 pytestmark = pytest.mark.skipif(N_DEV < 2, reason="needs 2+ devices")
 
 # One stacked table group (same q_shapes and ranks), two cores each: small programs. Table 0 is read by
@@ -33,10 +36,7 @@ SPECS = (tt_jax.TTSpec(30, 4, p_shapes=(6, 6), q_shapes=(2, 2), ranks=(3,)),
          tt_jax.TTSpec(19, 4, p_shapes=(5, 4), q_shapes=(2, 2), ranks=(3,)))
 FMAP = (0, 1, 0)
 OUT_DIM = 12
-B = 2                                   # samples per device
-CAP = 3 * len(FMAP) * B                 # ids per device (bags of 0..3 ids)
 KW = dict(feature_table_map=FMAP, pooling="mean", impl="xla")
-LR = 0.1                                # the head's SGD
 FRAMEWORKS = ["linen", "nnx", "haiku"]
 
 
@@ -45,165 +45,19 @@ def module(framework):
     return pytest.importorskip(f"tt_jax.{framework}")
 
 
-def auto_mesh(n=N_DEV):
-    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+local_batches = partial(M.local_batches, tables=SPECS, fmap=FMAP)
+global_batch = partial(M.global_batch, num_features=len(FMAP))
 
 
-def local_batches(rng, n=N_DEV, b=B, cap=CAP):
-    """Per device: ids [cap] (padding past offsets[-1]), offsets [F*b+1], weights [cap]; labels [n*b]."""
-    nf = len(FMAP)
-    idx = np.zeros((n, cap), np.int32)
-    off = np.zeros((n, nf * b + 1), np.int32)
-    for k in range(n):
-        off[k, 1:] = np.cumsum(rng.integers(0, 4, size=nf * b))
-        for f in range(nf):
-            a, z = off[k, f * b], off[k, (f + 1) * b]
-            idx[k, a:z] = rng.integers(0, SPECS[FMAP[f]].num_embeddings, size=z - a)
-    w = rng.uniform(0.5, 1.5, size=idx.shape).astype(np.float32)
-    y = rng.standard_normal(n * b).astype(np.float32)
-    return idx, off, w, y
+# -- one model per framework (tests/sharded_layer_models.py), the layer TTEmbeddingBag ---------------------
 
 
-def global_batch(idx, off, w, y):
-    """The same samples as one batch in the unsharded format (device k's sample i is sample k*b + i), padded to a
-    fixed size (the steps compile once)."""
-    gi, go, gw, _ = testing.stack_batches(idx, off, w, num_features=len(FMAP), pad_to=idx.size + 1)
-    return gi, go, gw, y
+def _layer(mod, opt, **kw):
+    return mod.TTEmbeddingBag(SPECS, optimizer=opt, **KW, **kw)
 
 
-def close(a, b, rtol=1e-5, atol=1e-6, msg=""):
-    assert jax.tree.structure(a) == jax.tree.structure(b), msg
-    for x, z in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(z), rtol=rtol, atol=atol, err_msg=msg)
-
-
-# -- one model per framework: pred = head(embed(idx, off, psw)), trained by the framework's train_step -----
-
-
-def linen_model(opt, **shard_kw):
-    import flax.linen as nn
-
-    mod = module("linen")
-
-    class Model(nn.Module):
-        @nn.compact
-        def __call__(self, idx, off, psw):
-            pooled = mod.TTEmbeddingBag(SPECS, optimizer=opt, name="embed", **KW, **shard_kw)(idx, off, psw)
-            return nn.Dense(1, name="head")(pooled)[:, 0]
-
-    model = Model()
-    box = {}
-
-    def init(batch):
-        box["v"] = model.init(jax.random.key(0), *batch[:3])
-        return box["v"]["tbe_fused"]["embed"]["embedding"], box["v"]["params"]["head"]
-
-    def load(cores, state, head):
-        box["v"] = {"params": {"head": head}, "tbe_fused": {"embed": {"embedding": cores, "opt_state": state}}}
-
-    def loss_fn(v, idx, off, psw, y):
-        return jnp.mean((model.apply(v, idx, off, psw) - y) ** 2)
-
-    @jax.jit
-    def jstep(v, batch):
-        loss, grads, v = mod.train_step(loss_fn, v, *batch)
-        v = {**v, "params": jax.tree.map(lambda p, g: p - LR * g, v["params"], grads)}
-        return loss, grads["head"], v
-
-    def step(batch):
-        loss, grads, box["v"] = jstep(box["v"], batch)
-        return loss, grads
-
-    def read():
-        e = box["v"]["tbe_fused"]["embed"]
-        return e["embedding"], e["opt_state"], box["v"]["params"]["head"]
-
-    return init, load, lambda batch: model.apply(box["v"], *batch[:3]), step, read
-
-
-def nnx_model(opt, **shard_kw):
-    from flax import nnx
-
-    mod = module("nnx")
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = mod.TTEmbeddingBag(SPECS, optimizer=opt, rngs=rngs, **KW, **shard_kw)
-            self.head = nnx.Linear(OUT_DIM, 1, rngs=rngs)
-
-        def __call__(self, idx, off, psw):
-            return self.head(self.embed(idx, off, psw))[:, 0]
-
-    box = {}
-
-    def init(batch):
-        box["m"] = Model(nnx.Rngs(0))
-        return box["m"].embed.get_params(), {"kernel": box["m"].head.kernel[...], "bias": box["m"].head.bias[...]}
-
-    def load(cores, state, head):
-        m = box["m"]
-        m.embed.set_params(cores)
-        m.embed.set_opt_state(state)
-        m.head.kernel[...], m.head.bias[...] = head["kernel"], head["bias"]
-
-    def loss_fn(m, idx, off, psw, y):
-        return jnp.mean((m(idx, off, psw) - y) ** 2)
-
-    @nnx.jit
-    def jstep(m, batch):
-        loss, grads = mod.train_step(loss_fn, m, *batch)
-        g = {"kernel": grads["head"]["kernel"][...], "bias": grads["head"]["bias"][...]}
-        m.head.kernel[...] = m.head.kernel[...] - LR * g["kernel"]
-        m.head.bias[...] = m.head.bias[...] - LR * g["bias"]
-        return loss, g
-
-    def read():
-        m = box["m"]
-        return m.embed.get_params(), m.embed.get_opt_state(), {"kernel": m.head.kernel[...],
-                                                                "bias": m.head.bias[...]}
-
-    return init, load, lambda batch: box["m"](*batch[:3]), lambda batch: jstep(box["m"], batch), read
-
-
-def haiku_model(opt, **shard_kw):
-    hk = pytest.importorskip("haiku")
-    mod = module("haiku")
-
-    def forward(idx, off, psw):
-        pooled = mod.TTEmbeddingBag(SPECS, optimizer=opt, name="embed", **KW, **shard_kw)(idx, off, psw)
-        return hk.Linear(1, name="head")(pooled)[:, 0]
-
-    f = hk.without_apply_rng(hk.transform_with_state(forward))
-    core = tt_jax.TTEmbeddingBag(SPECS, **KW)  # outside the transform: the unsharded core reads either state
-    box = {}
-
-    def init(batch):
-        box["p"], box["s"] = f.init(jax.random.key(0), *batch[:3])
-        return mod.fused_params(box["s"]["embed"], core), box["p"]["head"]
-
-    def load(cores, state, head):
-        box["p"], box["s"] = {"head": head}, {"embed": mod.module_state(cores, state)}
-
-    def loss_fn(p, s, idx, off, psw, y):
-        return jnp.mean((f.apply(p, s, idx, off, psw)[0] - y) ** 2)
-
-    @jax.jit
-    def jstep(p, s, batch):
-        loss, grads, s = mod.train_step(loss_fn, p, s, *batch)
-        return loss, grads["head"], jax.tree.map(lambda a, g: a - LR * g, p, grads), s
-
-    def step(batch):
-        loss, grads, box["p"], box["s"] = jstep(box["p"], box["s"], batch)
-        return loss, grads
-
-    def read():
-        e = box["s"]["embed"]
-        return mod.fused_params(e, core), mod.fused_opt_state(e, core, opt), box["p"]["head"]
-
-    return init, load, lambda batch: f.apply(box["p"], box["s"], *batch[:3])[0], step, read
-
-
-MODELS = {"linen": linen_model, "nnx": nnx_model, "haiku": haiku_model}
+# Haiku: the unsharded core (outside the transform) reads either layer's state.
+MODELS = M.model_builders(module, _layer, OUT_DIM, lambda **shard_kw: tt_jax.TTEmbeddingBag(SPECS, **KW))
 OPTS = {"linen": lambda: tt_jax.RowwiseAdagrad(0.3, eps=1e-3), "nnx": lambda: tt_jax.SGD(0.3),
         "haiku": lambda: tt_jax.Adagrad(0.3, eps=1e-3)}
 
@@ -296,23 +150,12 @@ def test_linen_true_gradient_matches_unsharded():
     """True-gradient mode on a mesh (`optimizer=None`): `jax.value_and_grad` through the sharded layer w.r.t.
     the replicated cores and the head, and two jitted optax SGD steps on it, equal the unsharded layer's on
     the global batch (the cores' gradient is the devices' shares summed over the axis)."""
-    import flax.linen as nn
-
     optax = pytest.importorskip("optax")
     mod = module("linen")
     rng = np.random.default_rng(4)
     mesh = auto_mesh()
 
-    def make(**shard_kw):
-        class Model(nn.Module):
-            @nn.compact
-            def __call__(self, idx, off, psw):
-                pooled = mod.TTEmbeddingBag(SPECS, name="embed", **KW, **shard_kw)(idx, off, psw)
-                return nn.Dense(1, name="head")(pooled)[:, 0]
-
-        return Model()
-
-    ref, got = make(), make(mesh=mesh, axis_name="data")
+    ref, got = M.linen_net(mod, _layer, None), M.linen_net(mod, _layer, None, mesh=mesh, axis_name="data")
     batches = [local_batches(rng) for _ in range(2)]
     gbatches = [global_batch(*b) for b in batches]
     params = ref.init(jax.random.key(0), *gbatches[0][:3])["params"]
