@@ -55,6 +55,19 @@ def close(a, b, rtol=1e-5, atol=1e-6, msg=""):
         np.testing.assert_allclose(np.asarray(x), np.asarray(z), rtol=rtol, atol=atol, err_msg=msg)
 
 
+
+def compare_forward_and_steps(got, ref, batches, gbatches, msg):
+    """The sharded model `got` against the unsharded `ref` (builders' tuples): predictions on the first
+    batch, then one training step per batch (losses and dense gradients); returns both models' final
+    (embedding params, optimizer state, head)."""
+    close(got[2](batches[0]), ref[2](gbatches[0]), msg=msg)
+    for b, gb in zip(batches, gbatches):
+        loss, grads = got[3](tuple(jnp.asarray(x) for x in b))
+        want_loss, want_grads = ref[3](tuple(jnp.asarray(x) for x in gb))
+        close(loss, want_loss, msg=msg)
+        close(grads, want_grads, msg=msg)
+    return got[4](), ref[4]()
+
 # -- one model per framework: pred = head(embed(idx, off, psw)), trained by the framework's train_step -----
 #
 # `mod`: the framework's layer module (`tbe_jax.linen`, `tt_jax.nnx`, ...); `layer(mod, opt, **kw)`: the embedding

@@ -78,16 +78,9 @@ def test_sharded_layer_matches_unsharded(framework):
     # The dense head replicated on the mesh (data parallel), as the step's output has it: one compile.
     got[1](s_params, sharded.init_opt_state(s_params, opt), jax.device_put(head, NamedSharding(mesh, P())))
 
-    # Forward: the global batch's predictions.
-    close(got[2](batches[0]), ref[2](gbatches[0]), msg=framework)
-    # Two training steps: losses, dense gradients, tables, optimizer state, head.
-    for b, gb in zip(batches, gbatches):
-        loss, grads = got[3](tuple(jnp.asarray(x) for x in b))
-        want_loss, want_grads = ref[3](tuple(jnp.asarray(x) for x in gb))
-        close(loss, want_loss, msg=framework)
-        close(grads, want_grads, msg=framework)
-    t, st, h = got[4]()
-    want_t, want_st, want_h = ref[4]()
+    # Forward (the global batch's predictions) and two training steps (losses, dense gradients); then
+    # tables, optimizer state, head.
+    (t, st, h), (want_t, want_st, want_h) = M.compare_forward_and_steps(got, ref, batches, gbatches, framework)
     close(sharded.get_tables(t), emb.get_tables(want_t), msg=framework)
     close(sharded.get_state(st, "momentum"), emb.get_state(want_st, "momentum"), msg=framework)
     assert int(st.count) == 2

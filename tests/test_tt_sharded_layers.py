@@ -87,16 +87,9 @@ def test_sharded_layer_matches_unsharded(framework):
     # The dense head replicated on the mesh (data parallel), as the step's output has it: one compile.
     got[1](s_cores, s_state, jax.device_put(head, NamedSharding(mesh, P())))
 
-    # Forward: the global batch's predictions.
-    close(got[2](batches[0]), ref[2](gbatches[0]), msg=framework)
-    # Two training steps: losses, dense gradients, cores, optimizer state, head.
-    for b, gb in zip(batches, gbatches):
-        loss, grads = got[3](tuple(jnp.asarray(x) for x in b))
-        want_loss, want_grads = ref[3](tuple(jnp.asarray(x) for x in gb))
-        close(loss, want_loss, msg=framework)
-        close(grads, want_grads, msg=framework)
-    c, st, h = got[4]()
-    want_c, want_st, want_h = ref[4]()
+    # Forward (the global batch's predictions) and two training steps (losses, dense gradients); then
+    # cores, optimizer state, head.
+    (c, st, h), (want_c, want_st, want_h) = M.compare_forward_and_steps(got, ref, batches, gbatches, framework)
     close(c, want_c, msg=framework)
     assert type(st) is type(want_st)
     close(st, want_st, msg=framework)
