@@ -1,0 +1,105 @@
+"""Per-kernel GPU time of a TT training step (`tbe_jax.train_step` on a `TTEmbeddingBag`), from a profiler trace.
+
+The stages of `profile_tt.py` are each jitted alone; this traces the real step (forward plan and kernels,
+backward, optimizer in one jitted program, as a user runs it) and sums the device events by kernel name, so
+the XLA fusions, the sorts and the Pallas kernels of one step are seen together. Also reports the step's
+enqueued time (many steps, one block) next to the sum of its kernel times.
+
+  python benchmarks/trace_tt.py --batches 32768 --out benchmarks/results/tt-trace-<stamp>.json
+  python benchmarks/trace_tt.py --configs bwd_rows=16 precision=tf32
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import tbe_jax  # noqa: E402
+import tt_jax  # noqa: E402
+from tt_jax import workloads  # noqa: E402
+from tt_jax.kernels import forward as kf  # noqa: E402
+from bench_tt import config_fields  # noqa: E402
+from trace_backward import profile  # noqa: E402
+
+OPTS = {"sgd": lambda: tt_jax.SGD(0.01), "adagrad": lambda: tt_jax.Adagrad(0.01),
+        "rowwise": lambda: tt_jax.RowwiseAdagrad(0.01)}
+
+
+def make_step(emb, opt):
+    def step(carry, idx, off):
+        params, state = carry
+        res = tbe_jax.train_step(lambda _, out: 0.5 * jnp.sum(out**2), None,
+                                 tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
+        return res.params, res.opt_state
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def enqueued_ms(step, carry, sets, iters):
+    carry = step(carry, *sets[0])
+    jax.block_until_ready(carry)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            carry = step(carry, *sets[i % len(sets)])
+        jax.block_until_ready(carry)
+        best = min(best, (time.perf_counter() - t0) / iters * 1e3)
+    return best, carry
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="a", choices=sorted(workloads.PRESETS))
+    ap.add_argument("--batches", default="32768")
+    ap.add_argument("--opt", default="adagrad", choices=sorted(OPTS))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one trace each)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    wl = workloads.PRESETS[args.workload]()
+    specs = list(wl.specs)
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "workload": args.workload, "opt": args.opt, "runs": []}
+    rng0 = np.random.default_rng(0)
+    sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
+    cores = tuple(tuple(jnp.asarray(rng0.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
+                  for s, sg in zip(specs, sig))
+    for batch in [int(b) for b in args.batches.split(",")]:
+        rng = np.random.default_rng(batch)
+        perms = [np.random.default_rng(1).permutation(s.num_embeddings) for s in specs] if wl.exact_zipf else None
+        sets = [tuple(jnp.asarray(a) for a in wl.make_batch(rng, batch, perms=perms)) for _ in range(2)]
+        for entry in ["default"] + list(args.configs):
+            cfg = kf.TTKernelConfig() if entry == "default" else kf.TTKernelConfig(**config_fields(entry))
+            emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=not on_gpu, config=cfg)
+            opt = OPTS[args.opt]()
+            params = {"cores": jax.tree.map(jnp.copy, cores)}
+            carry = (params, emb.init_opt_state(params, opt))
+            step = make_step(emb, opt)
+            ms, carry = enqueued_ms(step, carry, sets, args.iters)
+            kernels = profile(step, carry, sets, args.iters)
+            total = sum(v["ms"] for v in kernels.values())
+            res["runs"].append({"B": batch, "config": entry, "enqueued_ms": ms, "kernel_ms": total,
+                                "lookups": int(sets[0][0].shape[0]), "kernels": kernels})
+            print(f"== B {batch} {entry}: enqueued {ms:.3f} ms/step, device events {total:.3f} ms/step")
+            for k, v in list(kernels.items())[: args.top]:
+                print(f"  {v['ms']:7.4f} ms  x{v['calls_per_step']:.0f}  {k[:110]}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
