@@ -77,14 +77,23 @@ def main():
     ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_block=16,num_warps=2")
     ap.add_argument("--dims", default="",
                     help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
+    ap.add_argument("--private", default="",
+                    help="A/B of module constants of tbe_jax.kernels.backward, e.g. _SELECT_UPDATE=0,SEGMENT_BUFFERS=16")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    from tbe_jax.kernels import backward as bwd_kernels
+    for item in filter(None, args.private.split(",")):
+        k, v = item.split("=")
+        if not hasattr(bwd_kernels, k):
+            raise SystemExit(f"tbe_jax.kernels.backward has no {k}")
+        setattr(bwd_kernels, k, type(getattr(bwd_kernels, k))(int(v)))
     kw = {}
     for item in filter(None, args.config.split(",")):
         k, v = item.split("=")
         kw[k] = int(v)
     cfg = tbe_jax.BackwardConfig(**kw)
-    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": args.config, "presets": {}}
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": args.config,
+           "private": args.private, "presets": {}}
     workloads = [testing.PRESETS[n] for n in filter(None, args.presets.split(","))]
     for spec in filter(None, args.dims.split(";")):
         rng, step = spec.split("/")

@@ -9,14 +9,16 @@ warning filters per test, so pyproject.toml repeats the filter for the suite.)
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["pallas_call", "pl", "plgpu"]
+__all__ = ["aligned", "pallas_call", "pl", "plgpu", "row_align"]
 
 _TRITON_DEPRECATION = r"(?s).*Pallas Triton backend is deprecated"
 
@@ -84,3 +86,30 @@ def pallas_call(kernel, out_shape, **kwargs):
         return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
 
     return call
+
+
+ALIGN_ROWS = True  # False: row_align returns 1 (benchmarks' A/B of the aligned row offsets only)
+
+
+def row_align(dims, itemsize: int) -> int:
+    """Elements (a power of two, at most 16 bytes' worth) that every row offset of a `[B, sum D]` output (or
+    output gradient) of features with dims `dims` is a multiple of: each offset is a sum of multiples of
+    those dims (bag * sum D + a feature's first column; VBE and sequence layouts likewise), so the largest
+    power of two dividing every dim divides them all."""
+    if not ALIGN_ROWS:
+        return 1
+    g = 0
+    for d in dims:
+        g = math.gcd(g, int(d))
+    return max(1, min(g & -g, 16 // itemsize))
+
+
+def aligned(x, align: int):
+    """Offsets `x` (int32, multiples of `align`) written as `(x / align) * align`: the same values, from which
+    Triton's alignment analysis proves that `ref + x` (+ a column range) is 16-byte aligned when `align`
+    fills 16 bytes, so the row is loaded or stored with vector instructions. An offset loaded from memory
+    proves nothing, and the row then moves one element per instruction. (`pl.multiple_of` only marks kernel
+    arguments in the Triton lowering.)"""
+    if align == 1:
+        return x
+    return jax.lax.div(x, jnp.full(jnp.shape(x), align, jnp.int32)) * align

@@ -153,6 +153,15 @@ def test_matches_float64_model(rng, name, pooling, weighted):
 
 
 @pytest.mark.parametrize("name", ["adam", "partial-lamb"])
+def test_width_class_of_several_buffers(rng, name):
+    # Dims 5, 6 and 7 are three storage buffers of one width class (8): the backward applies the rule once
+    # per tile with per-buffer masked loads and stores (element-wise and row-wise slots, fp16 tables with
+    # stochastic rounding, blocks of runs spanning buffers).
+    tables = specs([17, 6, 40], [5, 6, 7])
+    run_and_check(rng, tables, [0, 1, 2, 1], 4, (0, 12), OPTIMIZERS[name], steps=2, wdtype="float16")
+
+
+@pytest.mark.parametrize("name", ["adam", "partial-lamb"])
 def test_long_runs(rng, name):
     # Rows hit hundreds of times (runs >= runs.LONG: chunk partials, then the long-run update).
     tables = specs([3, 200], [8, 24])

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
 from tbe_jax.runs import LONG, SMALL, Runs, group_bases, width_classes
 from tbe_jax.specs import StorageLayout
@@ -148,7 +148,16 @@ def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, a
     plgpu.store(w_out_ref.at[rows, cols[None, :]], w.astype(w_out_ref.dtype), mask=mask)
 
 
-def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scaled, prefetch):
+def _cols_below(cols, dim, align):
+    """The column mask `cols < dim` for runtime dims (multiples of `align`), computed on column blocks of
+    `align` so the mask is visibly constant over each vector of the gather."""
+    if align == 1:
+        return cols < dim
+    a = jnp.int32(align)
+    return jax.lax.div(cols, jnp.full(cols.shape, a)) < jax.lax.div(dim, jnp.full(dim.shape, a))
+
+
+def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scaled, prefetch, align):
     """sum over sorted lookups [first, end) of scale * g[src + cols], fp32 [1, Dp] (scale 1 unless `scaled`).
 
     With `prefetch`, software-pipelined: step i's gradient rows load while step
@@ -160,7 +169,7 @@ def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scale
     def indices(i):
         jj = first + i * k + j
         live = jj < end
-        src = plgpu.load(src_ref.at[jj], mask=live, other=0)
+        src = aligned(plgpu.load(src_ref.at[jj], mask=live, other=0), align)
         sc = plgpu.load(scale_ref.at[jj], mask=live, other=0.0) if scaled else jnp.zeros((k,), jnp.float32)
         return src, sc, live
 
@@ -195,6 +204,7 @@ def _strided_tasks(lo, hi, programs, body):
 # buffers): one 16-buffer segment 0.475 ms of small-run kernel, two of 8 0.378 ms, four of 4
 # 0.365 ms (benchmarks/results/dims-trace-20261201-*).
 SEGMENT_BUFFERS = 8
+_ALIGN = True  # A/B switch of the aligned gradient gathers (row_align); benchmarks/trace_backward.py --private
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +298,7 @@ def _list_kernel_tasks(rng_ref, segs, col, programs, body):
 
 
 def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, seg, block, programs, scaled):
+                  opt, seg, block, programs, scaled, align):
     """Blocks of `block` consecutive runs of the segment `seg`; the small ones (<= SMALL lookups)
     are gathered in lockstep and updated, one row each; the others are left to the mid/long kernels.
 
@@ -311,12 +321,12 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
         length = jnp.where(ok, length, 0)
         key = plgpu.load(run_key_ref.at[r], mask=ok, other=0)
         dim = seg.dim_of(key)
-        col_ok = (cols < dim)[None, :] if seg.single else cols[None, :] < dim[:, None]  # [1 or block, W]
+        col_ok = (cols < dim)[None, :] if seg.single else _cols_below(cols[None, :], dim[:, None], align)
 
         def step(i, acc):
             live = i < length
             jj = first + i
-            src = plgpu.load(src_ref.at[jj], mask=live, other=0)
+            src = aligned(plgpu.load(src_ref.at[jj], mask=live, other=0), align)
             g = plgpu.load(g_ref.at[src[:, None] + cols[None, :]], mask=live[:, None] & col_ok,
                            other=0).astype(jnp.float32)
             if scaled:
@@ -349,7 +359,7 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
 
 
 def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                opt, segs, k, programs, scaled, prefetch):
+                opt, segs, k, programs, scaled, prefetch, align):
     """One mid run per task: its lookups gathered `k` at a time, one row update."""
     states = _segment_states(refs, opt, segs)
 
@@ -360,8 +370,9 @@ def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
         key = plgpu.load(run_key_ref.at[r])
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < seg.dim_of(key),
-                          scaled=scaled, prefetch=prefetch)
+        col_ok = cols < seg.dims[0] if seg.single else _cols_below(cols, seg.dim_of(key), align)
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+                          prefetch=prefetch, align=align)
         _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 
     _list_kernel_tasks(rng_ref, segs, 2, programs, body)
@@ -380,7 +391,7 @@ def _update_key_row(opt, hyper_ref, seg, state, key, acc, cols):
 
 
 def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
-                  g_ref, part_ref, *, segs, k, programs, scaled, prefetch):
+                  g_ref, part_ref, *, segs, k, programs, scaled, prefetch, align):
     """One LONG-lookup chunk of a long run per task: its fp32 partial sum (zero past the run's dim)
     to row `t` of the workspace (the first `width` columns of its segment)."""
     def body(c, t):
@@ -389,9 +400,10 @@ def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_r
         first = plgpu.load(chunk_first_ref.at[t])
         r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
-        dim = seg.dims[0] if seg.single else seg.dim_of(plgpu.load(run_key_ref.at[r]))
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=cols < dim, scaled=scaled,
-                          prefetch=prefetch)
+        col_ok = (cols < seg.dims[0] if seg.single
+                  else _cols_below(cols, seg.dim_of(plgpu.load(run_key_ref.at[r])), align))
+        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+                          prefetch=prefetch, align=align)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
     _list_kernel_tasks(rng_ref, segs, 4, programs, body)
@@ -544,15 +556,18 @@ def fused_update(
                 d[keys[g]] = out[per * i + 1 + j]
 
     segs = tuple(segs)
+    align = row_align(layout.dims, 4) if _ALIGN else 1
     for seg in segs:
-        aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=blk, programs=p_small, scaled=scaled),
+        aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=blk, programs=p_small, scaled=scaled,
+                                  align=align),
                 f"tbe_backward_small_runs_w{seg.width}", p_small, [rng, hyper, runs.run_start, runs.run_key] + common,
                 seg.buffers)
     aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
-                              prefetch=prefetch),
+                              prefetch=prefetch, align=align),
             "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
     part = pallas_call(
-        functools.partial(_chunk_kernel, segs=segs, k=k, programs=p_long, scaled=scaled, prefetch=prefetch),
+        functools.partial(_chunk_kernel, segs=segs, k=k, programs=p_long, scaled=scaled, prefetch=prefetch,
+                          align=align),
         out_shape=jax.ShapeDtypeStruct((max_chunks, width), jnp.float32),
         grid=(p_long,),
         compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",

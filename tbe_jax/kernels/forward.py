@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
@@ -116,7 +116,7 @@ def _two_sum(s, c, x):
 
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
-    *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str,
+    *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
@@ -216,12 +216,12 @@ def _pool_branch(
     acc = s + c if accumulation == "twosum" else s
     if pooling == "mean":
         acc = acc / jnp.maximum(length, 1).astype(acc.dtype)[:, None]
-    ptr = (out_base + bag * out_stride)[:, None] + cols[None, :]
+    ptr = aligned(out_base + bag * out_stride, align)[:, None] + cols[None, :]
     plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid):
+                   accumulation, count_invalid, align):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -234,6 +234,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
+                align=align,
             )
 
 
@@ -284,6 +285,7 @@ def pooled_forward(
         check_upper=check_upper,
         accumulation=accumulation,
         count_invalid=count_invalid,
+        align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
     )
     args = [*programs.operands(pm, live), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
     if per_sample_weights is not None:

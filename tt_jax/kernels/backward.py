@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.specs import next_pow2
 from tt_jax import prefix
 from tt_jax.backward import feature_col0, position_bags
@@ -72,7 +72,7 @@ def _params(config: TTKernelConfig):
 
 
 def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, n_runs, identity_seg, want_psw,
-                     scaled, precision, interpret):
+                     scaled, precision, interpret, align=1):
     ref = dict(zip(names, refs))
     run_ref, out_ref, edge_ref = ref["run"], ref["out"], ref["edges"]
     e = e_a * e_b
@@ -113,7 +113,7 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
             col_ok = cols < e_b
             ok2 = live[:, None] & col_ok[None, :]
             if mode == "lookups":
-                src = plgpu.load(ref["src"].at[m], mask=live, other=0)
+                src = aligned(plgpu.load(ref["src"].at[m], mask=live, other=0), align)
                 gy = plgpu.load(ref["g"].at[src[:, None] + cols[None, :]], mask=ok2, other=0.0)
                 v = gy
                 if scaled:
@@ -205,7 +205,8 @@ def _seg_span_kernel(*refs, names, k, e, e_block, k_tiles, n_members, n_runs, id
 
 
 def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, e_b: int, tile: int,
-                 config: TTKernelConfig, interpret: bool, run_seg=None, zero_out=False, j_rows=1, psw_len=None):
+                 config: TTKernelConfig, interpret: bool, run_seg=None, zero_out=False, j_rows=1, psw_len=None,
+                 align=1):
     """Per run of the sorted members, the sum of their contributions, stored to `out[run_seg[run]]`.
 
     Args:
@@ -251,7 +252,7 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     kernel = functools.partial(
         _seg_tile_kernel, names=tuple(names), mode=mode, k=tile, j_rows=j_rows, j_pad=next_pow2(j_rows), e_a=e_a,
         e_b=e_b, n_members=m_total, n_runs=n_runs, identity_seg=run_seg is None, want_psw=want_psw,
-        scaled="scale" in data, precision=precision, interpret=interpret)
+        scaled="scale" in data, precision=precision, interpret=interpret, align=align)
     res = pallas_call(
         kernel, out_shape=tuple(out_shape), grid=(n_tiles,), input_output_aliases=aliases,
         compiler_params=_params(config), interpret=interpret, name=f"tt_bwd_segsum_{mode}",
@@ -543,7 +544,8 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
         data["perm"] = plan.perm
         psw_len = n
     res = _segment_sum("lookups", plan.sorted_row, plan.row_start, data=data, out_slots=cap, e_a=1, e_b=dim,
-                       tile=config.bwd_lookup_tile, config=config, interpret=interpret, psw_len=psw_len)
+                       tile=config.bwd_lookup_tile, config=config, interpret=interpret, psw_len=psw_len,
+                       align=row_align((total,) + tuple(col0), 4))
     d_rows, d_psw = res if want_psw else (res, None)
     # 2. per prefix group.
     n_groups = max(1, min(cap, layout.prefix_base[-1]))
