@@ -151,7 +151,7 @@ def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, a
 def _cols_below(cols, dim, align):
     """The column mask `cols < dim` for runtime dims (multiples of `align`), computed on column blocks of
     `align` so the mask is visibly constant over each vector of the gather."""
-    if align == 1:
+    if align == 1 or not _BLOCK_MASK:
         return cols < dim
     a = jnp.int32(align)
     return jax.lax.div(cols, jnp.full(cols.shape, a)) < jax.lax.div(dim, jnp.full(dim.shape, a))
@@ -204,6 +204,7 @@ def _strided_tasks(lo, hi, programs, body):
 # buffers): one 16-buffer segment 0.475 ms of small-run kernel, two of 8 0.378 ms, four of 4
 # 0.365 ms (benchmarks/results/dims-trace-20261201-*).
 SEGMENT_BUFFERS = 8
+_BLOCK_MASK = True  # A/B switch of the multi-dim segments' blocked column mask (_cols_below)
 _ALIGN = True  # A/B switch of the aligned gradient gathers (row_align); benchmarks/trace_backward.py --private
 
 
