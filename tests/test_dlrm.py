@@ -13,7 +13,7 @@ import tbe_jax
 import tt_jax
 from tbe_jax.dlrm import data as data_lib
 from tbe_jax.dlrm import model as model_lib
-from tbe_jax.dlrm import train
+from tbe_jax.dlrm import checkpoint, train
 
 # --time-steps 0: no device-step timing after training (20 more steps per run otherwise).
 TINY = ["--size", "tiny", "--impl", "xla", "--no-progress", "--time-steps", "0"]
@@ -191,8 +191,8 @@ def test_checkpoint_without_count_restores(tmp_path, tt):
         return {"momentum": st.momentum}
 
     legacy = old(state.emb_state) if not tt else {"tbe": old(state.emb_state["tbe"]), "tt": state.emb_state["tt"]}
-    tree = dict(train._as_tree(state), emb_state=legacy)
-    ckptr = train._ocp().StandardCheckpointer()
+    tree = dict(checkpoint._as_tree(state), emb_state=legacy)
+    ckptr = checkpoint._ocp().StandardCheckpointer()
     ckptr.save((tmp_path / "7").absolute(), tree, force=True)
     ckptr.wait_until_finished()
     ckptr.close()
