@@ -78,15 +78,18 @@ def main():
     ap.add_argument("--dims", default="",
                     help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tbe_jax.kernels.backward, e.g. _SELECT_UPDATE=0,SEGMENT_BUFFERS=16")
+                    help="A/B of module constants of tbe_jax.kernels.backward or tbe_jax._pallas, "
+                         "e.g. SEGMENT_BUFFERS=16,ALIGN_ROWS=0")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    from tbe_jax import _pallas
     from tbe_jax.kernels import backward as bwd_kernels
     for item in filter(None, args.private.split(",")):
         k, v = item.split("=")
-        if not hasattr(bwd_kernels, k):
-            raise SystemExit(f"tbe_jax.kernels.backward has no {k}")
-        setattr(bwd_kernels, k, type(getattr(bwd_kernels, k))(int(v)))
+        mod = next((m for m in (bwd_kernels, _pallas) if hasattr(m, k)), None)
+        if mod is None:
+            raise SystemExit(f"neither tbe_jax.kernels.backward nor tbe_jax._pallas has {k}")
+        setattr(mod, k, type(getattr(mod, k))(int(v)))
     kw = {}
     for item in filter(None, args.config.split(",")):
         k, v = item.split("=")

@@ -205,7 +205,6 @@ def _strided_tasks(lo, hi, programs, body):
 # 0.365 ms (benchmarks/results/dims-trace-20261201-*).
 SEGMENT_BUFFERS = 8
 _BLOCK_MASK = True  # A/B switch of the multi-dim segments' blocked column mask (_cols_below)
-_ALIGN = True  # A/B switch of the aligned gradient gathers (row_align); benchmarks/trace_backward.py --private
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,7 +556,7 @@ def fused_update(
                 d[keys[g]] = out[per * i + 1 + j]
 
     segs = tuple(segs)
-    align = row_align(layout.dims, 4) if _ALIGN else 1
+    align = row_align(layout.dims, 4)
     for seg in segs:
         aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=blk, programs=p_small, scaled=scaled,
                                   align=align),
