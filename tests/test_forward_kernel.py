@@ -142,3 +142,25 @@ def test_under_jit_with_static_module(rng):
     f = jax.jit(lambda e, p, i, o: e(p, i, o), static_argnums=0)
     np.testing.assert_allclose(np.asarray(f(emb, params, idx, off)), np.asarray(emb(params, idx, off)),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_more_buffers_than_one_launch(rng):
+    # Ten distinct dims: the pooled forward is two launches (kernels.forward.SEGMENT_BUFFERS = 8 buffers each),
+    # the second filling its features' columns of the first's output in place; weighted mean, a shared table.
+    import re
+
+    from tbe_jax.kernels import forward as fwd
+
+    dims = [4, 8, 12, 16, 20, 24, 28, 32, 5, 3]
+    assert len(set(dims)) > fwd.SEGMENT_BUFFERS
+    tables = specs([7, 9, 5, 8, 6, 7, 9, 5, 8, 6], dims)
+    fmap = list(range(10)) + [2]
+    _run(rng, tables, fmap, [3] * len(fmap), (0, 6), pooling="mean", weighted=True)
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, weights_dtype="float16", impl="pallas")
+    emb._use_kernel = lambda: True  # lowered for CUDA on this CPU machine: the kernel path, not run
+    params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), jnp.float16)
+              for g, d in enumerate(emb.layout.dims)}
+    idx = jax.ShapeDtypeStruct((len(fmap) * 4 * 6,), jnp.int32)
+    off = jax.ShapeDtypeStruct((len(fmap) * 4 + 1,), jnp.int32)
+    text = jax.jit(lambda p, i, o: emb(p, i, o)).trace(params, idx, off).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"stablehlo\.custom_call", text)) == 2  # (eight of the dims: one)

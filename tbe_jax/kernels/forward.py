@@ -80,6 +80,13 @@ class ForwardConfig:
         return 1 << (g.bit_length() - 1)  # a power of 2
 
 
+# Storage buffers (distinct dims) per launch of the pooled forward: its kernel has one code branch per
+# buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24 dims:
+# 20.7 s for one launch, benchmarks/results/features-20261201-091723-*), so models with more buffers get
+# one launch per SEGMENT_BUFFERS of them, writing their features' columns of one output in place.
+SEGMENT_BUFFERS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class _Branch:
     buffer: int  # position of the buffer among the kernel's weight refs
@@ -254,6 +261,7 @@ def pooled_forward(
     count_invalid: bool = False,
     features=None,
     live=None,
+    out_flat=None,
 ):
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
 
@@ -264,12 +272,29 @@ def pooled_forward(
 
     With `count_invalid`, also returns how many ids outside `[0, E)` (other than
     -1) were skipped, counted by the kernel itself (int32 scalar).
+
+    `out_flat`: an output whose other columns are already written (aliased and
+    filled in place, no copy). Models with more than SEGMENT_BUFFERS storage
+    buffers among `features` get one launch per SEGMENT_BUFFERS buffers, chained so.
     """
     if features is None:
         features = range(plan.num_features)
-    used, branches, pm, feat_meta = _schedule(layout, plan, config, tuple(features))
+    features = tuple(features)
+    used = sorted({plan.group[f] for f in features})
+    if len(used) > SEGMENT_BUFFERS:
+        out, n_bad = out_flat, jnp.int32(0)
+        for i in range(0, len(used), SEGMENT_BUFFERS):
+            part = set(used[i : i + SEGMENT_BUFFERS])
+            res = pooled_forward(
+                buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
+                output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
+                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], live=live,
+                out_flat=out)
+            out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
+        return (out, n_bad) if count_invalid else out
+    used, branches, pm, feat_meta = _schedule(layout, plan, config, features)
     if not branches or plan.out_size == 0:
-        out = jnp.zeros((plan.out_size,), output_dtype)
+        out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
         return (out, jnp.int32(0)) if count_invalid else out
     all_fp32 = all(buffers[layout.key(g)].dtype == jnp.float32 for g in used)
     accumulation = config.fp32_accumulation if all_fp32 else "naive"
@@ -291,6 +316,10 @@ def pooled_forward(
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)
+    aliases = {}
+    if out_flat is not None:  # an input after the weights: the kernel takes its refs from the end
+        aliases = {len(args): 0}
+        args.append(out_flat)
     out_shape = jax.ShapeDtypeStruct((plan.out_size,), output_dtype)
     if count_invalid:
         out_shape = (out_shape, jax.ShapeDtypeStruct((pm.num_programs,), jnp.int32))
@@ -298,6 +327,7 @@ def pooled_forward(
         kernel,
         out_shape=out_shape,
         grid=(pm.num_programs,),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tbe_pooled_forward",
