@@ -131,7 +131,7 @@ def _cached_shard(core, mesh, axis_name, plan, capacity):
     return shard(core, mesh, axis_name, plan)
 
 
-def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity: int | None = None):
+def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity=None):
     """A layer's core: `core` itself when `mesh` is None, else `tbe_jax.shard(core, mesh, axis_name, plan,
     capacity=capacity)` (`tt_jax.shard` for a TT core), memoised (Linen rebuilds its core on every access;
     equal arguments give the same object). A plan or capacity without a mesh is a ValueError."""
@@ -143,6 +143,8 @@ def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity: int | N
 
     if isinstance(plan, (list, tuple)) and not isinstance(core, TableBatchedEmbedding):
         plan = dict(enumerate(plan))  # tt_jax.shard's one strategy per table, as a (hashable) dict
+    if isinstance(capacity, (list, tuple)):  # per-feature counts (see tbe_jax.shard), hashable
+        capacity = tuple(capacity)
     return _cached_shard(core, mesh, axis_name, _plan_key(plan), capacity)
 
 

@@ -16,7 +16,10 @@ How a step runs (inside one `shard_map` over `axis_name`; XLA collectives, NCCL 
    per-sample weights) to the owners. Capacities are static: by default each
    destination gets room for every local id, so nothing can be dropped; a smaller
    `capacity` moves fewer bytes and any id past it is dropped, counted, and warned
-   about (`forward_with_report` returns the count).
+   about (`forward_with_report` returns the count). A pipeline that knows the most
+   ids each feature can hold per local batch passes those counts as `capacity`,
+   and the capacity becomes the placement's exact worst case (on n devices with
+   table-wise placement, about 1/n of the ids instead of all of them).
 2. The owners look up. Each device runs one local `TableBatchedEmbedding` (the
    same Pallas kernels) over the global batch's ids for its shards: every device
    holds the same number of "slots" (a feature read through one of its shards)
@@ -56,7 +59,7 @@ __all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "Shardin
 
 
 def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = "data", plan=None, *,
-          capacity: int | None = None, warn_overflow: bool = True,
+          capacity: int | Sequence[int] | None = None, warn_overflow: bool = True,
           comm_dtype=None) -> "ShardedTableBatchedEmbedding":
     """`emb`'s tables sharded over `mesh`'s axis `axis_name`; see `ShardedTableBatchedEmbedding`."""
     return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity, warn_overflow=warn_overflow,
@@ -76,6 +79,15 @@ class ShardedTableBatchedEmbedding:
       capacity: ids each device may send to each other device per step; None (the
         default) is every local id, which can never overflow. Ids past a smaller
         capacity are dropped, counted (`forward_with_report`) and warned about.
+        A sequence of F ints instead (`feature_capacity`) says how many ids of each
+        feature one device's local batch holds at most (e.g. its samples times its
+        longest bag, which a pipeline padding each feature to a fixed length knows):
+        the capacity is then the most any device can receive with this plan,
+        `max_j sum(feature_capacity[f] for the features device j serves)`, capped
+        by the local batch's length. It moves only what the placement can route
+        (about 1/n of the ids with table-wise placement, where the default moves them
+        all), and it drops nothing while every batch keeps to the counts; a batch
+        that does not is counted and warned about as above.
 
     Inputs are per device: `indices [n, N]`, `offsets [n, F*b + 1]` (row k is device
     k's local batch of b samples in `emb`'s format), both sharded over `axis_name`;
@@ -100,14 +112,23 @@ class ShardedTableBatchedEmbedding:
         if emb.bounds_check == "fatal":
             raise ValueError('a sharded embedding supports bounds_check "ignore", "none" and "warning" (ids '
                              'outside [0, E) are dropped where they are routed); "fatal" is not supported')
-        if capacity is not None and (isinstance(capacity, bool) or int(capacity) < 1):
-            raise ValueError(f"capacity must be None or an int >= 1, got {capacity!r}")
+        feature_capacity = None
+        if capacity is not None and not isinstance(capacity, (int, np.integer)):
+            feature_capacity = tuple(capacity)
+            if len(feature_capacity) != emb.num_features or any(
+                    isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0 for c in feature_capacity):
+                raise ValueError(f"capacity as a sequence must hold one int >= 0 per feature ({emb.num_features}), "
+                                 f"got {capacity!r}")
+            feature_capacity = tuple(int(c) for c in feature_capacity)
+        elif capacity is not None and (isinstance(capacity, bool) or int(capacity) < 1):
+            raise ValueError(f"capacity must be None, an int >= 1 or one int >= 0 per feature, got {capacity!r}")
         self.emb = emb
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_devices = n
         self.plan = plan
-        self.capacity = None if capacity is None else int(capacity)
+        self.feature_capacity = feature_capacity
+        self.capacity = None if capacity is None or feature_capacity is not None else int(capacity)
         self.warn_overflow = bool(warn_overflow)
         if comm_dtype is not None:
             comm_dtype = jnp.dtype(comm_dtype)
@@ -116,6 +137,9 @@ class ShardedTableBatchedEmbedding:
         self.comm_dtype = comm_dtype
         self.layout = ShardLayout(emb, plan)
         lay = self.layout
+        if feature_capacity is not None:  # the worst case of this placement: every id of a feature its device serves
+            serves = lay.slot_of >= 0  # [n, F]
+            self.capacity = max(1, int((serves * np.asarray(feature_capacity, np.int64)[None, :]).sum(axis=1).max()))
         self.local = TableBatchedEmbedding(
             [TableSpec(r, w) for r, w in zip(lay.pool_rows, lay.widths)],
             feature_table_map=[lay.widths.index(w) for w in lay.slot_width] or [0],

@@ -240,6 +240,31 @@ def test_capacity_overflow_is_reported():
     assert any("tbe_jax.shard" in str(c.message) for c in caught), [str(c.message) for c in caught]
 
 
+def test_capacity_from_feature_counts():
+    # capacity as per-feature counts: the placement's exact worst case (table-wise: each device receives only
+    # its tables' features), no id dropped while the batches keep to the counts; counts too small are reported.
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    rng = np.random.default_rng(8)
+    b, max_len = 3, 4
+    idx, off, w = local_batches(rng, emb, N_DEV, b, 40, max_len=max_len, bad=False)
+    plan = {t: ("table", t % N_DEV) for t in range(len(TABLES))}
+    per_feature = [b * (max_len - 1)] * emb.num_features  # local_batches draws bags of 0 .. max_len - 1 ids
+    full = tbe_jax.shard(emb, mesh(), "data", plan)
+    counted = tbe_jax.shard(emb, mesh(), "data", plan, capacity=per_feature)
+    load = [sum(per_feature[f] for f, t in enumerate(FMAP) if t % N_DEV == j) for j in range(N_DEV)]
+    assert counted.capacity == max(load) < emb.num_features * b * (max_len - 1)
+    params = full.set_tables(None, emb.get_tables(emb.init(jax.random.key(2))))
+    out, rep = counted.forward_with_report(params, idx, off, w)
+    assert int(rep.invalid_indices) == 0
+    np.testing.assert_allclose(np.asarray(out), np.asarray(full(params, idx, off, w)), rtol=1e-6, atol=1e-7)
+    short = tbe_jax.shard(emb, mesh(), "data", plan, capacity=[1] * emb.num_features)
+    _, rep = short.forward_with_report(params, idx, off, w)
+    assert int(rep.invalid_indices) > 0
+    for bad in ([1] * (emb.num_features - 1), [-1] * emb.num_features, [1.5] * emb.num_features):
+        with pytest.raises(ValueError, match="one int >= 0 per feature"):
+            tbe_jax.shard(emb, mesh(), "data", plan, capacity=bad)
+
+
 def test_train_step_under_jit_and_checkpoint_to_other_meshes(tmp_path):
     """`tbe_jax.train_step` with a sharded lookup, jitted, for 3 batches (one compile); the state saved
     with orbax from this mesh restores onto meshes of 1 and 2 devices. An automatic mesh axis: with an
