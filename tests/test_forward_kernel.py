@@ -164,3 +164,10 @@ def test_more_buffers_than_one_launch(rng):
     off = jax.ShapeDtypeStruct((len(fmap) * 4 + 1,), jnp.int32)
     text = jax.jit(lambda p, i, o: emb(p, i, o)).trace(params, idx, off).lower(lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"stablehlo\.custom_call", text)) == 2  # (eight of the dims: one)
+    # Bad ids counted across both launches (one in a feature of each).
+    checked = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, bounds_check="warning", **KERNEL_KW)
+    params = checked.init(jax.random.key(5))
+    idx, off, _ = testing.make_batch(rng, [tables[t].num_embeddings for t in fmap], [3] * len(fmap), (1, 6))
+    idx[off[0]], idx[off[8 * 3]] = -5, 10_000  # feature 0 (first launch), feature 8 (dim 5: the second)
+    _, rep = checked.forward_with_report(params, idx, off)
+    assert int(rep.invalid_indices) == 2
