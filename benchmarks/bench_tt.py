@@ -157,6 +157,16 @@ def xla_per_index_multi(specs, batch, block):
     return f
 
 
+def numpy_cores(specs, seed: int = 0):
+    """Per table its cores drawn with NumPy (normal, at the init's scale: each table's rows then have the
+    variance of a uniform +-1/sqrt(E)); one jax sampler compile per distinct core shape is slow for hundreds
+    of tables."""
+    rng = np.random.default_rng(seed)
+    sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
+    return tuple(tuple(jnp.asarray(rng.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
+                 for s, sg in zip(specs, sig))
+
+
 def config_fields(entry: str) -> dict:
     """'k=v,k=v' -> TTKernelConfig fields, each value parsed by its field's default type (str, bool, int)."""
     defaults = tt_kernels.TTKernelConfig()
@@ -306,11 +316,8 @@ def main():
     emb = tt_jax.TTEmbeddingBag(specs, impl="xla")
     if smoke or len(specs) == 1:
         all_cores = emb.init(jax.random.key(0))["cores"]
-    else:  # hundreds of tables: one sampler compile per distinct core shape is slow; use NumPy
-        rng0 = np.random.default_rng(0)
-        sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
-        all_cores = tuple(tuple(jnp.asarray(rng0.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
-                          for s, sg in zip(specs, sig))
+    else:  # hundreds of tables
+        all_cores = numpy_cores(specs)
     rows_out = []
     for batch in batches:
         rng = np.random.default_rng(batch)

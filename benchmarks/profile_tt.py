@@ -31,7 +31,7 @@ from tt_jax.kernels import forward as kf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_forward import time_calls  # noqa: E402
-from bench_tt import config_fields  # noqa: E402
+from bench_tt import config_fields, numpy_cores  # noqa: E402
 
 
 def main():
@@ -52,10 +52,7 @@ def main():
     cfgs = [("default", kf.TTKernelConfig())]
     for c in args.configs:
         cfgs.append((c, kf.TTKernelConfig(**config_fields(c))))
-    rng0 = np.random.default_rng(0)
-    sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
-    all_cores = tuple(tuple(jnp.asarray(rng0.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
-                      for s, sg in zip(specs, sig))
+    all_cores = numpy_cores(specs)
     for batch in [int(b) for b in args.batches.split(",")]:
         rng = np.random.default_rng(batch)
         perms = [np.random.default_rng(1).permutation(s.num_embeddings) for s in specs] if wl.exact_zipf else None

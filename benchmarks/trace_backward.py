@@ -69,6 +69,12 @@ def profile(step, carry, sets, iters, host=False):
     return {k: {"ms": per[k], "calls_per_step": count[k] / iters} for k in sorted(per, key=per.get, reverse=True)}
 
 
+def print_kernels(kernels: dict, top: int):
+    """The `top` kernels of `profile`'s result: ms per step, calls per step, name."""
+    for k, v in list(kernels.items())[:top]:
+        print(f"  {v['ms']:7.4f} ms  x{v['calls_per_step']:.0f}  {k[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="base,zipf,fp32")
@@ -123,8 +129,7 @@ def main():
         total = sum(v["ms"] for v in kernels.values())
         res["presets"][name] = {"total_ms": total, "kernels": kernels}
         print(f"== {name}: {total:.3f} ms of device events per step")
-        for k, v in list(kernels.items())[:25]:
-            print(f"  {v['ms']:7.4f} ms  x{v['calls_per_step']:.0f}  {k[:110]}")
+        print_kernels(kernels, 25)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)

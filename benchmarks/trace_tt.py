@@ -28,8 +28,8 @@ import tbe_jax  # noqa: E402
 import tt_jax  # noqa: E402
 from tt_jax import workloads  # noqa: E402
 from tt_jax.kernels import forward as kf  # noqa: E402
-from bench_tt import config_fields  # noqa: E402
-from trace_backward import profile  # noqa: E402
+from bench_tt import config_fields, numpy_cores  # noqa: E402
+from trace_backward import print_kernels, profile  # noqa: E402
 
 OPTS = {"sgd": lambda: tt_jax.SGD(0.01), "adagrad": lambda: tt_jax.Adagrad(0.01),
         "rowwise": lambda: tt_jax.RowwiseAdagrad(0.01)}
@@ -73,10 +73,7 @@ def main():
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "workload": args.workload, "opt": args.opt, "runs": []}
-    rng0 = np.random.default_rng(0)
-    sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
-    cores = tuple(tuple(jnp.asarray(rng0.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
-                  for s, sg in zip(specs, sig))
+    cores = numpy_cores(specs)
     for batch in [int(b) for b in args.batches.split(",")]:
         rng = np.random.default_rng(batch)
         perms = [np.random.default_rng(1).permutation(s.num_embeddings) for s in specs] if wl.exact_zipf else None
@@ -94,8 +91,7 @@ def main():
             res["runs"].append({"B": batch, "config": entry, "enqueued_ms": ms, "kernel_ms": total,
                                 "lookups": int(sets[0][0].shape[0]), "kernels": kernels})
             print(f"== B {batch} {entry}: enqueued {ms:.3f} ms/step, device events {total:.3f} ms/step")
-            for k, v in list(kernels.items())[: args.top]:
-                print(f"  {v['ms']:7.4f} ms  x{v['calls_per_step']:.0f}  {k[:110]}")
+            print_kernels(kernels, args.top)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
