@@ -346,7 +346,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         mesh=None,
         axis_name: str = "data",
         sharding_plan=None,
-        capacity: int | None = None,
+        capacity: int | tuple[int, ...] | None = None,
         name: str | None = None,
     ):
         super().__init__(name=name)

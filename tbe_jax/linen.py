@@ -304,7 +304,7 @@ class TableBatchedEmbed(SparseEmbedBase):
     mesh: Any = None
     axis_name: str = "data"
     sharding_plan: Any = None
-    capacity: int | None = None
+    capacity: int | tuple[int, ...] | None = None  # an int, or per-feature id counts (tbe_jax.shard)
 
     def _build_core(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
         fmap = None if self.feature_table_map is None else tuple(int(t) for t in self.feature_table_map)

@@ -336,7 +336,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         mesh=None,
         axis_name: str = "data",
         sharding_plan=None,
-        capacity: int | None = None,
+        capacity: int | tuple[int, ...] | None = None,
         rngs: nnx.Rngs,
     ):
         core = build_core(TableBatchedEmbedding, tables, dict(
