@@ -115,6 +115,11 @@ def test_linen_true_gradient_and_errors():
     close(loss, want_loss)
     close(layer.tbe.get_tables(grads), ref_layer.tbe.get_tables(want_grads))
     assert all(g.sharding.spec == P("data") for g in jax.tree.leaves(grads))
+    # capacity as per-feature id counts (a list) passes through to tbe_jax.shard
+    counted = TableBatchedEmbed(TABLES, mesh=mesh, sharding_plan=plan, capacity=[idx.shape[1]] * len(FMAP), **KW)
+    assert counted.tbe.feature_capacity == (idx.shape[1],) * len(FMAP)
+    close(counted.apply({"params": {"embedding": params}}, idx, off, w),
+          layer.apply({"params": {"embedding": params}}, idx, off, w))
 
     with pytest.raises(ValueError, match="replicated"):
         TableBatchedEmbed(TABLES, mesh=mesh, sharding_plan=PLAN, **KW)
