@@ -25,6 +25,7 @@
 #   ttmetatrain240 profile_tt.py on meta-240, B 4096             -> profile-tt-meta-240.json
 #   fixcheck  the two tests that failed compiled in this session's first run -> fixcheck.log
 #   ttfwdsweep forward knobs never swept (num_warps, tile_rows) on a and meta-240 -> ttfwdsweep.log
+#   tttrace   trace_tt.py: the TT training step per kernel, default and precision=tf32 -> tt-trace.json, tttrace.log
 #   bwdsweep2 TBE backward launch knobs on fp32 (the one backward bar still missed), base, zipf -> bwdsweep2.log
 #   histsweep2 histogram forward at fewer warps (2, 1; never swept below 4) on smalltable, mixed -> histsweep2.log
 #   histsweep3 histogram forward around the one-warp default (C, lookahead, bags) -> histsweep3.log
@@ -106,6 +107,8 @@ for stage in "$@"; do
           tests/test_tt_layers.py > "$OUT/tttests.log" 2>&1; tail -3 "$OUT/tttests.log" ;;
     ttmetatrain240) timeout 100 python3 benchmarks/profile_tt.py --workload meta-240 --batches 4096 --iters 2 --reps 1 \
             --out "$OUT/profile-tt-meta-240.json" 2>&1 | grep -v Warning | tee -a "$OUT/ttmetatrain.log" ;;
+    tttrace) timeout 120 python3 benchmarks/trace_tt.py --batches 32768 --configs precision=tf32 \
+          --out "$OUT/tt-trace.json" 2>&1 | grep -v Warning | tee "$OUT/tttrace.log" | grep "==" ;;
     ttfwdsweep) timeout 120 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd --variants pallas \
           --configs num_warps=2 tile_rows=8 tile_rows=8,num_warps=2 num_warps=8 --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/ttfwdsweep.log" | grep "^  ";
