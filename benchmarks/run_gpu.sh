@@ -41,6 +41,11 @@
 #   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
 #   optim     bench_optimizers.py: each fused optimizer's backward step on base and zipf -> optimizers-*.json, optim.log
 #   opttests  test_optimizers, test_backward, test_histogram compiled (8 workers)       -> opttests.log
+#   ncubwd    Nsight Compute on the small-run kernel: base, dims4-128/4, large (aligned and not) -> ncu-*.txt
+#   preload   trace_backward.py A/B of backward.PRELOAD (rows loaded before the gather) on presets and mixed dims -> preload-*.json
+#   hoist     trace_backward.py A/B: HOIST_HYPER, SEGMENT_BUFFERS 4/16 on base, fp32 and mixed dims -> hoist-*.json
+#   ttprec    trace_tt.py with --accuracy: the dot precisions tf32x3 (default), bf16x3, bf16x6, tf32 -> ttprec.json, ttprec.log
+#   bwdtests2 test_backward.py compiled (8 workers)                                  -> bwdtests2.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -155,6 +160,27 @@ for stage in "$@"; do
           | tee "$OUT/features.log" | tail -12 ;;
     dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
+    ncubwd) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+        SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats --section SchedulerStats"
+        for spec in "base 1 " "dims4-128/4 7 " "dims4-128/4 32 SEGMENT_BUFFERS=1" "large 1 " "large 1 ALIGN_ROWS=0"; do
+          set -- $spec ""; tag=$(echo "$1-$3" | tr '/=' '__')
+          XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 150 "$NCU" --clock-control none -k regex:tbe_backward_small_runs -c "$2" $SECS \
+            python3 benchmarks/ncu_backward.py --workload "$1" --steps 1 --private "${3:-}" > "$OUT/ncu-$tag.txt" 2>&1
+          echo "$tag rc=$? $(grep -c 'Duration' "$OUT/ncu-$tag.txt") kernels"
+        done ;;
+    preload) for v in 0 1; do
+          timeout 200 python3 benchmarks/trace_backward.py --presets base,zipf,fp32,weighted,large \
+            --dims "4-128/4;8-192/8;16-256/16" --private PRELOAD=$v --out "$OUT/preload-$v.json" 2>&1 \
+            | grep "^==" | tee -a "$OUT/preload.log"; done ;;
+    hoist) for v in HOIST_HYPER=0 HOIST_HYPER=1 SEGMENT_BUFFERS=16 SEGMENT_BUFFERS=4; do
+          timeout 120 python3 benchmarks/trace_backward.py --presets base,fp32 \
+            --dims "4-128/4;8-192/8;16-256/16" --private $v --out "$OUT/hoist-$v.json" 2>&1 \
+            | grep "^==" | sed "s/^/$v /" | tee -a "$OUT/hoist.log"; done ;;
+    ttprec) timeout 200 python3 benchmarks/trace_tt.py --batches 32768 --accuracy --top 6 \
+          --configs precision=bf16x3 precision=bf16x6 precision=tf32 --out "$OUT/ttprec.json" 2>&1 | grep -v Warning \
+          | tee "$OUT/ttprec.log" | grep "==" ;;
+    bwdtests2) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py > "$OUT/bwdtests2.log" 2>&1;
+          tail -3 "$OUT/bwdtests2.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

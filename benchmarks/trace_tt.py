@@ -35,6 +35,27 @@ OPTS = {"sgd": lambda: tt_jax.SGD(0.01), "adagrad": lambda: tt_jax.Adagrad(0.01)
         "rowwise": lambda: tt_jax.RowwiseAdagrad(0.01)}
 
 
+def accuracy(emb, params, batch, cores, specs):
+    """Relative error of `emb`'s forward and core gradients (of 0.5 sum(out^2)) against the XLA path in fp32
+    at HIGHEST precision, on one batch."""
+    ref = tt_jax.TTEmbeddingBag(specs, impl="xla")
+    idx, off = batch
+
+    def loss_out(e, p):
+        out = e(p, idx, off)
+        return 0.5 * jnp.sum(out**2), out
+
+    with jax.default_matmul_precision("highest"):
+        (_, out_r), g_r = jax.jit(jax.value_and_grad(lambda p: loss_out(ref, p), has_aux=True))(params)
+        (_, out_e), g_e = jax.jit(jax.value_and_grad(lambda p: loss_out(emb, p), has_aux=True))(params)
+
+    def rel(a, b):
+        return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+
+    return {"forward": rel(out_e, out_r),
+            "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g_e), jax.tree.leaves(g_r)))}
+
+
 def make_step(emb, opt):
     def step(carry, idx, off):
         params, state = carry
@@ -65,6 +86,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one trace each)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--accuracy", action="store_true",
+                    help="also the forward's and the core gradients' relative error (max abs error / max abs value) "
+                         "against impl='xla' at HIGHEST precision")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
@@ -84,13 +108,15 @@ def main():
             opt = OPTS[args.opt]()
             params = {"cores": jax.tree.map(jnp.copy, cores)}
             carry = (params, emb.init_opt_state(params, opt))
+            err = accuracy(emb, params, sets[0], cores, specs) if args.accuracy else None
             step = make_step(emb, opt)
             ms, carry = enqueued_ms(step, carry, sets, args.iters)
             kernels = profile(step, carry, sets, args.iters)
             total = sum(v["ms"] for v in kernels.values())
             res["runs"].append({"B": batch, "config": entry, "enqueued_ms": ms, "kernel_ms": total,
-                                "lookups": int(sets[0][0].shape[0]), "kernels": kernels})
-            print(f"== B {batch} {entry}: enqueued {ms:.3f} ms/step, device events {total:.3f} ms/step")
+                                "lookups": int(sets[0][0].shape[0]), "kernels": kernels, "rel_error": err})
+            print(f"== B {batch} {entry}: enqueued {ms:.3f} ms/step, device events {total:.3f} ms/step"
+                  + (f", rel. error forward {err['forward']:.2e} core grads {err['grads']:.2e}" if err else ""))
             print_kernels(kernels, args.top)
     if args.out:
         with open(args.out, "w") as fh:

@@ -246,6 +246,15 @@ def test_ieee_precision_is_fp32_exact(rng):
     check(emb, params, idx, off, psw, 8, tol=TOL_F32)
 
 
+def test_bf16x3_precision(rng):
+    # Three bf16 tensor-core passes (~16 mantissa bits): ~1e-5 relative error on the GPU, so a looser bound
+    # than the tf32x3 default's; interpret mode computes its dots at HIGHEST whatever the setting.
+    emb = tt_jax.TTEmbeddingBag([R64, T4], config=cfg(precision="bf16x3"), **KERNEL_KW)
+    params = make_params(emb, rng)
+    idx, off, psw = skewed_batch(rng, [R64, T4], 8, (0, 20), True)
+    check(emb, params, idx, off, psw, 8, tol=1e-4 if ON_GPU else TOL_F32)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="a realistic size only compiled")
 @pytest.mark.parametrize("schedule", ["queue", "static"])
 def test_workload_a_shape_on_gpu(rng, schedule):

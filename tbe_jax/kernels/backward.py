@@ -320,6 +320,14 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
         ok = ok & (length <= SMALL)
         length = jnp.where(ok, length, 0)
         key = plgpu.load(run_key_ref.at[r], mask=ok, other=0)
+        if not seg.single:
+            # Keys ascend within the segment and each buffer's keys are contiguous: the buffers present
+            # in the block lie between those of its first and last runs (two scalar loads instead of a
+            # cross-lane reduction per buffer). Loaded here, before the gather, not where they are used:
+            # issued after it, they add a memory round trip to every block (dims 4..128: 0.424 -> 0.331 ms
+            # of w128 small-run kernels, benchmarks/results/preload-20261201-1223-*).
+            k0 = plgpu.load(run_key_ref.at[r0])
+            k1 = plgpu.load(run_key_ref.at[jnp.minimum(r0 + block, hi) - 1])
         dim = seg.dim_of(key)
         col_ok = (cols < dim)[None, :] if seg.single else _cols_below(cols[None, :], dim[:, None], align)
 
@@ -346,11 +354,6 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
         if seg.single:
             update(0, ok)
             return
-        # Keys ascend within the segment and each buffer's keys are contiguous: the buffers present
-        # in the block lie between those of its first and last runs (two scalar loads instead of a
-        # cross-lane reduction per buffer).
-        k0 = plgpu.load(run_key_ref.at[r0])
-        k1 = plgpu.load(run_key_ref.at[jnp.minimum(r0 + block, hi) - 1])
         for i in range(len(seg.buffers)):
             pl.when((k0 < seg.ends[i]) & (k1 >= seg.bases[i]))(
                 functools.partial(update, i, ok & seg.holds(i, key)))

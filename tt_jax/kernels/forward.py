@@ -56,6 +56,8 @@ PRECISIONS = {  # TTKernelConfig.precision -> the fp32 dot algorithm on the GPU
     "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
     "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
     "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+    "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
 }
 _INT32_MAX = 2**31 - 1
 # Columns of the pooling kernel's per-feature table: the feature's index, its first output column.
@@ -88,11 +90,15 @@ class TTKernelConfig:
         0.488 ms at B = 32768 and 0.350 -> 0.280 at B = 4096 against the earlier (4, 16,
         16); 1 or 8 warps, `tile_rows` 4 or 32, 2 stages were slower.
       precision: fp32 dot algorithm on the GPU: "tf32x3" (three TF32 tensor-core
-        passes, about fp32 accuracy), "ieee" (fp32 FMA, no tensor cores) or
-        "tf32" (one pass, ~1e-3 relative error; on the H200 the training step of
-        workload a at B 32768 takes 1.25 ms of kernels against 1.78 with
-        "tf32x3": benchmarks/results/tt-trace-20261201-104251-*). Interpret mode
-        always uses HIGHEST.
+        passes, about fp32 accuracy), "ieee" (fp32 FMA, no tensor cores), "bf16x3"
+        (three bf16 passes, ~1e-5 relative error), "bf16x6" (six bf16 passes) or
+        "tf32" (one pass, ~1e-3 relative error). On the H200, training step of
+        workload a at B 32768 (kernels, ms) and the max error relative to the
+        largest value (forward / core gradients) against fp32 at HIGHEST:
+        tf32x3 1.78 (4e-7 / 9e-6), bf16x3 1.63 (7e-6 / 1.4e-5), bf16x6 2.58
+        (3e-7 / 8e-6), tf32 1.24 (4e-4 / 1e-3)
+        (benchmarks/results/tt-precision-20261201-1235-*). Interpret mode always
+        uses HIGHEST.
       pool_bags, pool_unroll, pool_warps: pooling kernel: bags per program,
         steps whose loads are issued together, warps.
       backward: the backward of `TTEmbeddingBag` on this path (`jax.grad`,
