@@ -46,6 +46,8 @@
 #   hoist     trace_backward.py A/B: HOIST_HYPER, SEGMENT_BUFFERS 4/16 on base, fp32 and mixed dims -> hoist-*.json
 #   ttprec    trace_tt.py with --accuracy: the dot precisions tf32x3 (default), bf16x3, bf16x6, tf32 -> ttprec.json, ttprec.log
 #   bwdtests2 test_backward.py compiled (8 workers)                                  -> bwdtests2.log
+#   exact01   trace_tt.py A/B of the group kernel's two-pass 0/1 dots (EXACT01_SPLIT) -> exact01-{0,1}.json, exact01.log
+#   tttests2  test_tt_grad.py, test_tt_kernel.py compiled (8 workers)          -> tttests2.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -181,6 +183,11 @@ for stage in "$@"; do
           | tee "$OUT/ttprec.log" | grep "==" ;;
     bwdtests2) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py > "$OUT/bwdtests2.log" 2>&1;
           tail -3 "$OUT/bwdtests2.log" ;;
+    exact01) for v in 0 1; do
+          timeout 120 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --private EXACT01_SPLIT=$v \
+            --out "$OUT/exact01-$v.json" 2>&1 | grep -v Warning | tee -a "$OUT/exact01.log" | grep -A3 "==" ; done ;;
+    tttests2) timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
+          > "$OUT/tttests2.log" 2>&1; tail -3 "$OUT/tttests2.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

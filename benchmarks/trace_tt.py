@@ -86,17 +86,23 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one trace each)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--private", default="",
+                    help="A/B of module constants of tt_jax.kernels.backward, e.g. EXACT01_SPLIT=0")
     ap.add_argument("--accuracy", action="store_true",
                     help="also the forward's and the core gradients' relative error (max abs error / max abs value) "
                          "against impl='xla' at HIGHEST precision")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
+    from tt_jax.kernels import backward as tt_bwd
+    for item in filter(None, args.private.split(",")):
+        k, v = item.split("=")
+        setattr(tt_bwd, k, type(getattr(tt_bwd, k))(int(v)))
     wl = workloads.PRESETS[args.workload]()
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "workload": args.workload, "opt": args.opt, "runs": []}
+           "workload": args.workload, "opt": args.opt, "private": args.private, "runs": []}
     cores = numpy_cores(specs)
     for batch in [int(b) for b in args.batches.split(",")]:
         rng = np.random.default_rng(batch)

@@ -375,3 +375,21 @@ def test_training_doctests():
     assert tt_jax.RowwiseAdagrad is tbe_jax.RowwiseAdagrad and optim.SGD is tbe_jax.SGD
     results = [doctest.testmod(m, optionflags=doctest.ELLIPSIS) for m in (optim, tbe_jax.train)]
     assert sum(r.attempted for r in results) > 0 and sum(r.failed for r in results) == 0
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="TF32 dot algorithms exist on GPUs only")
+@pytest.mark.parametrize("exact", ["a", "b"])
+def test_two_pass_dot_with_a_01_operand(rng, exact):
+    # The group kernel's selection and fold dots (one operand 0/1) take two TF32 passes instead of TF32x3's
+    # three: as accurate as TF32x3 against float64.
+    from tt_jax.kernels.backward import _dot_exact01
+
+    sel = (rng.random((16, 128)) < 0.3).astype(np.float32)
+    x = rng.standard_normal((128, 32)).astype(np.float32) * np.float32(1e3)
+    a, b = (sel, x) if exact == "a" else (x.T.copy(), sel.T.copy())
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    got = jax.jit(lambda p, q: _dot_exact01(p, q, 1, 0, x3, exact=exact))(a, b)
+    ref = jax.jit(lambda p, q: jax.lax.dot(p, q, precision=x3, preferred_element_type=jnp.float32))(a, b)
+    scale = np.abs(want).max()
+    assert np.abs(np.asarray(got) - want).max() <= max(2 * np.abs(np.asarray(ref) - want).max(), 1e-6 * scale)

@@ -62,6 +62,29 @@ def _dot(a, b, ca, cb, precision):
                                preferred_element_type=jnp.float32)
 
 
+_TF32_HI = np.uint32(0xFFFFE000)  # TF32 keeps fp32's sign, exponent and top 10 mantissa bits
+EXACT01_SPLIT = True  # A/B switch of `_dot_exact01`'s two-pass form
+
+
+def _dot_exact01(a, b, ca, cb, precision, *, exact: str):
+    """`_dot` where one operand (`exact`: "a" or "b") holds only 0s and 1s (a selection or fold matrix).
+
+    With TF32x3 (three tensor-core passes: x_hi y_hi + x_hi y_lo + x_lo y_hi), the 0/1 operand's TF32
+    rounding is exact and its low part is 0, so one pass is wasted: split the other operand x here (x_hi:
+    its TF32 bits, x_lo = x - x_hi, exact in fp32) and take two one-pass TF32 dots, with x_lo and with
+    x_hi. Same accuracy (x_lo's own TF32 rounding is ~2^-21 of x), one pass fewer, one split fewer.
+    """
+    if not EXACT01_SPLIT or precision != jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
+        return _dot(a, b, ca, cb, precision)
+    x = b if exact == "a" else a
+    hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & _TF32_HI, jnp.float32)
+    one = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+    lo = _dot(a, b - hi, ca, cb, one) if exact == "a" else _dot(a - hi, b, ca, cb, one)
+    # An infinite x has x_lo = NaN: drop the low part there, as Triton's TF32x3 does, so inf stays inf.
+    lo = jnp.where(jnp.isnan(lo), 0.0, lo)
+    return lo + (_dot(a, hi, ca, cb, one) if exact == "a" else _dot(hi, b, ca, cb, one))
+
+
 def _params(config: TTKernelConfig):
     return plgpu.CompilerParams(num_warps=config.bwd_num_warps, num_stages=1)
 
@@ -278,6 +301,9 @@ def _runs(keys, live, bound, *, presorted: bool = False):
 
     `bound` is a static bound on the runs; dead members (not `live`) sort last with run = bound.
     `presorted`: the live members are a prefix and their keys are already non-decreasing (no sort).
+    Keys stay int32: with int16 keys (two radix digits instead of four) XLA on the H200 does not use CUB's
+    radix sort but its own sort kernels, ~40 launches per sort, and the step got no faster
+    (benchmarks/results/exact01-20261201-1246-*, NOTES.md session 13).
     """
     m = keys.shape[0]
     pos = jnp.arange(m, dtype=jnp.int32)
@@ -462,8 +488,8 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         dx = jnp.where(diag, dx, 0.0)
         sel = ((jj // q[1])[None, :] == j1[:, None]) & j_ok[None, :]  # R [q1p, rows_m]
         fold = ((kk % r[1])[:, None] == aa[None, :]) & (kk < q[1] * r[1])[:, None]  # F [k_x, r_pad1]
-        tmp = _dot(sel.astype(jnp.float32), dx, 1, 0, precision)  # [q1p, k_x]
-        dfirst = _dot(tmp, fold.astype(jnp.float32), 1, 0, precision)  # [q1p, r_pad1]
+        tmp = _dot_exact01(sel.astype(jnp.float32), dx, 1, 0, precision, exact="a")  # [q1p, k_x]
+        dfirst = _dot_exact01(tmp, fold.astype(jnp.float32), 1, 0, precision, exact="b")  # [q1p, r_pad1]
         masked_store(ref["dfirst"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], dfirst, p1_mask, interpret)
 
     @pl.when(pid < n_groups)
