@@ -65,6 +65,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -164,6 +165,8 @@ def _check_scalar(owner: str, name: str, value, *, positive: bool, allow_schedul
         v = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{owner}.{name} must be a number, a scalar array or a schedule, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{owner}.{name} must be finite, got {v}")
     ok = v > 0 if positive else v >= 0
     if not ok:
         raise ValueError(f"{owner}.{name} must be {'> 0' if positive else '>= 0'}, got {v}")

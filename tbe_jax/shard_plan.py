@@ -48,11 +48,12 @@ class _Piece:
     cols: int
 
 
-def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | None = None) -> ShardingPlan:
+def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | str | None = None) -> ShardingPlan:
     """Pick a strategy per table (and an owner for table-wise ones).
 
     `plan` fixes some tables (`{table index or TableSpec.name: strategy}`; a strategy
-    may be `("table", device)` to pin the owner); the planner decides the rest.
+    may be `("table", device)` to pin the owner); the planner decides the rest. A
+    strategy string alone applies to every table; a list gives one per table, in order.
 
     Cost model (per device; n devices; a table of E rows, D columns, s bytes per
     value, read by features with `bag_size_hint` ids per bag, 1 if unset):
@@ -80,6 +81,15 @@ def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | 
     tables = emb.tables
     names = {t.name: i for i, t in enumerate(tables) if t.name}
     fixed: dict[int, tuple[str, int]] = {}
+    if isinstance(plan, str):  # one strategy for every table
+        plan = {t: plan for t in range(len(tables))}
+    elif isinstance(plan, (list, tuple)):  # one strategy per table, in order
+        if len(plan) != len(tables):
+            raise ValueError(f"plan has {len(plan)} strategies; the embedding has {len(tables)} tables")
+        plan = dict(enumerate(plan))
+    if plan is not None and not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be None, a strategy in {STRATEGIES} for every table, a list of one strategy "
+                        f"per table, or a dict {{table name or index: strategy}}; got {type(plan).__name__}")
     for key, val in dict(plan or {}).items():
         if isinstance(key, str):
             if key not in names:

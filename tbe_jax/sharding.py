@@ -66,6 +66,17 @@ def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = 
                                         comm_dtype=comm_dtype)
 
 
+
+def _widen_ids(name: str, x):
+    """Integer ids narrower than 32 bits widened to int32 (exact), as `TableBatchedEmbedding` does; unsigned
+    32/64-bit ids refused (they have no -1, and the int32 narrowing below would wrap them)."""
+    if jnp.issubdtype(x.dtype, jnp.integer) and jnp.dtype(x.dtype).itemsize < 4:
+        return x.astype(jnp.int32)
+    if name == "indices" and jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        raise TypeError(f"indices must be a signed integer type (int32, or int64 with x64), got {x.dtype}: "
+                        "cast ids that fit into int32 with .astype(int32)")
+    return x
+
 class ShardedTableBatchedEmbedding:
     """A `TableBatchedEmbedding` whose tables are spread over the devices of a mesh axis.
 
@@ -75,7 +86,8 @@ class ShardedTableBatchedEmbedding:
         tables are split over (n = its size).
       plan: None (the planner, `plan_sharding`), a `ShardingPlan`, or a dict
         `{table index or name: "table" | "row" | "column" | "data" | ("table", device)}`
-        fixing some tables (the planner places the rest).
+        fixing some tables (the planner places the rest), one strategy for every
+        table (e.g. "row"), or a list of one strategy per table.
       capacity: ids each device may send to each other device per step; None (the
         default) is every local id, which can never overflow. Ids past a smaller
         capacity are dropped, counted (`forward_with_report`) and warned about.
@@ -393,6 +405,7 @@ class ShardedTableBatchedEmbedding:
         if per_sample_weights is not None:
             per_sample_weights = jnp.asarray(per_sample_weights)
         self._check_inputs(indices, offsets, per_sample_weights)
+        indices, offsets = _widen_ids("indices", indices), _widen_ids("offsets", offsets)
         spec = P(self.axis_name)
         if indices.dtype != jnp.int32:  # int64 ids (x64): an id past int32 must not wrap into a valid one
             indices = jnp.where((indices < -1) | (indices >= 2**31), -2, indices).astype(jnp.int32)

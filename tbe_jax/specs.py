@@ -40,7 +40,8 @@ class TableSpec:
                 raise ValueError(f"TableSpec.{field} must be a positive int, got {v!r}")
             object.__setattr__(self, field, int(v))
         if self.bag_size_hint is not None and (
-            not isinstance(self.bag_size_hint, (int, np.integer)) or self.bag_size_hint < 0
+            isinstance(self.bag_size_hint, bool)
+            or not isinstance(self.bag_size_hint, (int, np.integer)) or self.bag_size_hint < 0
         ):
             raise ValueError(
                 f"TableSpec.bag_size_hint must be None or an int >= 0, got {self.bag_size_hint!r}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import operator
+from collections.abc import Mapping
 from typing import Sequence
 
 import jax
@@ -36,6 +38,67 @@ def _float_dtype(name: str, value) -> jnp.dtype:
 
 def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _as_array(name: str, x) -> jax.Array:
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    _check_host_ids(name, x)
+    return jnp.asarray(x)
+
+
+def _check_host_ids(name: str, x) -> None:
+    """NumPy 64-bit ids with jax x64 off: `jnp.asarray` would wrap a value past int32 into a valid-looking
+    one (2**32 + 3 -> 3) before any bounds check sees it. Checked on the host, where the array already is
+    (eager calls only: under jit the conversion happened at the jit boundary)."""
+    if not (isinstance(x, np.ndarray) and x.dtype.kind in "iu" and x.dtype.itemsize == 8 and x.size):
+        return
+    if jax.dtypes.canonicalize_dtype(x.dtype).itemsize == 8:  # x64 on: kept as int64, checked later
+        return
+    lo, hi = int(x.min()), int(x.max())
+    if lo < -(2**31) or hi >= 2**31:
+        bad = lo if lo < -(2**31) else hi
+        raise ValueError(
+            f"{name} holds {bad}, outside int32, and jax_enable_x64 is off: JAX would wrap it into int32 "
+            "(possibly onto a valid id). Enable x64 (jax.config.update('jax_enable_x64', True)) to pass int64 "
+            "ids, or map them into int32 first")
+
+
+def _id_array(name: str, x) -> jax.Array:
+    """`indices` / `offsets` checked (1-D, integer) and in a dtype the paths handle: integer types narrower
+    than 32 bits are widened to int32 (exact); unsigned 32/64-bit ids are refused (they have no -1)."""
+    if getattr(x, "ndim", None) != 1:
+        raise ValueError(f"{name} must be a 1-D array, got shape {getattr(x, 'shape', None)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integers (int32, or int64 with x64), got {x.dtype}")
+    if jnp.dtype(x.dtype).itemsize < 4:
+        return x.astype(jnp.int32)
+    if name == "indices" and jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        raise TypeError(f"indices must be a signed integer type (int32, or int64 with x64), got {x.dtype}: "
+                        "cast ids that fit into int32 with .astype(int32)")
+    return x
+
+
+def _static_sizes(batch_size_per_feature) -> tuple[int, ...]:
+    """A static `batch_size_per_feature` as a tuple of Python ints (no silent truncation of floats)."""
+    if isinstance(batch_size_per_feature, (str, bytes, Mapping)) or not hasattr(batch_size_per_feature, "__iter__"):
+        raise TypeError(
+            "batch_size_per_feature must be a sequence of ints (one batch size per feature), or an int array "
+            f"with max_batch_size=M; got {batch_size_per_feature!r}")
+    out = []
+    for b in batch_size_per_feature:
+        if isinstance(b, jax.core.Tracer):
+            raise ValueError("batch_size_per_feature holds traced values: pass them as an int array with "
+                             "max_batch_size=M (a static bound on every size)")
+        kind = np.dtype(b.dtype).kind if hasattr(b, "dtype") else None
+        if isinstance(b, bool) or kind not in (None, "i", "u"):
+            raise TypeError(f"batch_size_per_feature must hold ints, got {b!r} in {tuple(batch_size_per_feature)!r}")
+        try:
+            out.append(operator.index(b))
+        except TypeError:
+            raise TypeError(
+                f"batch_size_per_feature must hold ints, got {b!r} in {tuple(batch_size_per_feature)!r}") from None
+    return tuple(out)
 
 
 class TableBatchedEmbedding:
@@ -93,6 +156,8 @@ class TableBatchedEmbedding:
         histogram_config: hist_kernels.HistogramConfig | None = None,
         backward_config: bwd_kernels.BackwardConfig | None = None,
     ):
+        if isinstance(tables, TableSpec):
+            raise TypeError("tables must be a sequence of TableSpec (wrap a single table in a list)")
         tables = tuple(tables)
         if not tables:
             raise ValueError("tables must name at least one TableSpec")
@@ -101,7 +166,17 @@ class TableBatchedEmbedding:
                 raise TypeError(f"tables[{i}] must be a TableSpec, got {type(t).__name__}")
         if feature_table_map is None:
             feature_table_map = tuple(range(len(tables)))
-        feature_table_map = tuple(int(t) for t in feature_table_map)
+        if isinstance(feature_table_map, (str, bytes)):
+            raise TypeError(f"feature_table_map must be a sequence of table indices, got {feature_table_map!r}")
+        fmap = []
+        for f, t in enumerate(feature_table_map):
+            try:
+                if isinstance(t, (bool, np.bool_)):
+                    raise TypeError
+                fmap.append(operator.index(t))
+            except TypeError:
+                raise TypeError(f"feature_table_map[{f}] must be an int table index, got {t!r}") from None
+        feature_table_map = tuple(fmap)
         if not feature_table_map:
             raise ValueError("feature_table_map must name at least one table")
         for f, t in enumerate(feature_table_map):
@@ -210,6 +285,7 @@ class TableBatchedEmbedding:
 
     def get_tables(self, params: dict) -> list[jax.Array]:
         """Per table, its `[E_t, D_t]` array in `weights_dtype`."""
+        self._check_params(params, check_dtype=False)  # also used on gradients / casts of the params
         out = []
         for t, spec in enumerate(self.tables):
             buf = params[self.layout.key(self.layout.table_group[t])]
@@ -219,11 +295,21 @@ class TableBatchedEmbedding:
 
     def set_tables(self, params: dict | None, tables: Sequence[jax.Array]) -> dict:
         """Params holding `tables` (one `[E_t, D_t]` array per table), cast to weights_dtype."""
+        if isinstance(tables, Mapping) or not isinstance(tables, Sequence) and not hasattr(tables, "__len__"):
+            raise TypeError(
+                f"tables must be a sequence of {len(self.tables)} arrays, one [E_t, D_t] per table in order (as "
+                f"get_tables returns), got {type(tables).__name__}")
         if len(tables) != len(self.tables):
             raise ValueError(f"expected {len(self.tables)} tables, got {len(tables)}")
         groups: list[list] = [[] for _ in self.layout.dims]
         for t, (spec, arr) in enumerate(zip(self.tables, tables)):
             shape = (spec.num_embeddings, spec.embedding_dim)
+            if not hasattr(arr, "shape"):
+                arr = np.asarray(arr)
+            dt = getattr(arr, "dtype", None)
+            if dt is None or not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)
+                                  or jnp.issubdtype(dt, jnp.bool_)):
+                raise TypeError(f"{spec.label(t)} must hold real numbers, got dtype {arr.dtype}")
             if tuple(arr.shape) != shape:
                 raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
             groups[self.layout.table_group[t]].append(jnp.asarray(arr, self.weights_dtype))
@@ -244,7 +330,7 @@ class TableBatchedEmbedding:
             batch = [(num_offsets - 1) // nf] * nf
             vbe = False
         else:
-            batch = [int(b) for b in batch_size_per_feature]
+            batch = list(_static_sizes(batch_size_per_feature))
             if len(batch) != nf or any(b < 0 for b in batch):
                 raise ValueError(
                     f"batch_size_per_feature must give {nf} non-negative sizes, got {tuple(batch_size_per_feature)}"
@@ -268,11 +354,8 @@ class TableBatchedEmbedding:
         return self.impl == "pallas"
 
     def _check_inputs(self, params, indices, offsets, per_sample_weights):
-        for name, x in (("indices", indices), ("offsets", offsets)):
-            if getattr(x, "ndim", None) != 1:
-                raise ValueError(f"{name} must be a 1-D array, got shape {getattr(x, 'shape', None)}")
-            if not jnp.issubdtype(x.dtype, jnp.integer):
-                raise TypeError(f"{name} must hold integers (int32, or int64 with x64), got {x.dtype}")
+        """Checks the arguments; returns `(indices, offsets)`, narrow integer types widened to int32."""
+        indices, offsets = _id_array("indices", indices), _id_array("offsets", offsets)
         if per_sample_weights is not None:
             if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
                 raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
@@ -281,14 +364,17 @@ class TableBatchedEmbedding:
                     f"per_sample_weights has shape {per_sample_weights.shape}; it must match indices {indices.shape}"
                 )
         self._check_params(params)
+        return indices, offsets
 
     def bounds_report(self, indices, offsets, *, batch_size_per_feature=None,
                       max_batch_size=None) -> bounds.BoundsReport:
         """Counts of what `bounds_check="warning"` would repair (jittable, device values)."""
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
-        offsets, size_fix = self._expand(jnp.asarray(offsets), bpf)
+        indices = _id_array("indices", _as_array("indices", indices))
+        offsets = _id_array("offsets", _as_array("offsets", offsets))
+        offsets, size_fix = self._expand(offsets, bpf)
         plan = self.plan_for(offsets.shape[0], None if size_fix is not None else bpf)
-        rep = bounds.report(plan, jnp.asarray(indices), offsets)[1]
+        rep = bounds.report(plan, indices, offsets)[1]
         return _add_size_fix(rep, size_fix)
 
     def __call__(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
@@ -297,9 +383,13 @@ class TableBatchedEmbedding:
 
         Args:
           params: from `init` / `set_tables`.
-          indices: `[N]` int32 ids (int64 accepted with jax x64 enabled).
+          indices: `[N]` int32 ids (int64 accepted with jax x64 enabled; integer
+            types narrower than 32 bits are widened to int32; unsigned 32/64-bit ids
+            are refused, and so are NumPy int64 ids outside int32 while x64 is off,
+            which JAX would otherwise wrap into int32).
           offsets: `[F*B+1]` bag boundaries, feature-major (bag b of feature f is
             `indices[offsets[f*B+b]:offsets[f*B+b+1]]`); with VBE, `[sum B_f + 1]`.
+            Same integer types as `indices` (unsigned offsets are accepted).
           per_sample_weights: optional `[N]` float weights, one per index.
           batch_size_per_feature: variable batch size per feature (VBE): a static
             tuple of B_f, or (with `max_batch_size`) an int array `[F]` that may be
@@ -355,11 +445,11 @@ class TableBatchedEmbedding:
         Array batch sizes are applied here (`offsets` comes back in the fixed-batch
         form); `size_fix` counts the sizes clamped then (None without array sizes).
         """
-        indices = jnp.asarray(indices)
-        offsets = jnp.asarray(offsets)
+        indices = _as_array("indices", indices)
+        offsets = _as_array("offsets", offsets)
         if per_sample_weights is not None:
             per_sample_weights = jnp.asarray(per_sample_weights)
-        self._check_inputs(params, indices, offsets, per_sample_weights)
+        indices, offsets = self._check_inputs(params, indices, offsets, per_sample_weights)
         offsets, size_fix = self._expand(offsets, batch_size_per_feature)
         if size_fix is not None:
             if self.bounds_check == "fatal":
@@ -517,8 +607,8 @@ class TableBatchedEmbedding:
                 f"opt must be a tbe_jax optimizer (tbe_jax.RowwiseAdagrad(...), SGD, Adagrad, Adam, "
                 f"PartialRowwiseAdam, Lamb or PartialRowwiseLamb), got {type(opt).__name__}")
 
-    def _check_params(self, params):
-        if not isinstance(params, dict):
+    def _check_params(self, params, check_dtype: bool = True):
+        if not isinstance(params, dict if check_dtype else Mapping):
             raise TypeError(f"params must be the dict emb.init/set_tables return, got {type(params).__name__}")
         want = {self.layout.key(g) for g in range(len(self.layout.dims))}
         if set(params) != want:
@@ -527,7 +617,10 @@ class TableBatchedEmbedding:
         for g, d in enumerate(self.layout.dims):
             key = self.layout.key(g)
             shape = (self.layout.group_rows[g], d)
-            if tuple(params[key].shape) != shape or params[key].dtype != self.weights_dtype:
+            if not (hasattr(params[key], "shape") and hasattr(params[key], "dtype")):
+                raise TypeError(f"params[{key!r}] must be an array ({self.weights_dtype.name}{list(shape)}), got "
+                                f"{type(params[key]).__name__}")
+            if tuple(params[key].shape) != shape or (check_dtype and params[key].dtype != self.weights_dtype):
                 raise ValueError(
                     f"params[{key!r}] must be {self.weights_dtype.name}{list(shape)}, "
                     f"got {params[key].dtype}{list(params[key].shape)}"
@@ -550,6 +643,8 @@ class TableBatchedEmbedding:
         to the constructor. `tbe_jax.train_step` wraps the lookup, the loss
         gradient and this step in one call.
         """
+        if grad_output is None:
+            raise TypeError("grad_output must be an array shaped like this batch's output, got None")
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
         if self._eager(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights, bpf):
             self._check_opt(opt)
@@ -705,14 +800,14 @@ class TableBatchedEmbedding:
 
 
 def _static_bpf(bpf):
-    return None if isinstance(bpf, vbe.VariableBatchSizes) else (None if bpf is None else tuple(int(b) for b in bpf))
+    return None if isinstance(bpf, vbe.VariableBatchSizes) else (None if bpf is None else _static_sizes(bpf))
 
 
 def _eager_args(indices, offsets, per_sample_weights, bpf):
     """The array arguments of an eager call, as arrays (lists and NumPy arrays converted as the traced path does)."""
     psw = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
     dyn = bpf if isinstance(bpf, vbe.VariableBatchSizes) else None
-    return jnp.asarray(indices), jnp.asarray(offsets), psw, dyn
+    return _as_array("indices", indices), _as_array("offsets", offsets), psw, dyn
 
 
 # Eager calls (outside jit) run as one jitted program each: one compilation per shape instead of one per

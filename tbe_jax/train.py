@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -105,6 +106,9 @@ def train_step(loss_fn: Callable, dense_params, lookups, *, has_aux: bool = Fals
       each embedding's new tables and state (donate the old ones to the jitted step).
     """
     single = isinstance(lookups, SparseLookup)
+    if not single and not isinstance(lookups, Mapping):
+        raise TypeError(f"lookups must be a tbe_jax.SparseLookup or a dict of them (name -> SparseLookup), "
+                        f"got {type(lookups).__name__}")
     items = {None: lookups} if single else dict(lookups)
     for k, lk in items.items():
         if not isinstance(lk, SparseLookup):

@@ -364,3 +364,22 @@ def test_program_does_not_grow_with_batch():
         text = jax.jit(step).trace(params, state, idx, off).lower(lowering_platforms=("cuda",)).as_text()
         sizes.append(len(text))
     assert abs(sizes[1] - sizes[0]) < 0.01 * sizes[0], sizes
+
+
+def test_narrow_and_unsigned_id_types():
+    # int16 ids and uint8 offsets are widened to int32 (exact), as the unsharded embedding does; unsigned
+    # 32-bit ids are refused (no -1; the int32 narrowing would wrap them).
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    sharded = tbe_jax.shard(emb, mesh(), "data", "row")  # one strategy for every table
+    assert set(sharded.plan.strategies) == {"row"}
+    assert tbe_jax.shard(emb, mesh(), "data", ["row", "table", "data", "column", "row"]).plan.strategies[3] == "column"
+    with pytest.raises(ValueError, match="1 strategies; the embedding has 5 tables"):
+        tbe_jax.shard(emb, mesh(), "data", ["row"])
+    with pytest.raises(TypeError, match="plan must be"):
+        tbe_jax.shard(emb, mesh(), "data", 3)
+    params = sharded.init(jax.random.key(0))
+    idx, off, _ = local_batches(np.random.default_rng(3), emb, N_DEV, 2, 12)
+    want = np.asarray(sharded(params, idx, off))
+    np.testing.assert_array_equal(np.asarray(sharded(params, idx.astype(np.int16), off.astype(np.uint8))), want)
+    with pytest.raises(TypeError, match="signed integer"):
+        sharded(params, np.maximum(idx, 0).astype(np.uint32), off)

@@ -102,9 +102,9 @@ def test_errors():
             emb(params, np.array([1], np.int32), np.array([0, 1], np.int32))
     with pytest.raises(ValueError, match="init must be"):
         emb.init(jax.random.key(0), init="svd")
+    emb2 = tt_jax.TTEmbeddingBag([tt_jax.TTSpec(100, 8, ranks=(2, 2))] * 2)
     with pytest.raises(ValueError, match="F\\*B\\+1"):
-        tt_jax.TTEmbeddingBag([tt_jax.TTSpec(100, 8, ranks=(2, 2))] * 2)(params, np.array([1], np.int32),
-                                                                          np.array([0, 1], np.int32))
+        emb2(emb2.init(jax.random.key(0)), np.array([1], np.int32), np.array([0, 1], np.int32))
 
 
 @pytest.mark.parametrize("t_cores", [2, 3, 4])

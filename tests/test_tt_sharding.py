@@ -379,3 +379,15 @@ def test_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert repr(sh).startswith("ShardedTTEmbeddingBag(")
+
+
+def test_plan_as_one_strategy_for_every_table():
+    from tt_jax.sharding import plan_sharding
+
+    specs = [tt_jax.TTSpec(30, 4, ranks=(2,)), tt_jax.TTSpec(20, 4, ranks=(2,))]
+    emb = tt_jax.TTEmbeddingBag(specs, impl="xla")
+    assert plan_sharding(emb, 2, "data").strategies == ("data", "data")
+    with pytest.raises(NotImplementedError, match="not supported for TT tables"):
+        plan_sharding(emb, 2, "table")
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        plan_sharding(emb, 2, "diagonal")

@@ -69,8 +69,8 @@ _OTHERS = ("table", "row", "column")  # tbe_jax.shard's other strategies: not (y
 def plan_sharding(emb: TTEmbeddingBag, num_devices: int, plan=None) -> ShardingPlan:
     """One strategy per table: `"data"` (cores replicated) for every table.
 
-    `plan`: None, a `ShardingPlan`, a sequence of one strategy per table, or a dict
-    `{table index: strategy}` (the tables it leaves out get `"data"`).
+    `plan`: None, a `ShardingPlan`, one strategy for every table, a sequence of one strategy
+    per table, or a dict `{table index: strategy}` (the tables it leaves out get `"data"`).
     """
     n = int(num_devices)
     if n < 1:
@@ -90,7 +90,9 @@ def plan_sharding(emb: TTEmbeddingBag, num_devices: int, plan=None) -> ShardingP
             if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)) or not 0 <= key < nt:
                 raise ValueError(f"plan names table {key!r}: not a table index in [0, {nt})")
             strategies[int(key)] = val
-    elif isinstance(plan, Sequence) and not isinstance(plan, str):
+    elif isinstance(plan, str):  # one strategy for every table
+        strategies = [plan] * nt
+    elif isinstance(plan, Sequence):
         strategies = list(plan)
         if len(strategies) != nt:
             raise ValueError(f"plan has {len(strategies)} strategies; the embedding has {nt} tables")

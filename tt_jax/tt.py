@@ -100,7 +100,7 @@ class TTEmbeddingBag:
         specs = (specs,) if isinstance(specs, TTSpec) else tuple(specs)
         if not specs or not all(isinstance(s, TTSpec) for s in specs):
             raise TypeError("specs must be a TTSpec or a non-empty list of TTSpec")
-        ftm = tuple(range(len(specs))) if feature_table_map is None else tuple(int(t) for t in feature_table_map)
+        ftm = tuple(range(len(specs))) if feature_table_map is None else _table_ids(feature_table_map)
         if not ftm or any(not 0 <= t < len(specs) for t in ftm):
             raise ValueError(f"feature_table_map={feature_table_map} must name tables in [0, {len(specs)})")
         if config is not None and not isinstance(config, TTKernelConfig):
@@ -111,6 +111,8 @@ class TTEmbeddingBag:
             raise ValueError(f"impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
         if bounds_check not in _BOUNDS:
             raise ValueError(f"bounds_check must be one of {_BOUNDS}, got {bounds_check!r}")
+        if not isinstance(interpret, (bool, np.bool_)):
+            raise TypeError(f"interpret must be a bool, got {interpret!r}")
         self.specs = specs
         self.feature_table_map = ftm
         self.pooling = pooling
@@ -147,6 +149,8 @@ class TTEmbeddingBag:
         """
         if init not in _INITS:
             raise ValueError(f"init must be one of {_INITS}, got {init!r}")
+        if std is not None and not _finite_non_negative(std):
+            raise ValueError(f"std must be None or a finite number >= 0, got {std!r}")
         tables = []
         for i, spec in enumerate(self.specs):
             target = std if std is not None else 1.0 / math.sqrt(3 * spec.num_embeddings)
@@ -164,6 +168,7 @@ class TTEmbeddingBag:
 
     def get_cores(self, params: dict) -> list[list[jax.Array]]:
         """Per table, its cores in the logical layout `[p_t, r_{t-1}, q_t, r_t]` (float32)."""
+        self._check_params(params)
         return [list(c) for c in params["cores"]]
 
     def set_cores(self, params: dict | None, cores: Sequence[Sequence[jax.Array]]) -> dict:
@@ -175,14 +180,42 @@ class TTEmbeddingBag:
             if len(cs) != len(shapes):
                 raise ValueError(f"table {i}: expected {len(shapes)} cores, got {len(cs)}")
             for t, (c, shape) in enumerate(zip(cs, shapes)):
-                if tuple(c.shape) != shape:
-                    raise ValueError(f"table {i} core {t} must have shape {shape}, got {tuple(c.shape)}")
+                if tuple(np.shape(c)) != shape:
+                    raise ValueError(f"table {i} core {t} must have shape {shape}, got {tuple(np.shape(c))}")
+                dt = c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype
+                if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+                    raise TypeError(f"table {i} core {t} must hold real numbers (converted to float32), got {dt}")
             out.append(tuple(jnp.asarray(c, jnp.float32) for c in cs))
         return {"cores": tuple(out)}
 
     def full_table(self, params: dict) -> list[jax.Array]:
         """Per table, the materialised `[N, D]` table."""
+        self._check_params(params)
         return [reference.full_table(c, s) for c, s in zip(params["cores"], self.specs)]
+
+    def _check_params(self, params):
+        """Raise unless `params` are `{"cores": per table, per core}` of this embedding's specs (static: shapes and
+        dtypes only, so free under `jit`): cores of another spec would otherwise be read with this spec's digits."""
+        try:
+            cores = params["cores"]
+        except (KeyError, TypeError, IndexError):
+            raise TypeError("params must be the dict emb.init/set_cores return ({'cores': per table, per core}), "
+                            f"got {type(params).__name__}") from None
+        nt = len(self.specs)
+        if not isinstance(cores, (list, tuple)) or len(cores) != nt:
+            got = len(cores) if isinstance(cores, (list, tuple)) else type(cores).__name__
+            raise ValueError(f"params['cores'] must hold the cores of {nt} table(s), got {got} "
+                             "(build params with emb.init or emb.set_cores)")
+        for i, (spec, cs) in enumerate(zip(self.specs, cores)):
+            shapes = spec.core_shapes()
+            got = ([tuple(c.shape) if hasattr(c, "shape") else type(c).__name__ for c in cs]
+                   if isinstance(cs, (list, tuple)) else None)
+            if got != shapes:
+                raise ValueError(f"params['cores'][{i}] must have shapes {shapes} (table {i}'s spec), got "
+                                 f"{got if got is not None else type(cs).__name__}")
+            for t, c in enumerate(cs):
+                if not jnp.issubdtype(c.dtype, jnp.floating):
+                    raise TypeError(f"params['cores'][{i}][{t}] must be floating point (float32), got {c.dtype}")
 
     # -- forward -----------------------------------------------------------------
     def _prepare(self, indices, offsets, per_sample_weights, *, warn: bool = True):
@@ -199,9 +232,16 @@ class TTEmbeddingBag:
         if (offsets.shape[0] - 1) % nf or offsets.shape[0] < 1:
             raise ValueError(f"offsets has {offsets.shape[0]} entries; expected F*B+1 with F={nf} features")
         if per_sample_weights is not None:
+            try:
+                per_sample_weights = _as_array(per_sample_weights)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"per_sample_weights must be a float array: {e}") from None
+            if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
+                raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
             per_sample_weights = jnp.asarray(per_sample_weights, jnp.float32)
             if per_sample_weights.shape != indices.shape:
-                raise ValueError("per_sample_weights must match indices in shape")
+                raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}; it must match "
+                                 f"indices {tuple(indices.shape)}")
         batch = (offsets.shape[0] - 1) // nf
         total_dim = sum(self.specs[t].embedding_dim for t in self.feature_table_map)
         indices, offsets = self._check_bounds(indices, offsets, batch, warn)
@@ -251,6 +291,7 @@ class TTEmbeddingBag:
         Differentiable with respect to `params` and `per_sample_weights` (exact gradients from the
         prefix-sharing backward `tt_jax.backward`, which reuses this forward's sort).
         """
+        self._check_params(params)
         indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
         if indices.shape[0] == 0 or batch == 0:
             return jnp.zeros((batch, total_dim), jnp.float32)
@@ -295,6 +336,7 @@ class TTEmbeddingBag:
         `AdamState(momentum1, momentum2, count)`, each field but the count shaped like `params`
         (`{"cores": per table, per core}`: `[p_t, r, q, r']` element-wise, `[p_t]` per slice; fp32, or
         the Adam family's `state_dtype` for its element-wise moments). Read them with `get_state`."""
+        self._check_params(params)
         return optim.init_state(opt, params)
 
     def get_state(self, opt_state, name: str) -> list[list[jax.Array]]:
@@ -330,6 +372,7 @@ class TTEmbeddingBag:
         gradient and this step in one call (and reuses the forward's plan).
         """
         optim.check_opt(opt)
+        self._check_params(params)
         optim.check_state(opt, opt_state, params)
         indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights,
                                                                                warn=False)
@@ -365,6 +408,7 @@ class TTEmbeddingBag:
     # -- the training step's halves (tbe_jax.train_step) ---------------------------
     def _step_forward(self, params, indices, offsets, per_sample_weights=None):
         """The lookup, and what `_step_update` needs of it (the forward's plans: one sort per step)."""
+        self._check_params(params)
         indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
         if indices.shape[0] == 0 or batch == 0:
             return jnp.zeros((batch, total_dim), jnp.float32), (batch, total_dim, None, offsets, per_sample_weights)
@@ -375,6 +419,7 @@ class TTEmbeddingBag:
     def _step_update(self, params, opt_state, opt, residuals, grad_output):
         batch, total_dim, plans, offsets, per_sample_weights = residuals
         optim.check_opt(opt)
+        self._check_params(params)
         optim.check_state(opt, opt_state, params)
         self._check_grad_output(grad_output, batch, total_dim)
         if plans is None:
@@ -385,6 +430,29 @@ class TTEmbeddingBag:
 
 
 # -- input validation -----------------------------------------------------------------
+
+
+def _table_ids(feature_table_map) -> tuple[int, ...]:
+    """`feature_table_map` as a tuple of ints: integers only (no floats, bools or strings, which `int()` would
+    silently turn into some table)."""
+    if isinstance(feature_table_map, (str, bytes)) or not hasattr(feature_table_map, "__iter__"):
+        raise TypeError(f"feature_table_map must be a sequence of table ids, got {feature_table_map!r}")
+    ftm = tuple(feature_table_map)
+    if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in ftm):
+        raise TypeError(f"feature_table_map={feature_table_map!r} must hold ints (table ids)")
+    return tuple(int(t) for t in ftm)
+
+
+def _finite_non_negative(x) -> bool:
+    """Whether `x` is a real number (a Python or NumPy scalar, or a concrete 0-d array; no bool, no string),
+    finite and >= 0."""
+    if isinstance(x, (bool, np.bool_, str, bytes)) or np.ndim(x) != 0:
+        return False
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(v) and v >= 0
 
 
 def _as_array(x):
