@@ -106,17 +106,43 @@ def check_options(core, options: dict) -> None:
                          "give every device a local batch of b samples per feature")
 
 
-def _plan_key(plan):
-    """A hashable form of a layer's `sharding_plan` (None, a `ShardingPlan`, or a mapping)."""
-    if plan is None or not hasattr(plan, "items"):
-        return plan
-    return tuple(sorted(((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in plan.items()),
-                        key=repr))
+def _tag(x):
+    """A hashable, type-exact form of a layer's option (a sharding plan, a capacity, a core's arguments) for
+    the memo caches: 1, 1.0, True and np.int64(1) stay apart (a cache hit must not pass a float or a bool off
+    as an int the core would have refused), a list becomes a tuple; `_untag` gives the value back (a list as
+    a tuple). Raises TypeError where a leaf is unhashable."""
+    if x is not None and hasattr(x, "items") and not isinstance(x, type):
+        return "dict", tuple(sorted(((_tag(k), _tag(v)) for k, v in x.items()), key=repr))
+    if isinstance(x, (list, tuple)):
+        return "seq", tuple(_tag(v) for v in x)
+    hash(x)
+    return type(x), x
+
+
+def _untag(t):
+    kind, x = t
+    if kind == "dict":
+        return {_untag(k): _untag(v) for k, v in x}
+    if kind == "seq":
+        return tuple(_untag(v) for v in x)
+    return x
+
+
+def _tags(*args):
+    """`_tag` of each argument, or None where one of them cannot be hashed (the caller then builds unmemoised,
+    and the core's own checks name what is wrong)."""
+    try:
+        return tuple(_tag(a) for a in args)
+    except TypeError:
+        return None
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_shard(core, mesh, axis_name, plan, capacity):
-    plan = dict(plan) if isinstance(plan, tuple) else plan
+def _cached_shard(core, mesh, axis_name, plan_tag, capacity_tag):
+    return _shard(core, mesh, axis_name, _untag(plan_tag), _untag(capacity_tag))
+
+
+def _shard(core, mesh, axis_name, plan, capacity):
     from tbe_jax.tbe import TableBatchedEmbedding
 
     if isinstance(core, TableBatchedEmbedding):
@@ -143,9 +169,12 @@ def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity=None):
 
     if isinstance(plan, (list, tuple)) and not isinstance(core, TableBatchedEmbedding):
         plan = dict(enumerate(plan))  # tt_jax.shard's one strategy per table, as a (hashable) dict
-    if isinstance(capacity, (list, tuple)):  # per-feature counts (see tbe_jax.shard), hashable
-        capacity = tuple(capacity)
-    return _cached_shard(core, mesh, axis_name, _plan_key(plan), capacity)
+    if capacity is not None and not isinstance(capacity, (str, bytes)) and np.ndim(capacity) > 0:
+        capacity = tuple(capacity)  # per-feature counts (see tbe_jax.shard): a list or an array, as a tuple
+    tags = _tags(plan, capacity)
+    if tags is None or not _hashable(core, mesh, axis_name):
+        return _shard(core, mesh, axis_name, plan, capacity)
+    return _cached_shard(core, mesh, axis_name, *tags)
 
 
 def opt_init(core, opt, params):
@@ -157,13 +186,26 @@ def opt_init(core, opt, params):
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_core(core_cls, first, options: tuple):
-    return build_core(core_cls, first, dict(options))
+def _cached_core(core_cls, first_tag, options_tag):
+    return build_core(core_cls, _untag(first_tag), _untag(options_tag))
+
+
+def _hashable(*args) -> bool:
+    try:
+        hash(args)
+    except TypeError:
+        return False
+    return True
 
 
 def cached_core(core_cls, first, options: dict):
-    """`build_core`, memoised on hashable arguments (Linen rebuilds its layer's core on every access)."""
-    return _cached_core(core_cls, first, tuple(sorted(options.items())))
+    """`build_core`, memoised on hashable arguments (Linen rebuilds its layer's core on every access; equal
+    arguments of the same types give the same object); other arguments are built unmemoised (the core's own
+    checks then name what is wrong with them)."""
+    tags = _tags(first, options)
+    if tags is None:
+        return build_core(core_cls, first, options)
+    return _cached_core(core_cls, *tags)
 
 
 def leaf_names(tree, prefix: str = "") -> tuple[list[str], list, Any]:

@@ -179,6 +179,15 @@ def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False) -> St
     return StepResult(value, grads, freeze(variables) if frozen else variables)
 
 
+def _as_tuple(x):
+    """A layer field that is a sequence (tables, feature_table_map: a list, an array) as a tuple of its items as
+    given, for the core's memo cache; anything else (None, one spec, a string) as is. The core checks the
+    items: an entry 1.7 or True is refused there, not truncated to an int here."""
+    if x is None or isinstance(x, (str, bytes)) or not hasattr(x, "__iter__") or hasattr(x, "items"):
+        return x
+    return tuple(x)
+
+
 def _copy_tree(tree):
     """Nested dicts copied (leaves shared), so writing into the copy leaves the caller's variables alone."""
     if isinstance(tree, (dict, FrozenDict)):
@@ -307,9 +316,8 @@ class TableBatchedEmbed(SparseEmbedBase):
     capacity: int | tuple[int, ...] | None = None  # an int, or per-feature id counts (tbe_jax.shard)
 
     def _build_core(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
-        fmap = None if self.feature_table_map is None else tuple(int(t) for t in self.feature_table_map)
-        core = cached_core(TableBatchedEmbedding, tuple(self.tables), dict(
-            feature_table_map=fmap, pooling=self.pooling, weights_dtype=self.weights_dtype,
+        core = cached_core(TableBatchedEmbedding, _as_tuple(self.tables), dict(
+            feature_table_map=_as_tuple(self.feature_table_map), pooling=self.pooling, weights_dtype=self.weights_dtype,
             output_dtype=self.output_dtype, bounds_check=self.bounds_check, impl=self.impl,
             interpret=bool(self.interpret), kernel_config=self.kernel_config, use_histogram=bool(self.use_histogram),
             histogram_config=self.histogram_config, backward_config=self.backward_config))

@@ -9,6 +9,7 @@ device), and the per-slot facts the senders index by destination.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Mapping
 
 import numpy as np
@@ -46,6 +47,17 @@ class _Piece:
     rows: int
     col0: int
     cols: int
+
+
+def as_int(x):
+    """`x` as a Python int if it is an integer scalar (an int, a NumPy integer or a 0-d integer array; not a
+    bool), else None."""
+    if isinstance(x, (bool, np.bool_)) or (isinstance(x, np.ndarray) and x.dtype == np.bool_):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | str | None = None) -> ShardingPlan:
@@ -96,13 +108,19 @@ def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | 
                 raise ValueError(f"plan names table {key!r}, which is not a TableSpec.name of this embedding")
             t = names[key]
         else:
-            t = int(key)
+            t = as_int(key)  # not int(): 1.7 or True would quietly name table 1
+            if t is None:
+                raise ValueError(f"plan names table {key!r}: a table is named by its int index or its TableSpec.name")
             if not 0 <= t < len(tables):
                 raise ValueError(f"plan names table {key!r}: not a table index in [0, {len(tables)})")
         if isinstance(val, (tuple, list)):
             if len(val) != 2 or val[0] != "table":
                 raise ValueError(f"plan[{key!r}]: a pair must be ('table', device), got {val!r}")
-            fixed[t] = ("table", int(val[1]))
+            d = as_int(val[1])
+            if d is None or not 0 <= d < n:
+                raise ValueError(f"plan[{key!r}] = {tuple(val)!r}: the device must be an int index in [0, {n}) "
+                                 f"(the mesh axis has {n} devices), got {val[1]!r}")
+            fixed[t] = ("table", d)
         else:
             if val not in STRATEGIES:
                 raise ValueError(f"plan[{key!r}] must be one of {STRATEGIES} or ('table', device), got {val!r}")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tbe_jax import bounds, optim, reference
-from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, plan_sharding
+from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, plan_sharding
 from tbe_jax.specs import TableSpec
 from tbe_jax.tbe import TableBatchedEmbedding
 
@@ -64,7 +64,6 @@ def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = 
     """`emb`'s tables sharded over `mesh`'s axis `axis_name`; see `ShardedTableBatchedEmbedding`."""
     return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity, warn_overflow=warn_overflow,
                                         comm_dtype=comm_dtype)
-
 
 
 def _widen_ids(name: str, x):
@@ -111,6 +110,8 @@ class ShardedTableBatchedEmbedding:
                  comm_dtype=None):
         if not isinstance(emb, TableBatchedEmbedding):
             raise TypeError(f"emb must be a tbe_jax.TableBatchedEmbedding, got {type(emb).__name__}")
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         n = int(mesh.shape[axis_name])
@@ -118,6 +119,8 @@ class ShardedTableBatchedEmbedding:
             plan = plan_sharding(emb, n, plan)
         if plan.num_devices != n:
             raise ValueError(f"the plan is for {plan.num_devices} devices; mesh axis {axis_name!r} has {n}")
+        if len(plan.strategies) != len(emb.tables):
+            raise ValueError(f"the plan has {len(plan.strategies)} tables; the embedding has {len(emb.tables)}")
         if emb.pooling == "none" and "column" in plan.strategies:
             raise ValueError('pooling="none" (sequence lookups) cannot shard tables by columns; use "table", '
                              '"row" or "data"')
@@ -125,14 +128,19 @@ class ShardedTableBatchedEmbedding:
             raise ValueError('a sharded embedding supports bounds_check "ignore", "none" and "warning" (ids '
                              'outside [0, E) are dropped where they are routed); "fatal" is not supported')
         feature_capacity = None
-        if capacity is not None and not isinstance(capacity, (int, np.integer)):
+        if capacity is not None and as_int(capacity) is not None:
+            capacity = as_int(capacity)  # an int, a NumPy integer, a 0-d integer array
+        elif capacity is not None and (isinstance(capacity, (str, bytes)) or np.ndim(capacity) == 0):
+            # a float, a bool, a string: neither an int nor a sequence of per-feature counts
+            raise ValueError(f"capacity must be None, an int >= 1 or one int >= 0 per feature, got {capacity!r}")
+        if capacity is not None and not isinstance(capacity, int):
             feature_capacity = tuple(capacity)
             if len(feature_capacity) != emb.num_features or any(
                     isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0 for c in feature_capacity):
                 raise ValueError(f"capacity as a sequence must hold one int >= 0 per feature ({emb.num_features}), "
                                  f"got {capacity!r}")
             feature_capacity = tuple(int(c) for c in feature_capacity)
-        elif capacity is not None and (isinstance(capacity, bool) or int(capacity) < 1):
+        elif capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be None, an int >= 1 or one int >= 0 per feature, got {capacity!r}")
         self.emb = emb
         self.mesh = mesh
@@ -230,11 +238,21 @@ class ShardedTableBatchedEmbedding:
         given only its shards (built on the host, then placed)."""
         del params
         emb, lay = self.emb, self.layout
+        if isinstance(tables, Mapping) or not isinstance(tables, Sequence) and not hasattr(tables, "__len__"):
+            raise TypeError(
+                f"tables must be a sequence of {len(emb.tables)} arrays, one [E_t, D_t] per table in order (as "
+                f"get_tables returns), got {type(tables).__name__}")
         if len(tables) != len(emb.tables):
             raise ValueError(f"expected {len(emb.tables)} tables, got {len(tables)}")
         host = []
         for t, (spec, arr) in enumerate(zip(emb.tables, tables)):
             shape = (spec.num_embeddings, spec.embedding_dim)
+            if not hasattr(arr, "shape"):
+                arr = np.asarray(arr)
+            dt = getattr(arr, "dtype", None)
+            if dt is None or not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)
+                                  or jnp.issubdtype(dt, jnp.bool_)):
+                raise TypeError(f"{spec.label(t)} must hold real numbers, got dtype {dt}")
             if tuple(arr.shape) != shape:
                 raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
             host.append(np.asarray(jax.device_get(arr)).astype(emb.weights_dtype))
@@ -264,7 +282,25 @@ class ShardedTableBatchedEmbedding:
         if name not in fields:
             raise ValueError(f"opt_state is a {type(opt_state).__name__}: its state fields are {fields}, "
                              f"not {name!r}")
+        self._check_state_field(getattr(opt_state, name), name)
         return list(_gather_tables(self, getattr(opt_state, name), name))
+
+    def _check_state_field(self, tree, name):
+        """A sharded state field: one array per storage buffer, `[n * rows]` (row-wise) or `[n * rows, D]`,
+        as `init_opt_state` builds it (a state of `emb` or of another mesh has other buffers or rows)."""
+        keys = self._buffer_keys()
+        if not isinstance(tree, Mapping) or set(tree) != set(keys):
+            raise ValueError(f"opt_state.{name} must hold this sharded embedding's buffers {keys} (build the state "
+                             f"with init_opt_state, or convert emb's with from_unsharded), got "
+                             + (f"{sorted(tree)}" if isinstance(tree, Mapping) else type(tree).__name__))
+        for c, w in enumerate(self.layout.widths):
+            key = self.local.layout.key(c)
+            rows = self.num_devices * self.layout.pool_rows[c]
+            shape = tuple(getattr(tree[key], "shape", ()))
+            if shape not in ((rows,), (rows, w)):
+                raise ValueError(f"opt_state.{name}[{key!r}] must be [{rows}] or [{rows}, {w}] (this mesh's "
+                                 f"shards), got {list(shape)}: build the state with init_opt_state, or convert "
+                                 "emb's with from_unsharded")
 
     def get_momentum(self, opt_state) -> list[jax.Array]:
         """Per table, its Adagrad accumulators (as `emb.get_momentum`)."""
@@ -274,9 +310,19 @@ class ShardedTableBatchedEmbedding:
 
     def set_state(self, opt_state, name: str, values: Sequence):
         """`opt_state` with field `name` holding `values` (per table, shaped as `get_state` returns)."""
+        fields = [f for f in getattr(opt_state, "_fields", ()) if f != "count"]
+        if name not in fields:
+            raise ValueError(f"opt_state is a {type(opt_state).__name__}: its state fields are {fields}, "
+                             f"not {name!r}")
         if len(values) != len(self.emb.tables):
             raise ValueError(f"expected {len(self.emb.tables)} arrays, got {len(values)}")
-        getattr(opt_state, name)
+        self._check_state_field(getattr(opt_state, name), name)
+        rowwise = next(iter(getattr(opt_state, name).values())).ndim == 1
+        for t, (spec, v) in enumerate(zip(self.emb.tables, values)):
+            want = (spec.num_embeddings,) + (() if rowwise else (spec.embedding_dim,))
+            if tuple(np.shape(v)) != want:
+                raise ValueError(f"values[{t}] ({spec.label(t)}) must have shape {want} (as get_state returns "
+                                 f"for {name!r}), got {tuple(np.shape(v))}")
         return opt_state._replace(**{name: self._fill_state(None, values)})
 
     # -- checkpoints: the unsharded format, the same on every mesh ------------------------
@@ -306,6 +352,19 @@ class ShardedTableBatchedEmbedding:
         params = self.set_tables(None, emb.get_tables(emb_params))
         if emb_opt_state is None:
             return params, None
+        if not hasattr(emb_opt_state, "_fields") or "count" not in emb_opt_state._fields:
+            raise TypeError(f"emb_opt_state must be an optimizer state of emb (emb.init_opt_state's, or "
+                            f"to_unsharded's), got {type(emb_opt_state).__name__}")
+        for name in (f for f in emb_opt_state._fields if f != "count"):
+            tree = getattr(emb_opt_state, name)
+            ok = isinstance(tree, Mapping) and set(tree) == set(emb_params)
+            for key in (tree if ok else ()):
+                shape, (rows, d) = tuple(getattr(tree[key], "shape", ())), emb_params[key].shape
+                ok = ok and shape in ((rows,), (rows, d))
+            if not ok:
+                raise ValueError(f"emb_opt_state.{name} does not match emb's params (one [rows] or [rows, D] array "
+                                 f"per buffer {sorted(emb_params)}): pass emb's state (emb.init_opt_state's, or "
+                                 "to_unsharded's), not a sharded one")
         new = {}
         for name in (f for f in emb_opt_state._fields if f != "count"):
             new[name] = self._fill_state(getattr(emb_opt_state, name),
@@ -342,6 +401,9 @@ class ShardedTableBatchedEmbedding:
         for c, w in enumerate(self.layout.widths):
             key = self.local.layout.key(c)
             shape = (self.num_devices * self.layout.pool_rows[c], w)
+            if not (hasattr(params[key], "shape") and hasattr(params[key], "dtype")):
+                raise TypeError(f"params[{key!r}] must be an array ({self.emb.weights_dtype.name}{list(shape)}), "
+                                f"got {type(params[key]).__name__}")
             if tuple(params[key].shape) != shape or params[key].dtype != self.emb.weights_dtype:
                 raise ValueError(f"params[{key!r}] must be {self.emb.weights_dtype.name}{list(shape)}, got "
                                  f"{params[key].dtype}{list(params[key].shape)}")
@@ -385,6 +447,8 @@ class ShardedTableBatchedEmbedding:
                              "and b >= 1 samples per device")
         if indices.shape[1] < 1:
             raise ValueError("indices must give every device room for at least one id (pad past offsets[k, -1])")
+        if per_sample_weights is not None and not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
+            raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
         if per_sample_weights is not None and per_sample_weights.shape != indices.shape:
             raise ValueError(f"per_sample_weights has shape {per_sample_weights.shape}; it must match indices "
                              f"{indices.shape}")
@@ -421,6 +485,7 @@ class ShardedTableBatchedEmbedding:
         `emb.apply_gradients` on the global batch (each touched row once, with the whole batch's gradient)."""
         self._check_opt(opt)
         self._check_params(params)
+        opt.check_state(opt_state, params)  # the global shapes: a state of emb or of another mesh is refused here
         idx, off, psw = self._args(indices, offsets, per_sample_weights)
         grad_output = jnp.asarray(grad_output)
         b = (off.shape[1] - 1) // self.emb.num_features
@@ -428,6 +493,8 @@ class ShardedTableBatchedEmbedding:
             self.num_devices * b, self.layout.out_width)
         if tuple(grad_output.shape) != want:
             raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
+        if not jnp.issubdtype(grad_output.dtype, jnp.floating):
+            raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
         grad_output = self._place(grad_output, P(self.axis_name))
         routed = _route_for_update(self, idx, off, psw)
         return _update(self, params, opt_state, opt, routed, grad_output)
@@ -444,6 +511,8 @@ class ShardedTableBatchedEmbedding:
     def _step_update(self, params, opt_state, opt, residuals, grad_output):
         routed, report = residuals
         self._check_opt(opt)
+        self._check_params(params)
+        opt.check_state(opt_state, params)
         grad_output = self._place(grad_output, P(self.axis_name))
         params, opt_state = _update(self, params, opt_state, opt, routed, grad_output)
         return params, opt_state, report.invalid_indices

@@ -259,17 +259,24 @@ class ShardedTTEmbeddingBag:
     def from_unsharded(self, emb_params, emb_opt_state=None):
         """`emb`'s params (and optimizer state) replicated on this mesh."""
         self._check_params(emb_params)
+        if emb_opt_state is not None and "count" not in getattr(emb_opt_state, "_fields", ()):
+            raise TypeError(f"emb_opt_state must be an optimizer state of emb (emb.init_opt_state's), got "
+                            f"{type(emb_opt_state).__name__}")
         return self._replicate(emb_params), (None if emb_opt_state is None else self._replicate(emb_opt_state))
 
     def _check_params(self, params):
-        if not isinstance(params, dict) or "cores" not in params or len(params["cores"]) != len(self.emb.specs):
+        if not isinstance(params, dict) or "cores" not in params or not isinstance(params["cores"], Sequence) or len(
+                params["cores"]) != len(self.emb.specs):
             raise ValueError(f"params must be {{'cores': per table, per core}} for {len(self.emb.specs)} tables "
                              "(what init / set_cores return)")
         for t, (spec, cs) in enumerate(zip(self.emb.specs, params["cores"])):
             shapes = spec.core_shapes()
-            if len(cs) != len(shapes) or any(tuple(c.shape) != s for c, s in zip(cs, shapes)):
+            if not isinstance(cs, Sequence):
+                raise ValueError(f"params['cores'][{t}] must be a sequence of the table's {len(shapes)} cores "
+                                 f"(shapes {shapes}), got {type(cs).__name__}")
+            if len(cs) != len(shapes) or any(tuple(getattr(c, "shape", ())) != s for c, s in zip(cs, shapes)):
                 raise ValueError(f"params['cores'][{t}] must have shapes {shapes}, got "
-                                 f"{[tuple(c.shape) for c in cs]}")
+                                 f"{[tuple(getattr(c, 'shape', ())) for c in cs]}")
 
     # -- inputs --------------------------------------------------------------------
     def _args(self, indices, offsets, per_sample_weights):
@@ -287,7 +294,13 @@ class ShardedTTEmbeddingBag:
         if offsets.shape[1] < 1 or (offsets.shape[1] - 1) % nf:
             raise ValueError(f"offsets has {offsets.shape[1]} entries per device; expected F*b+1 with F={nf}")
         if per_sample_weights is not None:
-            per_sample_weights = jnp.asarray(per_sample_weights, jnp.float32)
+            try:
+                per_sample_weights = jnp.asarray(per_sample_weights)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"per_sample_weights must be a float array: {e}") from None
+            if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):  # as emb: no int / bool / complex
+                raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+            per_sample_weights = per_sample_weights.astype(jnp.float32)
             if per_sample_weights.shape != indices.shape:
                 raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}; it must match "
                                  f"indices {tuple(indices.shape)}")
