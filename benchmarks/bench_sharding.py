@@ -93,16 +93,23 @@ def weak(args, n, rng, results):
     sets = [local_inputs(rng, t_per * n, rows, b, bag, wl.alpha, n) for _ in range(args.sets)]
     out = {"tables_per_gpu": t_per, "rows": rows, "dim": dim, "bag": bag, "local_batch": b, "n": n}
     lookups = t_per * n * b * bag * n
-    cases = [(p, float(c), cd) for p in args.plans.split(",") for c in args.capacity_fracs.split(",")
+    cases = [(p, c, cd) for p in args.plans.split(",") for c in args.capacity_fracs.split(",")
              for cd in args.comm_dtypes.split(",")]
+    # "feature": per-feature counts (the most ids any device has for each feature, over the sets), from which
+    # tbe_jax.shard sizes each destination exactly for the plan (see its `capacity`)
+    counts = [int(max(o[k, (f + 1) * b] - o[k, f * b] for _, o in sets for k in range(n)))
+              for f in range(len(tables))]
     for plan_name, frac, comm in cases:
+        per_feature = frac == "feature"
+        frac = 0.0 if per_feature else float(frac)
         plan = {t: plan_name for t in range(len(tables))} if plan_name in ("row", "column", "data") else None
         if plan_name == "table":
             plan = {t: ("table", t % n) for t in range(len(tables))}
-        capacity = None if frac >= 1 else int(frac * sets[0][0].shape[1])
+        capacity = counts if per_feature else None if frac >= 1 else int(frac * sets[0][0].shape[1])
         sharded = tbe_jax.shard(emb, mesh, "data", plan, capacity=capacity, warn_overflow=False,
                                 comm_dtype=None if comm == "none" else comm)
-        case = plan_name if frac >= 1 else f"{plan_name}@capacity{frac}"
+        case = (f"{plan_name}@feature_capacity" if per_feature else plan_name if frac >= 1
+                else f"{plan_name}@capacity{frac}")
         if comm != "none":
             case += f"@comm_{comm}"
         params = sharded.init(jax.random.key(0))
@@ -122,7 +129,7 @@ def weak(args, n, rng, results):
         params, state, _ = carry
         # the collectives alone, same shapes
         lay = sharded.layout
-        cap = capacity or sets[0][0].shape[1]
+        cap = sharded.capacity or sets[0][0].shape[1]
         width_ids = cap + lay.num_slots * b + lay.num_slots
 
         def comm(x, y):
@@ -138,7 +145,8 @@ def weak(args, n, rng, results):
         comm_j = jax.jit(lambda c: comm(*c))
         comm_ms, _ = timed(lambda c: comm_j(c), (xs, ys), [()], args.iters, args.reps)
         del params, state
-        out[case] = {"step_ms": ms, "comm_ms": comm_ms, "lookups_per_s": lookups / ms * 1e3, "capacity": capacity,
+        out[case] = {"step_ms": ms, "comm_ms": comm_ms, "lookups_per_s": lookups / ms * 1e3,
+                     "capacity": sharded.capacity if per_feature else capacity,
                      "dropped_ids_first_batch": dropped,
                           "plan": {s: sharded.plan.strategies.count(s) for s in set(sharded.plan.strategies)}}
         print(case, out[case], flush=True)
@@ -238,7 +246,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="weak: per-kernel GPU time from a profiler trace")
     ap.add_argument("--analysis-only", action="store_true", help="big: compile and print memory analysis only")
     ap.add_argument("--capacity-fracs", default="1", help="weak: capacity per destination as fractions of the "
-                    "local ids (1: the safe default, None); e.g. 1,0.5")
+                    "local ids (1: the safe default, None), or 'feature' (per-feature counts: tbe_jax.shard's exact "
+                    "bound for the plan); e.g. 1,0.5,feature")
     ap.add_argument("--impl", default="pallas", help="xla: a CPU smoke run (with --rows/--tables-per-gpu small)")
     ap.add_argument("--rows", type=int, default=0, help="weak: rows per table (0: the preset's)")
     ap.add_argument("--tables-per-gpu", type=int, default=0, help="weak: tables per GPU (0: the preset's)")

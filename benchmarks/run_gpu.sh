@@ -48,6 +48,8 @@
 #   bwdtests2 test_backward.py compiled (8 workers)                                  -> bwdtests2.log
 #   exact01   trace_tt.py A/B of the group kernel's two-pass 0/1 dots (EXACT01_SPLIT) -> exact01-{0,1}.json, exact01.log
 #   tttests2  test_tt_grad.py, test_tt_kernel.py compiled (8 workers)          -> tttests2.log
+#   x2tests   (2-GPU kind) the sharded test files compiled on the GPUs present  -> x2tests.log
+#   x2weak    (2-GPU kind) bench_sharding.py --weak, table and row plans, default and per-feature capacity -> sharding-*.json, x2weak.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -188,6 +190,11 @@ for stage in "$@"; do
             --out "$OUT/exact01-$v.json" 2>&1 | grep -v Warning | tee -a "$OUT/exact01.log" | grep -A3 "==" ; done ;;
     tttests2) timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
           > "$OUT/tttests2.log" 2>&1; tail -3 "$OUT/tttests2.log" ;;
+    x2tests) timeout 400 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
+          tests/test_sharded_layers.py tests/test_tt_sharded_layers.py tests/test_dlrm_sharded.py \
+          tests/test_sharded_input_errors.py > "$OUT/x2tests.log" 2>&1; tail -3 "$OUT/x2tests.log" ;;
+    x2weak) timeout 400 python3 benchmarks/bench_sharding.py --weak --capacity-fracs 1,feature --out "$OUT" 2>&1 \
+          | grep -v Warning | tee "$OUT/x2weak.log" | tail -8 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
