@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tbe_jax import bounds, optim, reference
 from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, plan_sharding
-from tbe_jax.specs import TableSpec
+from tbe_jax.specs import TableSpec, checked_tables
 from tbe_jax.tbe import TableBatchedEmbedding
 
 __all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
@@ -238,23 +238,8 @@ class ShardedTableBatchedEmbedding:
         given only its shards (built on the host, then placed)."""
         del params
         emb, lay = self.emb, self.layout
-        if isinstance(tables, Mapping) or not isinstance(tables, Sequence) and not hasattr(tables, "__len__"):
-            raise TypeError(
-                f"tables must be a sequence of {len(emb.tables)} arrays, one [E_t, D_t] per table in order (as "
-                f"get_tables returns), got {type(tables).__name__}")
-        if len(tables) != len(emb.tables):
-            raise ValueError(f"expected {len(emb.tables)} tables, got {len(tables)}")
         host = []
-        for t, (spec, arr) in enumerate(zip(emb.tables, tables)):
-            shape = (spec.num_embeddings, spec.embedding_dim)
-            if not hasattr(arr, "shape"):
-                arr = np.asarray(arr)
-            dt = getattr(arr, "dtype", None)
-            if dt is None or not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)
-                                  or jnp.issubdtype(dt, jnp.bool_)):
-                raise TypeError(f"{spec.label(t)} must hold real numbers, got dtype {dt}")
-            if tuple(arr.shape) != shape:
-                raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
+        for arr in checked_tables(emb.tables, tables):
             host.append(np.asarray(jax.device_get(arr)).astype(emb.weights_dtype))
         out = {}
         for c, w in enumerate(lay.widths):

@@ -7,6 +7,7 @@ Everything here is hashable and built from Python ints, so a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Sequence
 
 import numpy as np
@@ -159,3 +160,28 @@ class FeaturePlan:
             vbe=bool(vbe),
             out_size=out_size,
         )
+
+
+def checked_tables(specs: Sequence["TableSpec"], tables) -> list:
+    """`tables` (one `[E_t, D_t]` array per spec, in order, as `get_tables` returns) checked: a sequence (not a
+    dict) of the right length, each of real numbers (not complex) and of its spec's shape. Nested lists become
+    NumPy arrays; arrays are returned as given (no copy, no cast)."""
+    import jax.numpy as jnp
+
+    if isinstance(tables, Mapping) or not isinstance(tables, Sequence) and not hasattr(tables, "__len__"):
+        raise TypeError(f"tables must be a sequence of {len(specs)} arrays, one [E_t, D_t] per table in order (as "
+                        f"get_tables returns), got {type(tables).__name__}")
+    if len(tables) != len(specs):
+        raise ValueError(f"expected {len(specs)} tables, got {len(tables)}")
+    out = []
+    for t, (spec, arr) in enumerate(zip(specs, tables)):
+        if not hasattr(arr, "shape"):
+            arr = np.asarray(arr)
+        dt = getattr(arr, "dtype", None)
+        if dt is None or not any(jnp.issubdtype(dt, k) for k in (jnp.floating, jnp.integer, jnp.bool_)):
+            raise TypeError(f"{spec.label(t)} must hold real numbers, got dtype {dt}")
+        shape = (spec.num_embeddings, spec.embedding_dim)
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
+        out.append(arr)
+    return out

@@ -18,7 +18,7 @@ from tbe_jax import optim
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.kernels import histogram_backward as hist_bwd
-from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec
+from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, checked_tables
 
 _POOLINGS = ("sum", "mean", "none")
 _BOUNDS = ("ignore", "none", "warning", "fatal")
@@ -295,23 +295,8 @@ class TableBatchedEmbedding:
 
     def set_tables(self, params: dict | None, tables: Sequence[jax.Array]) -> dict:
         """Params holding `tables` (one `[E_t, D_t]` array per table), cast to weights_dtype."""
-        if isinstance(tables, Mapping) or not isinstance(tables, Sequence) and not hasattr(tables, "__len__"):
-            raise TypeError(
-                f"tables must be a sequence of {len(self.tables)} arrays, one [E_t, D_t] per table in order (as "
-                f"get_tables returns), got {type(tables).__name__}")
-        if len(tables) != len(self.tables):
-            raise ValueError(f"expected {len(self.tables)} tables, got {len(tables)}")
         groups: list[list] = [[] for _ in self.layout.dims]
-        for t, (spec, arr) in enumerate(zip(self.tables, tables)):
-            shape = (spec.num_embeddings, spec.embedding_dim)
-            if not hasattr(arr, "shape"):
-                arr = np.asarray(arr)
-            dt = getattr(arr, "dtype", None)
-            if dt is None or not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)
-                                  or jnp.issubdtype(dt, jnp.bool_)):
-                raise TypeError(f"{spec.label(t)} must hold real numbers, got dtype {arr.dtype}")
-            if tuple(arr.shape) != shape:
-                raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
+        for t, arr in enumerate(checked_tables(self.tables, tables)):
             groups[self.layout.table_group[t]].append(jnp.asarray(arr, self.weights_dtype))
         return {
             self.layout.key(g): (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))

@@ -112,14 +112,14 @@ def test_valid_params_still_accepted(params):
 @pytest.mark.parametrize("ftm", [[0.7, 1], [True, False], np.array([0.0, 1.0]), [None]])
 def test_feature_table_map_must_hold_ints(ftm):
     # int() used to turn 0.7 into table 0 and True into table 1, silently.
-    with pytest.raises(TypeError, match="feature_table_map=.* must hold ints \\(table ids\\)"):
+    with pytest.raises(TypeError, match="feature_table_map must hold ints"):
         tt_jax.TTEmbeddingBag([A, B], feature_table_map=ftm)
 
 
 @pytest.mark.parametrize("ftm", [1, "01"])
 def test_feature_table_map_must_be_a_sequence(ftm):
     # An int used to raise "'int' object is not iterable"; "01" was read as tables (0, 1).
-    with pytest.raises(TypeError, match="feature_table_map must be a sequence of table ids"):
+    with pytest.raises(TypeError, match="feature_table_map must be a sequence of ints"):
         tt_jax.TTEmbeddingBag([A, B], feature_table_map=ftm)
 
 

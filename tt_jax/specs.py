@@ -36,14 +36,14 @@ def suggested_tt_shapes(num_embeddings: int, embedding_dim: int, tt_dims: int = 
     return _factor_near(num_embeddings, tt_dims), _factor_exact(embedding_dim, tt_dims)
 
 
-def _int_tuple(name: str, value) -> tuple[int, ...]:
+def int_tuple(name: str, value) -> tuple[int, ...]:
     """`value` as a tuple of ints: a sequence of integers (no floats, bools or strings, which `int()` would
-    silently truncate or reinterpret)."""
+    silently truncate or reinterpret); `name` names the argument in the errors."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"TTSpec.{name} must be a sequence of ints, got {value!r}")
+        raise TypeError(f"{name} must be a sequence of ints, got {value!r}")
     out = tuple(value)
     if any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in out):
-        raise TypeError(f"TTSpec.{name} must hold ints, got {value!r}")
+        raise TypeError(f"{name} must hold ints, got {value!r}")
     return tuple(int(x) for x in out)
 
 
@@ -72,15 +72,15 @@ class TTSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"TTSpec.{name} must be a positive int, got {v!r}")
-        ranks = _int_tuple("ranks", self.ranks)
+        ranks = int_tuple("TTSpec.ranks", self.ranks)
         t = len(ranks) + 1
         if not 2 <= t <= 4:
             raise ValueError(f"TTSpec.ranks={self.ranks}: 1 to 3 inner ranks (T = 2..4 cores) are supported")
         if any(r < 1 for r in ranks):
             raise ValueError(f"TTSpec.ranks must be positive, got {self.ranks}")
         p, q = suggested_tt_shapes(self.num_embeddings, self.embedding_dim, t)
-        p = _int_tuple("p_shapes", self.p_shapes) if self.p_shapes is not None else p
-        q = _int_tuple("q_shapes", self.q_shapes) if self.q_shapes is not None else q
+        p = int_tuple("TTSpec.p_shapes", self.p_shapes) if self.p_shapes is not None else p
+        q = int_tuple("TTSpec.q_shapes", self.q_shapes) if self.q_shapes is not None else q
         if len(p) != t or len(q) != t:
             raise ValueError(f"TTSpec: p_shapes={p} and q_shapes={q} must each have {t} factors (len(ranks)+1)")
         if any(x < 1 for x in p + q):

@@ -15,7 +15,7 @@ from tbe_jax.specs import FeaturePlan
 from tt_jax import backward, optim, reference
 from tt_jax.kernels import backward as kernel_backward
 from tt_jax.kernels.forward import TTKernelConfig, flow_plans, pooled_forward
-from tt_jax.specs import TTSpec
+from tt_jax.specs import TTSpec, int_tuple
 
 _INITS = ("approx-normal", "approx-uniform")
 _BOUNDS = ("ignore", "none", "warning", "fatal")
@@ -100,7 +100,8 @@ class TTEmbeddingBag:
         specs = (specs,) if isinstance(specs, TTSpec) else tuple(specs)
         if not specs or not all(isinstance(s, TTSpec) for s in specs):
             raise TypeError("specs must be a TTSpec or a non-empty list of TTSpec")
-        ftm = tuple(range(len(specs))) if feature_table_map is None else _table_ids(feature_table_map)
+        ftm = (tuple(range(len(specs))) if feature_table_map is None
+               else int_tuple("feature_table_map", feature_table_map))
         if not ftm or any(not 0 <= t < len(specs) for t in ftm):
             raise ValueError(f"feature_table_map={feature_table_map} must name tables in [0, {len(specs)})")
         if config is not None and not isinstance(config, TTKernelConfig):
@@ -430,17 +431,6 @@ class TTEmbeddingBag:
 
 
 # -- input validation -----------------------------------------------------------------
-
-
-def _table_ids(feature_table_map) -> tuple[int, ...]:
-    """`feature_table_map` as a tuple of ints: integers only (no floats, bools or strings, which `int()` would
-    silently turn into some table)."""
-    if isinstance(feature_table_map, (str, bytes)) or not hasattr(feature_table_map, "__iter__"):
-        raise TypeError(f"feature_table_map must be a sequence of table ids, got {feature_table_map!r}")
-    ftm = tuple(feature_table_map)
-    if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in ftm):
-        raise TypeError(f"feature_table_map={feature_table_map!r} must hold ints (table ids)")
-    return tuple(int(t) for t in ftm)
 
 
 def _finite_non_negative(x) -> bool:
