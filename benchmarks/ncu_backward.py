@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
 from bench_backward import EPS, LR, make_sets, with_opt  # noqa: E402
+from trace_backward import set_private  # noqa: E402
 
 
 def workload(name: str):
@@ -41,10 +42,7 @@ def main():
     args = ap.parse_args()
     from tbe_jax import _pallas
     from tbe_jax.kernels import backward as bwd_kernels
-    for item in filter(None, args.private.split(",")):
-        k, v = item.split("=")
-        mod = next(m for m in (bwd_kernels, _pallas) if hasattr(m, k))
-        setattr(mod, k, type(getattr(mod, k))(int(v)))
+    set_private(args.private, (bwd_kernels, _pallas))
     wl = workload(args.workload)
     sets = make_sets(wl, 1)
     tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in wl.features()]

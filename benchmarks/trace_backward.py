@@ -69,6 +69,17 @@ def profile(step, carry, sets, iters, host=False):
     return {k: {"ms": per[k], "calls_per_step": count[k] / iters} for k in sorted(per, key=per.get, reverse=True)}
 
 
+def set_private(spec: str, modules) -> None:
+    """`--private K=V,...`: set each module constant K (an int or bool A/B switch) of the first of `modules` that
+    has it, before anything compiles."""
+    for item in filter(None, spec.split(",")):
+        k, v = item.split("=")
+        mod = next((m for m in modules if hasattr(m, k)), None)
+        if mod is None:
+            raise SystemExit(f"none of {[m.__name__ for m in modules]} has {k}")
+        setattr(mod, k, type(getattr(mod, k))(int(v)))
+
+
 def print_kernels(kernels: dict, top: int):
     """The `top` kernels of `profile`'s result: ms per step, calls per step, name."""
     for k, v in list(kernels.items())[:top]:
@@ -90,12 +101,7 @@ def main():
     args = ap.parse_args()
     from tbe_jax import _pallas
     from tbe_jax.kernels import backward as bwd_kernels
-    for item in filter(None, args.private.split(",")):
-        k, v = item.split("=")
-        mod = next((m for m in (bwd_kernels, _pallas) if hasattr(m, k)), None)
-        if mod is None:
-            raise SystemExit(f"neither tbe_jax.kernels.backward nor tbe_jax._pallas has {k}")
-        setattr(mod, k, type(getattr(mod, k))(int(v)))
+    set_private(args.private, (bwd_kernels, _pallas))
     kw = {}
     for item in filter(None, args.config.split(",")):
         k, v = item.split("=")

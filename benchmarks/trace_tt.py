@@ -29,7 +29,7 @@ import tt_jax  # noqa: E402
 from tt_jax import workloads  # noqa: E402
 from tt_jax.kernels import forward as kf  # noqa: E402
 from bench_tt import config_fields, numpy_cores  # noqa: E402
-from trace_backward import print_kernels, profile  # noqa: E402
+from trace_backward import print_kernels, profile, set_private  # noqa: E402
 
 OPTS = {"sgd": lambda: tt_jax.SGD(0.01), "adagrad": lambda: tt_jax.Adagrad(0.01),
         "rowwise": lambda: tt_jax.RowwiseAdagrad(0.01)}
@@ -95,9 +95,7 @@ def main():
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     from tt_jax.kernels import backward as tt_bwd
-    for item in filter(None, args.private.split(",")):
-        k, v = item.split("=")
-        setattr(tt_bwd, k, type(getattr(tt_bwd, k))(int(v)))
+    set_private(args.private, (tt_bwd,))
     wl = workloads.PRESETS[args.workload]()
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

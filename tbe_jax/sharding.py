@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tbe_jax import bounds, optim, reference
 from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, plan_sharding
 from tbe_jax.specs import TableSpec, checked_tables
-from tbe_jax.tbe import TableBatchedEmbedding
+from tbe_jax.tbe import TableBatchedEmbedding, widen_ids
 
 __all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
 
@@ -65,16 +65,6 @@ def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = 
     return ShardedTableBatchedEmbedding(emb, mesh, axis_name, plan, capacity=capacity, warn_overflow=warn_overflow,
                                         comm_dtype=comm_dtype)
 
-
-def _widen_ids(name: str, x):
-    """Integer ids narrower than 32 bits widened to int32 (exact), as `TableBatchedEmbedding` does; unsigned
-    32/64-bit ids refused (they have no -1, and the int32 narrowing below would wrap them)."""
-    if jnp.issubdtype(x.dtype, jnp.integer) and jnp.dtype(x.dtype).itemsize < 4:
-        return x.astype(jnp.int32)
-    if name == "indices" and jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-        raise TypeError(f"indices must be a signed integer type (int32, or int64 with x64), got {x.dtype}: "
-                        "cast ids that fit into int32 with .astype(int32)")
-    return x
 
 class ShardedTableBatchedEmbedding:
     """A `TableBatchedEmbedding` whose tables are spread over the devices of a mesh axis.
@@ -454,7 +444,7 @@ class ShardedTableBatchedEmbedding:
         if per_sample_weights is not None:
             per_sample_weights = jnp.asarray(per_sample_weights)
         self._check_inputs(indices, offsets, per_sample_weights)
-        indices, offsets = _widen_ids("indices", indices), _widen_ids("offsets", offsets)
+        indices, offsets = widen_ids("indices", indices), widen_ids("offsets", offsets)
         spec = P(self.axis_name)
         if indices.dtype != jnp.int32:  # int64 ids (x64): an id past int32 must not wrap into a valid one
             indices = jnp.where((indices < -1) | (indices >= 2**31), -2, indices).astype(jnp.int32)

@@ -65,12 +65,18 @@ def _check_host_ids(name: str, x) -> None:
 
 
 def _id_array(name: str, x) -> jax.Array:
-    """`indices` / `offsets` checked (1-D, integer) and in a dtype the paths handle: integer types narrower
-    than 32 bits are widened to int32 (exact); unsigned 32/64-bit ids are refused (they have no -1)."""
+    """`indices` / `offsets` checked (1-D, integer) and in a dtype the paths handle (`widen_ids`)."""
     if getattr(x, "ndim", None) != 1:
         raise ValueError(f"{name} must be a 1-D array, got shape {getattr(x, 'shape', None)}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integers (int32, or int64 with x64), got {x.dtype}")
+    return widen_ids(name, x)
+
+
+def widen_ids(name: str, x) -> jax.Array:
+    """Integer `indices` / `offsets` (`name`) in a dtype the paths handle: integer types narrower than 32 bits
+    are widened to int32 (exact); unsigned 32/64-bit ids are refused (they have no -1, and a narrowing to int32
+    would wrap them). Shared with `tbe_jax.sharding`."""
     if jnp.dtype(x.dtype).itemsize < 4:
         return x.astype(jnp.int32)
     if name == "indices" and jnp.issubdtype(x.dtype, jnp.unsignedinteger):
