@@ -53,7 +53,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tbe_jax import bounds, optim, reference
 from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, plan_sharding
 from tbe_jax.specs import TableSpec, checked_tables
-from tbe_jax.tbe import TableBatchedEmbedding, widen_ids
+from tbe_jax.inputs import widen_ids
+from tbe_jax.tbe import TableBatchedEmbedding
 
 __all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
 

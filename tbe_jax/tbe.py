@@ -18,6 +18,7 @@ from tbe_jax import optim
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.kernels import histogram_backward as hist_bwd
+from tbe_jax.inputs import as_array, id_array, static_sizes
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, checked_tables
 
 _POOLINGS = ("sum", "mean", "none")
@@ -38,73 +39,6 @@ def _float_dtype(name: str, value) -> jnp.dtype:
 
 def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
-def _as_array(name: str, x) -> jax.Array:
-    if x is None:
-        raise TypeError(f"{name} must be an array, got None")
-    _check_host_ids(name, x)
-    return jnp.asarray(x)
-
-
-def _check_host_ids(name: str, x) -> None:
-    """NumPy 64-bit ids with jax x64 off: `jnp.asarray` would wrap a value past int32 into a valid-looking
-    one (2**32 + 3 -> 3) before any bounds check sees it. Checked on the host, where the array already is
-    (eager calls only: under jit the conversion happened at the jit boundary)."""
-    if not (isinstance(x, np.ndarray) and x.dtype.kind in "iu" and x.dtype.itemsize == 8 and x.size):
-        return
-    if jax.dtypes.canonicalize_dtype(x.dtype).itemsize == 8:  # x64 on: kept as int64, checked later
-        return
-    lo, hi = int(x.min()), int(x.max())
-    if lo < -(2**31) or hi >= 2**31:
-        bad = lo if lo < -(2**31) else hi
-        raise ValueError(
-            f"{name} holds {bad}, outside int32, and jax_enable_x64 is off: JAX would wrap it into int32 "
-            "(possibly onto a valid id). Enable x64 (jax.config.update('jax_enable_x64', True)) to pass int64 "
-            "ids, or map them into int32 first")
-
-
-def _id_array(name: str, x) -> jax.Array:
-    """`indices` / `offsets` checked (1-D, integer) and in a dtype the paths handle (`widen_ids`)."""
-    if getattr(x, "ndim", None) != 1:
-        raise ValueError(f"{name} must be a 1-D array, got shape {getattr(x, 'shape', None)}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must hold integers (int32, or int64 with x64), got {x.dtype}")
-    return widen_ids(name, x)
-
-
-def widen_ids(name: str, x) -> jax.Array:
-    """Integer `indices` / `offsets` (`name`) in a dtype the paths handle: integer types narrower than 32 bits
-    are widened to int32 (exact); unsigned 32/64-bit ids are refused (they have no -1, and a narrowing to int32
-    would wrap them). Shared with `tbe_jax.sharding`."""
-    if jnp.dtype(x.dtype).itemsize < 4:
-        return x.astype(jnp.int32)
-    if name == "indices" and jnp.issubdtype(x.dtype, jnp.unsignedinteger):
-        raise TypeError(f"indices must be a signed integer type (int32, or int64 with x64), got {x.dtype}: "
-                        "cast ids that fit into int32 with .astype(int32)")
-    return x
-
-
-def _static_sizes(batch_size_per_feature) -> tuple[int, ...]:
-    """A static `batch_size_per_feature` as a tuple of Python ints (no silent truncation of floats)."""
-    if isinstance(batch_size_per_feature, (str, bytes, Mapping)) or not hasattr(batch_size_per_feature, "__iter__"):
-        raise TypeError(
-            "batch_size_per_feature must be a sequence of ints (one batch size per feature), or an int array "
-            f"with max_batch_size=M; got {batch_size_per_feature!r}")
-    out = []
-    for b in batch_size_per_feature:
-        if isinstance(b, jax.core.Tracer):
-            raise ValueError("batch_size_per_feature holds traced values: pass them as an int array with "
-                             "max_batch_size=M (a static bound on every size)")
-        kind = np.dtype(b.dtype).kind if hasattr(b, "dtype") else None
-        if isinstance(b, bool) or kind not in (None, "i", "u"):
-            raise TypeError(f"batch_size_per_feature must hold ints, got {b!r} in {tuple(batch_size_per_feature)!r}")
-        try:
-            out.append(operator.index(b))
-        except TypeError:
-            raise TypeError(
-                f"batch_size_per_feature must hold ints, got {b!r} in {tuple(batch_size_per_feature)!r}") from None
-    return tuple(out)
 
 
 class TableBatchedEmbedding:
@@ -321,7 +255,7 @@ class TableBatchedEmbedding:
             batch = [(num_offsets - 1) // nf] * nf
             vbe = False
         else:
-            batch = list(_static_sizes(batch_size_per_feature))
+            batch = list(static_sizes(batch_size_per_feature))
             if len(batch) != nf or any(b < 0 for b in batch):
                 raise ValueError(
                     f"batch_size_per_feature must give {nf} non-negative sizes, got {tuple(batch_size_per_feature)}"
@@ -346,7 +280,7 @@ class TableBatchedEmbedding:
 
     def _check_inputs(self, params, indices, offsets, per_sample_weights):
         """Checks the arguments; returns `(indices, offsets)`, narrow integer types widened to int32."""
-        indices, offsets = _id_array("indices", indices), _id_array("offsets", offsets)
+        indices, offsets = id_array("indices", indices), id_array("offsets", offsets)
         if per_sample_weights is not None:
             if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
                 raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
@@ -361,8 +295,8 @@ class TableBatchedEmbedding:
                       max_batch_size=None) -> bounds.BoundsReport:
         """Counts of what `bounds_check="warning"` would repair (jittable, device values)."""
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
-        indices = _id_array("indices", _as_array("indices", indices))
-        offsets = _id_array("offsets", _as_array("offsets", offsets))
+        indices = id_array("indices", as_array("indices", indices))
+        offsets = id_array("offsets", as_array("offsets", offsets))
         offsets, size_fix = self._expand(offsets, bpf)
         plan = self.plan_for(offsets.shape[0], None if size_fix is not None else bpf)
         rep = bounds.report(plan, indices, offsets)[1]
@@ -436,8 +370,8 @@ class TableBatchedEmbedding:
         Array batch sizes are applied here (`offsets` comes back in the fixed-batch
         form); `size_fix` counts the sizes clamped then (None without array sizes).
         """
-        indices = _as_array("indices", indices)
-        offsets = _as_array("offsets", offsets)
+        indices = as_array("indices", indices)
+        offsets = as_array("offsets", offsets)
         if per_sample_weights is not None:
             per_sample_weights = jnp.asarray(per_sample_weights)
         indices, offsets = self._check_inputs(params, indices, offsets, per_sample_weights)
@@ -791,14 +725,14 @@ class TableBatchedEmbedding:
 
 
 def _static_bpf(bpf):
-    return None if isinstance(bpf, vbe.VariableBatchSizes) else (None if bpf is None else _static_sizes(bpf))
+    return None if isinstance(bpf, vbe.VariableBatchSizes) else (None if bpf is None else static_sizes(bpf))
 
 
 def _eager_args(indices, offsets, per_sample_weights, bpf):
     """The array arguments of an eager call, as arrays (lists and NumPy arrays converted as the traced path does)."""
     psw = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
     dyn = bpf if isinstance(bpf, vbe.VariableBatchSizes) else None
-    return _as_array("indices", indices), _as_array("offsets", offsets), psw, dyn
+    return as_array("indices", indices), as_array("offsets", offsets), psw, dyn
 
 
 # Eager calls (outside jit) run as one jitted program each: one compilation per shape instead of one per
