@@ -50,6 +50,14 @@
 #   tttests2  test_tt_grad.py, test_tt_kernel.py compiled (8 workers)          -> tttests2.log
 #   x2tests   (2-GPU kind) the sharded test files compiled on the GPUs present  -> x2tests.log
 #   x2weak    (2-GPU kind) bench_sharding.py --weak, table and row plans, default and per-feature capacity -> sharding-*.json, x2weak.log
+#   multisweep trace_backward.py --variants: small-run launch knobs of multi-buffer segments on mixed dims -> multisweep.json, .log
+#   multisweep2 the width rule for multi-buffer segments' block (WIDTH_BLOCK) against block 8 -> multisweep2.json, .log
+#   bwdopt    test_backward.py, test_optimizers.py compiled (8 workers)              -> bwdopt.log
+#   dimsreadme bench_dims.py --single 64,128 and the three mixed models (the README's numbers) -> dims-*.json, dims.log
+#   multisweep3 dims 4..128 under the width rule: SEGMENT_BUFFERS 16, 1 warp, block 16 -> multisweep3.json, .log
+#   warprule  A/B of a one-warp rule (since removed: WARP_RULE) on mixed-dim models -> warprule.json, .log
+#   parity    test_backward compiled; A/B of runs.ALIGN_SEGMENTS (segments of one row parity) on five mixed models;
+#             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -153,6 +161,30 @@ for stage in "$@"; do
           2>&1 | grep -v Warning | tee -a "$OUT/trace.log" ;;
     fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
           "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
+    multisweep) timeout 420 python3 benchmarks/trace_backward.py --presets "" --dims "4-128/4;8-192/8;16-256/16" \
+          --variants "" MULTI_SMALL_BLOCK=16 MULTI_SMALL_PROGRAMS=8192 MULTI_SMALL_WARPS=4 \
+          MULTI_SMALL_BLOCK=16,MULTI_SMALL_WARPS=4 MULTI_SMALL_BLOCK=4 "" --out "$OUT/multisweep.json" 2>&1 \
+          | grep -E "^==|small_runs" | tee "$OUT/multisweep.log" ;;
+    multisweep2) timeout 300 python3 benchmarks/trace_backward.py --presets "" --dims "4-128/4;8-192/8;16-256/16" \
+          --variants WIDTH_BLOCK=0 WIDTH_BLOCK=1 WIDTH_BLOCK=1,MULTI_SMALL_PROGRAMS=8192 WIDTH_BLOCK=0 \
+          --out "$OUT/multisweep2.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/multisweep2.log" ;;
+    bwdopt) timeout 280 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
+          > "$OUT/bwdopt.log" 2>&1; tail -3 "$OUT/bwdopt.log" ;;
+    dimsreadme) timeout 280 python3 benchmarks/bench_dims.py --single 64,128 --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/dims.log" ;;
+    multisweep3) timeout 200 python3 benchmarks/trace_backward.py --presets "" --dims "4-128/4" \
+          --variants "" SEGMENT_BUFFERS=16 MULTI_SMALL_WARPS=1 MULTI_SMALL_BLOCK=16 "" \
+          --out "$OUT/multisweep3.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/multisweep3.log" ;;
+    warprule) timeout 280 python3 benchmarks/trace_backward.py --presets "" --dims "12-252/8;6-96/6;40-160/8;4-128/4" \
+          --variants WARP_RULE=0 WARP_RULE=1 --out "$OUT/warprule.json" 2>&1 | grep -E "^==|small_runs" \
+          | tee "$OUT/warprule.log" ;;
+    parity) timeout 120 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py > "$OUT/bwdparity.log" 2>&1;
+          tail -2 "$OUT/bwdparity.log"
+          timeout 150 python3 benchmarks/trace_backward.py --presets "" \
+            --dims "4-128/4;8-192/8;16-256/16;12-252/8;6-96/6" --variants ALIGN_SEGMENTS=0 ALIGN_SEGMENTS=1 \
+            --out "$OUT/parity.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/parity.log"
+          timeout 100 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v Warning \
+            | tee "$OUT/dims.log" ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

@@ -95,28 +95,42 @@ def main():
     ap.add_argument("--dims", default="",
                     help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tbe_jax.kernels.backward or tbe_jax._pallas, "
+                    help="A/B of module constants of tbe_jax.kernels.backward, tbe_jax._pallas or tbe_jax.runs, "
                          "e.g. SEGMENT_BUFFERS=16,ALIGN_ROWS=0")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="A/Bs in one process: each 'k=v,K=V' sets BackwardConfig fields (lower case) and module "
+                         "constants (upper case) on top of --config/--private; every workload is traced once per "
+                         "variant, variants interleaved per workload ('' is the base)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    from tbe_jax import _pallas
+    from tbe_jax import _pallas, runs
     from tbe_jax.kernels import backward as bwd_kernels
-    set_private(args.private, (bwd_kernels, _pallas))
-    kw = {}
-    for item in filter(None, args.config.split(",")):
-        k, v = item.split("=")
-        kw[k] = int(v)
-    cfg = tbe_jax.BackwardConfig(**kw)
+    modules = (bwd_kernels, _pallas, runs)
+    set_private(args.private, modules)
+    defaults = {m: {k: getattr(m, k) for k in dir(m) if k.isupper()} for m in modules}
+
+    def configure(variant):
+        """The BackwardConfig of `--config` + `variant`, with the variant's module constants set."""
+        for m, consts in defaults.items():
+            for k, v in consts.items():
+                setattr(m, k, v)
+        items = [p for p in (args.config + "," + variant).split(",") if p]
+        set_private(",".join(p for p in items if p.split("=")[0].isupper()), modules)
+        return tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in items
+                                                               if not p.split("=")[0].isupper())})
+
+    variants = args.variants or [""]
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": args.config,
-           "private": args.private, "presets": {}}
+           "private": args.private, "variants": variants, "presets": {}}
     workloads = [testing.PRESETS[n] for n in filter(None, args.presets.split(","))]
     for spec in filter(None, args.dims.split(";")):
         rng, step = spec.split("/")
         lo, hi = map(int, rng.split("-"))
         workloads.append(dataclasses.replace(testing.PRESETS["base"], name=f"dims{spec}",
                                              dims=tuple(range(lo, hi + 1, int(step)))))
-    for wl in workloads:
-        name = wl.name
+    for wl, (vi, variant) in ((wl, v) for wl in workloads for v in enumerate(variants)):
+        name = wl.name if len(variants) == 1 else f"{wl.name}[{vi}:{variant}]"
+        cfg = configure(variant)
         feats = wl.features()
         sets = make_sets(wl, 2)
         tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
