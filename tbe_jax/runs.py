@@ -48,16 +48,30 @@ class Runs(NamedTuple):
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
 
 
+# Order each width class's buffers by their rows' alignment (`row_parity`), so that the backward can serve
+# buffers of one alignment per launch. A/B switch (benchmarks/trace_backward.py --variants ALIGN_SEGMENTS=0).
+ALIGN_SEGMENTS = True
+
+
+def row_parity(dim: int) -> int:
+    """The largest power of two dividing `dim`, capped at 8: rows of dims with equal parity are equally aligned
+    in any weights dtype (fp16 rows are 16-byte multiples at parity 8, fp32 rows at 4 and 8)."""
+    return min(dim & -dim, 8) if ALIGN_SEGMENTS else 1
+
+
 def width_classes(layout: StorageLayout) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The storage buffers grouped by width class `next_pow2(D)`: `((width, buffers), ...)`,
-    widths ascending, each class's buffers in layout order.
+    widths ascending; each class's buffers by `row_parity` of their dim (descending), then in layout order.
 
     The key space concatenates the buffers in this order (`group_bases`), so every
     class's rows, hence its runs and its mid/long task lists, form one contiguous
-    range: the backward serves each class with one launch per kernel kind.
+    range, and so do the rows of its buffers of one parity: the backward serves each
+    (class, parity) with one launch per kernel kind.
     """
     widths = sorted({next_pow2(d) for d in layout.dims})
-    return tuple((w, tuple(g for g, d in enumerate(layout.dims) if next_pow2(d) == w)) for w in widths)
+    return tuple((w, tuple(sorted((g for g, d in enumerate(layout.dims) if next_pow2(d) == w),
+                                  key=lambda g: -row_parity(layout.dims[g]))))
+                 for w in widths)
 
 
 def group_bases(layout: StorageLayout) -> np.ndarray:

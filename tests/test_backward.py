@@ -107,9 +107,10 @@ def test_update_matches_model(rng, opt, pooling, weighted):
 
 
 def test_many_dims_width_classes(rng):
-    # Six dims in three width classes, two of them holding several buffers ({4, 3}, {40, 64, 48}):
-    # each class is one launch per kernel kind whose gather is masked per run to its dim and
-    # whose row update branches per buffer; small-run blocks span buffers of a class. Small E
+    # Six dims in three width classes, two of them holding several buffers ({4, 3}: two segments of
+    # one row parity each; {40, 64, 48}: one segment): a segment is one launch per kernel kind whose
+    # gather is masked per run to its dim and whose row update branches per buffer; small-run blocks
+    # span buffers of a segment. Small E
     # (repeats), mid runs (d40, d48, d3), long runs of >= 256 lookups (d64, 2 rows), a table read by
     # two features, weighted mean pooling and an empty bag. Kept small: interpret mode is slow.
     tables = specs([5, 4, 2, 4, 5, 3], [4, 40, 64, 3, 48, 8])
@@ -120,18 +121,36 @@ def test_many_dims_width_classes(rng):
 
 
 def test_width_class_split_into_segments(rng):
-    # Ten dims of one width class (33..42 -> 64) and one of another: the class is served by two
+    # Ten odd dims of one width class (33..51 -> 64) and one of another: the class is served by two
     # segments (8 + 2 buffers, backward.SEGMENT_BUFFERS) of the same launches, next to a third
     # segment; small-run blocks straddle buffers (E 3-4), a mid run (E 1) and an empty bag.
     from tbe_jax.kernels import backward as bwd
 
-    dims = list(range(33, 43)) + [8]
+    dims = list(range(33, 53, 2)) + [8]
     tables = specs([3, 4, 3, 4, 3, 4, 3, 4, 1, 3, 4], dims)
     layout = tbe_jax.TableBatchedEmbedding(tables).layout
     assert [len(s.buffers) for s in bwd._segments(layout)] == [1, bwd.SEGMENT_BUFFERS, 2]
     fmap = list(range(len(dims)))
     _check_step(rng, tables, fmap, [2] * len(fmap), (0, 8), tbe_jax.RowwiseAdagrad(0.05, 1e-3), steps=1,
                 empty_bag=True)
+
+
+def test_width_class_split_by_row_parity(rng):
+    # One width class (w64) holding dims of three row parities (runs.row_parity: 8 for 40/48/64, 4 for
+    # 36/44, 2 for 34): one segment per parity, each of equally aligned rows, in key order; the keys of a
+    # parity are contiguous (width_classes orders them), so blocks and tasks stay within a segment's range.
+    from tbe_jax import runs as runs_mod
+    from tbe_jax.kernels import backward as bwd
+
+    dims = [40, 36, 48, 44, 34, 64]
+    tables = specs([4, 3, 4, 3, 4, 1], dims)
+    layout = tbe_jax.TableBatchedEmbedding(tables).layout
+    segs = bwd._segments(layout)
+    assert [seg.dims for seg in segs] == [(40, 48, 64), (36, 44), (34,)]
+    assert all(len({runs_mod.row_parity(d) for d in seg.dims}) == 1 for seg in segs)
+    assert [seg.bases[0] for seg in segs] == sorted(seg.bases[0] for seg in segs)
+    _check_step(rng, tables, list(range(len(dims))), [2] * len(dims), (0, 8), tbe_jax.RowwiseAdagrad(0.05, 1e-3),
+                steps=1, empty_bag=True)
 
 
 # bfloat16 tables with row-wise Adagrad on these tables and batch: test_optimizers.py::test_low_precision_tables

@@ -3,8 +3,9 @@
 Input: the runs of `tbe_jax.runs.build_runs` (one run per distinct table row in
 the batch, its lookups contiguous in key order) and the output gradient. The
 small-run kernel is launched once per segment of a width class `next_pow2(D)` (at
-most SEGMENT_BUFFERS storage buffers; `runs.width_classes` orders the key space
-class by class, so each segment's keys, runs and tasks are contiguous); the mid-run,
+most SEGMENT_BUFFERS storage buffers of one row alignment, `runs.row_parity`;
+`runs.width_classes` orders the key space class by class and parity by parity, so
+each segment's keys, runs and tasks are contiguous); the mid-run,
 chunk and long-run kernels are launched once each and branch per segment. Each
 segment's code is compiled for its tile width: the gradient gather-and-sum is one
 code path masked to each run's dim, and only the row update branches per storage
@@ -42,7 +43,7 @@ import numpy as np
 
 from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
-from tbe_jax.runs import LONG, SMALL, Runs, group_bases, width_classes
+from tbe_jax.runs import LONG, SMALL, Runs, group_bases, row_parity, width_classes
 from tbe_jax.specs import StorageLayout
 
 
@@ -61,13 +62,17 @@ class BackwardConfig:
         (`benchmarks/results/bwdsweep2-20261129-1808-*`, `bwdsweep3-20261129-1817-*`);
         with element-wise state (4 runs, 4 warps) against (8, 2) on `base`: Adagrad
         1.188 vs 1.50 ms, Adam 1.798 vs 1.95 (`optimizers-20261130-1911*`,
-        `optimizers-20261130-1914*`).
+        `optimizers-20261130-1914*`). Models with several embedding dims per width
+        class `next_pow2(D)` (SGD and row-wise state) take about 1024 gradient
+        elements per task there instead: 16 runs at width 64, 8 at 128, 4 at 256
+        (`WIDTH_BLOCK` in this module says what it measured).
       lookups_per_step: output-gradient rows gathered together (K) by the mid-run
         and chunk kernels.
       programs: persistent programs of the mid-run, chunk and long-run kernels
         (capped by the task count bound). 8192 against 4096 on the H200: fp32 -3.7%,
         zipf -1.6%, weighted -4.4%, base +1.1% (`bwdsweep5/6-20261129-*`).
-      small_programs: persistent programs of the small-run kernel.
+      small_programs: persistent programs of the small-run kernel (twice as many for
+        the width classes holding several embedding dims, with SGD or row-wise state).
       num_warps: warps per program of the mid-run, chunk and long-run kernels.
       sort_in_forward: `tbe_jax.train_step` only: build the runs (sort, run-length
         encoding) in the step's forward half and keep them as residuals for the
@@ -205,6 +210,22 @@ def _strided_tasks(lo, hi, programs, body):
 # 0.365 ms (benchmarks/results/dims-trace-20261201-*).
 SEGMENT_BUFFERS = 8
 _BLOCK_MASK = True  # A/B switch of the multi-dim segments' blocked column mask (_cols_below)
+# Segments with several buffers (row-wise state or SGD, `small_block` left at None) take blocks of about 1024
+# gradient elements, clamp(1024 // width, 4, 16) runs (w64: 16, w128: 8, w256: 4), and launch twice
+# `small_programs` programs. Measured on the H200 against block 8 and 4096 programs, in one process
+# (benchmarks/results/multisweep*-20261201-*): dims 4..128 / 8..192 / 16..256 0.918 / 0.884 / 1.054 ->
+# 0.868 / 0.815 / 0.998 ms of device time per step (w64 segments -7 to -25%, w256 -9 to -13%); on models not
+# used to pick it (widthrule-heldout-20261201-*): 12..252 1.305 -> 1.168, 40..160 0.926 -> 0.874, 6..96 (step 6,
+# rows 4-byte aligned) 0.894 -> 0.907 ms.
+WIDTH_BLOCK = True
+# One warp per program for these segments was tried and not adopted: on dims 4..128 it took w128 0.367 -> 0.327
+# ms, but cost up to +22% on other models, also under a rule for rows that are not 16-byte multiples
+# (multisweep4-, warprule-20261201-*).
+# A/B overrides of the multi-buffer segments' small-run launch (benchmarks/trace_backward.py --variants); 0 keeps
+# the rule above.
+MULTI_SMALL_BLOCK = 0
+MULTI_SMALL_WARPS = 0
+MULTI_SMALL_PROGRAMS = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,16 +462,26 @@ def state_refs(refs, opt):
 
 
 def _segments(layout: StorageLayout) -> list[_Segment]:
-    """The width classes (`runs.width_classes`, in key order), each split into segments of at most
-    SEGMENT_BUFFERS buffers."""
+    """The width classes (`runs.width_classes`, in key order), each split by `runs.row_parity` (buffers whose
+    rows are equally aligned), then into segments of at most SEGMENT_BUFFERS buffers.
+
+    One segment per parity: a segment mixing 16-byte-multiple rows with others (fp16 dims 4 mod 8) was slower
+    than either kind alone, per table of the w128 class on the H200: 0.0256 ms mixed (dims 4..128), 0.0158
+    aligned (8..192, 40..160), 0.0204 unaligned (12..252) (benchmarks/results/multisweep2-,
+    widthrule-heldout-20261201-*).
+    """
     bases = group_bases(layout)
     segs = []
     for w, gs in width_classes(layout):
-        for i in range(0, len(gs), SEGMENT_BUFFERS):
-            part = gs[i:i + SEGMENT_BUFFERS]
-            segs.append(_Segment(len(segs), w, part, tuple(layout.dims[g] for g in part),
-                                 tuple(int(bases[g]) for g in part),
-                                 tuple(int(bases[g]) + layout.group_rows[g] for g in part)))
+        by_parity = {}
+        for g in gs:  # width_classes keeps each parity's buffers contiguous
+            by_parity.setdefault(row_parity(layout.dims[g]), []).append(g)
+        for same in by_parity.values():
+            for i in range(0, len(same), SEGMENT_BUFFERS):
+                part = tuple(same[i:i + SEGMENT_BUFFERS])
+                segs.append(_Segment(len(segs), w, part, tuple(layout.dims[g] for g in part),
+                                     tuple(int(bases[g]) for g in part),
+                                     tuple(int(bases[g]) + layout.group_rows[g] for g in part)))
     return segs
 
 
@@ -542,14 +573,14 @@ def fused_update(
     buffers = [g for seg in segs for g in seg.buffers]
     width = max(seg.width for seg in segs)
 
-    def aliased(kernel, name, grid, args, buffers=buffers):
+    def aliased(kernel, name, grid, args, buffers=buffers, compiler_params=params):
         state = [x for g in buffers for x in [new_w[keys[g]]] + [d[keys[g]] for d in new_s]]
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
         args = list(args) + state
         out = pallas_call(
             kernel, out_shape=shapes, grid=(grid,),
             input_output_aliases={len(args) - len(state) + i: i for i in range(len(state))},
-            compiler_params=small_params if name.startswith("tbe_backward_small_runs") else params,
+            compiler_params=compiler_params,
             interpret=interpret, name=name,
         )(*args)
         per = 1 + n_slots
@@ -561,10 +592,19 @@ def fused_update(
     segs = tuple(segs)
     align = row_align(layout.dims, 4)
     for seg in segs:
-        aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=blk, programs=p_small, scaled=scaled,
+        s_blk, s_params, s_programs = blk, small_params, p_small
+        if not seg.single:
+            s_max = max_small
+            if WIDTH_BLOCK and not elementwise:
+                s_blk = config.small_block or min(16, max(4, 1024 // seg.width))
+                s_max = max_small if interpret else 2 * max_small
+            s_blk = MULTI_SMALL_BLOCK or s_blk
+            s_params = plgpu.CompilerParams(num_warps=MULTI_SMALL_WARPS or small_params.num_warps, num_stages=1)
+            s_programs = max(1, min(MULTI_SMALL_PROGRAMS or s_max, -(-n // s_blk)))
+        aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=s_blk, programs=s_programs, scaled=scaled,
                                   align=align),
-                f"tbe_backward_small_runs_w{seg.width}", p_small, [rng, hyper, runs.run_start, runs.run_key] + common,
-                seg.buffers)
+                f"tbe_backward_small_runs_w{seg.width}", s_programs, [rng, hyper, runs.run_start, runs.run_key] + common,
+                seg.buffers, small_params if seg.single else s_params)
     aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
                               prefetch=prefetch, align=align),
             "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
