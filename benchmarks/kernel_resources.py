@@ -1,0 +1,157 @@
+"""Registers, spills and SASS size of the TBE backward's Pallas kernels, without a GPU.
+
+Lowers `apply_gradients` (row-wise Adagrad) for CUDA on this machine (`lowering_platforms=("cuda",)`), captures the
+Triton IR of every `pallas_call` as Pallas builds it, and compiles each with the `triton` package's compiler for
+sm_90a (H100/H200). Prints per kernel: registers per thread, spill stores/loads (bytes), and the SASS instruction
+count (from the bundled `cuobjdump`). Registers bound how many programs an SM holds (65,536 per SM); spills turn
+register traffic into local-memory traffic. The Triton here is the PyPI one, not the one jaxlib links into XLA, so
+counts can differ a little from what runs on the GPU; use it to compare variants, not as ground truth.
+
+  pip install --target /tmp/tsite triton==3.6.0          (not a project dependency; the tool reads PYTHONPATH)
+  PYTHONPATH=/tmp/tsite python benchmarks/kernel_resources.py --dims "4-128/4" --variants ALIGN_SEGMENTS=0 ""
+
+The dims / variants syntax is `trace_backward.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import tbe_jax  # noqa: E402
+from tbe_jax import testing  # noqa: E402
+from trace_backward import set_private  # noqa: E402
+
+
+def capture_triton_ir(fn, *args) -> list[tuple[str, str, int]]:
+    """(kernel name, Triton IR text, num_warps) of every pallas_call in `fn(*args)` lowered for CUDA."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    captured = []
+    orig = reg.lowering.lower_jaxpr_to_triton_module
+
+    def spy(jaxpr, grid_mapping, *a, **kw):
+        res = orig(jaxpr, grid_mapping, *a, **kw)
+        warps = sys._getframe(1).f_locals.get("num_warps", 4)  # pallas_call_lowering's, set before this call
+        captured.append((jaxpr.debug_info.func_name, res.module.operation.get_asm(enable_debug_info=False),
+                         int(warps)))
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = orig
+    return captured
+
+
+def compile_report(ir: str, num_warps: int) -> dict:
+    """Compile one Triton IR module for sm_90a: registers, spills, SASS instructions."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ttir")
+        with open(path, "w") as fh:
+            fh.write(ir)
+        k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as fh:
+            fh.write(k.asm["ptx"])
+        p = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+        out = {}
+        if (m := re.search(r"Used (\d+) registers", p.stderr)):
+            out["regs"] = int(m.group(1))
+        if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stderr)):
+            out["spill_stores"], out["spill_loads"] = int(m.group(1)), int(m.group(2))
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", os.path.join(d, "k.o")],
+                              capture_output=True, text=True).stdout
+        out["sass"] = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
+        out["sass_ldg"] = len(re.findall(r"\bLDG\.", sass))
+        out["sass_stg"] = len(re.findall(r"\bSTG\.", sass))
+        out["sass_lds_sts"] = len(re.findall(r"\b(?:LDS|STS)\b", sass))
+        return out
+
+
+def workload(spec: str):
+    if spec.startswith("dims"):
+        lo_hi, step = spec[4:].split("/")
+        lo, hi = map(int, lo_hi.split("-"))
+        return dataclasses.replace(testing.PRESETS["base"], name=spec, dims=tuple(range(lo, hi + 1, int(step))))
+    return testing.PRESETS[spec]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="")
+    ap.add_argument("--dims", default="4-128/4")
+    ap.add_argument("--variants", nargs="*", default=[""])
+    ap.add_argument("--match", default="small_runs")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    from tbe_jax import _pallas, runs
+    from tbe_jax.kernels import backward as bwd_kernels
+    modules = (bwd_kernels, _pallas, runs)
+    defaults = {m: {k: getattr(m, k) for k in dir(m) if k.isupper()} for m in modules}
+    specs = [p for p in args.presets.split(",") if p] + [f"dims{d}" for d in args.dims.split(";") if d]
+    res = {}
+    for spec in specs:
+        wl = workload(spec)
+        for variant in args.variants:
+            for m, consts in defaults.items():
+                for k, v in consts.items():
+                    setattr(m, k, v)
+            items = [p for p in variant.split(",") if p]
+            set_private(",".join(p for p in items if p.split("=")[0].isupper()), modules)
+            cfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in items
+                                                                   if not p.split("=")[0].isupper())})
+            tables = [tbe_jax.TableSpec(e, d) for e, d, _ in wl.features()]
+            emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", weights_dtype=wl.weights_dtype,
+                                                output_dtype=wl.output_dtype, backward_config=cfg)
+            emb._use_kernel = lambda: True  # lowered for CUDA here: the kernel path, not run
+            opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
+            params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), wl.weights_dtype)
+                      for g, d in enumerate(emb.layout.dims)}
+            state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
+            n = len(tables) * wl.B * 20
+            idx = jax.ShapeDtypeStruct((n,), jnp.int32)
+            off = jax.ShapeDtypeStruct((len(tables) * wl.B + 1,), jnp.int32)
+            g = jax.ShapeDtypeStruct((wl.B, sum(d for _, d, _ in wl.features())), jnp.float32)
+            kernels = capture_triton_ir(lambda p, s, i, o, gg: emb.apply_gradients(p, s, opt, i, o, gg),
+                                        params, state, idx, off, g)
+            key = f"{spec}[{variant}]"
+            res[key] = {}
+            print(f"== {key}")
+            seen = {}
+            for name, ir, warps in kernels:
+                if args.match not in name:
+                    continue
+                seen[name] = seen.get(name, -1) + 1
+                label = name + (f"__{seen[name]}" if seen[name] else "")
+                try:
+                    rep = compile_report(ir, warps)
+                except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
+                    rep = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                rep["num_warps"] = warps
+                res[key][label] = rep
+                print(f"  {label:40s} " + " ".join(f"{a}={b}" for a, b in rep.items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
