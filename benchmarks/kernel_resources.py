@@ -67,12 +67,17 @@ def compile_report(ir: str, num_warps: int) -> dict:
         with open(path, "w") as fh:
             fh.write(ir)
         k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+        out = {}
+        ttgir = k.asm.get("ttgir", "")
+        out["convert_layout"] = len(re.findall(r"convert_layout", ttgir))
+        if os.environ.get("KRES_DUMP"):  # keep the TTGIR of each kernel for reading
+            with open(os.path.join(os.environ["KRES_DUMP"], f"{abs(hash(ir))}.ttgir"), "w") as fh:
+                fh.write(ttgir)
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as fh:
             fh.write(k.asm["ptx"])
         p = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
                            capture_output=True, text=True)
-        out = {}
         if (m := re.search(r"Used (\d+) registers", p.stderr)):
             out["regs"] = int(m.group(1))
         if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", p.stderr)):
