@@ -16,7 +16,6 @@ The dims / variants syntax is `trace_backward.py`'s.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -30,8 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
-from trace_backward import set_private  # noqa: E402
+from trace_backward import Variants, backward_modules, workload  # noqa: E402
 
 
 def capture_triton_ir(fn, *args) -> list[tuple[str, str, int]]:
@@ -91,14 +89,6 @@ def compile_report(ir: str, num_warps: int) -> dict:
         return out
 
 
-def workload(spec: str):
-    if spec.startswith("dims"):
-        lo_hi, step = spec[4:].split("/")
-        lo, hi = map(int, lo_hi.split("-"))
-        return dataclasses.replace(testing.PRESETS["base"], name=spec, dims=tuple(range(lo, hi + 1, int(step))))
-    return testing.PRESETS[spec]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="")
@@ -107,22 +97,13 @@ def main():
     ap.add_argument("--match", default="small_runs")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    from tbe_jax import _pallas, runs
-    from tbe_jax.kernels import backward as bwd_kernels
-    modules = (bwd_kernels, _pallas, runs)
-    defaults = {m: {k: getattr(m, k) for k in dir(m) if k.isupper()} for m in modules}
+    configs = Variants(backward_modules())
     specs = [p for p in args.presets.split(",") if p] + [f"dims{d}" for d in args.dims.split(";") if d]
     res = {}
     for spec in specs:
         wl = workload(spec)
         for variant in args.variants:
-            for m, consts in defaults.items():
-                for k, v in consts.items():
-                    setattr(m, k, v)
-            items = [p for p in variant.split(",") if p]
-            set_private(",".join(p for p in items if p.split("=")[0].isupper()), modules)
-            cfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in items
-                                                                   if not p.split("=")[0].isupper())})
+            cfg = configs.apply(variant)
             tables = [tbe_jax.TableSpec(e, d) for e, d, _ in wl.features()]
             emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", weights_dtype=wl.weights_dtype,
                                                 output_dtype=wl.output_dtype, backward_config=cfg)

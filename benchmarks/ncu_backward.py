@@ -11,7 +11,6 @@ dims cycled, as `trace_backward.py --dims`). `--private K=V,...` sets module con
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import sys
@@ -21,17 +20,8 @@ import jax
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
 from bench_backward import EPS, LR, make_sets, with_opt  # noqa: E402
-from trace_backward import set_private  # noqa: E402
-
-
-def workload(name: str):
-    if name.startswith("dims"):
-        rng, step = name[4:].split("/")
-        lo, hi = map(int, rng.split("-"))
-        return dataclasses.replace(testing.PRESETS["base"], name=name, dims=tuple(range(lo, hi + 1, int(step))))
-    return testing.PRESETS[name]
+from trace_backward import backward_modules, set_private, workload  # noqa: E402
 
 
 def main():
@@ -40,9 +30,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--private", default="")
     args = ap.parse_args()
-    from tbe_jax import _pallas
-    from tbe_jax.kernels import backward as bwd_kernels
-    set_private(args.private, (bwd_kernels, _pallas))
+    set_private(args.private, backward_modules())
     wl = workload(args.workload)
     sets = make_sets(wl, 1)
     tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in wl.features()]

@@ -21,7 +21,6 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -80,6 +79,41 @@ def set_private(spec: str, modules) -> None:
         setattr(mod, k, type(getattr(mod, k))(int(v)))
 
 
+def workload(name: str):
+    """A preset of `tbe_jax.testing.PRESETS`, or "dims<lo>-<hi>/<step>": `base` with its 32 tables cycling through
+    the dims lo, lo + step, ..., hi."""
+    if name.startswith("dims"):
+        rng, step = name[4:].split("/")
+        lo, hi = map(int, rng.split("-"))
+        return dataclasses.replace(testing.PRESETS["base"], name=name, dims=tuple(range(lo, hi + 1, int(step))))
+    return testing.PRESETS[name]
+
+
+def backward_modules():
+    """The modules whose upper-case constants `--private` and `--variants` may set."""
+    from tbe_jax import _pallas, runs
+    from tbe_jax.kernels import backward as bwd_kernels
+    return (bwd_kernels, _pallas, runs)
+
+
+class Variants:
+    """`--variants` items: 'k=v,K=V' sets BackwardConfig fields (lower case) and module constants (upper case)."""
+
+    def __init__(self, modules, base: str = ""):
+        self.modules, self.base = modules, base
+        self.defaults = {m: {k: getattr(m, k) for k in dir(m) if k.isupper()} for m in modules}
+
+    def apply(self, variant: str) -> tbe_jax.BackwardConfig:
+        """Restore every constant, set `base` + `variant`'s, and return their BackwardConfig."""
+        for m, consts in self.defaults.items():
+            for k, v in consts.items():
+                setattr(m, k, v)
+        items = [p for p in (self.base + "," + variant).split(",") if p]
+        set_private(",".join(p for p in items if p.split("=")[0].isupper()), self.modules)
+        return tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in items
+                                                               if not p.split("=")[0].isupper())})
+
+
 def print_kernels(kernels: dict, top: int):
     """The `top` kernels of `profile`'s result: ms per step, calls per step, name."""
     for k, v in list(kernels.items())[:top]:
@@ -103,34 +137,17 @@ def main():
                          "variant, variants interleaved per workload ('' is the base)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    from tbe_jax import _pallas, runs
-    from tbe_jax.kernels import backward as bwd_kernels
-    modules = (bwd_kernels, _pallas, runs)
+    modules = backward_modules()
     set_private(args.private, modules)
-    defaults = {m: {k: getattr(m, k) for k in dir(m) if k.isupper()} for m in modules}
-
-    def configure(variant):
-        """The BackwardConfig of `--config` + `variant`, with the variant's module constants set."""
-        for m, consts in defaults.items():
-            for k, v in consts.items():
-                setattr(m, k, v)
-        items = [p for p in (args.config + "," + variant).split(",") if p]
-        set_private(",".join(p for p in items if p.split("=")[0].isupper()), modules)
-        return tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in items
-                                                               if not p.split("=")[0].isupper())})
-
+    configs = Variants(modules, args.config)
     variants = args.variants or [""]
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": args.config,
            "private": args.private, "variants": variants, "presets": {}}
-    workloads = [testing.PRESETS[n] for n in filter(None, args.presets.split(","))]
-    for spec in filter(None, args.dims.split(";")):
-        rng, step = spec.split("/")
-        lo, hi = map(int, rng.split("-"))
-        workloads.append(dataclasses.replace(testing.PRESETS["base"], name=f"dims{spec}",
-                                             dims=tuple(range(lo, hi + 1, int(step)))))
+    workloads = [workload(n) for n in filter(None, args.presets.split(","))]
+    workloads += [workload(f"dims{spec}") for spec in filter(None, args.dims.split(";"))]
     for wl, (vi, variant) in ((wl, v) for wl in workloads for v in enumerate(variants)):
         name = wl.name if len(variants) == 1 else f"{wl.name}[{vi}:{variant}]"
-        cfg = configure(variant)
+        cfg = configs.apply(variant)
         feats = wl.features()
         sets = make_sets(wl, 2)
         tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
