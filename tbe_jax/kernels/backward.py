@@ -468,7 +468,9 @@ def _segments(layout: StorageLayout) -> list[_Segment]:
     One segment per parity: a segment mixing 16-byte-multiple rows with others (fp16 dims 4 mod 8) was slower
     than either kind alone, per table of the w128 class on the H200: 0.0256 ms mixed (dims 4..128), 0.0158
     aligned (8..192, 40..160), 0.0204 unaligned (12..252) (benchmarks/results/multisweep2-,
-    widthrule-heldout-20261201-*).
+    widthrule-heldout-20261201-*); split: 4..128 0.869 -> 0.795 ms per step (parity-20261201-1531-*). In the mixed
+    kernel the unaligned branches converted the gradient tile's layout through shared memory and it needed 80
+    registers, against 56 and 72 for the two halves alone (benchmarks/kernel_resources.py).
     """
     bases = group_bases(layout)
     segs = []
@@ -540,8 +542,7 @@ def fused_update(
     # Element-wise state (Adagrad, the Adam family) triples or more the bytes of each row update: fewer
     # runs per task and more warps per program keep more of those loads in flight (BackwardConfig).
     elementwise = opt is not None and not all(opt.slot_rowwise)
-    small_params = plgpu.CompilerParams(
-        num_warps=config.small_num_warps or (4 if elementwise else 2), num_stages=1)
+    small_warps = config.small_num_warps or (4 if elementwise else 2)
     k = config.lookups_per_step
     blk = config.small_block or (4 if elementwise else 8)
     # Interpret mode runs programs one after another: few programs keep CPU tests
@@ -555,7 +556,6 @@ def fused_update(
     max_chunks = runs.chunk_first.shape[0]
     # Every launch gets the full program count (scaling a class's programs by its share of the
     # tables measured slower: dims-20261130-164044).
-    p_small = max(1, min(max_small, -(-n // blk)))
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
     p_long = max(1, min(max_programs, max_chunks))
 
@@ -592,19 +592,18 @@ def fused_update(
     segs = tuple(segs)
     align = row_align(layout.dims, 4)
     for seg in segs:
-        s_blk, s_params, s_programs = blk, small_params, p_small
-        if not seg.single:
-            s_max = max_small
+        s_blk, s_warps, s_programs = blk, small_warps, max_small
+        if not seg.single:  # several buffers: the width rule (WIDTH_BLOCK), then the A/B overrides
             if WIDTH_BLOCK and not elementwise:
                 s_blk = config.small_block or min(16, max(4, 1024 // seg.width))
-                s_max = max_small if interpret else 2 * max_small
-            s_blk = MULTI_SMALL_BLOCK or s_blk
-            s_params = plgpu.CompilerParams(num_warps=MULTI_SMALL_WARPS or small_params.num_warps, num_stages=1)
-            s_programs = max(1, min(MULTI_SMALL_PROGRAMS or s_max, -(-n // s_blk)))
+                s_programs = max_small if interpret else 2 * max_small
+            s_blk, s_warps = MULTI_SMALL_BLOCK or s_blk, MULTI_SMALL_WARPS or s_warps
+            s_programs = MULTI_SMALL_PROGRAMS or s_programs
+        s_programs = max(1, min(s_programs, -(-n // s_blk)))
         aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=s_blk, programs=s_programs, scaled=scaled,
                                   align=align),
                 f"tbe_backward_small_runs_w{seg.width}", s_programs, [rng, hyper, runs.run_start, runs.run_key] + common,
-                seg.buffers, small_params if seg.single else s_params)
+                seg.buffers, plgpu.CompilerParams(num_warps=s_warps, num_stages=1))
     aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
                               prefetch=prefetch, align=align),
             "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
