@@ -58,6 +58,8 @@
 #   warprule  A/B of a one-warp rule (since removed: WARP_RULE) on mixed-dim models -> warprule.json, .log
 #   parity    test_backward compiled; A/B of runs.ALIGN_SEGMENTS (segments of one row parity) on five mixed models;
 #             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
+#   vecblock  A/B of backward.VEC_BLOCK (block budget scaled by the row vector width; screened on the CPU only)
+#             on five mixed models -> vecblock.json, vecblock.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -185,6 +187,9 @@ for stage in "$@"; do
             --out "$OUT/parity.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/parity.log"
           timeout 100 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v Warning \
             | tee "$OUT/dims.log" ;;
+    vecblock) timeout 300 python3 benchmarks/trace_backward.py --presets "" \
+          --dims "4-128/4;6-96/6;12-252/8;8-192/8;16-256/16" --variants "" VEC_BLOCK=1 "" \
+          --out "$OUT/vecblock.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/vecblock.log" ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

@@ -218,6 +218,10 @@ _BLOCK_MASK = True  # A/B switch of the multi-dim segments' blocked column mask 
 # used to pick it (widthrule-heldout-20261201-*): 12..252 1.305 -> 1.168, 40..160 0.926 -> 0.874, 6..96 (step 6,
 # rows 4-byte aligned) 0.894 -> 0.907 ms.
 WIDTH_BLOCK = True
+# A/B switch, not measured yet: scale that budget by the rows' vector width (1024 elements for 16-byte row vectors,
+# 512 for 8-byte ones, ...; block clamped to [2, 16]). Screened on the CPU machine only (kernel_resources.py):
+# 12..252's w256 segments (8-byte fp16 row vectors, block 4) need 96 registers and spill; at block 2, 64.
+VEC_BLOCK = False
 # One warp per program for these segments was tried and not adopted: on dims 4..128 it took w128 0.367 -> 0.327
 # ms, but cost up to +22% on other models, also under a rule for rows that are not 16-byte multiples
 # (multisweep4-, warprule-20261201-*).
@@ -596,6 +600,9 @@ def fused_update(
         if not seg.single:  # several buffers: the width rule (WIDTH_BLOCK), then the A/B overrides
             if WIDTH_BLOCK and not elementwise:
                 s_blk = config.small_block or min(16, max(4, 1024 // seg.width))
+                if VEC_BLOCK and not config.small_block:
+                    vec = min(16, min(d & -d for d in seg.dims) * jnp.dtype(new_w[keys[seg.buffers[0]]].dtype).itemsize)
+                    s_blk = min(16, max(2, 1024 * vec // 16 // seg.width))
                 s_programs = max_small if interpret else 2 * max_small
             s_blk, s_warps = MULTI_SMALL_BLOCK or s_blk, MULTI_SMALL_WARPS or s_warps
             s_programs = MULTI_SMALL_PROGRAMS or s_programs
