@@ -89,14 +89,72 @@ def compile_report(ir: str, num_warps: int) -> dict:
         return out
 
 
+_TT_DEFAULTS: dict = {}
+
+
+def tt_kernels(workload: str, config: str, opt: str, batch: int):
+    """The Pallas kernels of a TT training step (`trace_tt.py`'s step) on a tt_jax workload, lowered for CUDA."""
+    import tt_jax
+    from bench_tt import config_fields, numpy_cores
+    from trace_tt import OPTS, make_step
+    from tt_jax import workloads
+    from tt_jax.kernels import forward as kf
+
+    wl = workloads.PRESETS[workload]()
+    specs = list(wl.specs)
+    from trace_backward import set_private
+    from tt_jax.kernels import backward as tt_bwd
+    items = [p for p in config.split(",") if p]
+    for m in (tt_bwd, kf):  # restore, then this run's upper-case constants
+        for k in [k for k in dir(m) if k.isupper()]:
+            setattr(m, k, _TT_DEFAULTS.setdefault((m.__name__, k), getattr(m, k)))
+    set_private(",".join(p for p in items if p.split("=")[0].isupper()), (tt_bwd, kf))
+    config = ",".join(p for p in items if not p.split("=")[0].isupper())
+    cfg = kf.TTKernelConfig(**config_fields(config)) if config else kf.TTKernelConfig()
+    real_backend = jax.default_backend
+    jax.default_backend = lambda: "gpu"  # the kernel path, lowered for CUDA here, not run
+    try:
+        emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", config=cfg)
+        o = OPTS[opt]()
+        params = {"cores": jax.tree.map(jnp.asarray, numpy_cores(specs))}
+        carry = (params, emb.init_opt_state(params, o))
+        import numpy as np
+        idx, off = (jnp.asarray(a) for a in wl.make_batch(np.random.default_rng(0), batch))
+        step = make_step(emb, o)
+        return capture_triton_ir(step.__wrapped__ if hasattr(step, "__wrapped__") else step, carry, idx, off)
+    finally:
+        jax.default_backend = real_backend
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="")
     ap.add_argument("--dims", default="4-128/4")
     ap.add_argument("--variants", nargs="*", default=[""])
     ap.add_argument("--match", default="small_runs")
+    ap.add_argument("--tt", default="", help="a tt_jax workload (e.g. 'a'): report its training step's kernels instead")
+    ap.add_argument("--tt-configs", nargs="*", default=[""],
+                    help="TTKernelConfig overrides 'k=v,k=v' (upper case: constants of tt_jax.kernels.backward / .forward), one run each")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.tt:
+        res = {}
+        for config in args.tt_configs:
+            key = f"tt-{args.tt}[{config}]"
+            res[key] = {}
+            print(f"== {key}")
+            for name, ir, warps in tt_kernels(args.tt, config, "adagrad", 1024):
+                try:
+                    rep = compile_report(ir, warps)
+                except Exception as e:  # noqa: BLE001
+                    rep = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                rep["num_warps"] = warps
+                res[key][name] = rep
+                print(f"  {name:40s} " + " ".join(f"{a}={b}" for a, b in rep.items()), flush=True)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+        return
     configs = Variants(backward_modules())
     specs = [p for p in args.presets.split(",") if p] + [f"dims{d}" for d in args.dims.split(";") if d]
     res = {}

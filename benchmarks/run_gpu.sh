@@ -60,6 +60,8 @@
 #             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
 #   vecblock  A/B of backward.VEC_BLOCK (block budget scaled by the row vector width; screened on the CPU only)
 #             on five mixed models -> vecblock.json, vecblock.log
+#   x3tests   the TT test files compiled with forward.MANUAL_X3 on (no xdist: the switch is set in-process) -> x3tests.log
+#   x3        trace_tt.py A/B: MANUAL_X3 and ONEHOT_EXACT01 (TT, screened on the CPU only) -> x3-*.json, x3.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -190,6 +192,14 @@ for stage in "$@"; do
     vecblock) timeout 300 python3 benchmarks/trace_backward.py --presets "" \
           --dims "4-128/4;6-96/6;12-252/8;8-192/8;16-256/16" --variants "" VEC_BLOCK=1 "" \
           --out "$OUT/vecblock.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/vecblock.log" ;;
+    x3tests) timeout 280 python3 -c "import sys, pytest; from tt_jax.kernels import forward as f; f.MANUAL_X3 = True; \
+          sys.exit(pytest.main(['-q', '-x', '-p', 'no:xdist', 'tests/test_tt_kernel.py', 'tests/test_tt_grad.py']))" \
+          > "$OUT/x3tests.log" 2>&1; tail -3 "$OUT/x3tests.log" ;;
+    x3) timeout 300 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy \
+          --out "$OUT/x3-0.json" 2>&1 | grep -v Warning | tee "$OUT/x3.log" | grep -A8 "=="
+        for v in MANUAL_X3=1 ONEHOT_EXACT01=1 MANUAL_X3=1,ONEHOT_EXACT01=1; do
+          timeout 150 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy --private $v \
+            --out "$OUT/x3-$(echo $v | tr '=,' '__').json" 2>&1 | grep -v Warning | tee -a "$OUT/x3.log" | grep -A8 "=="; done ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

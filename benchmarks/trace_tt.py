@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one trace each)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tt_jax.kernels.backward, e.g. EXACT01_SPLIT=0")
+                    help="A/B of module constants of tt_jax.kernels.backward or .forward, e.g. EXACT01_SPLIT=0")
     ap.add_argument("--accuracy", action="store_true",
                     help="also the forward's and the core gradients' relative error (max abs error / max abs value) "
                          "against impl='xla' at HIGHEST precision")
@@ -95,7 +95,7 @@ def main():
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     from tt_jax.kernels import backward as tt_bwd
-    set_private(args.private, (tt_bwd,))
+    set_private(args.private, (tt_bwd, kf))
     wl = workloads.PRESETS[args.workload]()
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

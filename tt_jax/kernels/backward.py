@@ -50,20 +50,20 @@ from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.specs import next_pow2
 from tt_jax import prefix
 from tt_jax.backward import feature_col0, position_bags
-from tt_jax.kernels.forward import (PRECISIONS, Tiles, TTKernelConfig, dot_pad, load_last, load_suffixes, masked_store,
-                                    prefix_loads, tt_rows)
+from tt_jax.kernels.forward import (PRECISIONS, Tiles, TTKernelConfig, dot_general, dot_pad, load_last, load_suffixes,
+                                    masked_store, prefix_loads, tf32_split, tt_rows)
 
 _BIG = 2**31 - 1
 
 
-def _dot(a, b, ca, cb, precision):
-    """Dot contracting dim `ca` of a with dim `cb` of b (2-D), fp32 accumulation."""
-    return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+def _dot(a, b, ca, cb, precision, *, manual: bool = True):
+    """Dot contracting dim `ca` of a with dim `cb` of b (2-D), fp32 accumulation (`forward.dot_general`)."""
+    return dot_general(a, b, (((ca,), (cb,)), ((), ())), precision, manual=manual)
 
-
-_TF32_HI = np.uint32(0xFFFFE000)  # TF32 keeps fp32's sign, exponent and top 10 mantissa bits
 EXACT01_SPLIT = True  # A/B switch of `_dot_exact01`'s two-pass form
+# A/B switch, not measured yet: the segmented sums' one-hot dots (`_seg_tile_kernel`, "lookups" and "dense") in
+# `_dot_exact01`'s two passes. Screened on the CPU machine only (benchmarks/kernel_resources.py --tt a): see NOTES.
+ONEHOT_EXACT01 = False
 
 
 def _dot_exact01(a, b, ca, cb, precision, *, exact: str):
@@ -76,10 +76,9 @@ def _dot_exact01(a, b, ca, cb, precision, *, exact: str):
     """
     if not EXACT01_SPLIT or precision != jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
         return _dot(a, b, ca, cb, precision)
-    x = b if exact == "a" else a
-    hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & _TF32_HI, jnp.float32)
+    hi, x_lo = tf32_split(b if exact == "a" else a)
     one = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
-    lo = _dot(a, b - hi, ca, cb, one) if exact == "a" else _dot(a - hi, b, ca, cb, one)
+    lo = _dot(a, x_lo, ca, cb, one) if exact == "a" else _dot(x_lo, b, ca, cb, one)
     # An infinite x has x_lo = NaN: drop the low part there, as Triton's TF32x3 does, so inf stays inf.
     lo = jnp.where(jnp.isnan(lo), 0.0, lo)
     return lo + (_dot(a, hi, ca, cb, one) if exact == "a" else _dot(hi, b, ca, cb, one))
@@ -151,7 +150,9 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
                 mid = plgpu.load(ref["ids"].at[m], mask=live, other=0)
                 v = plgpu.load(ref["buf"].at[(mid * e_b)[:, None] + cols[None, :]], mask=ok2, other=0.0)
             onehot = (local[None, :] == lane[:, None]).astype(jnp.float32)  # [run, member]
-            part = _dot(onehot, v, 1, 0, precision)  # [K, Ep]: row a = the sum of local run a
+            # [K, Ep]: row a = the sum of local run a
+            part = (_dot_exact01(onehot, v, 1, 0, precision, exact="a") if ONEHOT_EXACT01
+                    else _dot(onehot, v, 1, 0, precision))
             has = lane <= a_last
             left, right = dest(lane)
             inner = has & ~left & ~right
@@ -183,7 +184,8 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
         off = (xa * e_b)[:, None] + xb[None, :]
 
         def per_run(a, carry):
-            acc = _dot(jnp.where((local_c == a)[None, :], pt, 0.0), dp, 1, 0, precision)
+            # (MANUAL_X3 made this kernel spill more: kept on the dot algorithm's own passes.)
+            acc = _dot(jnp.where((local_c == a)[None, :], pt, 0.0), dp, 1, 0, precision, manual=False)
             left, right = dest(a)
             edge = left | right
             seg = seg_of(a)

@@ -226,8 +226,34 @@ def masked_store(ref, addr, val, mask, interpret):
     plgpu.store(ref.at[addr], val, mask=mask)
 
 
+# A/B switch, not measured yet: TF32x3 dots written as three one-pass TF32 dots on operands split here (same
+# arithmetic as the dot algorithm's own passes). Screened on the CPU machine only (benchmarks/kernel_resources.py
+# --tt a): see benchmarks/NOTES.md, session 14.
+MANUAL_X3 = False
+_TF32_HI = np.uint32(0xFFFFE000)  # TF32 keeps fp32's sign, exponent and top 10 mantissa bits
+
+
+def tf32_split(x):
+    """(hi, lo): x's TF32 bits and the exact fp32 remainder."""
+    hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & _TF32_HI, jnp.float32)
+    return hi, x - hi
+
+
+def dot_general(a, b, dims, precision, *, manual: bool = True):
+    """`lax.dot_general` with fp32 accumulation; with MANUAL_X3 (and `manual`), a TF32x3 dot as three explicit
+    TF32 passes (small terms first; an infinite operand's NaN low parts dropped, as Triton's TF32x3 does)."""
+    if not (MANUAL_X3 and manual and precision == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3):
+        return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    one = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+    (a_hi, a_lo), (b_hi, b_lo) = tf32_split(a), tf32_split(b)
+    small = (jax.lax.dot_general(a_lo, b_hi, dims, precision=one, preferred_element_type=jnp.float32)
+             + jax.lax.dot_general(a_hi, b_lo, dims, precision=one, preferred_element_type=jnp.float32))
+    small = jnp.where(jnp.isnan(small), 0.0, small)
+    return small + jax.lax.dot_general(a_hi, b_hi, dims, precision=one, preferred_element_type=jnp.float32)
+
+
 def _dot(a, b, precision):
-    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+    return dot_general(a, b, (((1,), (0,)), ((), ())), precision)
 
 
 def prefix_loads(core_refs, digits, tl: Tiles):
