@@ -153,6 +153,31 @@ def test_width_class_split_by_row_parity(rng):
                 steps=1, empty_bag=True)
 
 
+def test_segments_cover_the_key_space_in_order():
+    # For random dim mixes: every buffer in exactly one segment; a segment holds one width class and one row
+    # parity, at most SEGMENT_BUFFERS buffers, whose keys are contiguous; segments follow each other in key order.
+    from tbe_jax import runs as runs_mod
+    from tbe_jax.kernels import backward as bwd
+    from tbe_jax.specs import next_pow2
+
+    gen = np.random.default_rng(7)
+    for _ in range(20):
+        dims = sorted(set(int(d) for d in gen.integers(1, 300, gen.integers(1, 40))))
+        gen.shuffle(dims)
+        layout = tbe_jax.TableBatchedEmbedding(specs([3] * len(dims), dims)).layout
+        segs = bwd._segments(layout)
+        assert sorted(g for seg in segs for g in seg.buffers) == list(range(len(dims)))
+        key = 0
+        for seg in segs:
+            assert len(seg.buffers) <= bwd.SEGMENT_BUFFERS
+            assert {next_pow2(d) for d in seg.dims} == {seg.width}
+            assert len({runs_mod.row_parity(d) for d in seg.dims}) == 1
+            for base, end in zip(seg.bases, seg.ends):
+                assert base == key
+                key = end
+        assert key == int(runs_mod.group_bases(layout)[-1])
+
+
 # bfloat16 tables with row-wise Adagrad on these tables and batch: test_optimizers.py::test_low_precision_tables
 # [rowwise-l2-bfloat16] (and every optimizer family member on fp16/bf16 there).
 @pytest.mark.parametrize("wdtype", ["float16"])
