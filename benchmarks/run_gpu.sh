@@ -62,7 +62,7 @@
 #             on five mixed models -> vecblock.json, vecblock.log
 #   x3tests   the TT test files compiled with forward.MANUAL_X3 on (no xdist: the switch is set in-process) -> x3tests.log
 #   x3        trace_tt.py A/B: MANUAL_X3 and ONEHOT_EXACT01 (TT, screened on the CPU only) -> x3-*.json, x3.log
-#   x3cfg     trace_tt.py with MANUAL_X3 on: the launch knobs its register counts suggest (bwd_rows 4, 4 warps, tile_rows 16) -> x3cfg.json, .log
+#   x3cfg     trace_tt.py with MANUAL_X3 on: the launch knobs its register counts suggest (bwd_rows 4, 4 warps, tile_rows 16, member tile 16) -> x3cfg.json, .log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -202,7 +202,7 @@ for stage in "$@"; do
           timeout 150 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy --private $v \
             --out "$OUT/x3-$(echo $v | tr '=,' '__').json" 2>&1 | grep -v Warning | tee -a "$OUT/x3.log" | grep -A8 "=="; done ;;
     x3cfg) timeout 400 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --private MANUAL_X3=1 \
-          --configs bwd_rows=4 bwd_num_warps=4 tile_rows=16 --out "$OUT/x3cfg.json" 2>&1 | grep -v Warning \
+          --configs bwd_rows=4 bwd_num_warps=4 tile_rows=16 bwd_member_tile=16 --out "$OUT/x3cfg.json" 2>&1 | grep -v Warning \
           | tee "$OUT/x3cfg.log" | grep -A8 "==" ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
