@@ -58,9 +58,10 @@
 #   warprule  A/B of a one-warp rule (since removed: WARP_RULE) on mixed-dim models -> warprule.json, .log
 #   parity    test_backward compiled; A/B of runs.ALIGN_SEGMENTS (segments of one row parity) on five mixed models;
 #             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
+#   vectests  test_backward.py compiled with backward.VEC_BLOCK on (TBE_JAX_TEST_SWITCHES)       -> vectests.log
 #   vecblock  A/B of backward.VEC_BLOCK (block budget scaled by the row vector width; screened on the CPU only)
 #             on five mixed models -> vecblock.json, vecblock.log
-#   x3tests   the TT test files compiled with forward.MANUAL_X3 on (no xdist: the switch is set in-process) -> x3tests.log
+#   x3tests   the TT test files compiled with MANUAL_X3 and ONEHOT_EXACT01 on (TBE_JAX_TEST_SWITCHES) -> x3tests.log
 #   x3        trace_tt.py A/B: MANUAL_X3 and ONEHOT_EXACT01 (TT, screened on the CPU only) -> x3-*.json, x3.log
 #   x3cfg     trace_tt.py with MANUAL_X3 on: the launch knobs its register counts suggest (bwd_rows 4, 4 warps, tile_rows 16, member tile 16) -> x3cfg.json, .log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
@@ -190,11 +191,13 @@ for stage in "$@"; do
             --out "$OUT/parity.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/parity.log"
           timeout 100 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v Warning \
             | tee "$OUT/dims.log" ;;
+    vectests) TBE_JAX_TEST_SWITCHES=tbe_jax.kernels.backward.VEC_BLOCK=1 timeout 200 python3 -m pytest -q -n 8 \
+          -p no:benchmark tests/test_backward.py > "$OUT/vectests.log" 2>&1; tail -3 "$OUT/vectests.log" ;;
     vecblock) timeout 300 python3 benchmarks/trace_backward.py --presets "" \
           --dims "4-128/4;6-96/6;12-252/8;8-192/8;16-256/16" --variants "" VEC_BLOCK=1 "" \
           --out "$OUT/vecblock.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/vecblock.log" ;;
-    x3tests) timeout 280 python3 -c "import sys, pytest; from tt_jax.kernels import forward as f; f.MANUAL_X3 = True; \
-          sys.exit(pytest.main(['-q', '-x', '-p', 'no:xdist', 'tests/test_tt_kernel.py', 'tests/test_tt_grad.py']))" \
+    x3tests) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.MANUAL_X3=1,tt_jax.kernels.backward.ONEHOT_EXACT01=1 \
+          timeout 280 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_kernel.py tests/test_tt_grad.py \
           > "$OUT/x3tests.log" 2>&1; tail -3 "$OUT/x3tests.log" ;;
     x3) timeout 300 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy \
           --out "$OUT/x3-0.json" 2>&1 | grep -v Warning | tee "$OUT/x3.log" | grep -A8 "=="

@@ -40,6 +40,16 @@ import pytest
 import tbe_jax
 
 ON_GPU = jax.default_backend() == "gpu"
+
+# A/B switches of the kernels for a whole test run (each pytest-xdist worker reads this too):
+# TBE_JAX_TEST_SWITCHES="tt_jax.kernels.forward.MANUAL_X3=1,tbe_jax.kernels.backward.VEC_BLOCK=1".
+for _item in filter(None, os.environ.get("TBE_JAX_TEST_SWITCHES", "").split(",")):
+    _path, _value = _item.split("=")
+    _module, _name = _path.rsplit(".", 1)
+    _mod = importlib.import_module(_module)
+    if not hasattr(_mod, _name):
+        raise ValueError(f"TBE_JAX_TEST_SWITCHES: {_module} has no {_name}")
+    setattr(_mod, _name, type(getattr(_mod, _name))(int(_value)))
 KERNEL_KW = dict(impl="pallas", interpret=not ON_GPU)
 
 
