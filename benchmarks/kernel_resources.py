@@ -170,12 +170,13 @@ def main():
             params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), wl.weights_dtype)
                       for g, d in enumerate(emb.layout.dims)}
             state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
-            n = len(tables) * wl.B * 20
+            n = sum(wl.B * l for _, _, l in wl.features())
             idx = jax.ShapeDtypeStruct((n,), jnp.int32)
             off = jax.ShapeDtypeStruct((len(tables) * wl.B + 1,), jnp.int32)
             g = jax.ShapeDtypeStruct((wl.B, sum(d for _, d, _ in wl.features())), jnp.float32)
-            kernels = capture_triton_ir(lambda p, s, i, o, gg: emb.apply_gradients(p, s, opt, i, o, gg),
-                                        params, state, idx, off, g)
+            psw = jax.ShapeDtypeStruct((n,), jnp.float32) if wl.weighted else None
+            kernels = capture_triton_ir(lambda p, s, i, o, gg, w: emb.apply_gradients(p, s, opt, i, o, gg, w),
+                                        params, state, idx, off, g, psw)
             key = f"{spec}[{variant}]"
             res[key] = {}
             print(f"== {key}")
