@@ -89,6 +89,25 @@ def compile_report(ir: str, num_warps: int) -> dict:
         return out
 
 
+def report(kernels, match: str) -> dict:
+    """`compile_report` of each captured kernel whose name contains `match`, printed as it goes; a kernel met twice
+    gets `__1`, `__2`... (as XLA names repeated launches)."""
+    out, seen = {}, {}
+    for name, ir, warps in kernels:
+        if match not in name:
+            continue
+        seen[name] = seen.get(name, -1) + 1
+        label = name + (f"__{seen[name]}" if seen[name] else "")
+        try:
+            rep = compile_report(ir, warps)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
+            rep = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        rep["num_warps"] = warps
+        out[label] = rep
+        print(f"  {label:40s} " + " ".join(f"{a}={b}" for a, b in rep.items()), flush=True)
+    return out
+
+
 _TT_DEFAULTS: dict = {}
 
 
@@ -141,16 +160,8 @@ def main():
         res = {}
         for config in args.tt_configs:
             key = f"tt-{args.tt}[{config}]"
-            res[key] = {}
             print(f"== {key}")
-            for name, ir, warps in tt_kernels(args.tt, config, "adagrad", 1024):
-                try:
-                    rep = compile_report(ir, warps)
-                except Exception as e:  # noqa: BLE001
-                    rep = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                rep["num_warps"] = warps
-                res[key][name] = rep
-                print(f"  {name:40s} " + " ".join(f"{a}={b}" for a, b in rep.items()), flush=True)
+            res[key] = report(tt_kernels(args.tt, config, "adagrad", 1024), "")
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=1)
@@ -178,21 +189,8 @@ def main():
             kernels = capture_triton_ir(lambda p, s, i, o, gg, w: emb.apply_gradients(p, s, opt, i, o, gg, w),
                                         params, state, idx, off, g, psw)
             key = f"{spec}[{variant}]"
-            res[key] = {}
             print(f"== {key}")
-            seen = {}
-            for name, ir, warps in kernels:
-                if args.match not in name:
-                    continue
-                seen[name] = seen.get(name, -1) + 1
-                label = name + (f"__{seen[name]}" if seen[name] else "")
-                try:
-                    rep = compile_report(ir, warps)
-                except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
-                    rep = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                rep["num_warps"] = warps
-                res[key][label] = rep
-                print(f"  {label:40s} " + " ".join(f"{a}={b}" for a, b in rep.items()), flush=True)
+            res[key] = report(kernels, args.match)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
