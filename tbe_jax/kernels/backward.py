@@ -279,6 +279,15 @@ class _Segment:
             pl.when(self.holds(i, key))(functools.partial(body, i))
 
 
+def _multi_block(seg: _Segment, itemsize: int) -> int:
+    """Runs per small-run block of a segment with several buffers: about 1024 gradient elements (WIDTH_BLOCK); with
+    VEC_BLOCK, that budget scaled by the rows' vector width (16 bytes: 1024, 8 bytes: 512, ...)."""
+    if not VEC_BLOCK:
+        return min(16, max(4, 1024 // seg.width))
+    vec = min(16, min(d & -d for d in seg.dims) * itemsize)
+    return min(16, max(2, 1024 * vec // 16 // seg.width))
+
+
 def state_width(opt) -> int:
     """Arrays per storage buffer that an update kernel aliases: the weights and the state's slots."""
     return 1 + (opt.num_slots if opt is not None else 0)
@@ -599,18 +608,17 @@ def fused_update(
         s_blk, s_warps, s_programs = blk, small_warps, max_small
         if not seg.single:  # several buffers: the width rule (WIDTH_BLOCK), then the A/B overrides
             if WIDTH_BLOCK and not elementwise:
-                s_blk = config.small_block or min(16, max(4, 1024 // seg.width))
-                if VEC_BLOCK and not config.small_block:
-                    vec = min(16, min(d & -d for d in seg.dims) * jnp.dtype(new_w[keys[seg.buffers[0]]].dtype).itemsize)
-                    s_blk = min(16, max(2, 1024 * vec // 16 // seg.width))
+                itemsize = jnp.dtype(new_w[keys[seg.buffers[0]]].dtype).itemsize
+                s_blk = config.small_block or _multi_block(seg, itemsize)
                 s_programs = max_small if interpret else 2 * max_small
             s_blk, s_warps = MULTI_SMALL_BLOCK or s_blk, MULTI_SMALL_WARPS or s_warps
             s_programs = MULTI_SMALL_PROGRAMS or s_programs
         s_programs = max(1, min(s_programs, -(-n // s_blk)))
         aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=s_blk, programs=s_programs, scaled=scaled,
                                   align=align),
-                f"tbe_backward_small_runs_w{seg.width}", s_programs, [rng, hyper, runs.run_start, runs.run_key] + common,
-                seg.buffers, plgpu.CompilerParams(num_warps=s_warps, num_stages=1))
+                f"tbe_backward_small_runs_w{seg.width}", s_programs,
+                [rng, hyper, runs.run_start, runs.run_key] + common, seg.buffers,
+                plgpu.CompilerParams(num_warps=s_warps, num_stages=1))
     aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
                               prefetch=prefetch, align=align),
             "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
