@@ -58,12 +58,10 @@
 #   warprule  A/B of a one-warp rule (since removed: WARP_RULE) on mixed-dim models -> warprule.json, .log
 #   parity    test_backward compiled; A/B of runs.ALIGN_SEGMENTS (segments of one row parity) on five mixed models;
 #             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
-#   vectests  test_backward.py compiled with backward.VEC_BLOCK on (TBE_JAX_TEST_SWITCHES)       -> vectests.log
-#   vecblock  A/B of backward.VEC_BLOCK (block budget scaled by the row vector width; screened on the CPU only)
-#             on five mixed models -> vecblock.json, vecblock.log
-#   x3tests   the TT test files compiled with MANUAL_X3 and ONEHOT_EXACT01 on (TBE_JAX_TEST_SWITCHES) -> x3tests.log
-#   x3        trace_tt.py A/B: MANUAL_X3 and ONEHOT_EXACT01 (TT, screened on the CPU only) -> x3-*.json, x3.log
-#   x3cfg     trace_tt.py with MANUAL_X3 on: the launch knobs its register counts suggest (bwd_rows 4, 4 warps, tile_rows 16, member tile 16) -> x3cfg.json, .log
+#   (vectests, vecblock, x3tests, x3, x3cfg: the A/Bs of 2026-12-01 17:00, on switches since removed or adopted)
+#   ttfinal   the TT test files compiled; trace_tt.py with accuracy, default against the old bwd_member_tile=32 -> tttests3.log, ttfinal.json, .log
+#   dp1       the TT test files compiled with backward.DP1_RELOAD on; trace_tt.py A/B of DP1_RELOAD (default, on,
+#             default again; the first also at the old bwd_member_tile=32) -> dp1tests.log, dp1-*.json, dp1.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -191,22 +189,15 @@ for stage in "$@"; do
             --out "$OUT/parity.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/parity.log"
           timeout 100 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v Warning \
             | tee "$OUT/dims.log" ;;
-    vectests) TBE_JAX_TEST_SWITCHES=tbe_jax.kernels.backward.VEC_BLOCK=1 timeout 200 python3 -m pytest -q -n 8 \
-          -p no:benchmark tests/test_backward.py > "$OUT/vectests.log" 2>&1; tail -3 "$OUT/vectests.log" ;;
-    vecblock) timeout 300 python3 benchmarks/trace_backward.py --presets "" \
-          --dims "4-128/4;6-96/6;12-252/8;8-192/8;16-256/16" --variants "" VEC_BLOCK=1 "" \
-          --out "$OUT/vecblock.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/vecblock.log" ;;
-    x3tests) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.MANUAL_X3=1,tt_jax.kernels.backward.ONEHOT_EXACT01=1 \
-          timeout 280 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_kernel.py tests/test_tt_grad.py \
-          > "$OUT/x3tests.log" 2>&1; tail -3 "$OUT/x3tests.log" ;;
-    x3) timeout 300 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy \
-          --out "$OUT/x3-0.json" 2>&1 | grep -v Warning | tee "$OUT/x3.log" | grep -A8 "=="
-        for v in MANUAL_X3=1 ONEHOT_EXACT01=1 MANUAL_X3=1,ONEHOT_EXACT01=1; do
-          timeout 150 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy --private $v \
-            --out "$OUT/x3-$(echo $v | tr '=,' '__').json" 2>&1 | grep -v Warning | tee -a "$OUT/x3.log" | grep -A8 "=="; done ;;
-    x3cfg) timeout 400 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --private MANUAL_X3=1 \
-          --configs bwd_rows=4 bwd_num_warps=4 tile_rows=16 bwd_member_tile=16 --out "$OUT/x3cfg.json" 2>&1 | grep -v Warning \
-          | tee "$OUT/x3cfg.log" | grep -A8 "==" ;;
+    ttfinal) timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
+          > "$OUT/tttests3.log" 2>&1; tail -3 "$OUT/tttests3.log"
+        timeout 300 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy --configs bwd_member_tile=32 bwd_member_tile=16 \
+          --out "$OUT/ttfinal.json" 2>&1 | grep -v Warning | tee "$OUT/ttfinal.log" | grep -A8 "==" ;;
+    dp1) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.backward.DP1_RELOAD=1 timeout 200 python3 -m pytest -q -n 8 \
+          -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/dp1tests.log" 2>&1; tail -2 "$OUT/dp1tests.log"
+        i=0; for v in "" DP1_RELOAD=1 "" DP1_RELOAD=1; do i=$((i+1)); cfg=""; [ $i = 1 ] && cfg="bwd_member_tile=32"
+          timeout 120 python3 benchmarks/trace_tt.py --batches 32768 --top 6 --accuracy --private "$v" --configs $cfg \
+            --out "$OUT/dp1-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/dp1.log" | grep -A3 "=="; done ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

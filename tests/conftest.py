@@ -42,7 +42,7 @@ import tbe_jax
 ON_GPU = jax.default_backend() == "gpu"
 
 # A/B switches of the kernels for a whole test run (each pytest-xdist worker reads this too):
-# TBE_JAX_TEST_SWITCHES="tt_jax.kernels.forward.MANUAL_X3=1,tbe_jax.kernels.backward.VEC_BLOCK=1".
+# TBE_JAX_TEST_SWITCHES="tbe_jax.kernels.backward.WIDTH_BLOCK=0,tbe_jax.kernels.runs.ALIGN_SEGMENTS=0".
 for _item in filter(None, os.environ.get("TBE_JAX_TEST_SWITCHES", "").split(",")):
     _path, _value = _item.split("=")
     _module, _name = _path.rsplit(".", 1)

@@ -396,22 +396,21 @@ def test_two_pass_dot_with_a_01_operand(rng, exact):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="TF32 dot algorithms exist on GPUs only")
-def test_manual_tf32x3_dot_matches_the_algorithm(rng, monkeypatch):
-    # forward.MANUAL_X3 (an A/B switch): TF32x3 as three explicit one-pass TF32 dots, as accurate as the dot
-    # algorithm against float64; an infinite operand gives inf, not NaN.
+def test_manual_tf32x3_dot_matches_the_algorithm(rng):
+    # dot_general(manual=True) (the backward kernels' dots): TF32x3 as three explicit one-pass TF32 dots, as
+    # accurate as the dot algorithm against float64; an infinite operand gives inf, not NaN.
     from tt_jax.kernels import forward as kf
 
-    monkeypatch.setattr(kf, "MANUAL_X3", True)
     a = rng.standard_normal((16, 128)).astype(np.float32) * np.float32(1e3)
     b = rng.standard_normal((128, 32)).astype(np.float32)
     want = a.astype(np.float64) @ b.astype(np.float64)
     x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     dims = (((1,), (0,)), ((), ()))
-    got = np.asarray(jax.jit(lambda p, q: kf.dot_general(p, q, dims, x3))(a, b))
+    got = np.asarray(jax.jit(lambda p, q: kf.dot_general(p, q, dims, x3, manual=True))(a, b))
     ref = np.asarray(jax.jit(lambda p, q: jax.lax.dot_general(p, q, dims, precision=x3,
                                                               preferred_element_type=jnp.float32))(a, b))
     assert np.abs(got - want).max() <= max(2 * np.abs(ref - want).max(), 1e-6 * np.abs(want).max())
     a[0, 0] = np.inf
     b[:, 0] = np.abs(b[:, 0]) + 1
-    out = np.asarray(jax.jit(lambda p, q: kf.dot_general(p, q, dims, x3))(a, b))
+    out = np.asarray(jax.jit(lambda p, q: kf.dot_general(p, q, dims, x3, manual=True))(a, b))
     assert out[0, 0] == np.inf

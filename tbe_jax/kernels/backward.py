@@ -218,10 +218,9 @@ _BLOCK_MASK = True  # A/B switch of the multi-dim segments' blocked column mask 
 # used to pick it (widthrule-heldout-20261201-*): 12..252 1.305 -> 1.168, 40..160 0.926 -> 0.874, 6..96 (step 6,
 # rows 4-byte aligned) 0.894 -> 0.907 ms.
 WIDTH_BLOCK = True
-# A/B switch, not measured yet: scale that budget by the rows' vector width (1024 elements for 16-byte row vectors,
-# 512 for 8-byte ones, ...; block clamped to [2, 16]). Screened on the CPU machine only (kernel_resources.py):
-# 12..252's w256 segments (8-byte fp16 row vectors, block 4) need 96 registers and spill; at block 2, 64.
-VEC_BLOCK = False
+# Scaling that budget by the rows' vector width (1024 elements for 16-byte row vectors, 512 for 8-byte ones) cut
+# the unaligned segments' registers (72 -> 40 on dims 4..128's w128) but not their time: 4..128 +0.8%, 6..96 -1.5%,
+# 12..252 +1.4%, aligned models unchanged (vecblock-20261201-1700-*); removed.
 # One warp per program for these segments was tried and not adopted: on dims 4..128 it took w128 0.367 -> 0.327
 # ms, but cost up to +22% on other models, also under a rule for rows that are not 16-byte multiples
 # (multisweep4-, warprule-20261201-*).
@@ -279,13 +278,9 @@ class _Segment:
             pl.when(self.holds(i, key))(functools.partial(body, i))
 
 
-def _multi_block(seg: _Segment, itemsize: int) -> int:
-    """Runs per small-run block of a segment with several buffers: about 1024 gradient elements (WIDTH_BLOCK); with
-    VEC_BLOCK, that budget scaled by the rows' vector width (16 bytes: 1024, 8 bytes: 512, ...)."""
-    if not VEC_BLOCK:
-        return min(16, max(4, 1024 // seg.width))
-    vec = min(16, min(d & -d for d in seg.dims) * itemsize)
-    return min(16, max(2, 1024 * vec // 16 // seg.width))
+def _multi_block(seg: _Segment) -> int:
+    """Runs per small-run block of a segment with several buffers: about 1024 gradient elements (WIDTH_BLOCK)."""
+    return min(16, max(4, 1024 // seg.width))
 
 
 def state_width(opt) -> int:
@@ -608,8 +603,7 @@ def fused_update(
         s_blk, s_warps, s_programs = blk, small_warps, max_small
         if not seg.single:  # several buffers: the width rule (WIDTH_BLOCK), then the A/B overrides
             if WIDTH_BLOCK and not elementwise:
-                itemsize = jnp.dtype(new_w[keys[seg.buffers[0]]].dtype).itemsize
-                s_blk = config.small_block or _multi_block(seg, itemsize)
+                s_blk = config.small_block or _multi_block(seg)
                 s_programs = max_small if interpret else 2 * max_small
             s_blk, s_warps = MULTI_SMALL_BLOCK or s_blk, MULTI_SMALL_WARPS or s_warps
             s_programs = MULTI_SMALL_PROGRAMS or s_programs

@@ -57,13 +57,11 @@ _BIG = 2**31 - 1
 
 
 def _dot(a, b, ca, cb, precision, *, manual: bool = True):
-    """Dot contracting dim `ca` of a with dim `cb` of b (2-D), fp32 accumulation (`forward.dot_general`)."""
+    """Dot contracting dim `ca` of a with dim `cb` of b (2-D), fp32 accumulation (`forward.dot_general`; TF32x3
+    as three explicit passes unless `manual=False`: fewer registers in the group kernel, see there)."""
     return dot_general(a, b, (((ca,), (cb,)), ((), ())), precision, manual=manual)
 
 EXACT01_SPLIT = True  # A/B switch of `_dot_exact01`'s two-pass form
-# A/B switch, not measured yet: the segmented sums' one-hot dots (`_seg_tile_kernel`, "lookups" and "dense") in
-# `_dot_exact01`'s two passes. Screened on the CPU machine only (benchmarks/kernel_resources.py --tt a): see NOTES.
-ONEHOT_EXACT01 = False
 
 
 def _dot_exact01(a, b, ca, cb, precision, *, exact: str):
@@ -151,8 +149,10 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
                 v = plgpu.load(ref["buf"].at[(mid * e_b)[:, None] + cols[None, :]], mask=ok2, other=0.0)
             onehot = (local[None, :] == lane[:, None]).astype(jnp.float32)  # [run, member]
             # [K, Ep]: row a = the sum of local run a
-            part = (_dot_exact01(onehot, v, 1, 0, precision, exact="a") if ONEHOT_EXACT01
-                    else _dot(onehot, v, 1, 0, precision))
+            # The one-hot operand is exact in TF32: two passes (`_dot_exact01`). Measured on the H200
+            # (x3-20261201-1705-*): segsum_lookups 0.086 -> 0.074 ms, segsum_dense 0.069 -> 0.051 (255 -> 167
+            # registers for the first, by benchmarks/kernel_resources.py).
+            part = _dot_exact01(onehot, v, 1, 0, precision, exact="a")
             has = lane <= a_last
             left, right = dest(lane)
             inner = has & ~left & ~right
@@ -184,7 +184,7 @@ def _seg_tile_kernel(*refs, names, mode, k, j_rows, j_pad, e_a, e_b, n_members, 
         off = (xa * e_b)[:, None] + xb[None, :]
 
         def per_run(a, carry):
-            # (MANUAL_X3 made this kernel spill more: kept on the dot algorithm's own passes.)
+            # (Three explicit passes made this kernel spill more: kept on the dot algorithm's own passes.)
             acc = _dot(jnp.where((local_c == a)[None, :], pt, 0.0), dp, 1, 0, precision, manual=False)
             left, right = dest(a)
             edge = left | right
@@ -429,10 +429,9 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
     G2[i2, a, j, b], so C is `[q1 q2, r2]` in one tile (rows (j1, j2)). Per step of S rows, with H `[r2,
     (s, j3)]` their last-core slices and Xd `[(j1, j2), (s, j3)]` their dR:
       dC += Xd H^T (contract (s, j3)),   dlast = C^T Xd  `[r2, (s, j3)]` (each row's last-core contribution).
-    Then dP1 (the first core's contribution): dX = dC Y^T is `[(j1, j2), (j, a)]`; its blocks with j == j2
-    summed over j2 are dP1[j1, a], taken with two 0/1 dots (R `[j1', (j1, j2)]`, F `[(j, a), a']`), no
-    register reshape. Six dots per group plus two per step, against 4 + 8 per step + 8 in the general kernel.
-    Stores the same buffers as `_group_kernel`.
+    Then dP1 (the first core's contribution) = dC as `[j1, (j2, b)]` (reloaded from the dP1 buffer just
+    stored: no register reshape) times G2's slice `[a, (j2, b)]` transposed. Two dots per group plus two per
+    step, against 4 + 8 per step + 8 in the general kernel. Stores the same buffers as `_group_kernel`.
     """
     ref = dict(zip(names, refs))
     meta_ref, ngroups_ref, suffix_ref, drows_ref = ref["meta"], ref["ngroups"], ref["suffix"], ref["d_rows"]
@@ -483,15 +482,22 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         masked_store(ref["p1"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], p1, p1_mask, interpret)
         masked_store(ref["dp1"], g * (tl.rows_valid * r[2]) + (jj * r[2])[:, None] + bb[None, :], dc,
                      j_ok[:, None] & b_ok[None, :], interpret)
-        # dP1[j1, a] = sum_{j2} (dC Y^T)[(j1, j2), (j2, a)].
-        kk = jnp.arange(tl.k_x, dtype=jnp.int32)
-        dx = _dot(dc, y_op, 1, 1, precision)  # [rows_m, k_x]
-        diag = (j_ok[:, None] & (kk < q[1] * r[1])[None, :] & ((jj % q[1])[:, None] == (kk // r[1])[None, :]))
-        dx = jnp.where(diag, dx, 0.0)
-        sel = ((jj // q[1])[None, :] == j1[:, None]) & j_ok[None, :]  # R [q1p, rows_m]
-        fold = ((kk % r[1])[:, None] == aa[None, :]) & (kk < q[1] * r[1])[:, None]  # F [k_x, r_pad1]
-        tmp = _dot_exact01(sel.astype(jnp.float32), dx, 1, 0, precision, exact="a")  # [q1p, k_x]
-        dfirst = _dot_exact01(tmp, fold.astype(jnp.float32), 1, 0, precision, exact="b")  # [q1p, r_pad1]
+        # dP1[j1, a] = sum_{(j2, b)} dC[(j1, j2), b] G2[i2, a, j2, b]. dC, just stored row-major over ((j1, j2),
+        # b), is `[j1, (j2, b)]` in memory, and G2's slice is `[a, (j2, b)]`: one dot of the reloaded dC (the
+        # barrier makes this program's stores visible to all its threads). It replaced dX = dC Y^T and two 0/1
+        # dots (per group 3 x 65k MACs at TF32x3 instead of 3 x 65k + 2 x 32k + 2 x 65k; 228 -> 156 registers):
+        # tt_bwd_groups 0.735 -> 0.615 ms on workload a, B 32768 (dp1-20261201-1719-*).
+        if not interpret:
+            plgpu.debug_barrier()
+        k2 = dot_pad(q[1] * r[2])
+        cc = jnp.arange(k2, dtype=jnp.int32)
+        c_ok = cc < q[1] * r[2]
+        dc2 = plgpu.load(ref["dp1"].at[g * (tl.rows_valid * r[2]) + (j1 * (q[1] * r[2]))[:, None] + cc[None, :]],
+                         mask=(j1 < q[0])[:, None] & c_ok[None, :], other=0.0)  # [q1p, k2]
+        g2 = plgpu.load(cores[1].at[digits[1].astype(tl.addr) * (r[1] * q[1] * r[2])
+                                    + (aa * (q[1] * r[2]))[:, None] + cc[None, :]],
+                        mask=a_ok[:, None] & c_ok[None, :], other=0.0)  # [r_pad1, k2]
+        dfirst = _dot(dc2, g2, 1, 1, precision)  # [q1p, r_pad1]
         masked_store(ref["dfirst"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], dfirst, p1_mask, interpret)
 
     @pl.when(pid < n_groups)

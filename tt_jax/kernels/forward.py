@@ -226,10 +226,11 @@ def masked_store(ref, addr, val, mask, interpret):
     plgpu.store(ref.at[addr], val, mask=mask)
 
 
-# A/B switch, not measured yet: TF32x3 dots written as three one-pass TF32 dots on operands split here (same
-# arithmetic as the dot algorithm's own passes). Screened on the CPU machine only (benchmarks/kernel_resources.py
-# --tt a): see benchmarks/NOTES.md, session 14.
-MANUAL_X3 = False
+# TF32x3 dots can be written as three explicit one-pass TF32 dots on operands split in the kernel (`manual=True`;
+# the same arithmetic as the dot algorithm's own passes). Triton's TF32x3 keeps all six operand halves live: the
+# backward's group kernel needed 255 registers and spilled, 228 without spills written this way; measured on the
+# H200 (x3-20261201-1705-*): tt_bwd_groups 0.767 -> 0.731 ms. The forward's rows kernel (255 -> 168 registers)
+# got slower with it (0.281 -> 0.290 ms), so the forward keeps the dot algorithm (manual=False).
 _TF32_HI = np.uint32(0xFFFFE000)  # TF32 keeps fp32's sign, exponent and top 10 mantissa bits
 
 
@@ -239,10 +240,10 @@ def tf32_split(x):
     return hi, x - hi
 
 
-def dot_general(a, b, dims, precision, *, manual: bool = True):
-    """`lax.dot_general` with fp32 accumulation; with MANUAL_X3 (and `manual`), a TF32x3 dot as three explicit
-    TF32 passes (small terms first; an infinite operand's NaN low parts dropped, as Triton's TF32x3 does)."""
-    if not (MANUAL_X3 and manual and precision == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3):
+def dot_general(a, b, dims, precision, *, manual: bool = False):
+    """`lax.dot_general` with fp32 accumulation; with `manual`, a TF32x3 dot as three explicit TF32 passes (small
+    terms first; an infinite operand's NaN low parts dropped, as Triton's TF32x3 does)."""
+    if not (manual and precision == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3):
         return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
     one = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
     (a_hi, a_lo), (b_hi, b_lo) = tf32_split(a), tf32_split(b)
