@@ -59,7 +59,8 @@
 #   parity    test_backward compiled; A/B of runs.ALIGN_SEGMENTS (segments of one row parity) on five mixed models;
 #             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
 #   (vectests, vecblock, x3tests, x3, x3cfg: the A/Bs of 2026-12-01 17:00, on switches since removed or adopted)
-#   ttfinal   the TT test files compiled; trace_tt.py with accuracy, default against the old bwd_member_tile=32 -> tttests3.log, ttfinal.json, .log
+#   ttfinal   the TT test files compiled; trace_tt.py with accuracy (precisions, group-kernel knobs); bench_tt.py
+#             forward and training steps at B 4096, 32768 -> tttests3.log, ttfinal.json, .log, tt-*.json, tttrain.log
 #   dp1       the TT test files compiled with backward.DP1_RELOAD on; trace_tt.py A/B of DP1_RELOAD (default, on,
 #             default again; the first also at the old bwd_member_tile=32) -> dp1tests.log, dp1-*.json, dp1.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
@@ -189,10 +190,14 @@ for stage in "$@"; do
             --out "$OUT/parity.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/parity.log"
           timeout 100 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v Warning \
             | tee "$OUT/dims.log" ;;
-    ttfinal) timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
-          > "$OUT/tttests3.log" 2>&1; tail -3 "$OUT/tttests3.log"
-        timeout 300 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --accuracy --configs bwd_member_tile=32 bwd_member_tile=16 \
-          --out "$OUT/ttfinal.json" 2>&1 | grep -v Warning | tee "$OUT/ttfinal.log" | grep -A8 "==" ;;
+    ttfinal) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
+          > "$OUT/tttests3.log" 2>&1; tail -2 "$OUT/tttests3.log"
+        timeout 260 python3 benchmarks/trace_tt.py --batches 32768 --top 6 --accuracy \
+          --configs precision=bf16x3 precision=tf32 bwd_rows=16 bwd_num_warps=4 \
+          --out "$OUT/ttfinal.json" 2>&1 | grep -v Warning | tee "$OUT/ttfinal.log" | grep -A2 "=="
+        timeout 200 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
+          --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/tttrain.log" | tail -12 ;;
     dp1) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.backward.DP1_RELOAD=1 timeout 200 python3 -m pytest -q -n 8 \
           -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/dp1tests.log" 2>&1; tail -2 "$OUT/dp1tests.log"
         i=0; for v in "" DP1_RELOAD=1 "" DP1_RELOAD=1; do i=$((i+1)); cfg=""; [ $i = 1 ] && cfg="bwd_member_tile=32"
