@@ -58,11 +58,10 @@
 #   warprule  A/B of a one-warp rule (since removed: WARP_RULE) on mixed-dim models -> warprule.json, .log
 #   parity    test_backward compiled; A/B of runs.ALIGN_SEGMENTS (segments of one row parity) on five mixed models;
 #             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
-#   (vectests, vecblock, x3tests, x3, x3cfg: the A/Bs of 2026-12-01 17:00, on switches since removed or adopted)
+#   (vectests, vecblock, x3tests, x3, x3cfg, dp1: the A/Bs of 2026-12-01 17:00-17:20, on switches since removed or adopted)
 #   ttfinal   the TT test files compiled; trace_tt.py with accuracy (precisions, group-kernel knobs); bench_tt.py
 #             forward and training steps at B 4096, 32768 -> tttests3.log, ttfinal.json, .log, tt-*.json, tttrain.log
-#   dp1       the TT test files compiled with backward.DP1_RELOAD on; trace_tt.py A/B of DP1_RELOAD (default, on,
-#             default again; the first also at the old bwd_member_tile=32) -> dp1tests.log, dp1-*.json, dp1.log
+#   keepc     the TT test files compiled with forward.KEEP_C on; trace_tt.py A/B of KEEP_C (on, off, on) -> keepctests.log, keepc-*.json, keepc.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -198,11 +197,11 @@ for stage in "$@"; do
         timeout 200 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
           --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/tttrain.log" | tail -12 ;;
-    dp1) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.backward.DP1_RELOAD=1 timeout 200 python3 -m pytest -q -n 8 \
-          -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/dp1tests.log" 2>&1; tail -2 "$OUT/dp1tests.log"
-        i=0; for v in "" DP1_RELOAD=1 "" DP1_RELOAD=1; do i=$((i+1)); cfg=""; [ $i = 1 ] && cfg="bwd_member_tile=32"
-          timeout 120 python3 benchmarks/trace_tt.py --batches 32768 --top 6 --accuracy --private "$v" --configs $cfg \
-            --out "$OUT/dp1-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/dp1.log" | grep -A3 "=="; done ;;
+    keepc) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.KEEP_C=1 timeout 200 python3 -m pytest -q -n 8 \
+          -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/keepctests.log" 2>&1; tail -2 "$OUT/keepctests.log"
+        i=0; for v in KEEP_C=1 "" KEEP_C=1; do i=$((i+1))
+          timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 4 --accuracy --private "$v" \
+            --out "$OUT/keepc-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/keepc.log" | grep -A4 "=="; done ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

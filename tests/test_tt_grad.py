@@ -329,6 +329,29 @@ def test_train_step_through_pallas_forward(rng, extra):
         assert_close(a, b, 2e-6)
 
 
+def test_kept_prefix_products(rng, monkeypatch):
+    # forward.KEEP_C (on by default): a forward run for differentiation keeps each work item's C for the backward's group kernel,
+    # which then runs per work item. Against float64 both ways (T = 3, two stacked tables, groups cut into items
+    # of 3 rows), and the plans carry C only when on (never for T = 2 or 4, nor without prefix reuse).
+    from tt_jax.kernels import forward as kf
+
+    specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
+    emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
+    params = make_params(emb, rng)
+    idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
+    got = {}
+    for keep in (False, True):
+        monkeypatch.setattr(kf, "KEEP_C", keep)
+        _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+        assert [p.prefix_c is not None for p in plans] == [False, keep, False], keep  # T = 2, 3 (stacked), 4
+        got[keep] = check_grads(emb, params, idx, off, psw, g, 4)
+    for a, b in zip(jax.tree.leaves(got[False]), jax.tree.leaves(got[True]), strict=True):
+        assert_close(a, b, 2e-6)
+    unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
+    _, (_, _, plans, _, _) = unique._step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))
+    assert plans[0].prefix_c is None
+
+
 def test_empty_batch_and_errors(rng):
     emb = tt_jax.TTEmbeddingBag([T3], impl="xla")
     params = make_params(emb, rng)

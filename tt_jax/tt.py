@@ -327,7 +327,7 @@ class TTEmbeddingBag:
             return out, (self._plans(batch, indices, offsets) if with_plans else None)
         return pooled_forward(all_cores, self.specs, self.feature_table_map, indices, offsets, per_sample_weights,
                               batch=batch, pooling=self.pooling, config=self.config, interpret=self.interpret,
-                              return_plans=True)
+                              return_plans=True, keep_c=with_plans)
 
     # -- training ----------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):

@@ -6,9 +6,11 @@ same run to run. Per table group (`prefix.StackedTables`), from the forward's `F
 
 1. `d_rows` (per distinct row u, dR_u = sum of s_n dY_{bag(n)} over its lookups n): a segmented reduction
    over the lookups sorted by row (`plan.perm`, `plan.sorted_row`).
-2. `tt_bwd_groups`: one program per prefix group (`plan.group_meta`). It recomputes the group's prefix
+2. `tt_bwd_groups`: one program per prefix group (`plan.group_meta`), or, for T = 3 when the forward kept
+   each work item's prefix product (`plan.prefix_c`, see `forward.KEEP_C`), one per work item (a group cut
+   into items is then several members of step 3's sums). The general kernel recomputes the group's prefix
    product as a list of `[q_1, r_{T-1}]` tiles, one per value of the middle digits (j_2 .. j_{T-1}), so the
-   chain needs no register reshapes: P_1 = G_1[i_1], P_t tiles = P_{t-1} tile @ G_t[i_t][:, j_t, :]. It walks
+   chain needs no register reshapes (T = 3: `_group_kernel3`, one `[q_1 q_2, r_2]` tile): P_1 = G_1[i_1], P_t tiles = P_{t-1} tile @ G_t[i_t][:, j_t, :]. It walks
    the group's distinct rows (`rows_per_step` at a time) with H = G_T[i_T(u)] and the dR tiles X_k:
      dC_k += X_k H^T (the prefix gradient, summed over the group's rows in registers),
      per row: C^T dR_u (its last-core contribution) -> `dlast[u]`, and its last-core slice -> `row_slice[u]`.
@@ -446,12 +448,16 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         count = plgpu.load(meta_ref.at[base + 4]) - first
         digits = [plgpu.load(meta_ref.at[base + 1]), plgpu.load(meta_ref.at[base + 2])]
         last_base = plgpu.load(meta_ref.at[base + 3])
-        x_op, y_op = prefix_loads(cores, digits, tl)  # [rows_m, k_x], [k_x, r_pad2]
-        c = _dot(x_op, y_op, 1, 0, precision)  # [rows_m, r_pad2]
         jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
         j_ok = jj < tl.rows_valid
         bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32)
         b_ok = bb < r[2]
+        if "prefix_c" in ref:  # the forward's C of this work item
+            c = plgpu.load(ref["prefix_c"].at[g.astype(tl.addr) * (tl.rows_valid * r[2]) + (jj * r[2])[:, None]
+                                               + bb[None, :]], mask=j_ok[:, None] & b_ok[None, :], other=0.0)
+        else:
+            x_op, y_op = prefix_loads(cores, digits, tl)  # [rows_m, k_x], [k_x, r_pad2]
+            c = _dot(x_op, y_op, 1, 0, precision)  # [rows_m, r_pad2]
         ss = jnp.arange(tl.sub_rows, dtype=jnp.int32)
 
         def step(k, dc):
@@ -505,14 +511,18 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         do_group(pid)
 
 
-def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, *,
-                config: TTKernelConfig, interpret: bool):
+def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, group_meta,
+                num_groups, prefix_c, *, config: TTKernelConfig, interpret: bool):
+    """The per-group kernel over `group_meta`'s first `num_groups` rows (groups, or work items with `prefix_c`)."""
     nc = layout.num_cores
     q, r = layout.q_shapes, layout.full_ranks
     cap = plan.row_suffix.shape[0]
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     names = ["meta", "ngroups", "suffix", "d_rows"] + [f"core{t}" for t in range(nc)]
-    args = [plan.group_meta, plan.num_groups.reshape(1), plan.row_suffix, d_rows] + list(cores)
+    args = [group_meta, num_groups.reshape(1), plan.row_suffix, d_rows] + list(cores)
+    if prefix_c is not None:
+        names.append("prefix_c")
+        args.append(prefix_c)
     outs = {"dlast": (cap * r[-2] * q[-1], jnp.float32), "row_slice": (cap, jnp.int32),
             "dfirst": (n_groups * q[0] * r[1], jnp.float32)}
     for t in range(1, nc - 1):
@@ -581,12 +591,20 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
                        tile=config.bwd_lookup_tile, config=config, interpret=interpret, psw_len=psw_len,
                        align=row_align((total,) + tuple(col0), 4))
     d_rows, d_psw = res if want_psw else (res, None)
-    # 2. per prefix group.
-    n_groups = max(1, min(cap, layout.prefix_base[-1]))
-    bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, config=config, interpret=interpret)
+    # 2. per prefix group; or, where the forward kept each work item's prefix product (`FlowPlan.prefix_c`), per
+    # work item (a group's items are members of the per-slice sums below like whole groups).
+    use_c = plan.prefix_c is not None and nc == 3 and config.bwd_group_kernel == "tiles3"
+    if use_c:
+        n_groups = prefix.item_bound(layout, cap, config.chunk, config.prefix_reuse)
+        group_meta, num_groups = plan.item_meta, plan.num_items[0]
+    else:
+        n_groups = max(1, min(cap, layout.prefix_base[-1]))
+        group_meta, num_groups = plan.group_meta, plan.num_groups
+    bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, group_meta, num_groups,
+                       plan.prefix_c if use_c else None, config=config, interpret=interpret)
     # 3. per core, the sum per slice.
-    meta = plan.group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
-    live_g = jnp.arange(n_groups, dtype=jnp.int32) < plan.num_groups
+    meta = group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
+    live_g = jnp.arange(n_groups, dtype=jnp.int32) < num_groups
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
     tile = config.bwd_member_tile
     grads = [None] * nc

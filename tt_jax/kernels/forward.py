@@ -330,11 +330,13 @@ def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: Tiles, precision
 
 
 def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, programs, max_items, precision,
-                 interpret):
+                 store_c, interpret):
     # inputs: meta_ref [(cap+1) * (T+1)], nitems_ref [1], suffix_ref [cap], T flat cores,
-    #         (queue) counter [1] aliased; outputs: rows [cap * D], (queue) counter [1]
+    #         (queue) counter [1] aliased; outputs: rows [cap * D], (store_c) C per item, (queue) counter [1]
     core_refs = refs[: tl.t]
-    out_ref = refs[tl.t + 1] if schedule == "queue" else refs[tl.t]
+    outs = refs[tl.t + (schedule == "queue"):]
+    out_ref = outs[0]
+    c_ref = outs[1] if store_c else None
     counter_ref = refs[-1] if schedule == "queue" else None
     cols = tl.t + 1
     pid = pl.program_id(0)
@@ -346,17 +348,23 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, p
         first = plgpu.load(meta_ref.at[base])
         count = plgpu.load(meta_ref.at[base + cols]) - first
         last_base = plgpu.load(meta_ref.at[base + tl.t])
-        return (first, count, last_base) + tuple(plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1))
+        return (t, first, count, last_base) + tuple(plgpu.load(meta_ref.at[base + 1 + k]) for k in range(tl.t - 1))
 
     def do_item(meta, prefetch=None):
         """One item. Program order is issue order on a GPU: this item's loads first, then `prefetch()` (the
         next item's metadata, whose latency then overlaps them), then the dependent loads and the dots."""
-        first, count, last_base, *digits = meta
+        item, first, count, last_base, *digits = meta
         suffix, lane, jt, col_ok = load_suffixes(suffix_ref, first, count, 0, tl)  # the first S rows (peeled)
         ops = prefix_loads(core_refs, digits, tl)
         nxt = prefetch() if prefetch is not None else None
         g = load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
         tiles = _prefix_product(ops, tl, precision)
+        if store_c:  # T = 3: the item's C `[q1 q2, r2]`, row-major, for the backward
+            jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
+            bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32)
+            masked_store(c_ref, item.astype(tl.addr) * (tl.rows_valid * tl.r[2]) + (jj * tl.r[2])[:, None]
+                         + bb[None, :], tiles[0], (jj < tl.rows_valid)[:, None] & (bb < tl.r[2])[None, :],
+                         interpret)
         _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl, precision, interpret)
 
         def sub(c, carry):
@@ -382,11 +390,11 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, p
     elif not interpret:
         # Item pid first, then the next unclaimed one: programs + counter (starts at 0). The claim is issued
         # first and the claimed item's metadata is loaded during this item, so both latencies are hidden.
-        def body(carry):
+        def body(meta):
             nxt = programs + plgpu.atomic_add(counter_ref, jnp.int32(0), jnp.int32(1))
-            return (nxt,) + do_item(carry[1:], lambda: load_meta(nxt))
+            return do_item(meta, lambda: load_meta(nxt))
 
-        jax.lax.while_loop(lambda carry: carry[0] < num_items, body, (pid,) + load_meta(pid))
+        jax.lax.while_loop(lambda meta: meta[0] < num_items, body, load_meta(pid))
     else:
         # Same claims, as a fori_loop over the static bound (one item per step at most).
         def step(i, t):
@@ -408,28 +416,36 @@ def tt_rows(
     *,
     config: TTKernelConfig,
     interpret: bool,
-) -> jax.Array:
-    """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written)."""
+    store_c: bool = False,
+):
+    """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written). With `store_c` (T = 3
+    with prefix reuse: `prefix_c_size` is not None), also `(rows, C)`: each item's prefix product for
+    `FlowPlan.prefix_c`."""
     cap = plan.row_suffix.shape[0]
     tl = Tiles.make(layout, config.tile_rows)
-    wide = max([cap * tl.dim] + [c.shape[0] for c in cores]) >= _INT32_MAX
+    c_size = prefix_c_size(layout, cap, config) if store_c else None
+    if store_c and c_size is None:
+        raise ValueError("tt_rows(store_c=True) needs T = 3 cores and prefix reuse")
+    wide = max([cap * tl.dim, c_size or 0] + [c.shape[0] for c in cores]) >= _INT32_MAX
     tl = dataclasses.replace(tl, wide=wide)
     programs = config.programs(cap)
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(
         _rows_kernel, tl=tl, schedule=config.schedule, programs=programs, max_items=cap, precision=precision,
-        interpret=interpret,
+        store_c=store_c, interpret=interpret,
     )
     args = [plan.item_meta, plan.num_items, plan.row_suffix, *cores]
-    out_shape = jax.ShapeDtypeStruct((cap * tl.dim,), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((cap * tl.dim,), jnp.float32)]
+    if store_c:
+        out_shape.append(jax.ShapeDtypeStruct((c_size,), jnp.float32))
     aliases = {}
     if config.schedule == "queue":
-        aliases = {len(args): 1}
+        aliases = {len(args): len(out_shape)}
         args.append(jnp.zeros((1,), jnp.int32))
-        out_shape = (out_shape, jax.ShapeDtypeStruct((1,), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct((1,), jnp.int32))
     call = pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=tuple(out_shape),
         grid=(programs,),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
@@ -438,7 +454,25 @@ def tt_rows(
     )
     with jax.enable_x64(wide):  # int64 exists inside the kernel only; operands keep their int32 dtypes
         res = call(*args)
-    return res[0] if config.schedule == "queue" else res
+    return (res[0], res[1]) if store_c else res[0]
+
+
+# A forward run for differentiation keeps each work item's prefix product C in its plan (`FlowPlan.prefix_c`: 1 KB
+# per item on workload a, ~51 MB at B 32768) and the backward's group kernel (T = 3) loads it instead of recomputing
+# it (one of its two per-group TF32x3 dots of 65k MACs). Measured on the H200, workload a, B 32768
+# (keepc-20261201-1736-*): tt_bwd_groups 0.611 -> 0.450 ms, tt_prefix_rows 0.279 -> 0.289, the training step
+# 1.611 -> 1.434 ms enqueued. `apply_gradients` without a forward, T = 2 or 4, and `prefix_reuse=False` recompute C.
+KEEP_C = True
+
+
+def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTKernelConfig) -> int | None:
+    """Elements of `FlowPlan.prefix_c` (one `[q1 q2, r2]` tile per work item), or None where it is not kept
+    (T != 3, or no prefix reuse: one item per row)."""
+    bound = prefix.item_bound(layout, cap, config.chunk, config.prefix_reuse)
+    if layout.num_cores != 3 or bound is None:
+        return None
+    q, r = layout.q_shapes, layout.full_ranks
+    return bound * q[0] * q[1] * r[2]
 
 
 def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, progs_per_feature, batch, dim,
@@ -550,6 +584,7 @@ def pooled_forward(
     interpret: bool,
     return_stats: bool = False,
     return_plans: bool = False,
+    keep_c: bool = False,
 ):
     """`[B, sum_f D_f]` pooled TT lookups (feature f reads table `feature_table_map[f]`).
 
@@ -557,19 +592,25 @@ def pooled_forward(
     `tt_pool`. With `return_stats`, also a dict of device scalars per group
     (distinct rows, prefix groups, work items); with `return_plans`, also the
     tuple of per-group `FlowPlan`s (the backward's residuals): `out`,
-    `(out, stats)`, `(out, plans)` or `(out, stats, plans)`.
+    `(out, stats)`, `(out, plans)` or `(out, stats, plans)`. With `keep_c` (and return_plans), the plans of
+    T = 3 groups carry each work item's prefix product (`FlowPlan.prefix_c`) for the backward.
     """
     dims = [specs[t].embedding_dim for t in feature_table_map]
     total = sum(dims)
     col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
     out, stats = None, []
-    plans = flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config)
-    for (layout, feats), plan in zip(prefix.stack_tables(specs, feature_table_map), plans):
-        rows = tt_rows(prefix.stack_cores(layout, all_cores), plan, layout, config=config, interpret=interpret)
+    plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config))
+    for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
+        cores = prefix.stack_cores(layout, all_cores)
+        if return_plans and keep_c and KEEP_C and prefix_c_size(layout, plan.row_suffix.shape[0], config) is not None:
+            rows, c = tt_rows(cores, plan, layout, config=config, interpret=interpret, store_c=True)
+            plans[k] = plan = plan._replace(prefix_c=c)
+        else:
+            rows = tt_rows(cores, plan, layout, config=config, interpret=interpret)
         out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
                       dim=layout.dim, batch=batch, total_dim=total, pooling=pooling, config=config,
                       interpret=interpret)
         stats.append({"distinct_rows": plan.num_rows, "prefix_groups": plan.num_groups,
                       "work_items": plan.num_items[0]})
-    out = (out.reshape(batch, total),) + ((stats,) if return_stats else ()) + ((plans,) if return_plans else ())
+    out = (out.reshape(batch, total),) + ((stats,) if return_stats else ()) + ((tuple(plans),) if return_plans else ())
     return out if len(out) > 1 else out[0]
