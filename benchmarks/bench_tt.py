@@ -271,7 +271,13 @@ def main():
     ap.add_argument("--smoke", action=argparse.BooleanOptionalAction, default=None,
                     help="tiny shapes in interpret mode (default: on without a GPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--private", default="",
+                    help="A/B of module constants of tt_jax.kernels.forward or .backward, e.g. PACKED_C=1 "
+                         "(saved in the result's args)")
     args = ap.parse_args()
+    from trace_backward import set_private
+    from tt_jax.kernels import backward as tt_bwd
+    set_private(args.private, (tt_kernels, tt_bwd))
 
     on_gpu = jax.default_backend() == "gpu"
     smoke = (not on_gpu) if args.smoke is None else args.smoke

@@ -352,6 +352,28 @@ def test_kept_prefix_products(rng, monkeypatch):
     assert plans[0].prefix_c is None
 
 
+def test_packed_prefix_products(rng, monkeypatch):
+    # forward.PACKED_C (an A/B switch, off): the prefix products from the packed kernel (items sharing G2[i2] in
+    # one dot; here windows of 8 items hold several i2 runs) equal the rows kernel's own, item by item; the
+    # forward and the core gradients through them match float64 (T = 2, 3 stacked, 4).
+    from tt_jax.kernels import forward as kf
+
+    specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
+    emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
+    params = make_params(emb, rng)
+    idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
+    c = {}
+    for packed in (False, True):
+        monkeypatch.setattr(kf, "PACKED_C", packed)
+        _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+        plan = plans[1]
+        n = int(plan.num_items[0]) * T3.q_shapes[0] * T3.q_shapes[1] * T3.ranks[1]
+        c[packed] = np.asarray(plan.prefix_c)[:n]
+    assert int(plan.num_items[0]) > 8
+    assert_close(c[True], c[False], 1e-6)
+    check_grads(emb, params, idx, off, psw, g, 4)  # PACKED_C on
+
+
 def test_empty_batch_and_errors(rng):
     emb = tt_jax.TTEmbeddingBag([T3], impl="xla")
     params = make_params(emb, rng)

@@ -330,11 +330,12 @@ def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: Tiles, precision
 
 
 def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, programs, max_items, precision,
-                 store_c, interpret):
-    # inputs: meta_ref [(cap+1) * (T+1)], nitems_ref [1], suffix_ref [cap], T flat cores,
+                 store_c, load_c, interpret):
+    # inputs: meta_ref [(cap+1) * (T+1)], nitems_ref [1], suffix_ref [cap], T flat cores, (load_c) C per item,
     #         (queue) counter [1] aliased; outputs: rows [cap * D], (store_c) C per item, (queue) counter [1]
     core_refs = refs[: tl.t]
-    outs = refs[tl.t + (schedule == "queue"):]
+    c_in = refs[tl.t] if load_c else None
+    outs = refs[tl.t + load_c + (schedule == "queue"):]
     out_ref = outs[0]
     c_ref = outs[1] if store_c else None
     counter_ref = refs[-1] if schedule == "queue" else None
@@ -355,13 +356,18 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, p
         next item's metadata, whose latency then overlaps them), then the dependent loads and the dots."""
         item, first, count, last_base, *digits = meta
         suffix, lane, jt, col_ok = load_suffixes(suffix_ref, first, count, 0, tl)  # the first S rows (peeled)
-        ops = prefix_loads(core_refs, digits, tl)
+        jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
+        bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32) if tl.t == 3 else None
+        if load_c:  # T = 3: the item's C `[q1 q2, r2]`, computed by `packed_prefix_products`
+            c_addr = item.astype(tl.addr) * (tl.rows_valid * tl.r[2]) + (jj * tl.r[2])[:, None] + bb[None, :]
+            ops = [plgpu.load(c_in.at[c_addr], mask=(jj < tl.rows_valid)[:, None] & (bb < tl.r[2])[None, :],
+                              other=0.0)]
+        else:
+            ops = prefix_loads(core_refs, digits, tl)
         nxt = prefetch() if prefetch is not None else None
         g = load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
-        tiles = _prefix_product(ops, tl, precision)
+        tiles = ops if load_c else _prefix_product(ops, tl, precision)
         if store_c:  # T = 3: the item's C `[q1 q2, r2]`, row-major, for the backward
-            jj = jnp.arange(tl.rows_m, dtype=jnp.int32)
-            bb = jnp.arange(tl.r_pad[2], dtype=jnp.int32)
             masked_store(c_ref, item.astype(tl.addr) * (tl.rows_valid * tl.r[2]) + (jj * tl.r[2])[:, None]
                          + bb[None, :], tiles[0], (jj < tl.rows_valid)[:, None] & (bb < tl.r[2])[None, :],
                          interpret)
@@ -417,24 +423,27 @@ def tt_rows(
     config: TTKernelConfig,
     interpret: bool,
     store_c: bool = False,
+    c_in: jax.Array | None = None,
 ):
     """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written). With `store_c` (T = 3
     with prefix reuse: `prefix_c_size` is not None), also `(rows, C)`: each item's prefix product for
-    `FlowPlan.prefix_c`."""
+    `FlowPlan.prefix_c`. With `c_in` (the same layout, from `packed_prefix_products`), C is loaded, not computed."""
     cap = plan.row_suffix.shape[0]
     tl = Tiles.make(layout, config.tile_rows)
-    c_size = prefix_c_size(layout, cap, config) if store_c else None
-    if store_c and c_size is None:
-        raise ValueError("tt_rows(store_c=True) needs T = 3 cores and prefix reuse")
+    c_size = prefix_c_size(layout, cap, config) if (store_c or c_in is not None) else None
+    if (store_c or c_in is not None) and c_size is None:
+        raise ValueError("tt_rows(store_c=True or c_in=...) needs T = 3 cores and prefix reuse")
+    if store_c and c_in is not None:
+        raise ValueError("tt_rows: store_c and c_in exclude each other")
     wide = max([cap * tl.dim, c_size or 0] + [c.shape[0] for c in cores]) >= _INT32_MAX
     tl = dataclasses.replace(tl, wide=wide)
     programs = config.programs(cap)
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(
         _rows_kernel, tl=tl, schedule=config.schedule, programs=programs, max_items=cap, precision=precision,
-        store_c=store_c, interpret=interpret,
+        store_c=store_c, load_c=c_in is not None, interpret=interpret,
     )
-    args = [plan.item_meta, plan.num_items, plan.row_suffix, *cores]
+    args = [plan.item_meta, plan.num_items, plan.row_suffix, *cores] + ([c_in] if c_in is not None else [])
     out_shape = [jax.ShapeDtypeStruct((cap * tl.dim,), jnp.float32)]
     if store_c:
         out_shape.append(jax.ShapeDtypeStruct((c_size,), jnp.float32))
@@ -473,6 +482,79 @@ def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTKernelConfig
         return None
     q, r = layout.q_shapes, layout.full_ranks
     return bound * q[0] * q[1] * r[2]
+
+
+# A/B switch, prepared 2026-12-01 and NOT measured on a GPU yet (interpret-mode tests and a register screen only; see
+# benchmarks/NOTES.md, session 15): for T = 3 with prefix reuse, the work items' prefix products C come from
+# `packed_prefix_products` (items sharing a middle-core slice packed into one dot) and the rows kernel loads them.
+PACKED_C = False
+
+
+def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref, c_ref, *, q, r, pack, q1p, k_p, n_p,
+                          wide, precision, interpret):
+    """`pack` work items per program, taken in `order` (items sorted by their middle-core slice i2): per run of
+    equal i2 in the window (usually one), one dot A @ B with A `[(slot, j1), a]` = G1[i1(slot), j1, a] and B
+    `[a, (j2, b)]` = G2[i2, a, j2, b]. Row (slot, j1) of the result is C[(j1, j2), b] of the slot's item for all
+    (j2, b): contiguous at item * q1 q2 r2 + j1 q2 r2 in `prefix_c`'s row-major layout, so no reshape."""
+    pid = pl.program_id(0)
+    num_items = plgpu.load(nitems_ref.at[pid * 0])
+    rows_m = pack * q1p
+    addr = jnp.int64 if wide else jnp.int32
+    mm = jnp.arange(rows_m, dtype=jnp.int32)
+    slot, j1 = mm // q1p, mm % q1p
+    pos = pid * pack + slot
+    has = pos < num_items
+    live = has & (j1 < q[0])
+    item = plgpu.load(order_ref.at[pos], mask=has, other=0)
+    i1 = plgpu.load(meta_ref.at[item * 4 + 1], mask=live, other=0)
+    i2 = plgpu.load(meta_ref.at[item * 4 + 2], mask=live, other=0)
+    aa = jnp.arange(k_p, dtype=jnp.int32)
+    cc = jnp.arange(n_p, dtype=jnp.int32)
+    a_ok, c_ok = aa < r[1], cc < q[1] * r[2]
+    x = plgpu.load(core0_ref.at[(i1.astype(addr) * (q[0] * r[1]) + j1 * r[1])[:, None] + aa[None, :]],
+                   mask=live[:, None] & a_ok[None, :], other=0.0)  # [rows_m, k_p]
+    out = (item.astype(addr) * (q[0] * q[1] * r[2]) + j1 * (q[1] * r[2]))[:, None] + cc[None, :]
+
+    def run(start):
+        # The window is sorted by i2: rows start.. with i2 == cur form one run; the next starts at the first
+        # live row with a larger i2.
+        cur = jnp.sum(jnp.where(mm == start, i2, 0))
+        y = plgpu.load(core1_ref.at[cur.astype(addr) * (r[1] * q[1] * r[2]) + (aa * (q[1] * r[2]))[:, None]
+                                    + cc[None, :]], mask=a_ok[:, None] & c_ok[None, :], other=0.0)  # [k_p, n_p]
+        c = _dot(x, y, precision)  # [rows_m, n_p]
+        masked_store(c_ref, out, c, (live & (i2 == cur))[:, None] & c_ok[None, :], interpret)
+        return jnp.min(jnp.where(live & (i2 > cur), mm, rows_m))
+
+    jax.lax.while_loop(lambda start: start < rows_m, run, jnp.min(jnp.where(live, mm, rows_m)))
+
+
+def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout: prefix.StackedTables, *,
+                           config: TTKernelConfig, interpret: bool) -> jax.Array:
+    """`FlowPlan.prefix_c` for T = 3 with prefix reuse: each work item's C `[q1 q2, r2]` (row-major), from dots
+    that pack the items sharing G2[i2] (8 items per 16-row dot when q1 = 2, where the rows kernel's own dot uses
+    2 of its 16 rows per item and a block-diagonal operand 4x too long). The items are sorted by i2 (one XLA sort
+    of the item count's static bound)."""
+    cap = plan.row_suffix.shape[0]
+    size = prefix_c_size(layout, cap, config)
+    if size is None:
+        raise ValueError("packed_prefix_products needs T = 3 cores and prefix reuse")
+    q, r = layout.q_shapes, layout.full_ranks
+    bound = size // (q[0] * q[1] * r[2])
+    q1p = next_pow2(q[0])
+    pack = max(1, 16 // q1p)
+    live = jnp.arange(bound, dtype=jnp.int32) < plan.num_items[0]
+    key = jnp.where(live, plan.item_meta.reshape(cap + 1, 4)[:bound, 2], _INT32_MAX)
+    _, order = jax.lax.sort((key, jnp.arange(bound, dtype=jnp.int32)), num_keys=1)
+    wide = max([size] + [c.shape[0] for c in cores[:2]]) >= _INT32_MAX
+    precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
+    kernel = functools.partial(_packed_prefix_kernel, q=q, r=r, pack=pack, q1p=q1p, k_p=dot_pad(r[1]),
+                               n_p=dot_pad(q[1] * r[2]), wide=wide, precision=precision, interpret=interpret)
+    call = pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((size,), jnp.float32), grid=(-(-bound // pack),),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
+        name="tt_prefix_packed")
+    with jax.enable_x64(wide):
+        return call(plan.item_meta, order, plan.num_items, cores[0], cores[1])
 
 
 def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, progs_per_feature, batch, dim,
@@ -602,7 +684,13 @@ def pooled_forward(
     plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config))
     for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
         cores = prefix.stack_cores(layout, all_cores)
-        if return_plans and keep_c and KEEP_C and prefix_c_size(layout, plan.row_suffix.shape[0], config) is not None:
+        has_c = prefix_c_size(layout, plan.row_suffix.shape[0], config) is not None
+        if PACKED_C and has_c:
+            c = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
+            rows = tt_rows(cores, plan, layout, config=config, interpret=interpret, c_in=c)
+            if return_plans and keep_c and KEEP_C:
+                plans[k] = plan = plan._replace(prefix_c=c)
+        elif return_plans and keep_c and KEEP_C and has_c:
             rows, c = tt_rows(cores, plan, layout, config=config, interpret=interpret, store_c=True)
             plans[k] = plan = plan._replace(prefix_c=c)
         else:
