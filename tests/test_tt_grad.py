@@ -329,49 +329,36 @@ def test_train_step_through_pallas_forward(rng, extra):
         assert_close(a, b, 2e-6)
 
 
-def test_kept_prefix_products(rng, monkeypatch):
-    # forward.KEEP_C (on by default): a forward run for differentiation keeps each work item's C for the backward's group kernel,
-    # which then runs per work item. Against float64 both ways (T = 3, two stacked tables, groups cut into items
-    # of 3 rows), and the plans carry C only when on (never for T = 2 or 4, nor without prefix reuse).
+def test_kept_and_packed_prefix_products(rng, monkeypatch):
+    # forward.KEEP_C (on by default): a forward run for differentiation keeps each work item's C for the backward's
+    # group kernel, which then runs per work item; the plans carry C only when on (never for T = 2 or 4, nor
+    # without prefix reuse). forward.PACKED_C (an A/B switch, off): C from the packed kernel (items sharing G2[i2]
+    # in one dot; here windows of 8 items hold several i2 runs) equals the rows kernel's own, item by item.
+    # Gradients against float64 in each mode (T = 2, 3 with two stacked tables, 4; groups cut into items of 3 rows).
     from tt_jax.kernels import forward as kf
 
     specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
     emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
     params = make_params(emb, rng)
     idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
-    got = {}
-    for keep in (False, True):
+    grads, kept = {}, {}
+    for keep, packed in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(kf, "KEEP_C", keep)
+        monkeypatch.setattr(kf, "PACKED_C", packed)
         _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
         assert [p.prefix_c is not None for p in plans] == [False, keep, False], keep  # T = 2, 3 (stacked), 4
-        got[keep] = check_grads(emb, params, idx, off, psw, g, 4)
-    for a, b in zip(jax.tree.leaves(got[False]), jax.tree.leaves(got[True]), strict=True):
-        assert_close(a, b, 2e-6)
+        if keep:
+            n = int(plans[1].num_items[0]) * T3.q_shapes[0] * T3.q_shapes[1] * T3.ranks[1]
+            kept[packed] = np.asarray(plans[1].prefix_c)[:n]
+        grads[keep, packed] = check_grads(emb, params, idx, off, psw, g, 4)
+    assert int(plans[1].num_items[0]) > 8
+    assert_close(kept[True], kept[False], 1e-6)
+    for other in ((True, False), (True, True)):
+        for a, b in zip(jax.tree.leaves(grads[False, False]), jax.tree.leaves(grads[other]), strict=True):
+            assert_close(a, b, 2e-6)
     unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
     _, (_, _, plans, _, _) = unique._step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))
     assert plans[0].prefix_c is None
-
-
-def test_packed_prefix_products(rng, monkeypatch):
-    # forward.PACKED_C (an A/B switch, off): the prefix products from the packed kernel (items sharing G2[i2] in
-    # one dot; here windows of 8 items hold several i2 runs) equal the rows kernel's own, item by item; the
-    # forward and the core gradients through them match float64 (T = 2, 3 stacked, 4).
-    from tt_jax.kernels import forward as kf
-
-    specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
-    emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
-    params = make_params(emb, rng)
-    idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
-    c = {}
-    for packed in (False, True):
-        monkeypatch.setattr(kf, "PACKED_C", packed)
-        _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
-        plan = plans[1]
-        n = int(plan.num_items[0]) * T3.q_shapes[0] * T3.q_shapes[1] * T3.ranks[1]
-        c[packed] = np.asarray(plan.prefix_c)[:n]
-    assert int(plan.num_items[0]) > 8
-    assert_close(c[True], c[False], 1e-6)
-    check_grads(emb, params, idx, off, psw, g, 4)  # PACKED_C on
 
 
 def test_empty_batch_and_errors(rng):
