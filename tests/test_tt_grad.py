@@ -356,6 +356,9 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     for other in ((True, False), (True, True)):
         for a, b in zip(jax.tree.leaves(grads[False, False]), jax.tree.leaves(grads[other]), strict=True):
             assert_close(a, b, 2e-6)
+    monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * kept[True].size - 1)  # below this batch's C: not kept
+    _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+    assert plans[1].prefix_c is None
     unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
     _, (_, _, plans, _, _) = unique._step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))
     assert plans[0].prefix_c is None

@@ -472,6 +472,10 @@ def tt_rows(
 # (keepc-20261201-1736-*): tt_bwd_groups 0.611 -> 0.450 ms, tt_prefix_rows 0.279 -> 0.289, the training step
 # 1.611 -> 1.434 ms enqueued. `apply_gradients` without a forward, T = 2 or 4, and `prefix_reuse=False` recompute C.
 KEEP_C = True
+# Kept (and PACKED_C's) prefix products of one forward together take at most this many bytes: C is ~8x a row's size
+# per work item, and its buffer is sized by a static bound on the items (groups + rows / chunk), so on many-table
+# workloads it would be gigabytes; past the budget a table group recomputes C in its kernels, as without them.
+PREFIX_C_MAX_BYTES = 256 << 20
 
 
 def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTKernelConfig) -> int | None:
@@ -682,9 +686,13 @@ def pooled_forward(
     col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
     out, stats = None, []
     plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config))
+    c_budget = PREFIX_C_MAX_BYTES
     for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
         cores = prefix.stack_cores(layout, all_cores)
-        has_c = prefix_c_size(layout, plan.row_suffix.shape[0], config) is not None
+        c_size = prefix_c_size(layout, plan.row_suffix.shape[0], config)
+        has_c = c_size is not None and 4 * c_size <= c_budget
+        if has_c and (PACKED_C or (return_plans and keep_c and KEEP_C)):
+            c_budget -= 4 * c_size
         if PACKED_C and has_c:
             c = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret, c_in=c)
