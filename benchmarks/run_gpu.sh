@@ -62,8 +62,9 @@
 #   ttfinal   the TT test files compiled; trace_tt.py with accuracy (precisions, group-kernel knobs); bench_tt.py
 #             forward and training steps at B 4096, 32768 -> tttests3.log, ttfinal.json, .log, tt-*.json, tttrain.log
 #   keepc     the TT test files compiled with forward.KEEP_C on; trace_tt.py A/B of KEEP_C (on, off, on) -> keepctests.log, keepc-*.json, keepc.log
-#   packedc   the TT test files compiled with forward.PACKED_C on; trace_tt.py A/B (on, off, on); bench_tt.py forward
-#             at B 4096, 32768 off and on -> packedctests.log, packedc-*.json, packedc.log, tt-*.json, packedfwd.log
+#   packedc   the TT test files compiled with forward.PACKED_C and backward.PACKED_DP1 on; trace_tt.py A/B (both, none,
+#             each alone); bench_tt.py forward at B 4096, 32768 without and with PACKED_C -> packedctests.log,
+#             packedc-*.json, packedc.log, tt-*.json, packedfwd.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -204,13 +205,13 @@ for stage in "$@"; do
         i=0; for v in KEEP_C=1 "" KEEP_C=1; do i=$((i+1))
           timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 4 --accuracy --private "$v" \
             --out "$OUT/keepc-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/keepc.log" | grep -A4 "=="; done ;;
-    packedc) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.PACKED_C=1 timeout 200 python3 -m pytest -q -n 8 \
-          -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/packedctests.log" 2>&1
+    packedc) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.PACKED_C=1,tt_jax.kernels.backward.PACKED_DP1=1 timeout 200 \
+          python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/packedctests.log" 2>&1
         grep -E "passed|failed" "$OUT/packedctests.log" | tail -2
-        i=0; for v in PACKED_C=1 "" PACKED_C=1; do i=$((i+1))
-          timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 5 --accuracy --private "$v" \
-            --out "$OUT/packedc-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/packedc.log" | grep -A5 "=="; done
-        for v in "" PACKED_C=1; do timeout 100 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd \
+        i=0; for v in PACKED_C=1,PACKED_DP1=1 "" PACKED_C=1 PACKED_DP1=1; do i=$((i+1))
+          timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 6 --accuracy --private "$v" \
+            --out "$OUT/packedc-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/packedc.log" | grep -A6 "=="; done
+        for v in "" PACKED_C=1; do timeout 90 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd \
           --variants pallas --private "$v" --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/packedfwd.log" | tail -3; done ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \

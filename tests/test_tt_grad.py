@@ -332,9 +332,11 @@ def test_train_step_through_pallas_forward(rng, extra):
 def test_kept_and_packed_prefix_products(rng, monkeypatch):
     # forward.KEEP_C (on by default): a forward run for differentiation keeps each work item's C for the backward's
     # group kernel, which then runs per work item; the plans carry C only when on (never for T = 2 or 4, nor
-    # without prefix reuse). forward.PACKED_C (an A/B switch, off): C from the packed kernel (items sharing G2[i2]
-    # in one dot; here windows of 8 items hold several i2 runs) equals the rows kernel's own, item by item.
+    # without prefix reuse, nor past PREFIX_C_MAX_BYTES). A/B switches, off: forward.PACKED_C, C from the packed
+    # kernel (items sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), equal to the rows kernel's
+    # own item by item; backward.PACKED_DP1, dP1 in a packed pass (members: groups, or items with KEEP_C).
     # Gradients against float64 in each mode (T = 2, 3 with two stacked tables, 4; groups cut into items of 3 rows).
+    from tt_jax.kernels import backward as kb
     from tt_jax.kernels import forward as kf
 
     specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
@@ -342,19 +344,22 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     params = make_params(emb, rng)
     idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
     grads, kept = {}, {}
-    for keep, packed in ((False, False), (True, False), (True, True)):
+    modes = ((False, False, False), (True, False, False), (True, True, False), (False, False, True),
+             (True, True, True))
+    for keep, packed, packed_dp1 in modes:
         monkeypatch.setattr(kf, "KEEP_C", keep)
         monkeypatch.setattr(kf, "PACKED_C", packed)
+        monkeypatch.setattr(kb, "PACKED_DP1", packed_dp1)
         _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
         assert [p.prefix_c is not None for p in plans] == [False, keep, False], keep  # T = 2, 3 (stacked), 4
         if keep:
             n = int(plans[1].num_items[0]) * T3.q_shapes[0] * T3.q_shapes[1] * T3.ranks[1]
             kept[packed] = np.asarray(plans[1].prefix_c)[:n]
-        grads[keep, packed] = check_grads(emb, params, idx, off, psw, g, 4)
+        grads[keep, packed, packed_dp1] = check_grads(emb, params, idx, off, psw, g, 4)
     assert int(plans[1].num_items[0]) > 8
     assert_close(kept[True], kept[False], 1e-6)
-    for other in ((True, False), (True, True)):
-        for a, b in zip(jax.tree.leaves(grads[False, False]), jax.tree.leaves(grads[other]), strict=True):
+    for mode in modes[1:]:
+        for a, b in zip(jax.tree.leaves(grads[modes[0]]), jax.tree.leaves(grads[mode]), strict=True):
             assert_close(a, b, 2e-6)
     monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * kept[True].size - 1)  # below this batch's C: not kept
     _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)

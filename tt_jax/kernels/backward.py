@@ -52,7 +52,8 @@ from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.specs import next_pow2
 from tt_jax import prefix
 from tt_jax.backward import feature_col0, position_bags
-from tt_jax.kernels.forward import (PRECISIONS, Tiles, TTKernelConfig, dot_general, dot_pad, load_last, load_suffixes,
+from tt_jax.kernels.forward import (PRECISIONS, Tiles, TTKernelConfig, dot_general, dot_pad, for_each_i2_run,
+                                    i2_window, load_last, load_suffixes,
                                     masked_store, prefix_loads, tf32_split, tt_rows)
 
 _BIG = 2**31 - 1
@@ -424,6 +425,12 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
                      j_ok[:, None] & (aa < r[1])[None, :], interpret)
 
 
+# A/B switch, prepared 2026-12-01 and NOT measured on a GPU yet (interpret-mode tests and a register screen only; see
+# benchmarks/NOTES.md, session 15): the group kernel (T = 3) leaves dP1 to `_packed_dp1`, which packs the members
+# sharing a middle slice i2 into one dot (8 per 16-row dot when q1 = 2, instead of one 8x-padded dot per member).
+PACKED_DP1 = False
+
+
 def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
     """T = 3, the forward's tile layout (`forward.prefix_loads`): one program per prefix group.
 
@@ -488,6 +495,8 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         masked_store(ref["p1"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], p1, p1_mask, interpret)
         masked_store(ref["dp1"], g * (tl.rows_valid * r[2]) + (jj * r[2])[:, None] + bb[None, :], dc,
                      j_ok[:, None] & b_ok[None, :], interpret)
+        if "dfirst" not in ref:  # dP1 by `_packed_dp1`
+            return
         # dP1[j1, a] = sum_{(j2, b)} dC[(j1, j2), b] G2[i2, a, j2, b]. dC, just stored row-major over ((j1, j2),
         # b), is `[j1, (j2, b)]` in memory, and G2's slice is `[a, (j2, b)]`: one dot of the reloaded dC (the
         # barrier makes this program's stores visible to all its threads). It replaced dX = dC Y^T and two 0/1
@@ -511,9 +520,50 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         do_group(pid)
 
 
+def _packed_dp1_kernel(meta_ref, order_ref, nmembers_ref, dp1_ref, core1_ref, out_ref, *, q, r, pack, q1p, k_p, n_p,
+                       precision, interpret):
+    """dP1 of `pack` members per program, taken in `order` (sorted by i2): per run of equal i2 (usually one),
+    dP1[(slot, j1), a] = sum_{(j2, b)} dC[(slot, j1), (j2, b)] G2[i2, a, (j2, b)], one dot `[16, q2 r2] x [q2 r2,
+    r1]` whose rows are the members' dC as stored by the group kernel (`dp1`, row-major `[j1, (j2, b)]`)."""
+    num = plgpu.load(nmembers_ref.at[pl.program_id(0) * 0])
+    _, j1, member, has = i2_window(order_ref, num, pack, q1p)
+    live = has & (j1 < q[0])
+    i2 = plgpu.load(meta_ref.at[member * 4 + 2], mask=live, other=0)
+    aa = jnp.arange(k_p, dtype=jnp.int32)
+    cc = jnp.arange(n_p, dtype=jnp.int32)
+    a_ok, c_ok = aa < r[1], cc < q[1] * r[2]
+    dc = plgpu.load(dp1_ref.at[(member * (q[0] * q[1] * r[2]) + j1 * (q[1] * r[2]))[:, None] + cc[None, :]],
+                    mask=live[:, None] & c_ok[None, :], other=0.0)  # [rows, n_p]
+    out = ((member * q[0] + j1) * r[1])[:, None] + aa[None, :]
+
+    def run(cur, mine):
+        g2 = plgpu.load(core1_ref.at[cur * (r[1] * q[1] * r[2]) + (aa * (q[1] * r[2]))[:, None] + cc[None, :]],
+                        mask=a_ok[:, None] & c_ok[None, :], other=0.0)  # [k_p, n_p]
+        masked_store(out_ref, out, _dot(dc, g2, 1, 1, precision), mine[:, None] & a_ok[None, :], interpret)
+
+    for_each_i2_run(i2, live, run)
+
+
+def _packed_dp1(layout: prefix.StackedTables, cores, group_meta, num_groups, order, dp1, n_groups: int, *,
+                config: TTKernelConfig, interpret: bool):
+    """`dfirst` (`[n_groups * q1 * r1]`) from the group kernel's `dp1`, members taken in `order` (by i2)."""
+    q, r = layout.q_shapes, layout.full_ranks
+    q1p = next_pow2(q[0])
+    pack = max(1, 16 // q1p)
+    precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
+    kernel = functools.partial(_packed_dp1_kernel, q=q, r=r, pack=pack, q1p=q1p, k_p=dot_pad(r[1]),
+                               n_p=dot_pad(q[1] * r[2]), precision=precision, interpret=interpret)
+    return pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((n_groups * q[0] * r[1],), jnp.float32),
+        grid=(-(-n_groups // pack),), compiler_params=_params(config), interpret=interpret,
+        name="tt_bwd_dp1_packed",
+    )(group_meta, order, num_groups.reshape(1), dp1, cores[1])
+
+
 def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, group_meta,
-                num_groups, prefix_c, *, config: TTKernelConfig, interpret: bool):
-    """The per-group kernel over `group_meta`'s first `num_groups` rows (groups, or work items with `prefix_c`)."""
+                num_groups, prefix_c, *, config: TTKernelConfig, interpret: bool, dp1_packed: bool = False):
+    """The per-group kernel over `group_meta`'s first `num_groups` rows (groups, or work items with `prefix_c`).
+    With `dp1_packed` (T = 3, "tiles3"), it leaves out `dfirst` (see `_packed_dp1`)."""
     nc = layout.num_cores
     q, r = layout.q_shapes, layout.full_ranks
     cap = plan.row_suffix.shape[0]
@@ -523,8 +573,9 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
     if prefix_c is not None:
         names.append("prefix_c")
         args.append(prefix_c)
-    outs = {"dlast": (cap * r[-2] * q[-1], jnp.float32), "row_slice": (cap, jnp.int32),
-            "dfirst": (n_groups * q[0] * r[1], jnp.float32)}
+    outs = {"dlast": (cap * r[-2] * q[-1], jnp.float32), "row_slice": (cap, jnp.int32)}
+    if not dp1_packed:
+        outs["dfirst"] = (n_groups * q[0] * r[1], jnp.float32)
     for t in range(1, nc - 1):
         j_rows = int(np.prod(q[:t]))
         outs[f"p{t}"] = (n_groups * j_rows * r[t], jnp.float32)
@@ -600,19 +651,25 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     else:
         n_groups = max(1, min(cap, layout.prefix_base[-1]))
         group_meta, num_groups = plan.group_meta, plan.num_groups
-    bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, group_meta, num_groups,
-                       plan.prefix_c if use_c else None, config=config, interpret=interpret)
-    # 3. per core, the sum per slice.
     meta = group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
     live_g = jnp.arange(n_groups, dtype=jnp.int32) < num_groups
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
+    dp1_packed = PACKED_DP1 and nc == 3 and config.bwd_group_kernel == "tiles3"
+    # The members by middle slice: the middle core's sum below, and `_packed_dp1`'s order.
+    by_mid = _runs(meta[:, 2], live_g, min(n_groups, p_stacked[1])) if dp1_packed else None
+    bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, group_meta, num_groups,
+                       plan.prefix_c if use_c else None, config=config, interpret=interpret, dp1_packed=dp1_packed)
+    if dp1_packed:
+        bufs["dfirst"] = _packed_dp1(layout, stacked, group_meta, num_groups, by_mid[0], bufs["dp1"], n_groups,
+                                     config=config, interpret=interpret)
+    # 3. per core, the sum per slice.
     tile = config.bwd_member_tile
     grads = [None] * nc
     for t in range(nc - 1):
         # Groups are numbered in sorted-key order ((table, i_1, ..., i_{T-1}); a table's stacked slices
         # ascend with the table), so the first core's slices are already non-decreasing: no sort for it.
-        order, run, run_seg, run_start = _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]),
-                                               presorted=t == 0)
+        order, run, run_seg, run_start = (by_mid if t == 1 and by_mid is not None else
+                                          _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]), presorted=t == 0))
         if t == 0:
             out = _segment_sum("dense", run, run_start, data={"ids": order, "buf": bufs["dfirst"]},
                                out_slots=p_stacked[0], e_a=1, e_b=q[0] * r[1], tile=tile, config=config,

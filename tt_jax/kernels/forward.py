@@ -500,16 +500,10 @@ def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref,
     equal i2 in the window (usually one), one dot A @ B with A `[(slot, j1), a]` = G1[i1(slot), j1, a] and B
     `[a, (j2, b)]` = G2[i2, a, j2, b]. Row (slot, j1) of the result is C[(j1, j2), b] of the slot's item for all
     (j2, b): contiguous at item * q1 q2 r2 + j1 q2 r2 in `prefix_c`'s row-major layout, so no reshape."""
-    pid = pl.program_id(0)
-    num_items = plgpu.load(nitems_ref.at[pid * 0])
-    rows_m = pack * q1p
+    num_items = plgpu.load(nitems_ref.at[pl.program_id(0) * 0])
     addr = jnp.int64 if wide else jnp.int32
-    mm = jnp.arange(rows_m, dtype=jnp.int32)
-    slot, j1 = mm // q1p, mm % q1p
-    pos = pid * pack + slot
-    has = pos < num_items
+    _, j1, item, has = i2_window(order_ref, num_items, pack, q1p)
     live = has & (j1 < q[0])
-    item = plgpu.load(order_ref.at[pos], mask=has, other=0)
     i1 = plgpu.load(meta_ref.at[item * 4 + 1], mask=live, other=0)
     i2 = plgpu.load(meta_ref.at[item * 4 + 2], mask=live, other=0)
     aa = jnp.arange(k_p, dtype=jnp.int32)
@@ -519,14 +513,34 @@ def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref,
                    mask=live[:, None] & a_ok[None, :], other=0.0)  # [rows_m, k_p]
     out = (item.astype(addr) * (q[0] * q[1] * r[2]) + j1 * (q[1] * r[2]))[:, None] + cc[None, :]
 
-    def run(start):
-        # The window is sorted by i2: rows start.. with i2 == cur form one run; the next starts at the first
-        # live row with a larger i2.
-        cur = jnp.sum(jnp.where(mm == start, i2, 0))
+    def run(cur, mine):
         y = plgpu.load(core1_ref.at[cur.astype(addr) * (r[1] * q[1] * r[2]) + (aa * (q[1] * r[2]))[:, None]
                                     + cc[None, :]], mask=a_ok[:, None] & c_ok[None, :], other=0.0)  # [k_p, n_p]
         c = _dot(x, y, precision)  # [rows_m, n_p]
-        masked_store(c_ref, out, c, (live & (i2 == cur))[:, None] & c_ok[None, :], interpret)
+        masked_store(c_ref, out, c, mine[:, None] & c_ok[None, :], interpret)
+
+    for_each_i2_run(i2, live, run)
+
+
+def i2_window(order_ref, count, pack: int, q1p: int):
+    """Rows (slot, j1) of a program's window of `pack` members taken in `order` (sorted by middle slice i2):
+    (row index, j1, member per row, whether the slot holds a member)."""
+    mm = jnp.arange(pack * q1p, dtype=jnp.int32)
+    slot, j1 = mm // q1p, mm % q1p
+    pos = pl.program_id(0) * pack + slot
+    has = pos < count
+    return mm, j1, plgpu.load(order_ref.at[pos], mask=has, other=0), has
+
+
+def for_each_i2_run(i2, live, fn):
+    """`fn(cur, mine)` once per run of equal i2 among the `live` rows of a window sorted by i2 (usually one run;
+    `mine`: the run's rows). A while loop: the next run starts at the first live row with a larger i2."""
+    rows_m = i2.shape[0]
+    mm = jnp.arange(rows_m, dtype=jnp.int32)
+
+    def run(start):
+        cur = jnp.sum(jnp.where(mm == start, i2, 0))
+        fn(cur, live & (i2 == cur))
         return jnp.min(jnp.where(live & (i2 > cur), mm, rows_m))
 
     jax.lax.while_loop(lambda start: start < rows_m, run, jnp.min(jnp.where(live, mm, rows_m)))
