@@ -10,7 +10,8 @@ same run to run. Per table group (`prefix.StackedTables`), from the forward's `F
    each work item's prefix product (`plan.prefix_c`, see `forward.KEEP_C`), one per work item (a group cut
    into items is then several members of step 3's sums). The general kernel recomputes the group's prefix
    product as a list of `[q_1, r_{T-1}]` tiles, one per value of the middle digits (j_2 .. j_{T-1}), so the
-   chain needs no register reshapes (T = 3: `_group_kernel3`, one `[q_1 q_2, r_2]` tile): P_1 = G_1[i_1], P_t tiles = P_{t-1} tile @ G_t[i_t][:, j_t, :]. It walks
+   chain needs no register reshapes (T = 3: `_group_kernel3`, one `[q_1 q_2, r_2]` tile): P_1 = G_1[i_1],
+   P_t tiles = P_{t-1} tile @ G_t[i_t][:, j_t, :]. It walks
    the group's distinct rows (`rows_per_step` at a time) with H = G_T[i_T(u)] and the dR tiles X_k:
      dC_k += X_k H^T (the prefix gradient, summed over the group's rows in registers),
      per row: C^T dR_u (its last-core contribution) -> `dlast[u]`, and its last-core slice -> `row_slice[u]`.

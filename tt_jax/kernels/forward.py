@@ -4,7 +4,8 @@
    group, or a chunk of at most `chunk` of its distinct rows), the program
    computes the prefix product C = G1[i1] G2[i2] ... G_{T-1}[i_{T-1}] once, in
    registers, then every distinct row of the item as C @ G_T[i_T], and stores
-   it to a `[cap, D]` buffer of distinct rows. No intermediate goes to memory.
+   it to a `[cap, D]` buffer of distinct rows. No intermediate goes to memory, except in a forward for
+   differentiation (T = 3): each item's prefix product, kept for the backward (`FlowPlan.prefix_c`, `KEEP_C`).
 
    Tiles (every dot dimension padded to a power of two >= 16 with masked loads):
    - T = 2: C = G1[i1] as `[q1, r1]`, loaded.
