@@ -65,6 +65,8 @@
 #   packedc   the TT test files compiled with forward.PACKED_C and backward.PACKED_DP1 on; trace_tt.py A/B (both, none,
 #             each alone); bench_tt.py forward at B 4096, 32768 without and with PACKED_C -> packedctests.log,
 #             packedc-*.json, packedc.log, tt-*.json, packedfwd.log
+#   fusedplan test_tt_plan.py and the TT test files compiled with forward.FUSED_PLAN on; trace_tt.py A/B (on, off);
+#             bench_tt.py forward at B 4096, 32768 off and on -> fusedplantests.log, fusedplan-*.json, .log, tt-*.json
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -213,6 +215,14 @@ for stage in "$@"; do
             --out "$OUT/packedc-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/packedc.log" | grep -A6 "=="; done
         for v in "" PACKED_C=1; do timeout 90 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd \
           --variants pallas --private "$v" --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/packedfwd.log" | tail -3; done ;;
+    fusedplan) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.FUSED_PLAN=1 timeout 200 python3 -m pytest -q -n 8 \
+          -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/fusedplantests.log" 2>&1
+        grep -E "passed|failed" "$OUT/fusedplantests.log" | tail -2
+        i=0; for v in FUSED_PLAN=1 ""; do i=$((i+1))
+          timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 12 --private "$v" \
+            --out "$OUT/fusedplan-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/fusedplan.log" | grep -A1 "=="; done
+        for v in "" FUSED_PLAN=1; do timeout 90 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd \
+          --variants pallas --private "$v" --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/fusedplan.log" | tail -2; done ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

@@ -242,6 +242,8 @@ def build_flow(
     batch: int,
     chunk: int = 64,
     prefix_reuse: bool = True,
+    fused: bool = False,
+    interpret: bool = False,
 ) -> FlowPlan:
     """Sort, unique, prefix groups, work items and the lookup -> distinct row map (FlowTT 3.3).
 
@@ -249,7 +251,9 @@ def build_flow(
     `[offsets[0], offsets[-1])`, or with ids outside `[0, N_table)` produce no
     row (`inverse` -1). `chunk` caps the distinct rows of an item (0: whole
     prefix groups); with `prefix_reuse` False every distinct row is its own item
-    (the "unique only" ablation: the kernel recomputes each row's prefix).
+    (the "unique only" ablation: the kernel recomputes each row's prefix). `fused`: the bookkeeping after the
+    sort in three Pallas passes (`tt_jax.kernels.plan`, the same outputs) instead of ~15 XLA ops; `interpret`:
+    those passes in Pallas interpret mode.
     """
     n = indices.shape[0]
     nf = len(feature_table_map)
@@ -303,6 +307,16 @@ def build_flow(
     first = jnp.ones((1,), bool)
     new_row = valid_s & jnp.concatenate([first, ~same_row])
     new_grp = new_row & jnp.concatenate([first, pre_s[1:] != pre_s[:-1]])
+    if fused:
+        from tt_jax.kernels import plan as plan_kernels
+
+        i32 = [x.astype(jnp.int32) for x in (new_row, new_grp, valid_s)]
+        tab = jnp.zeros((n,), jnp.int32) if len(specs) == 1 else t_s
+        (inverse, row_suffix, row_start, sorted_row, item_meta, num_items, group_meta, num_rows,
+         num_groups) = plan_kernels.bookkeeping(layout, *i32, pre_s, suf_s, tab, perm, cap=cap, chunk=chunk,
+                                                prefix_reuse=prefix_reuse, interpret=interpret)
+        return FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows, num_groups, inverse, perm, sorted_row,
+                        row_start, group_meta)
     uid = jnp.cumsum(new_row.astype(jnp.int32)) - 1
     num_rows = jnp.sum(new_row.astype(jnp.int32))
     if not prefix_reuse:

@@ -662,11 +662,20 @@ def tt_pool(
         return call(*args)
 
 
-def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, batch: int, config: TTKernelConfig):
-    """Per table group of `prefix.stack_tables` (in order), the batch's `FlowPlan`."""
+# A/B switch, prepared 2026-12-01 and NOT measured on a GPU yet (interpret-mode tests only; see benchmarks/NOTES.md,
+# session 15): the Pallas forward's plans do their bookkeeping after the sort in three Pallas passes
+# (`tt_jax.kernels.plan`) instead of ~15 XLA ops.
+FUSED_PLAN = False
+
+
+def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, batch: int, config: TTKernelConfig,
+               fused: bool = False, interpret: bool = False):
+    """Per table group of `prefix.stack_tables` (in order), the batch's `FlowPlan` (`fused`: see
+    `prefix.build_flow`)."""
     return tuple(
         prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=feature_table_map,
-                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse)
+                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse, fused=fused,
+                          interpret=interpret)
         for layout, feats in prefix.stack_tables(specs, feature_table_map)
     )
 
@@ -700,7 +709,8 @@ def pooled_forward(
     total = sum(dims)
     col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
     out, stats = None, []
-    plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config))
+    plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config,
+                            fused=FUSED_PLAN, interpret=interpret))
     c_budget = PREFIX_C_MAX_BYTES
     for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
         cores = prefix.stack_cores(layout, all_cores)
