@@ -441,7 +441,9 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
       dC += Xd H^T (contract (s, j3)),   dlast = C^T Xd  `[r2, (s, j3)]` (each row's last-core contribution).
     Then dP1 (the first core's contribution) = dC as `[j1, (j2, b)]` (reloaded from the dP1 buffer just
     stored: no register reshape) times G2's slice `[a, (j2, b)]` transposed. Two dots per group plus two per
-    step, against 4 + 8 per step + 8 in the general kernel. Stores the same buffers as `_group_kernel`.
+    step (one per group when C comes from the forward, `prefix_c`; none with PACKED_DP1), against 4 + 8 per
+    step + 8 in the general kernel. Stores the same buffers as `_group_kernel` (`dfirst` only without
+    PACKED_DP1).
     """
     ref = dict(zip(names, refs))
     meta_ref, ngroups_ref, suffix_ref, drows_ref = ref["meta"], ref["ngroups"], ref["suffix"], ref["d_rows"]

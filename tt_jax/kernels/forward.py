@@ -712,18 +712,19 @@ def pooled_forward(
     plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config,
                             fused=FUSED_PLAN, interpret=interpret))
     c_budget = PREFIX_C_MAX_BYTES
+    keep = return_plans and keep_c and KEEP_C
     for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
         cores = prefix.stack_cores(layout, all_cores)
         c_size = prefix_c_size(layout, plan.row_suffix.shape[0], config)
         has_c = c_size is not None and 4 * c_size <= c_budget
-        if has_c and (PACKED_C or (return_plans and keep_c and KEEP_C)):
+        if has_c and (PACKED_C or keep):
             c_budget -= 4 * c_size
         if PACKED_C and has_c:
             c = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret, c_in=c)
-            if return_plans and keep_c and KEEP_C:
+            if keep:
                 plans[k] = plan = plan._replace(prefix_c=c)
-        elif return_plans and keep_c and KEEP_C and has_c:
+        elif keep and has_c:
             rows, c = tt_rows(cores, plan, layout, config=config, interpret=interpret, store_c=True)
             plans[k] = plan = plan._replace(prefix_c=c)
         else:
