@@ -276,8 +276,8 @@ def main():
                          "(saved in the result's args)")
     args = ap.parse_args()
     from trace_backward import set_private
-    from tt_jax.kernels import backward as tt_bwd
-    set_private(args.private, (tt_kernels, tt_bwd))
+    from tt_jax.kernels import backward as tt_bwd, plan as tt_plan
+    set_private(args.private, (tt_kernels, tt_bwd, tt_plan))
 
     on_gpu = jax.default_backend() == "gpu"
     smoke = (not on_gpu) if args.smoke is None else args.smoke

@@ -67,6 +67,8 @@
 #             packedc-*.json, packedc.log, tt-*.json, packedfwd.log
 #   fusedplan test_tt_plan.py and the TT test files compiled with forward.FUSED_PLAN on; trace_tt.py A/B (on, off);
 #             bench_tt.py forward at B 4096, 32768 off and on -> fusedplantests.log, fusedplan-*.json, .log, tt-*.json
+#   planblock trace_tt.py at B 4096 and 32768: forward.FUSED_PLAN off, on with plan.BLOCK 1024, 512, 256
+#             -> planblock-*.json, planblock.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -194,7 +196,7 @@ for stage in "$@"; do
             --out "$OUT/parity.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/parity.log"
           timeout 100 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v Warning \
             | tee "$OUT/dims.log" ;;
-    ttfinal) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
+    ttfinal) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py \
           > "$OUT/tttests3.log" 2>&1; tail -2 "$OUT/tttests3.log"
         timeout 260 python3 benchmarks/trace_tt.py --batches 32768 --top 6 --accuracy \
           --configs precision=bf16x3 precision=tf32 bwd_rows=16 bwd_num_warps=4 \
@@ -223,6 +225,9 @@ for stage in "$@"; do
             --out "$OUT/fusedplan-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/fusedplan.log" | grep -A1 "=="; done
         for v in "" FUSED_PLAN=1; do timeout 90 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd \
           --variants pallas --private "$v" --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/fusedplan.log" | tail -2; done ;;
+    planblock) i=0; for v in FUSED_PLAN=0 FUSED_PLAN=1,BLOCK=1024 FUSED_PLAN=1,BLOCK=512 FUSED_PLAN=1,BLOCK=256; do
+          i=$((i+1)); timeout 80 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 8 --private "$v" \
+            --out "$OUT/planblock-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/planblock.log" | grep -A2 "=="; done ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

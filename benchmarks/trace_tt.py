@@ -94,8 +94,8 @@ def main():
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
-    from tt_jax.kernels import backward as tt_bwd
-    set_private(args.private, (tt_bwd, kf))
+    from tt_jax.kernels import backward as tt_bwd, plan as tt_plan
+    set_private(args.private, (tt_bwd, kf, tt_plan))
     wl = workloads.PRESETS[args.workload]()
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -332,9 +332,10 @@ def test_train_step_through_pallas_forward(rng, extra):
 def test_kept_and_packed_prefix_products(rng, monkeypatch):
     # forward.KEEP_C (on by default): a forward run for differentiation keeps each work item's C for the backward's
     # group kernel, which then runs per work item; the plans carry C only when on (never for T = 2 or 4, nor
-    # without prefix reuse, nor past PREFIX_C_MAX_BYTES). A/B switches, off: forward.PACKED_C, C from the packed
-    # kernel (items sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), equal to the rows kernel's
-    # own item by item; backward.PACKED_DP1, dP1 in a packed pass (members: groups, or items with KEEP_C).
+    # without prefix reuse, nor past PREFIX_C_MAX_BYTES). Also on by default, each tested off too: forward.PACKED_C,
+    # C from the packed kernel (items sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), equal to
+    # the rows kernel's own item by item; backward.PACKED_DP1, dP1 in a packed pass (members: groups, or items with
+    # KEEP_C).
     # Gradients against float64 in each mode (T = 2, 3 with two stacked tables, 4; groups cut into items of 3 rows).
     from tt_jax.kernels import backward as kb
     from tt_jax.kernels import forward as kf

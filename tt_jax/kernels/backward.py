@@ -426,10 +426,11 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
                      j_ok[:, None] & (aa < r[1])[None, :], interpret)
 
 
-# A/B switch, prepared 2026-12-01 and NOT measured on a GPU yet (interpret-mode tests and a register screen only; see
-# benchmarks/NOTES.md, session 15): the group kernel (T = 3) leaves dP1 to `_packed_dp1`, which packs the members
-# sharing a middle slice i2 into one dot (8 per 16-row dot when q1 = 2, instead of one 8x-padded dot per member).
-PACKED_DP1 = False
+# The group kernel (T = 3) leaves dP1 to `_packed_dp1`, which packs the members sharing a middle slice i2 into one
+# dot (8 per 16-row dot when q1 = 2, instead of one 8x-padded dot per member). Measured on the H200, workload a,
+# B 32768 (packedc-20261201-1903-{2,4}): tt_bwd_groups 0.451 -> 0.161 ms plus tt_bwd_dp1_packed 0.056; the training
+# step 1.394 -> 1.159 ms of kernels (with forward.PACKED_C too: 1.031).
+PACKED_DP1 = True
 
 
 def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):

@@ -489,10 +489,13 @@ def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTKernelConfig
     return bound * q[0] * q[1] * r[2]
 
 
-# A/B switch, prepared 2026-12-01 and NOT measured on a GPU yet (interpret-mode tests and a register screen only; see
-# benchmarks/NOTES.md, session 15): for T = 3 with prefix reuse, the work items' prefix products C come from
-# `packed_prefix_products` (items sharing a middle-core slice packed into one dot) and the rows kernel loads them.
-PACKED_C = False
+# For T = 3 with prefix reuse (within PREFIX_C_MAX_BYTES), the work items' prefix products C come from
+# `packed_prefix_products` (items sharing a middle-core slice packed into one dot) and the rows kernel loads them;
+# off (or past the budget), the rows kernel computes each item's C itself. Measured on the H200, workload a,
+# B 32768 (packedc-20261201-1903-*, with backward.PACKED_DP1): tt_prefix_rows 0.290 -> 0.084 ms plus
+# tt_prefix_packed 0.039 and one more sort (~0.03); the forward 0.508 -> 0.432 ms (bench_tt), the training step
+# 1.394 -> 1.031 ms of kernels.
+PACKED_C = True
 
 
 def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref, c_ref, *, q, r, pack, q1p, k_p, n_p,
@@ -662,10 +665,11 @@ def tt_pool(
         return call(*args)
 
 
-# A/B switch, prepared 2026-12-01 and NOT measured on a GPU yet (interpret-mode tests only; see benchmarks/NOTES.md,
-# session 15): the Pallas forward's plans do their bookkeeping after the sort in three Pallas passes
-# (`tt_jax.kernels.plan`) instead of ~15 XLA ops.
-FUSED_PLAN = False
+# The Pallas forward's plans do their bookkeeping after the sort in three Pallas passes (`tt_jax.kernels.plan`)
+# instead of ~15 XLA ops (off: `prefix.build_flow`'s XLA ops, the definition they are tested against). Measured on
+# the H200, workload a, training step (planblock-20261201-1912-*): B 32768 1.031 -> 0.983 ms of kernels, B 4096
+# 0.602 -> 0.524; plan.BLOCK 512 or 256 instead of 1024 made no difference.
+FUSED_PLAN = True
 
 
 def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, batch: int, config: TTKernelConfig,
