@@ -69,6 +69,9 @@
 #             bench_tt.py forward at B 4096, 32768 off and on -> fusedplantests.log, fusedplan-*.json, .log, tt-*.json
 #   planblock trace_tt.py at B 4096 and 32768: forward.FUSED_PLAN off, on with plan.BLOCK 1024, 512, 256
 #             -> planblock-*.json, planblock.log
+#   ttfwd     trace_tt.py --forward at B 4096 and 32768 (the forward's kernels alone) -> ttfwd.json, ttfwd.log
+#   plancoal  test_tt_plan.py and test_tt_kernel.py compiled; trace_tt.py --forward and the step at B 32768 (the plan's
+#             table rows stored whole) -> plancoaltests.log, plancoal-fwd.json, plancoal-step.json, plancoal.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -228,6 +231,14 @@ for stage in "$@"; do
     planblock) i=0; for v in FUSED_PLAN=0 FUSED_PLAN=1,BLOCK=1024 FUSED_PLAN=1,BLOCK=512 FUSED_PLAN=1,BLOCK=256; do
           i=$((i+1)); timeout 80 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 8 --private "$v" \
             --out "$OUT/planblock-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/planblock.log" | grep -A2 "=="; done ;;
+    ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
+          --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
+    plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \
+          > "$OUT/plancoaltests.log" 2>&1; tail -1 "$OUT/plancoaltests.log"
+        timeout 80 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 12 --out "$OUT/plancoal-fwd.json" \
+          2>&1 | grep -v Warning | tee "$OUT/plancoal.log" | grep -A4 "=="
+        timeout 80 python3 benchmarks/trace_tt.py --batches 32768 --top 12 --out "$OUT/plancoal-step.json" \
+          2>&1 | grep -v Warning | tee -a "$OUT/plancoal.log" | grep -A12 "==" ;;
     dims) timeout 240 python3 benchmarks/bench_dims.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/dims.log" ;;
     bwdall) timeout 330 python3 benchmarks/bench_backward.py --presets base,zipf,weighted,large,fp32,smalltable,mixed \
           --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bwdall.log" | tail -14 ;;

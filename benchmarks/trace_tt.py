@@ -65,6 +65,14 @@ def make_step(emb, opt):
     return jax.jit(step, donate_argnums=(0,))
 
 
+def make_forward(emb):
+    """The forward alone (inference: no plans kept), with a scalar carried so that each call depends on the last."""
+    def step(carry, idx, off):
+        params, acc = carry
+        return params, acc + emb(params, idx, off)[0, 0]
+    return jax.jit(step)
+
+
 def enqueued_ms(step, carry, sets, iters):
     carry = step(carry, *sets[0])
     jax.block_until_ready(carry)
@@ -86,6 +94,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one trace each)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--forward", action="store_true", help="trace the forward alone instead of the training step")
     ap.add_argument("--private", default="",
                     help="A/B of module constants of tt_jax.kernels.backward or .forward, e.g. EXACT01_SPLIT=0")
     ap.add_argument("--accuracy", action="store_true",
@@ -100,7 +109,7 @@ def main():
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "workload": args.workload, "opt": args.opt, "private": args.private, "runs": []}
+           "workload": args.workload, "opt": None if args.forward else args.opt, "private": args.private, "runs": []}
     cores = numpy_cores(specs)
     for batch in [int(b) for b in args.batches.split(",")]:
         rng = np.random.default_rng(batch)
@@ -111,9 +120,9 @@ def main():
             emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=not on_gpu, config=cfg)
             opt = OPTS[args.opt]()
             params = {"cores": jax.tree.map(jnp.copy, cores)}
-            carry = (params, emb.init_opt_state(params, opt))
+            carry = (params, jnp.zeros((), jnp.float32) if args.forward else emb.init_opt_state(params, opt))
             err = accuracy(emb, params, sets[0], cores, specs) if args.accuracy else None
-            step = make_step(emb, opt)
+            step = make_forward(emb) if args.forward else make_step(emb, opt)
             ms, carry = enqueued_ms(step, carry, sets, args.iters)
             kernels = profile(step, carry, sets, args.iters)
             total = sum(v["ms"] for v in kernels.values())

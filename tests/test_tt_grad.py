@@ -336,7 +336,8 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     # C from the packed kernel (items sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), equal to
     # the rows kernel's own item by item; backward.PACKED_DP1, dP1 in a packed pass (members: groups, or items with
     # KEEP_C).
-    # Gradients against float64 in each mode (T = 2, 3 with two stacked tables, 4; groups cut into items of 3 rows).
+    # Gradients against float64 with the defaults, and the other modes' against theirs (T = 2, 3 with two stacked
+    # tables, 4; groups cut into items of 3 rows).
     from tt_jax.kernels import backward as kb
     from tt_jax.kernels import forward as kf
 
@@ -356,11 +357,15 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
         if keep:
             n = int(plans[1].num_items[0]) * T3.q_shapes[0] * T3.q_shapes[1] * T3.ranks[1]
             kept[packed] = np.asarray(plans[1].prefix_c)[:n]
-        grads[keep, packed, packed_dp1] = check_grads(emb, params, idx, off, psw, g, 4)
+        if (keep, packed, packed_dp1) == modes[-1]:  # the defaults: against float64 and the reference
+            grads[modes[-1]] = check_grads(emb, params, idx, off, psw, g, 4)
+        else:  # the other modes: against the defaults (below)
+            grads[keep, packed, packed_dp1] = jax.grad(lambda p, w: jnp.sum(emb(p, idx, off, w) * g), argnums=(0, 1))(
+                params, jnp.asarray(psw))
     assert int(plans[1].num_items[0]) > 8
     assert_close(kept[True], kept[False], 1e-6)
-    for mode in modes[1:]:
-        for a, b in zip(jax.tree.leaves(grads[modes[0]]), jax.tree.leaves(grads[mode]), strict=True):
+    for mode in modes[:-1]:
+        for a, b in zip(jax.tree.leaves(grads[modes[-1]]), jax.tree.leaves(grads[mode]), strict=True):
             assert_close(a, b, 2e-6)
     monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * kept[True].size - 1)  # below this batch's C: not kept
     _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.specs import next_pow2
 from tt_jax.kernels.forward import masked_store
 
 BLOCK = 1024
@@ -110,18 +111,23 @@ def _write_kernel(new_row_ref, new_grp_ref, valid_ref, pre_ref, suf_ref, tab_ref
         cols[c] = const(2 + 2 * c) + rest % radix
         rest = rest // radix
     last_base = const(2 * t_cores - 1)
+    # Each table row (first row, prefix digits, last-core base) is stored whole: one [BLOCK, 2^k] store whose lanes
+    # are consecutive addresses, instead of one strided store per column (the fill rows are most of the writes).
+    # SASS stores 170 -> 74; on the H200, workload a, B 32768: tt_plan_write 0.045 -> 0.026 ms (ttfwd-20261201-1932,
+    # plancoal-fwd-20261201-1944).
     width = t_cores + 1
+    col = jnp.arange(next_pow2(width), dtype=jnp.int32)[None, :]
+    in_row = col < width
+    start_vals = jnp.where(col == 0, uid[:, None], jnp.where(col == t_cores, last_base[:, None], 0))
+    for c in range(t_cores - 1):
+        start_vals = jnp.where(col == 1 + c, cols[c][:, None], start_vals)
+    fill_vals = jnp.where(col == 0, num_rows, 0) + jnp.zeros_like(j)[:, None]
 
     def table(ref, slot, starts, count):
         starts = live & (starts > 0)
-        store(ref, slot * width, uid, starts)
-        for c in range(t_cores - 1):
-            store(ref, slot * width + 1 + c, cols[c], starts)
-        store(ref, slot * width + t_cores, last_base, starts)
+        store(ref, slot[:, None] * width + col, start_vals, starts[:, None] & in_row)
         fill = (j >= count) & (j <= cap)  # rows past the count: (num_rows, 0, ..., 0); row cap is the sentinel
-        store(ref, j * width, jnp.full_like(j, 0) + num_rows, fill)
-        for c in range(1, width):
-            store(ref, j * width + c, jnp.zeros_like(j), fill)
+        store(ref, j[:, None] * width + col, fill_vals, fill[:, None] & in_row)
 
     table(item_meta_ref, iid, new_item, num_items)
     if group_meta_refs:
