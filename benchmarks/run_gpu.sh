@@ -61,10 +61,8 @@
 #   (vectests, vecblock, x3tests, x3, x3cfg, dp1: the A/Bs of 2026-12-01 17:00-17:20, on switches since removed or adopted)
 #   ttfinal   the TT test files compiled; trace_tt.py with accuracy (precisions, group-kernel knobs); bench_tt.py
 #             forward and training steps at B 4096, 32768 -> tttests3.log, ttfinal.json, .log, tt-*.json, tttrain.log
-#   keepc     the TT test files compiled with forward.KEEP_C on; trace_tt.py A/B of KEEP_C (on, off, on) -> keepctests.log, keepc-*.json, keepc.log
-#   packedc   the TT test files compiled with forward.PACKED_C and backward.PACKED_DP1 on; trace_tt.py A/B (both, none,
-#             each alone); bench_tt.py forward at B 4096, 32768 without and with PACKED_C -> packedctests.log,
-#             packedc-*.json, packedc.log, tt-*.json, packedfwd.log
+#   (keepc, packedc: the A/Bs of forward.KEEP_C, forward.PACKED_C and backward.PACKED_DP1, 2026-12-01; all three
+#             adopted and the switches removed: one path)
 #   fusedplan test_tt_plan.py and the TT test files compiled with forward.FUSED_PLAN on; trace_tt.py A/B (on, off);
 #             bench_tt.py forward at B 4096, 32768 off and on -> fusedplantests.log, fusedplan-*.json, .log, tt-*.json
 #   planblock trace_tt.py at B 4096 and 32768: forward.FUSED_PLAN off, on with plan.BLOCK 1024, 512, 256
@@ -207,19 +205,6 @@ for stage in "$@"; do
         timeout 200 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
           --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/tttrain.log" | tail -12 ;;
-    keepc) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.KEEP_C=1 timeout 200 python3 -m pytest -q -n 8 \
-          -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/keepctests.log" 2>&1; tail -2 "$OUT/keepctests.log"
-        i=0; for v in KEEP_C=1 "" KEEP_C=1; do i=$((i+1))
-          timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 4 --accuracy --private "$v" \
-            --out "$OUT/keepc-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/keepc.log" | grep -A4 "=="; done ;;
-    packedc) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.PACKED_C=1,tt_jax.kernels.backward.PACKED_DP1=1 timeout 200 \
-          python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/packedctests.log" 2>&1
-        grep -E "passed|failed" "$OUT/packedctests.log" | tail -2
-        i=0; for v in PACKED_C=1,PACKED_DP1=1 "" PACKED_C=1 PACKED_DP1=1; do i=$((i+1))
-          timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 6 --accuracy --private "$v" \
-            --out "$OUT/packedc-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/packedc.log" | grep -A6 "=="; done
-        for v in "" PACKED_C=1; do timeout 90 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd \
-          --variants pallas --private "$v" --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/packedfwd.log" | tail -3; done ;;
     fusedplan) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.FUSED_PLAN=1 timeout 200 python3 -m pytest -q -n 8 \
           -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/fusedplantests.log" 2>&1
         grep -E "passed|failed" "$OUT/fusedplantests.log" | tail -2

@@ -330,46 +330,38 @@ def test_train_step_through_pallas_forward(rng, extra):
 
 
 def test_kept_and_packed_prefix_products(rng, monkeypatch):
-    # forward.KEEP_C (on by default): a forward run for differentiation keeps each work item's C for the backward's
-    # group kernel, which then runs per work item; the plans carry C only when on (never for T = 2 or 4, nor
-    # without prefix reuse, nor past PREFIX_C_MAX_BYTES). Also on by default, each tested off too: forward.PACKED_C,
-    # C from the packed kernel (items sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), equal to
-    # the rows kernel's own item by item; backward.PACKED_DP1, dP1 in a packed pass (members: groups, or items with
-    # KEEP_C).
-    # Gradients against float64 with the defaults, and the other modes' against theirs (T = 2, 3 with two stacked
-    # tables, 4; groups cut into items of 3 rows).
-    from tt_jax.kernels import backward as kb
+    # For T = 3 with prefix reuse the forward computes each work item's prefix product C in the packed kernel (items
+    # sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), and a forward run for differentiation keeps
+    # it for the backward's group kernel, which then runs per work item (never for T = 2 or 4, nor without prefix
+    # reuse, nor past PREFIX_C_MAX_BYTES; there the kernels compute C item by item, and dP1's packed pass takes
+    # groups instead of items). C against float64 item by item; the gradients against float64 with C kept, and
+    # equal without (T = 2, 3 with two stacked tables, 4; groups cut into items of 3 rows).
+    from tt_jax import prefix
     from tt_jax.kernels import forward as kf
 
     specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
     emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
     params = make_params(emb, rng)
     idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
-    grads, kept = {}, {}
-    modes = ((False, False, False), (True, False, False), (True, True, False), (False, False, True),
-             (True, True, True))
-    for keep, packed, packed_dp1 in modes:
-        monkeypatch.setattr(kf, "KEEP_C", keep)
-        monkeypatch.setattr(kf, "PACKED_C", packed)
-        monkeypatch.setattr(kb, "PACKED_DP1", packed_dp1)
-        _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
-        assert [p.prefix_c is not None for p in plans] == [False, keep, False], keep  # T = 2, 3 (stacked), 4
-        if keep:
-            n = int(plans[1].num_items[0]) * T3.q_shapes[0] * T3.q_shapes[1] * T3.ranks[1]
-            kept[packed] = np.asarray(plans[1].prefix_c)[:n]
-        if (keep, packed, packed_dp1) == modes[-1]:  # the defaults: against float64 and the reference
-            grads[modes[-1]] = check_grads(emb, params, idx, off, psw, g, 4)
-        else:  # the other modes: against the defaults (below)
-            grads[keep, packed, packed_dp1] = jax.grad(lambda p, w: jnp.sum(emb(p, idx, off, w) * g), argnums=(0, 1))(
-                params, jnp.asarray(psw))
-    assert int(plans[1].num_items[0]) > 8
-    assert_close(kept[True], kept[False], 1e-6)
-    for mode in modes[:-1]:
-        for a, b in zip(jax.tree.leaves(grads[modes[-1]]), jax.tree.leaves(grads[mode]), strict=True):
-            assert_close(a, b, 2e-6)
-    monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * kept[True].size - 1)  # below this batch's C: not kept
+    _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+    assert [p.prefix_c is not None for p in plans] == [False, True, False]  # T = 2, 3 (stacked), 4
+    layout = prefix.stack_tables(emb.specs, emb.feature_table_map)[1][0]
+    q, r = layout.q_shapes, layout.full_ranks
+    g1, g2 = (np.asarray(c, np.float64) for c in prefix.stack_cores(layout, emb.get_cores(params))[:2])
+    n_items = int(plans[1].num_items[0])
+    assert n_items > 8
+    meta = np.asarray(plans[1].item_meta).reshape(-1, 4)[:n_items]  # first row, stacked i1, stacked i2, last base
+    want = np.einsum("nja,nakb->njkb", g1.reshape(-1, q[0], r[1])[meta[:, 1]],
+                     g2.reshape(-1, r[1], q[1], r[2])[meta[:, 2]]).reshape(-1)
+    assert_close(np.asarray(plans[1].prefix_c)[: want.size], want, 1e-6)
+    kept = check_grads(emb, params, idx, off, psw, g, 4)
+
+    monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * want.size - 1)  # below this batch's C: not kept
     _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
     assert plans[1].prefix_c is None
+    recomputed = jax.grad(lambda p, w: jnp.sum(emb(p, idx, off, w) * g), argnums=(0, 1))(params, jnp.asarray(psw))
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(recomputed), strict=True):
+        assert_close(a, b, 2e-6)
     unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
     _, (_, _, plans, _, _) = unique._step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))
     assert plans[0].prefix_c is None

@@ -7,7 +7,7 @@ same run to run. Per table group (`prefix.StackedTables`), from the forward's `F
 1. `d_rows` (per distinct row u, dR_u = sum of s_n dY_{bag(n)} over its lookups n): a segmented reduction
    over the lookups sorted by row (`plan.perm`, `plan.sorted_row`).
 2. `tt_bwd_groups`: one program per prefix group (`plan.group_meta`), or, for T = 3 when the forward kept
-   each work item's prefix product (`plan.prefix_c`, see `forward.KEEP_C`), one per work item (a group cut
+   each work item's prefix product (`plan.prefix_c`, see `forward.PREFIX_C_MAX_BYTES`), one per work item (a group cut
    into items is then several members of step 3's sums). The general kernel recomputes the group's prefix
    product as a list of `[q_1, r_{T-1}]` tiles, one per value of the middle digits (j_2 .. j_{T-1}), so the
    chain needs no register reshapes (T = 3: `_group_kernel3`, one `[q_1 q_2, r_2]` tile): P_1 = G_1[i_1],
@@ -426,13 +426,6 @@ def _group_kernel(*refs, names, t_cores, q, r, dim, rows_per_step, precision, in
                      j_ok[:, None] & (aa < r[1])[None, :], interpret)
 
 
-# The group kernel (T = 3) leaves dP1 to `_packed_dp1`, which packs the members sharing a middle slice i2 into one
-# dot (8 per 16-row dot when q1 = 2, instead of one 8x-padded dot per member). Measured on the H200, workload a,
-# B 32768 (packedc-20261201-1903-{2,4}): tt_bwd_groups 0.451 -> 0.161 ms plus tt_bwd_dp1_packed 0.056; the training
-# step 1.394 -> 1.159 ms of kernels (with forward.PACKED_C too: 1.031).
-PACKED_DP1 = True
-
-
 def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
     """T = 3, the forward's tile layout (`forward.prefix_loads`): one program per prefix group.
 
@@ -440,11 +433,12 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
     G2[i2, a, j, b], so C is `[q1 q2, r2]` in one tile (rows (j1, j2)). Per step of S rows, with H `[r2,
     (s, j3)]` their last-core slices and Xd `[(j1, j2), (s, j3)]` their dR:
       dC += Xd H^T (contract (s, j3)),   dlast = C^T Xd  `[r2, (s, j3)]` (each row's last-core contribution).
-    Then dP1 (the first core's contribution) = dC as `[j1, (j2, b)]` (reloaded from the dP1 buffer just
-    stored: no register reshape) times G2's slice `[a, (j2, b)]` transposed. Two dots per group plus two per
-    step (one per group when C comes from the forward, `prefix_c`; none with PACKED_DP1), against 4 + 8 per
-    step + 8 in the general kernel. Stores the same buffers as `_group_kernel` (`dfirst` only without
-    PACKED_DP1).
+    dC is stored as the middle core's member `dp1` (row-major over ((j1, j2), b), i.e. `[j1, (j2, b)]`), from
+    which `_packed_dp1` computes dP1, the first core's contribution, for the members sharing G2[i2] together (8
+    per 16-row dot when q1 = 2, where a dot here would be 8x padded; measured on the H200, workload a, B 32768,
+    `packedc-20261201-1903-{2,4}`: this kernel 0.451 -> 0.161 ms plus the packed pass 0.056, the training step
+    1.394 -> 1.159 ms of kernels). One dot per group (none when C comes from the forward, `prefix_c`) plus two per
+    step, against 4 + 8 per step + 8 in the general kernel. Stores the buffers of `_group_kernel` but `dfirst`.
     """
     ref = dict(zip(names, refs))
     meta_ref, ngroups_ref, suffix_ref, drows_ref = ref["meta"], ref["ngroups"], ref["suffix"], ref["d_rows"]
@@ -499,25 +493,6 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         masked_store(ref["p1"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], p1, p1_mask, interpret)
         masked_store(ref["dp1"], g * (tl.rows_valid * r[2]) + (jj * r[2])[:, None] + bb[None, :], dc,
                      j_ok[:, None] & b_ok[None, :], interpret)
-        if "dfirst" not in ref:  # dP1 by `_packed_dp1`
-            return
-        # dP1[j1, a] = sum_{(j2, b)} dC[(j1, j2), b] G2[i2, a, j2, b]. dC, just stored row-major over ((j1, j2),
-        # b), is `[j1, (j2, b)]` in memory, and G2's slice is `[a, (j2, b)]`: one dot of the reloaded dC (the
-        # barrier makes this program's stores visible to all its threads). It replaced dX = dC Y^T and two 0/1
-        # dots (per group 3 x 65k MACs at TF32x3 instead of 3 x 65k + 2 x 32k + 2 x 65k; 228 -> 156 registers):
-        # tt_bwd_groups 0.735 -> 0.615 ms on workload a, B 32768 (dp1-20261201-1719-*).
-        if not interpret:
-            plgpu.debug_barrier()
-        k2 = dot_pad(q[1] * r[2])
-        cc = jnp.arange(k2, dtype=jnp.int32)
-        c_ok = cc < q[1] * r[2]
-        dc2 = plgpu.load(ref["dp1"].at[g * (tl.rows_valid * r[2]) + (j1 * (q[1] * r[2]))[:, None] + cc[None, :]],
-                         mask=(j1 < q[0])[:, None] & c_ok[None, :], other=0.0)  # [q1p, k2]
-        g2 = plgpu.load(cores[1].at[digits[1].astype(tl.addr) * (r[1] * q[1] * r[2])
-                                    + (aa * (q[1] * r[2]))[:, None] + cc[None, :]],
-                        mask=a_ok[:, None] & c_ok[None, :], other=0.0)  # [r_pad1, k2]
-        dfirst = _dot(dc2, g2, 1, 1, precision)  # [q1p, r_pad1]
-        masked_store(ref["dfirst"], (g * q[0] + j1)[:, None] * r[1] + aa[None, :], dfirst, p1_mask, interpret)
 
     @pl.when(pid < n_groups)
     def _():
@@ -565,9 +540,9 @@ def _packed_dp1(layout: prefix.StackedTables, cores, group_meta, num_groups, ord
 
 
 def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, group_meta,
-                num_groups, prefix_c, *, config: TTKernelConfig, interpret: bool, dp1_packed: bool = False):
+                num_groups, prefix_c, *, config: TTKernelConfig, interpret: bool):
     """The per-group kernel over `group_meta`'s first `num_groups` rows (groups, or work items with `prefix_c`).
-    With `dp1_packed` (T = 3, "tiles3"), it leaves out `dfirst` (see `_packed_dp1`)."""
+    The T = 3 "tiles3" kernel leaves out `dfirst` (see `_packed_dp1`)."""
     nc = layout.num_cores
     q, r = layout.q_shapes, layout.full_ranks
     cap = plan.row_suffix.shape[0]
@@ -578,14 +553,15 @@ def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_ro
         names.append("prefix_c")
         args.append(prefix_c)
     outs = {"dlast": (cap * r[-2] * q[-1], jnp.float32), "row_slice": (cap, jnp.int32)}
-    if not dp1_packed:
+    tiles3 = nc == 3 and config.bwd_group_kernel == "tiles3"
+    if not tiles3:
         outs["dfirst"] = (n_groups * q[0] * r[1], jnp.float32)
     for t in range(1, nc - 1):
         j_rows = int(np.prod(q[:t]))
         outs[f"p{t}"] = (n_groups * j_rows * r[t], jnp.float32)
         outs[f"dp{t}"] = (n_groups * j_rows * q[t] * r[t + 1], jnp.float32)
     names += list(outs)
-    if nc == 3 and config.bwd_group_kernel == "tiles3":
+    if tiles3:
         kernel = functools.partial(_group_kernel3, names=tuple(names), tl=Tiles.make(layout, config.bwd_rows),
                                    precision=precision, interpret=interpret)
     else:
@@ -658,11 +634,11 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     meta = group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
     live_g = jnp.arange(n_groups, dtype=jnp.int32) < num_groups
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
-    dp1_packed = PACKED_DP1 and nc == 3 and config.bwd_group_kernel == "tiles3"
+    dp1_packed = nc == 3 and config.bwd_group_kernel == "tiles3"  # dP1 by `_packed_dp1`
     # The members by middle slice: the middle core's sum below, and `_packed_dp1`'s order.
     by_mid = _runs(meta[:, 2], live_g, min(n_groups, p_stacked[1])) if dp1_packed else None
     bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, group_meta, num_groups,
-                       plan.prefix_c if use_c else None, config=config, interpret=interpret, dp1_packed=dp1_packed)
+                       plan.prefix_c if use_c else None, config=config, interpret=interpret)
     if dp1_packed:
         bufs["dfirst"] = _packed_dp1(layout, stacked, group_meta, num_groups, by_mid[0], bufs["dp1"], n_groups,
                                      config=config, interpret=interpret)

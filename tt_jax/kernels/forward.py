@@ -5,7 +5,7 @@
    computes the prefix product C = G1[i1] G2[i2] ... G_{T-1}[i_{T-1}] once, in
    registers, then every distinct row of the item as C @ G_T[i_T], and stores
    it to a `[cap, D]` buffer of distinct rows. No intermediate goes to memory, except in a forward for
-   differentiation (T = 3): each item's prefix product, kept for the backward (`FlowPlan.prefix_c`, `KEEP_C`).
+   differentiation (T = 3): each item's prefix product, kept for the backward (`FlowPlan.prefix_c`).
 
    Tiles (every dot dimension padded to a power of two >= 16 with masked loads):
    - T = 2: C = G1[i1] as `[q1, r1]`, loaded.
@@ -331,14 +331,13 @@ def _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl: Tiles, precision
 
 
 def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, programs, max_items, precision,
-                 store_c, load_c, interpret):
+                 load_c, interpret):
     # inputs: meta_ref [(cap+1) * (T+1)], nitems_ref [1], suffix_ref [cap], T flat cores, (load_c) C per item,
-    #         (queue) counter [1] aliased; outputs: rows [cap * D], (store_c) C per item, (queue) counter [1]
+    #         (queue) counter [1] aliased; outputs: rows [cap * D], (queue) counter [1]
     core_refs = refs[: tl.t]
     c_in = refs[tl.t] if load_c else None
     outs = refs[tl.t + load_c + (schedule == "queue"):]
     out_ref = outs[0]
-    c_ref = outs[1] if store_c else None
     counter_ref = refs[-1] if schedule == "queue" else None
     cols = tl.t + 1
     pid = pl.program_id(0)
@@ -368,10 +367,6 @@ def _rows_kernel(meta_ref, nitems_ref, suffix_ref, *refs, tl: Tiles, schedule, p
         nxt = prefetch() if prefetch is not None else None
         g = load_last(core_refs[-1], last_base, suffix, jt, col_ok, tl)
         tiles = ops if load_c else _prefix_product(ops, tl, precision)
-        if store_c:  # T = 3: the item's C `[q1 q2, r2]`, row-major, for the backward
-            masked_store(c_ref, item.astype(tl.addr) * (tl.rows_valid * tl.r[2]) + (jj * tl.r[2])[:, None]
-                         + bb[None, :], tiles[0], (jj < tl.rows_valid)[:, None] & (bb < tl.r[2])[None, :],
-                         interpret)
         _store_rows(out_ref, tiles, g, lane, jt, col_ok, first, tl, precision, interpret)
 
         def sub(c, carry):
@@ -423,31 +418,26 @@ def tt_rows(
     *,
     config: TTKernelConfig,
     interpret: bool,
-    store_c: bool = False,
     c_in: jax.Array | None = None,
 ):
-    """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written). With `store_c` (T = 3
-    with prefix reuse: `prefix_c_size` is not None), also `(rows, C)`: each item's prefix product for
-    `FlowPlan.prefix_c`. With `c_in` (the same layout, from `packed_prefix_products`), C is loaded, not computed."""
+    """`[cap * D]` distinct rows (row u at `u * D`; rows >= plan.num_rows are not written). With `c_in` (T = 3
+    with prefix reuse: each work item's prefix product from `packed_prefix_products`, `FlowPlan.prefix_c`'s
+    layout), C is loaded, not computed."""
     cap = plan.row_suffix.shape[0]
     tl = Tiles.make(layout, config.tile_rows)
-    c_size = prefix_c_size(layout, cap, config) if (store_c or c_in is not None) else None
-    if (store_c or c_in is not None) and c_size is None:
-        raise ValueError("tt_rows(store_c=True or c_in=...) needs T = 3 cores and prefix reuse")
-    if store_c and c_in is not None:
-        raise ValueError("tt_rows: store_c and c_in exclude each other")
+    c_size = prefix_c_size(layout, cap, config) if c_in is not None else None
+    if c_in is not None and c_size is None:
+        raise ValueError("tt_rows(c_in=...) needs T = 3 cores and prefix reuse")
     wide = max([cap * tl.dim, c_size or 0] + [c.shape[0] for c in cores]) >= _INT32_MAX
     tl = dataclasses.replace(tl, wide=wide)
     programs = config.programs(cap)
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(
         _rows_kernel, tl=tl, schedule=config.schedule, programs=programs, max_items=cap, precision=precision,
-        store_c=store_c, load_c=c_in is not None, interpret=interpret,
+        load_c=c_in is not None, interpret=interpret,
     )
     args = [plan.item_meta, plan.num_items, plan.row_suffix, *cores] + ([c_in] if c_in is not None else [])
     out_shape = [jax.ShapeDtypeStruct((cap * tl.dim,), jnp.float32)]
-    if store_c:
-        out_shape.append(jax.ShapeDtypeStruct((c_size,), jnp.float32))
     aliases = {}
     if config.schedule == "queue":
         aliases = {len(args): len(out_shape)}
@@ -464,18 +454,21 @@ def tt_rows(
     )
     with jax.enable_x64(wide):  # int64 exists inside the kernel only; operands keep their int32 dtypes
         res = call(*args)
-    return (res[0], res[1]) if store_c else res[0]
+    return res[0]
 
 
-# A forward run for differentiation keeps each work item's prefix product C in its plan (`FlowPlan.prefix_c`: 1 KB
-# per item on workload a, ~51 MB at B 32768) and the backward's group kernel (T = 3) loads it instead of recomputing
-# it (one of its two per-group TF32x3 dots of 65k MACs). Measured on the H200, workload a, B 32768
-# (keepc-20261201-1736-*): tt_bwd_groups 0.611 -> 0.450 ms, tt_prefix_rows 0.279 -> 0.289, the training step
-# 1.611 -> 1.434 ms enqueued. `apply_gradients` without a forward, T = 2 or 4, and `prefix_reuse=False` recompute C.
-KEEP_C = True
-# Kept (and PACKED_C's) prefix products of one forward together take at most this many bytes: C is ~8x a row's size
-# per work item, and its buffer is sized by a static bound on the items (groups + rows / chunk), so on many-table
-# workloads it would be gigabytes; past the budget a table group recomputes C in its kernels, as without them.
+# For T = 3 with prefix reuse, the forward computes each work item's prefix product C `[q1 q2, r2]` in
+# `packed_prefix_products` (the items sharing a middle-core slice packed into one dot) and the rows kernel loads it.
+# Measured on the H200, workload a, B 32768 (packedc-20261201-1903-*, then an A/B switch): tt_prefix_rows 0.290 ->
+# 0.084 ms plus tt_prefix_packed 0.039 and one more sort (~0.03); the forward 0.508 -> 0.432 ms (bench_tt); with
+# the backward's packed dP1, the training step 1.394 -> 1.031 ms of kernels.
+# A forward run for differentiation keeps C in its plan (`FlowPlan.prefix_c`: 1 KB per item on workload a, ~51 MB
+# at B 32768) and the backward's group kernel loads it instead of recomputing it (keepc-20261201-1736-*, before the
+# packing: tt_bwd_groups 0.611 -> 0.450 ms, the step 1.611 -> 1.434 ms enqueued). `apply_gradients` without a
+# forward, T = 2 or 4, and `prefix_reuse=False` recompute C in the kernels.
+# The C buffers of one forward together take at most this many bytes: C is ~8x a row's size per work item, and its
+# buffer is sized by a static bound on the items (groups + rows / chunk), so on many-table workloads it would be
+# gigabytes; past the budget a table group's kernels compute C themselves, item by item.
 PREFIX_C_MAX_BYTES = 256 << 20
 
 
@@ -488,14 +481,6 @@ def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTKernelConfig
     q, r = layout.q_shapes, layout.full_ranks
     return bound * q[0] * q[1] * r[2]
 
-
-# For T = 3 with prefix reuse (within PREFIX_C_MAX_BYTES), the work items' prefix products C come from
-# `packed_prefix_products` (items sharing a middle-core slice packed into one dot) and the rows kernel loads them;
-# off (or past the budget), the rows kernel computes each item's C itself. Measured on the H200, workload a,
-# B 32768 (packedc-20261201-1903-*, with backward.PACKED_DP1): tt_prefix_rows 0.290 -> 0.084 ms plus
-# tt_prefix_packed 0.039 and one more sort (~0.03); the forward 0.508 -> 0.432 ms (bench_tt), the training step
-# 1.394 -> 1.031 ms of kernels.
-PACKED_C = True
 
 
 def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref, c_ref, *, q, r, pack, q1p, k_p, n_p,
@@ -716,21 +701,16 @@ def pooled_forward(
     plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config,
                             fused=FUSED_PLAN, interpret=interpret))
     c_budget = PREFIX_C_MAX_BYTES
-    keep = return_plans and keep_c and KEEP_C
+    keep = return_plans and keep_c
     for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
         cores = prefix.stack_cores(layout, all_cores)
         c_size = prefix_c_size(layout, plan.row_suffix.shape[0], config)
-        has_c = c_size is not None and 4 * c_size <= c_budget
-        if has_c and (PACKED_C or keep):
+        if c_size is not None and 4 * c_size <= c_budget:
             c_budget -= 4 * c_size
-        if PACKED_C and has_c:
             c = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret, c_in=c)
             if keep:
                 plans[k] = plan = plan._replace(prefix_c=c)
-        elif keep and has_c:
-            rows, c = tt_rows(cores, plan, layout, config=config, interpret=interpret, store_c=True)
-            plans[k] = plan = plan._replace(prefix_c=c)
         else:
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret)
         out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
