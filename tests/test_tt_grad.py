@@ -334,8 +334,9 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     # sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), and a forward run for differentiation keeps
     # it for the backward's group kernel, which then runs per work item (never for T = 2 or 4, nor without prefix
     # reuse, nor past PREFIX_C_MAX_BYTES; there the kernels compute C item by item, and dP1's packed pass takes
-    # groups instead of items). C against float64 item by item; the gradients against float64 with C kept, and
-    # equal without (T = 2, 3 with two stacked tables, 4; groups cut into items of 3 rows).
+    # groups instead of items). C against float64 item by item, the items' order by i2 (the backward reuses it),
+    # and the gradients with C kept against float64 (T = 2, 3 with two stacked tables, 4; groups cut into items of
+    # 3 rows).
     from tt_jax import prefix
     from tt_jax.kernels import forward as kf
 
@@ -343,7 +344,7 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
     params = make_params(emb, rng)
     idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
-    _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+    out, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
     assert [p.prefix_c is not None for p in plans] == [False, True, False]  # T = 2, 3 (stacked), 4
     layout = prefix.stack_tables(emb.specs, emb.feature_table_map)[1][0]
     q, r = layout.q_shapes, layout.full_ranks
@@ -354,14 +355,19 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     want = np.einsum("nja,nakb->njkb", g1.reshape(-1, q[0], r[1])[meta[:, 1]],
                      g2.reshape(-1, r[1], q[1], r[2])[meta[:, 2]]).reshape(-1)
     assert_close(np.asarray(plans[1].prefix_c)[: want.size], want, 1e-6)
-    kept = check_grads(emb, params, idx, off, psw, g, 4)
+    # The packed kernel's item order, which the backward reuses: the items by stacked i2, stable, dead ones last.
+    order = np.asarray(plans[1].item_order)
+    keys = np.asarray(plans[1].item_meta).reshape(-1, 4)[: order.size, 2]
+    live = np.arange(order.size) < n_items
+    np.testing.assert_array_equal(order, np.argsort(np.where(live, keys, 2**31 - 1), kind="stable"))
+    check_grads(emb, params, idx, off, psw, g, 4)
 
-    monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * want.size - 1)  # below this batch's C: not kept
-    _, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
-    assert plans[1].prefix_c is None
-    recomputed = jax.grad(lambda p, w: jnp.sum(emb(p, idx, off, w) * g), argnums=(0, 1))(params, jnp.asarray(psw))
-    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(recomputed), strict=True):
-        assert_close(a, b, 2e-6)
+    # Past the budget: nothing kept, the rows kernel computes C itself (the same output). The backward without C
+    # (groups as the packed dP1's members) runs in every `apply_gradients` test.
+    monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * want.size - 1)
+    out2, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+    assert plans[1].prefix_c is None and plans[1].item_order is None
+    assert_close(out2, out, 1e-6)
     unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
     _, (_, _, plans, _, _) = unique._step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))
     assert plans[0].prefix_c is None

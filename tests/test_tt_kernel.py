@@ -304,3 +304,25 @@ def test_triton_lowering_for_gpu(case, monkeypatch):
             jax.ShapeDtypeStruct((n,), jnp.float32) if weighted else None)
     text = jax.jit(fwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("triton") >= 2 * len({(s.q_shapes, s.ranks) for s in specs})
+
+
+def test_train_step_sorts_three_times():
+    # One T = 3 table, Adagrad `train_step`, lowered for CUDA: three sorts, no more. The lookups by row (the plan),
+    # the work items by middle slice (the forward's packed kernel; the backward reuses that order), the rows by last
+    # slice (the last core's sum); the first core's members come sorted.
+    import tbe_jax
+
+    emb = tt_jax.TTEmbeddingBag([T3], impl="pallas", interpret=False)
+    emb._check_backend = lambda: None  # lowered only
+    opt = tt_jax.Adagrad(0.01)
+    params = emb.init(jax.random.key(0))
+    state = emb.init_opt_state(params, opt)
+
+    def step(params, state, idx, off):
+        res = tbe_jax.train_step(lambda _, out: 0.5 * jnp.sum(out**2), None,
+                                 tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
+        return res.params, res.opt_state
+
+    idx, off = jnp.zeros((64,), jnp.int32), jnp.arange(0, 65, 8, dtype=jnp.int32)
+    text = jax.jit(step).trace(params, state, idx, off).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.sort") == 3

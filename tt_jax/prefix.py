@@ -206,6 +206,9 @@ class FlowPlan(NamedTuple):
     # Set by a forward run for differentiation (`tt_jax.kernels.forward.pooled_forward(return_plans=True)`, T = 3):
     # per work item its prefix product `[q1 q2, r2]`, so the backward's group kernel need not recompute it.
     prefix_c: jax.Array | None = None  # [item_bound * q1 q2 * r2] fp32
+    # With it, the order in which the forward's packed kernel took the work items: sorted by their middle digit
+    # (stable; dead items last). The backward's middle-core sum and packed dP1 reuse it instead of sorting again.
+    item_order: jax.Array | None = None  # [item_bound] int32
 
 
 def item_bound(layout: "StackedTables", cap: int, chunk: int, prefix_reuse: bool) -> int | None:

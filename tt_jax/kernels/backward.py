@@ -302,11 +302,12 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     return (out, res[2]) if want_psw else out
 
 
-def _runs(keys, live, bound, *, presorted: bool = False):
+def _runs(keys, live, bound, *, presorted: bool = False, order=None):
     """Members sorted by key (stable): (order, run per sorted member, run -> key, run starts `[R + 1]`).
 
     `bound` is a static bound on the runs; dead members (not `live`) sort last with run = bound.
     `presorted`: the live members are a prefix and their keys are already non-decreasing (no sort).
+    `order`: the members' stable sort order by key (live first), computed before (`FlowPlan.item_order`; no sort).
     Keys stay int32: with int16 keys (two radix digits instead of four) XLA on the H200 does not use CUB's
     radix sort but its own sort kernels, ~40 launches per sort, and the step got no faster
     (benchmarks/results/exact01-20261201-1246-*, NOTES.md session 13).
@@ -315,6 +316,8 @@ def _runs(keys, live, bound, *, presorted: bool = False):
     pos = jnp.arange(m, dtype=jnp.int32)
     if presorted:
         skey, order = jnp.where(live, keys, _BIG), pos
+    elif order is not None:
+        skey = jnp.where(live, keys, _BIG)[order]
     else:
         skey, order = jax.lax.sort((jnp.where(live, keys, _BIG), pos), num_keys=1, is_stable=True)
     ok = skey != _BIG
@@ -636,7 +639,8 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
     dp1_packed = nc == 3 and config.bwd_group_kernel == "tiles3"  # dP1 by `_packed_dp1`
     # The members by middle slice: the middle core's sum below, and `_packed_dp1`'s order.
-    by_mid = _runs(meta[:, 2], live_g, min(n_groups, p_stacked[1])) if dp1_packed else None
+    by_mid = _runs(meta[:, 2], live_g, min(n_groups, p_stacked[1]),
+                   order=plan.item_order if use_c else None) if dp1_packed else None
     bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, group_meta, num_groups,
                        plan.prefix_c if use_c else None, config=config, interpret=interpret)
     if dp1_packed:

@@ -537,10 +537,11 @@ def for_each_i2_run(i2, live, fn):
 
 def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout: prefix.StackedTables, *,
                            config: TTKernelConfig, interpret: bool) -> jax.Array:
-    """`FlowPlan.prefix_c` for T = 3 with prefix reuse: each work item's C `[q1 q2, r2]` (row-major), from dots
-    that pack the items sharing G2[i2] (8 items per 16-row dot when q1 = 2, where the rows kernel's own dot uses
-    2 of its 16 rows per item and a block-diagonal operand 4x too long). The items are sorted by i2 (one XLA sort
-    of the item count's static bound)."""
+    """`(FlowPlan.prefix_c, FlowPlan.item_order)` for T = 3 with prefix reuse: each work item's C `[q1 q2, r2]`
+    (row-major), from dots that pack the items sharing G2[i2] (8 items per 16-row dot when q1 = 2, where the rows
+    kernel's own dot uses 2 of its 16 rows per item and a block-diagonal operand 4x too long); and the items sorted
+    by i2 (one stable XLA sort of the item count's static bound; dead items last, in index order), the order the
+    backward's `_runs` would compute for the same keys."""
     cap = plan.row_suffix.shape[0]
     size = prefix_c_size(layout, cap, config)
     if size is None:
@@ -551,7 +552,7 @@ def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout
     pack = max(1, 16 // q1p)
     live = jnp.arange(bound, dtype=jnp.int32) < plan.num_items[0]
     key = jnp.where(live, plan.item_meta.reshape(cap + 1, 4)[:bound, 2], _INT32_MAX)
-    _, order = jax.lax.sort((key, jnp.arange(bound, dtype=jnp.int32)), num_keys=1)
+    _, order = jax.lax.sort((key, jnp.arange(bound, dtype=jnp.int32)), num_keys=1, is_stable=True)
     wide = max([size] + [c.shape[0] for c in cores[:2]]) >= _INT32_MAX
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(_packed_prefix_kernel, q=q, r=r, pack=pack, q1p=q1p, k_p=dot_pad(r[1]),
@@ -561,7 +562,7 @@ def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
         name="tt_prefix_packed")
     with jax.enable_x64(wide):
-        return call(plan.item_meta, order, plan.num_items, cores[0], cores[1])
+        return call(plan.item_meta, order, plan.num_items, cores[0], cores[1]), order
 
 
 def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, progs_per_feature, batch, dim,
@@ -707,10 +708,10 @@ def pooled_forward(
         c_size = prefix_c_size(layout, plan.row_suffix.shape[0], config)
         if c_size is not None and 4 * c_size <= c_budget:
             c_budget -= 4 * c_size
-            c = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
+            c, order = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret, c_in=c)
             if keep:
-                plans[k] = plan = plan._replace(prefix_c=c)
+                plans[k] = plan = plan._replace(prefix_c=c, item_order=order)
         else:
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret)
         out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
