@@ -482,7 +482,6 @@ def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTKernelConfig
     return bound * q[0] * q[1] * r[2]
 
 
-
 def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref, c_ref, *, q, r, pack, q1p, k_p, n_p,
                           wide, precision, interpret):
     """`pack` work items per program, taken in `order` (items sorted by their middle-core slice i2): per run of
@@ -536,7 +535,7 @@ def for_each_i2_run(i2, live, fn):
 
 
 def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout: prefix.StackedTables, *,
-                           config: TTKernelConfig, interpret: bool) -> jax.Array:
+                           config: TTKernelConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """`(FlowPlan.prefix_c, FlowPlan.item_order)` for T = 3 with prefix reuse: each work item's C `[q1 q2, r2]`
     (row-major), from dots that pack the items sharing G2[i2] (8 items per 16-row dot when q1 = 2, where the rows
     kernel's own dot uses 2 of its 16 rows per item and a block-diagonal operand 4x too long); and the items sorted
