@@ -627,7 +627,8 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     d_rows, d_psw = res if want_psw else (res, None)
     # 2. per prefix group; or, where the forward kept each work item's prefix product (`FlowPlan.prefix_c`), per
     # work item (a group's items are members of the per-slice sums below like whole groups).
-    use_c = plan.prefix_c is not None and nc == 3 and config.bwd_group_kernel == "tiles3"
+    tiles3 = nc == 3 and config.bwd_group_kernel == "tiles3"  # its dP1 comes from `_packed_dp1`
+    use_c = plan.prefix_c is not None and tiles3
     if use_c:
         n_groups = prefix.item_bound(layout, cap, config.chunk, config.prefix_reuse)
         group_meta, num_groups = plan.item_meta, plan.num_items[0]
@@ -637,13 +638,12 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     meta = group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
     live_g = jnp.arange(n_groups, dtype=jnp.int32) < num_groups
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
-    dp1_packed = nc == 3 and config.bwd_group_kernel == "tiles3"  # dP1 by `_packed_dp1`
     # The members by middle slice: the middle core's sum below, and `_packed_dp1`'s order.
     by_mid = _runs(meta[:, 2], live_g, min(n_groups, p_stacked[1]),
-                   order=plan.item_order if use_c else None) if dp1_packed else None
+                   order=plan.item_order if use_c else None) if tiles3 else None
     bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, group_meta, num_groups,
                        plan.prefix_c if use_c else None, config=config, interpret=interpret)
-    if dp1_packed:
+    if tiles3:
         bufs["dfirst"] = _packed_dp1(layout, stacked, group_meta, num_groups, by_mid[0], bufs["dp1"], n_groups,
                                      config=config, interpret=interpret)
     # 3. per core, the sum per slice.
