@@ -272,12 +272,13 @@ def main():
                     help="tiny shapes in interpret mode (default: on without a GPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tt_jax.kernels.forward or .backward, e.g. FUSED_PLAN=0 "
+                    help="A/B of module constants of tt_jax.kernels.forward, .backward, .plan or tt_jax.prefix, e.g. FUSED_PLAN=0 "
                          "(saved in the result's args)")
     args = ap.parse_args()
     from trace_backward import set_private
     from tt_jax.kernels import backward as tt_bwd, plan as tt_plan
-    set_private(args.private, (tt_kernels, tt_bwd, tt_plan))
+    from tbe_jax.kernels import scan
+    set_private(args.private, (tt_kernels, tt_bwd, tt_plan, prefix, scan))
 
     on_gpu = jax.default_backend() == "gpu"
     smoke = (not on_gpu) if args.smoke is None else args.smoke

@@ -96,7 +96,8 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--forward", action="store_true", help="trace the forward alone instead of the training step")
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tt_jax.kernels.backward or .forward, e.g. EXACT01_SPLIT=0")
+                    help="A/B of module constants of tt_jax.kernels.backward, .forward, .plan or tt_jax.prefix, "
+                         "e.g. EXACT01_SPLIT=0")
     ap.add_argument("--accuracy", action="store_true",
                     help="also the forward's and the core gradients' relative error (max abs error / max abs value) "
                          "against impl='xla' at HIGHEST precision")
@@ -104,7 +105,9 @@ def main():
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     from tt_jax.kernels import backward as tt_bwd, plan as tt_plan
-    set_private(args.private, (tt_bwd, kf, tt_plan))
+    from tbe_jax.kernels import scan
+    from tt_jax import prefix
+    set_private(args.private, (tt_bwd, kf, tt_plan, prefix, scan))
     wl = workloads.PRESETS[args.workload]()
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

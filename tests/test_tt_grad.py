@@ -334,7 +334,7 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     # sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), and a forward run for differentiation keeps
     # it for the backward's group kernel, which then runs per work item (never for T = 2 or 4, nor without prefix
     # reuse, nor past PREFIX_C_MAX_BYTES; there the kernels compute C item by item, and dP1's packed pass takes
-    # groups instead of items). C against float64 item by item, the items' order by i2 (the backward reuses it),
+    # groups instead of items). C against float64 item by item, the items' order by i2 (the plan's sort order),
     # and the gradients with C kept against float64 (T = 2, 3 with two stacked tables, 4; groups cut into items of
     # 3 rows).
     from tt_jax import prefix
@@ -355,18 +355,15 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     want = np.einsum("nja,nakb->njkb", g1.reshape(-1, q[0], r[1])[meta[:, 1]],
                      g2.reshape(-1, r[1], q[1], r[2])[meta[:, 2]]).reshape(-1)
     assert_close(np.asarray(plans[1].prefix_c)[: want.size], want, 1e-6)
-    # The packed kernel's item order, which the backward reuses: the items by stacked i2, stable, dead ones last.
-    order = np.asarray(plans[1].item_order)
-    keys = np.asarray(plans[1].item_meta).reshape(-1, 4)[: order.size, 2]
-    live = np.arange(order.size) < n_items
-    np.testing.assert_array_equal(order, np.argsort(np.where(live, keys, 2**31 - 1), kind="stable"))
+    # The plan sorts by (table, i2, i1, i3): the items come ordered by stacked i2, the packed kernels' order.
+    assert layout.prefix_digits == (1, 0) and np.all(np.diff(meta[:, 2]) >= 0)
     check_grads(emb, params, idx, off, psw, g, 4)
 
     # Past the budget: nothing kept, the rows kernel computes C itself (the same output). The backward without C
     # (groups as the packed dP1's members) runs in every `apply_gradients` test.
     monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * want.size - 1)
     out2, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
-    assert plans[1].prefix_c is None and plans[1].item_order is None
+    assert plans[1].prefix_c is None
     assert_close(out2, out, 1e-6)
     unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
     _, (_, _, plans, _, _) = unique._step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))

@@ -164,7 +164,15 @@ def test_flow_plan(rng, prefix_reuse, chunk):
     feat = (np.searchsorted(off, np.arange(len(idx)), side="right") - 1) // batch
     table = np.asarray(ftm)[feat]
     ok = (idx >= 0) & (idx < np.asarray([specs[t].num_embeddings for t in table]))
-    keys = sorted({(t, i) for t, i, v in zip(table, idx, ok) if v})
+    # Rows in sort-key order: by table, then the id's digits as (i2, i1, i3) (T = 3: `prefix_digits`).
+    assert layout.prefix_digits == (1, 0)
+
+    def key(t, i):
+        p = specs[t].p_shapes
+        return t, (i // p[2]) % p[1], i // (p[1] * p[2]), i % p[2]
+
+    assert int(prefix.sort_key(layout, np.int32(123), T3.p_shapes)) == ((123 // 11) % 5 * 4 + 123 // 55) * 11 + 123 % 11
+    keys = sorted({(t, i) for t, i, v in zip(table, idx, ok) if v}, key=lambda k: key(*k))
     u = int(plan.num_rows)
     assert u == len(keys)
     inv = np.asarray(plan.inverse)
@@ -190,7 +198,12 @@ def test_flow_plan(rng, prefix_reuse, chunk):
     assert covered == list(range(u))
 
 
-def test_grad_through_pallas_matches_xla(rng):
+@pytest.mark.parametrize("reorder", [True, False])
+def test_grad_through_pallas_matches_xla(rng, monkeypatch, reorder):
+    # reorder False: the plan sorts by (i1, i2, i3) (keys of 2**31 or more, forced here), so the packed kernels
+    # take the items in an order sorted by i2 (forward and backward) and the backward's first core needs no sort.
+    if not reorder:
+        monkeypatch.setattr(prefix, "_REORDER_LIMIT", 0)
     specs = [T3]
     kernel = tt_jax.TTEmbeddingBag(specs, pooling="mean", config=cfg(), **KERNEL_KW)
     xla = tt_jax.TTEmbeddingBag(specs, pooling="mean", impl="xla")
@@ -307,9 +320,9 @@ def test_triton_lowering_for_gpu(case, monkeypatch):
 
 
 def test_train_step_sorts_three_times():
-    # One T = 3 table, Adagrad `train_step`, lowered for CUDA: three sorts, no more. The lookups by row (the plan),
-    # the work items by middle slice (the forward's packed kernel; the backward reuses that order), the rows by last
-    # slice (the last core's sum); the first core's members come sorted.
+    # One T = 3 table, Adagrad `train_step`, lowered for CUDA: three sorts, no more. The lookups by (i2, i1, i3)
+    # (the plan; the work items then come ordered by middle slice, as the packed kernels take them), the items by
+    # first slice (the first core's sum), the rows by last slice (the last core's sum). The forward alone: one.
     import tbe_jax
 
     emb = tt_jax.TTEmbeddingBag([T3], impl="pallas", interpret=False)
@@ -326,3 +339,5 @@ def test_train_step_sorts_three_times():
     idx, off = jnp.zeros((64,), jnp.int32), jnp.arange(0, 65, 8, dtype=jnp.int32)
     text = jax.jit(step).trace(params, state, idx, off).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.sort") == 3
+    fwd = jax.jit(emb).trace(params, idx, off).lower(lowering_platforms=("cuda",)).as_text()
+    assert fwd.count("stablehlo.sort") == 1

@@ -91,6 +91,7 @@ def rows_by_prefix(cores, spec, plan: PrefixPlan) -> jax.Array:
 
 _SENTINEL = 2**31 - 1  # sort key of lookups that produce no row (sorts last)
 _PACKED_LIMIT = _SENTINEL  # packed keys must stay below this (tests lower it to force two-key sorts)
+_REORDER_LIMIT = _SENTINEL  # digits are reordered when every table's keys stay below this (tests lower it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +100,12 @@ class StackedTables:
 
     Their cores are stacked along the p axis (core t of table k starts at row
     `core_base[t][k]` of the stacked core t), so a work item names core rows,
-    never tables. A lookup's sort key is its row in the concatenated tables
-    (`row_base[k] + id`: one int32 key, so XLA can use its fast key-value
-    sort); when the tables have 2**31 rows or more (`packed` False) two int32
-    keys (table, id) are sorted instead, more slowly. Prefix groups are numbered
-    globally: table k's prefix P (= id // p_T) is `prefix_base[k] + P`.
+    never tables. A lookup's sort key is `key_base[k] + key` with `key` its id's
+    digits in `prefix_digits` order, then the last digit (one int32 key, so XLA
+    can use its fast key-value sort); when the keys reach 2**31 (`packed`
+    False) two int32 keys (table, key) are sorted instead, more slowly. Prefix
+    groups are numbered globally: table k's prefix P (= key // p_T, the prefix
+    digits in `prefix_digits` order) is `prefix_base[k] + P`.
 
     Attributes:
       tables: the global table ids of the group, in stacking order.
@@ -146,12 +148,31 @@ class StackedTables:
                      for t in range(self.num_cores))
 
     @property
-    def row_base(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in np.concatenate([[0], np.cumsum([s.num_embeddings for s in self.specs])]))
+    def prefix_digits(self) -> tuple[int, ...]:
+        """The cores whose digits form a row's prefix, most significant first: the order in which `build_flow` sorts
+        (then by the last digit). T = 3 sorts by (i2, i1): the work items then come out ordered by their middle-core
+        slice, the order the packed kernels (`packed_prefix_products`, the backward's dP1 and middle-core sum) take
+        them in, with no second sort. Other T: (i1, ..., i_{T-1})."""
+        t = self.num_cores
+        if t == 3 and max(math.prod(s.p_shapes) for s in self.specs) < _REORDER_LIMIT:
+            return (1, 0)
+        return tuple(range(t - 1))
+
+    def key_spans(self) -> tuple[int, ...]:
+        """Per table, the range of its sort keys (the id with its digits in `prefix_digits` order, then the last):
+        the table's row count, or p1 p2 p3 when the digits are reordered (the keys of ids < N then skip values)."""
+        if self.prefix_digits == tuple(range(self.num_cores - 1)):
+            return tuple(s.num_embeddings for s in self.specs)
+        return tuple(math.prod(s.p_shapes) for s in self.specs)
+
+    @property
+    def key_base(self) -> tuple[int, ...]:
+        """Table k's sort keys start at `key_base[k]` (one int32 key for all tables when `packed`)."""
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.key_spans())]))
 
     @property
     def packed(self) -> bool:
-        return self.row_base[-1] < min(_PACKED_LIMIT, _SENTINEL)
+        return self.key_base[-1] < min(_PACKED_LIMIT, _SENTINEL)
 
     @property
     def total_rows(self) -> int:
@@ -189,7 +210,9 @@ class FlowPlan(NamedTuple):
     [first distinct row, stacked row of digit 1 in core 1, ..., of digit T-1 in
     core T-1, base of the table's rows in the stacked last core]. Row
     `num_items` (and every later row) has first = num_rows, so an item's row
-    count is `first[t + 1] - first[t]`.
+    count is `first[t + 1] - first[t]`. Distinct rows, groups and items are
+    numbered in sort-key order (by table, then the digits in
+    `StackedTables.prefix_digits` order, then the last digit).
     """
 
     item_meta: jax.Array  # [(cap + 1) * item_cols] int32
@@ -206,9 +229,23 @@ class FlowPlan(NamedTuple):
     # Set by a forward run for differentiation (`tt_jax.kernels.forward.pooled_forward(return_plans=True)`, T = 3):
     # per work item its prefix product `[q1 q2, r2]`, so the backward's group kernel need not recompute it.
     prefix_c: jax.Array | None = None  # [item_bound * q1 q2 * r2] fp32
-    # With it, the order in which the forward's packed kernel took the work items: sorted by their middle digit
-    # (stable; dead items last). The backward's middle-core sum and packed dP1 reuse it instead of sorting again.
-    item_order: jax.Array | None = None  # [item_bound] int32
+
+
+def sort_key(layout: StackedTables, ids, p_shapes):
+    """Per id, its digits in `layout.prefix_digits` order, then the last digit, as one int32 (`p_shapes`: per core
+    its radix, ints or per-lookup arrays). The id itself when the digits keep their order."""
+    order = layout.prefix_digits
+    if order == tuple(range(layout.num_cores - 1)):
+        return ids
+    digits, rest = [], ids
+    for p in reversed(p_shapes):  # least significant first
+        digits.append(rest % p)
+        rest = rest // p
+    digits = digits[::-1]
+    key = digits[order[0]]
+    for c in order[1:]:
+        key = key * p_shapes[c] + digits[c]
+    return key * p_shapes[-1] + digits[-1]
 
 
 def item_bound(layout: "StackedTables", cap: int, chunk: int, prefix_reuse: bool) -> int | None:
@@ -272,54 +309,56 @@ def build_flow(
     def table_const(values):  # per local table -> int32 array to gather from
         return jnp.asarray(np.asarray(values, np.int32))
 
+    # The sort: per sorted lookup a primary key (`_SENTINEL` for lookups that produce no row), a second key or
+    # None, and its local table or None (one table, or the two-key sort where the primary key is the table).
+    key_base = table_const(layout.key_base[:-1])
+    key2 = tab = None
     if len(specs) == 1:
-        # One table: the key is the id; its prefix and last digit follow by division.
+        # One table: the key is the id (its digits reordered, `sort_key`); prefix and last digit follow by division.
         if nf == 1:
             lt_ok = True
         else:
             lt_ok = jnp.asarray(np.asarray([x >= 0 for x in local]))[_feature_of(offsets, n, nf, batch)]
         valid = live & lt_ok & (ids >= 0) & (ids < specs[0].num_embeddings)
-        skey, perm = jax.lax.sort((jnp.where(valid, ids, _SENTINEL), pos), num_keys=1)
-        valid_s = skey != _SENTINEL
-        id_s = skey
-        pt = specs[0].p_shapes[-1]
-        pre_s = id_s // pt
-        suf_s = id_s % pt
-        same_row = skey[1:] == skey[:-1]
+        key = sort_key(layout, ids, specs[0].p_shapes)
+        key1, perm = jax.lax.sort((jnp.where(valid, key, _SENTINEL), pos), num_keys=1)
     else:
         lt = table_const(local)[_feature_of(offsets, n, nf, batch)]
         safe = jnp.maximum(lt, 0)
         valid = live & (lt >= 0) & (ids >= 0) & (ids < table_const([s.num_embeddings for s in specs])[safe])
-        key_base = np.asarray(layout.row_base)
-        if key_base[-1] < min(_PACKED_LIMIT, _SENTINEL):
-            key = jnp.where(valid, table_const(key_base[:-1])[safe] + ids, _SENTINEL)
-            skey, perm = jax.lax.sort((key, pos), num_keys=1)
-            valid_s = skey != _SENTINEL
-            t_s = jnp.where(valid_s, jnp.maximum(lt, 0)[perm], 0)
-            id_s = skey - table_const(key_base[:-1])[t_s]
-            same_row = skey[1:] == skey[:-1]
+        tkey = sort_key(layout, ids, [table_const([s.p_shapes[c] for s in specs])[safe] for c in range(len(
+            specs[0].p_shapes))])
+        if layout.packed:
+            key1, perm = jax.lax.sort((jnp.where(valid, key_base[safe] + tkey, _SENTINEL), pos), num_keys=1)
+            tab = jnp.where(key1 != _SENTINEL, safe[perm], 0)
         else:
-            t_s, id_s, perm = jax.lax.sort(
-                (jnp.where(valid, lt, _SENTINEL), jnp.where(valid, ids, _SENTINEL), pos), num_keys=2)
-            valid_s = t_s != _SENTINEL
-            t_s = jnp.where(valid_s, t_s, 0)
-            same_row = (t_s[1:] == t_s[:-1]) & (id_s[1:] == id_s[:-1])
-        pt = table_const([s.p_shapes[-1] for s in specs])[t_s]
-        pre_s = table_const(layout.prefix_base[:-1])[t_s] + id_s // pt
-        suf_s = id_s % pt
-    first = jnp.ones((1,), bool)
-    new_row = valid_s & jnp.concatenate([first, ~same_row])
-    new_grp = new_row & jnp.concatenate([first, pre_s[1:] != pre_s[:-1]])
+            key1, key2, perm = jax.lax.sort(
+                (jnp.where(valid, lt, _SENTINEL), jnp.where(valid, tkey, _SENTINEL), pos), num_keys=2)
     if fused:
         from tt_jax.kernels import plan as plan_kernels
 
-        i32 = [x.astype(jnp.int32) for x in (new_row, new_grp, valid_s)]
-        tab = jnp.zeros((n,), jnp.int32) if len(specs) == 1 else t_s
         (inverse, row_suffix, row_start, sorted_row, item_meta, num_items, group_meta, num_rows,
-         num_groups) = plan_kernels.bookkeeping(layout, *i32, pre_s, suf_s, tab, perm, cap=cap, chunk=chunk,
+         num_groups) = plan_kernels.bookkeeping(layout, key1, key2, tab, perm, cap=cap, chunk=chunk,
                                                 prefix_reuse=prefix_reuse, interpret=interpret)
         return FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows, num_groups, inverse, perm, sorted_row,
                         row_start, group_meta)
+    valid_s = key1 != _SENTINEL
+    same_row = key1[1:] == key1[:-1]
+    if len(specs) == 1:
+        t_s, id_s, pt, pre_base = None, key1, specs[0].p_shapes[-1], 0
+    else:
+        if key2 is None:
+            t_s, id_s = tab, key1 - key_base[tab]
+        else:
+            t_s, id_s = jnp.where(valid_s, key1, 0), key2
+            same_row = same_row & (key2[1:] == key2[:-1])
+        pt = table_const([s.p_shapes[-1] for s in specs])[t_s]
+        pre_base = table_const(layout.prefix_base[:-1])[t_s]
+    pre_s = pre_base + id_s // pt
+    suf_s = id_s % pt
+    first = jnp.ones((1,), bool)
+    new_row = valid_s & jnp.concatenate([first, ~same_row])
+    new_grp = new_row & jnp.concatenate([first, pre_s[1:] != pre_s[:-1]])
     uid = jnp.cumsum(new_row.astype(jnp.int32)) - 1
     num_rows = jnp.sum(new_row.astype(jnp.int32))
     if not prefix_reuse:
@@ -363,14 +402,13 @@ def _meta_table(layout: StackedTables, new_item, pre_s, t_s, uid, num_rows, cap)
         k = jnp.zeros((cap,), jnp.int32).at[islot].set(t_s, mode="drop")  # the item's local table
         rest = item_pre - table_const(layout.prefix_base[:-1])[k]
     t_cores = layout.num_cores
-    cols = []
-    for t in reversed(range(t_cores - 1)):
+    cols = [None] * (t_cores - 1)
+    for t in reversed(layout.prefix_digits):  # least significant first
         radix = [s.p_shapes[t] for s in specs]
         r = radix[0] if k is None else table_const(radix)[k]
         base = 0 if k is None else table_const(layout.core_base[t][:-1])[k]
-        cols.append(base + rest % r)
+        cols[t] = base + rest % r
         rest = rest // r
-    cols = cols[::-1]
     last_base = jnp.zeros((cap,), jnp.int32) if k is None else table_const(layout.core_base[-1][:-1])[k]
     meta = jnp.stack([item_first[:-1]] + cols + [last_base], axis=1)
     sentinel = jnp.concatenate([item_first[-1:], jnp.zeros((t_cores,), jnp.int32)])

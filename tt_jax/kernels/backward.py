@@ -302,12 +302,11 @@ def _segment_sum(mode, run, run_start, *, data: dict, out_slots: int, e_a: int, 
     return (out, res[2]) if want_psw else out
 
 
-def _runs(keys, live, bound, *, presorted: bool = False, order=None):
+def _runs(keys, live, bound, *, presorted: bool = False):
     """Members sorted by key (stable): (order, run per sorted member, run -> key, run starts `[R + 1]`).
 
     `bound` is a static bound on the runs; dead members (not `live`) sort last with run = bound.
     `presorted`: the live members are a prefix and their keys are already non-decreasing (no sort).
-    `order`: the members' stable sort order by key (live first), computed before (`FlowPlan.item_order`; no sort).
     Keys stay int32: with int16 keys (two radix digits instead of four) XLA on the H200 does not use CUB's
     radix sort but its own sort kernels, ~40 launches per sort, and the step got no faster
     (benchmarks/results/exact01-20261201-1246-*, NOTES.md session 13).
@@ -316,8 +315,6 @@ def _runs(keys, live, bound, *, presorted: bool = False, order=None):
     pos = jnp.arange(m, dtype=jnp.int32)
     if presorted:
         skey, order = jnp.where(live, keys, _BIG), pos
-    elif order is not None:
-        skey = jnp.where(live, keys, _BIG)[order]
     else:
         skey, order = jax.lax.sort((jnp.where(live, keys, _BIG), pos), num_keys=1, is_stable=True)
     ok = skey != _BIG
@@ -502,11 +499,13 @@ def _group_kernel3(*refs, names, tl: Tiles, precision, interpret):
         do_group(pid)
 
 
-def _packed_dp1_kernel(meta_ref, order_ref, nmembers_ref, dp1_ref, core1_ref, out_ref, *, q, r, pack, q1p, k_p, n_p,
-                       precision, interpret):
-    """dP1 of `pack` members per program, taken in `order` (sorted by i2): per run of equal i2 (usually one),
+def _packed_dp1_kernel(meta_ref, *refs, q, r, pack, q1p, k_p, n_p, ordered, precision, interpret):
+    """dP1 of `pack` members per program, taken in `order` (sorted by i2; `ordered`: in index order, already
+    sorted by i2): per run of equal i2 (usually one),
     dP1[(slot, j1), a] = sum_{(j2, b)} dC[(slot, j1), (j2, b)] G2[i2, a, (j2, b)], one dot `[16, q2 r2] x [q2 r2,
     r1]` whose rows are the members' dC as stored by the group kernel (`dp1`, row-major `[j1, (j2, b)]`)."""
+    order_ref = None if ordered else refs[0]
+    nmembers_ref, dp1_ref, core1_ref, out_ref = refs[1 - ordered:]
     num = plgpu.load(nmembers_ref.at[pl.program_id(0) * 0])
     _, j1, member, has = i2_window(order_ref, num, pack, q1p)
     live = has & (j1 < q[0])
@@ -528,18 +527,20 @@ def _packed_dp1_kernel(meta_ref, order_ref, nmembers_ref, dp1_ref, core1_ref, ou
 
 def _packed_dp1(layout: prefix.StackedTables, cores, group_meta, num_groups, order, dp1, n_groups: int, *,
                 config: TTKernelConfig, interpret: bool):
-    """`dfirst` (`[n_groups * q1 * r1]`) from the group kernel's `dp1`, members taken in `order` (by i2)."""
+    """`dfirst` (`[n_groups * q1 * r1]`) from the group kernel's `dp1`, members taken in `order` (by i2; None: in
+    index order, which is by i2)."""
     q, r = layout.q_shapes, layout.full_ranks
     q1p = next_pow2(q[0])
     pack = max(1, 16 // q1p)
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(_packed_dp1_kernel, q=q, r=r, pack=pack, q1p=q1p, k_p=dot_pad(r[1]),
-                               n_p=dot_pad(q[1] * r[2]), precision=precision, interpret=interpret)
+                               n_p=dot_pad(q[1] * r[2]), ordered=order is None, precision=precision,
+                               interpret=interpret)
     return pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((n_groups * q[0] * r[1],), jnp.float32),
         grid=(-(-n_groups // pack),), compiler_params=_params(config), interpret=interpret,
         name="tt_bwd_dp1_packed",
-    )(group_meta, order, num_groups.reshape(1), dp1, cores[1])
+    )(group_meta, *([] if order is None else [order]), num_groups.reshape(1), dp1, cores[1])
 
 
 def _group_pass(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, d_rows, n_groups: int, group_meta,
@@ -638,22 +639,24 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     meta = group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
     live_g = jnp.arange(n_groups, dtype=jnp.int32) < num_groups
     p_stacked = [layout.core_base[t][-1] for t in range(nc)]
+    # Groups and items are numbered in sort-key order (table, then the prefix digits in `layout.prefix_digits`
+    # order; a table's stacked slices ascend with the table), so the slices of the most significant digit's core are
+    # already non-decreasing: no sort for that core (the middle one for T = 3, else the first).
+    presorted = layout.prefix_digits[0]
     # The members by middle slice: the middle core's sum below, and `_packed_dp1`'s order.
-    by_mid = _runs(meta[:, 2], live_g, min(n_groups, p_stacked[1]),
-                   order=plan.item_order if use_c else None) if tiles3 else None
+    by_mid = _runs(meta[:, 2], live_g, min(n_groups, p_stacked[1]), presorted=presorted == 1) if tiles3 else None
     bufs = _group_pass(layout, stacked, plan, d_rows, n_groups, group_meta, num_groups,
                        plan.prefix_c if use_c else None, config=config, interpret=interpret)
     if tiles3:
-        bufs["dfirst"] = _packed_dp1(layout, stacked, group_meta, num_groups, by_mid[0], bufs["dp1"], n_groups,
-                                     config=config, interpret=interpret)
+        bufs["dfirst"] = _packed_dp1(layout, stacked, group_meta, num_groups, None if presorted == 1 else by_mid[0],
+                                     bufs["dp1"], n_groups, config=config, interpret=interpret)
     # 3. per core, the sum per slice.
     tile = config.bwd_member_tile
     grads = [None] * nc
     for t in range(nc - 1):
-        # Groups are numbered in sorted-key order ((table, i_1, ..., i_{T-1}); a table's stacked slices
-        # ascend with the table), so the first core's slices are already non-decreasing: no sort for it.
         order, run, run_seg, run_start = (by_mid if t == 1 and by_mid is not None else
-                                          _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]), presorted=t == 0))
+                                          _runs(meta[:, 1 + t], live_g, min(n_groups, p_stacked[t]),
+                                                presorted=t == presorted))
         if t == 0:
             out = _segment_sum("dense", run, run_start, data={"ids": order, "buf": bufs["dfirst"]},
                                out_slots=p_stacked[0], e_a=1, e_b=q[0] * r[1], tile=tile, config=config,

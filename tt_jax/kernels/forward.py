@@ -482,12 +482,14 @@ def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTKernelConfig
     return bound * q[0] * q[1] * r[2]
 
 
-def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref, c_ref, *, q, r, pack, q1p, k_p, n_p,
-                          wide, precision, interpret):
-    """`pack` work items per program, taken in `order` (items sorted by their middle-core slice i2): per run of
+def _packed_prefix_kernel(meta_ref, *refs, q, r, pack, q1p, k_p, n_p, wide, ordered, precision, interpret):
+    """`pack` work items per program, taken in `order` (items sorted by their middle-core slice i2; `ordered`:
+    in index order, which is sorted by i2 when the plan sorted by (i2, i1, i3), so no order operand): per run of
     equal i2 in the window (usually one), one dot A @ B with A `[(slot, j1), a]` = G1[i1(slot), j1, a] and B
     `[a, (j2, b)]` = G2[i2, a, j2, b]. Row (slot, j1) of the result is C[(j1, j2), b] of the slot's item for all
     (j2, b): contiguous at item * q1 q2 r2 + j1 q2 r2 in `prefix_c`'s row-major layout, so no reshape."""
+    order_ref = None if ordered else refs[0]
+    nitems_ref, core0_ref, core1_ref, c_ref = refs[1 - ordered:]
     num_items = plgpu.load(nitems_ref.at[pl.program_id(0) * 0])
     addr = jnp.int64 if wide else jnp.int32
     _, j1, item, has = i2_window(order_ref, num_items, pack, q1p)
@@ -511,13 +513,14 @@ def _packed_prefix_kernel(meta_ref, order_ref, nitems_ref, core0_ref, core1_ref,
 
 
 def i2_window(order_ref, count, pack: int, q1p: int):
-    """Rows (slot, j1) of a program's window of `pack` members taken in `order` (sorted by middle slice i2):
-    (row index, j1, member per row, whether the slot holds a member)."""
+    """Rows (slot, j1) of a program's window of `pack` members taken in `order` (sorted by middle slice i2; None:
+    in index order): (row index, j1, member per row, whether the slot holds a member)."""
     mm = jnp.arange(pack * q1p, dtype=jnp.int32)
     slot, j1 = mm // q1p, mm % q1p
     pos = pl.program_id(0) * pack + slot
     has = pos < count
-    return mm, j1, plgpu.load(order_ref.at[pos], mask=has, other=0), has
+    member = jnp.where(has, pos, 0) if order_ref is None else plgpu.load(order_ref.at[pos], mask=has, other=0)
+    return mm, j1, member, has
 
 
 def for_each_i2_run(i2, live, fn):
@@ -535,12 +538,11 @@ def for_each_i2_run(i2, live, fn):
 
 
 def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout: prefix.StackedTables, *,
-                           config: TTKernelConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """`(FlowPlan.prefix_c, FlowPlan.item_order)` for T = 3 with prefix reuse: each work item's C `[q1 q2, r2]`
-    (row-major), from dots that pack the items sharing G2[i2] (8 items per 16-row dot when q1 = 2, where the rows
-    kernel's own dot uses 2 of its 16 rows per item and a block-diagonal operand 4x too long); and the items sorted
-    by i2 (one stable XLA sort of the item count's static bound; dead items last, in index order), the order the
-    backward's `_runs` would compute for the same keys."""
+                           config: TTKernelConfig, interpret: bool) -> jax.Array:
+    """`FlowPlan.prefix_c` for T = 3 with prefix reuse: each work item's C `[q1 q2, r2]` (row-major), from dots
+    that pack the items sharing G2[i2] (8 items per 16-row dot when q1 = 2, where the rows kernel's own dot uses 2
+    of its 16 rows per item and a block-diagonal operand 4x too long). The plan's items come sorted by i2
+    (`StackedTables.prefix_digits` (1, 0)); where they do not (keys of 2**31 or more), one XLA sort orders them."""
     cap = plan.row_suffix.shape[0]
     size = prefix_c_size(layout, cap, config)
     if size is None:
@@ -549,19 +551,23 @@ def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout
     bound = size // (q[0] * q[1] * r[2])
     q1p = next_pow2(q[0])
     pack = max(1, 16 // q1p)
-    live = jnp.arange(bound, dtype=jnp.int32) < plan.num_items[0]
-    key = jnp.where(live, plan.item_meta.reshape(cap + 1, 4)[:bound, 2], _INT32_MAX)
-    _, order = jax.lax.sort((key, jnp.arange(bound, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    ordered = layout.prefix_digits[0] == 1
+    order = []
+    if not ordered:
+        live = jnp.arange(bound, dtype=jnp.int32) < plan.num_items[0]
+        key = jnp.where(live, plan.item_meta.reshape(cap + 1, 4)[:bound, 2], _INT32_MAX)
+        order = [jax.lax.sort((key, jnp.arange(bound, dtype=jnp.int32)), num_keys=1, is_stable=True)[1]]
     wide = max([size] + [c.shape[0] for c in cores[:2]]) >= _INT32_MAX
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(_packed_prefix_kernel, q=q, r=r, pack=pack, q1p=q1p, k_p=dot_pad(r[1]),
-                               n_p=dot_pad(q[1] * r[2]), wide=wide, precision=precision, interpret=interpret)
+                               n_p=dot_pad(q[1] * r[2]), wide=wide, ordered=ordered, precision=precision,
+                               interpret=interpret)
     call = pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((size,), jnp.float32), grid=(-(-bound // pack),),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
         name="tt_prefix_packed")
     with jax.enable_x64(wide):
-        return call(plan.item_meta, order, plan.num_items, cores[0], cores[1]), order
+        return call(plan.item_meta, *order, plan.num_items, cores[0], cores[1])
 
 
 def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, progs_per_feature, batch, dim,
@@ -707,10 +713,10 @@ def pooled_forward(
         c_size = prefix_c_size(layout, plan.row_suffix.shape[0], config)
         if c_size is not None and 4 * c_size <= c_budget:
             c_budget -= 4 * c_size
-            c, order = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
+            c = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret, c_in=c)
             if keep:
-                plans[k] = plan = plan._replace(prefix_c=c, item_order=order)
+                plans[k] = plan = plan._replace(prefix_c=c)
         else:
             rows = tt_rows(cores, plan, layout, config=config, interpret=interpret)
         out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,

@@ -1,14 +1,15 @@
-"""The FlowPlan's bookkeeping after the sort in three Pallas passes (`prefix.build_flow(fused=True)`).
+"""The FlowPlan's bookkeeping after the sort in Pallas passes (`prefix.build_flow(fused=True)`).
 
-After `build_flow`'s one sort, XLA derives the distinct rows, prefix groups and work items with two prefix sums
-over the lookups, a prefix sum per item table, ~8 scatters and two concatenations: ~15 small kernels, each a pass
-over the N lookups and a launch. Here, from the per-lookup flags of the sorted order (a new row / a new group, its
-prefix, last digit and table; one XLA fusion computes them):
+After `build_flow`'s one sort, XLA would derive the distinct rows, prefix groups and work items with two prefix
+sums over the lookups, a prefix sum per item table, ~8 scatters and two concatenations: ~15 small kernels, each a
+pass over the N lookups and a launch. Here, from the sort's keys alone (each pass derives a lookup's flags, a new
+row / a new group, and its prefix, last digit and table from its key and the previous lookup's: nothing per lookup
+is stored between passes):
 
-1. `_count_kernel`: per block of `BLOCK` sorted lookups, the new rows, new groups and valid lookups.
-2. `_items_kernel`: per block, with its first row number (an exclusive prefix sum over the block counts, XLA, N /
-   BLOCK values), each lookup's row number and so the new work items (an item starts at each group and at each
-   `chunk`-th row), counted per block.
+1. `_count_kernel`: per block of `BLOCK` sorted lookups, the new rows, new groups and valid lookups; then
+   `exclusive_scan` (one program) gives each block's first row and group and the totals.
+2. `_items_kernel`: per block, each lookup's row number and so the new work items (an item starts at each group
+   and at each `chunk`-th row), counted per block; scanned the same way.
 3. `_write_kernel`: per block, the row, group and item numbers; scatters the lookup -> row map, the rows' last
    digits and first lookups, and the item and group tables (first row, decoded prefix digits, last-core base).
    Slots past the counts get the fill values, each slot by the block whose index range holds it, so every output
@@ -26,10 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.kernels.scan import exclusive_scan
 from tbe_jax.specs import next_pow2
 from tt_jax.kernels.forward import masked_store
 
 BLOCK = 1024
+_SENTINEL = 2**31 - 1  # `prefix._SENTINEL`: the sort key of lookups that produce no row
+_COUNTS = 3  # per block: new rows, new groups, valid lookups
 
 
 def _block(pid, n):
@@ -41,13 +45,94 @@ def _load(ref, j, live, other=0):
     return plgpu.load(ref.at[j], mask=live, other=other)
 
 
-def _count_kernel(new_row_ref, new_grp_ref, valid_ref, counts_ref, *, n):
+class _Consts:
+    """Per local table: prefix base; per core t < T-1 its radix and stacked base; the last core's stacked base;
+    the first sort key; the last core's radix p_T. One table: Python ints (immediates in the kernels); several: a
+    small int32 operand gathered per lookup."""
+
+    def __init__(self, layout):
+        specs, t_cores = layout.specs, layout.num_cores
+        rows = [list(layout.prefix_base[:-1])]
+        for c in range(t_cores - 1):
+            rows.append([s.p_shapes[c] for s in specs])
+            rows.append(list(layout.core_base[c][:-1]))
+        rows.append(list(layout.core_base[-1][:-1]))
+        rows.append(list(layout.key_base[:-1]))
+        rows.append([s.p_shapes[-1] for s in specs])
+        self.table = np.asarray(rows, np.int32)
+        self.n_tables = len(specs)
+        self.t_cores = t_cores
+
+    def prefix_base(self, ref, t):
+        return self._get(ref, 0, t)
+
+    def radix(self, ref, c, t):
+        return self._get(ref, 1 + 2 * c, t)
+
+    def core_base(self, ref, c, t):
+        return self._get(ref, 2 + 2 * c, t)
+
+    def last_base(self, ref, t):
+        return self._get(ref, 2 * self.t_cores - 1, t)
+
+    def key_base(self, ref, t):
+        return self._get(ref, 2 * self.t_cores, t)
+
+    def p_last(self, ref, t):
+        return self._get(ref, 2 * self.t_cores + 1, t)
+
+    def _get(self, ref, row, t):
+        if self.n_tables == 1:
+            return int(self.table[row, 0])
+        return plgpu.load(ref.at[row * self.n_tables + t])
+
+
+def _fields(keys, consts_ref, j, live, *, consts: _Consts):
+    """Per sorted lookup j: (produces a row, its row's key parts, prefix, last digit, local table), from the sort's
+    keys (`bookkeeping`'s key, key2, tab) as `prefix.build_flow` derives them."""
+    key_ref, key2_ref, tab_ref = keys
+    k = _load(key_ref, j, live, _SENTINEL)
+    valid = k != _SENTINEL
+    if key2_ref is not None:  # two-key sort: (table, table key)
+        t = jnp.where(valid, k, 0)
+        local = _load(key2_ref, j, live, _SENTINEL)
+        row = (k, local)
+    elif tab_ref is not None:  # one packed key over stacked tables
+        t = _load(tab_ref, j, live)
+        local = k - consts.key_base(consts_ref, t)
+        row = (k,)
+    else:  # one table
+        t = jnp.zeros_like(j)
+        local = k
+        row = (k,)
+    p_last = consts.p_last(consts_ref, t)
+    return valid, row, consts.prefix_base(consts_ref, t) + local // p_last, local % p_last, t
+
+
+def _flags(keys, consts_ref, j, live, *, consts: _Consts):
+    """(valid, new row, new group) as int32 0/1, prefix, last digit and local table of the sorted lookups j: a
+    lookup starts a row (group) where its row key (prefix) differs from the previous lookup's."""
+    valid, row, pre, suf, t = _fields(keys, consts_ref, j, live, consts=consts)
+    _, prev_row, prev_pre, _, _ = _fields(keys, consts_ref, j - 1, live & (j >= 1), consts=consts)
+    first = j == 0
+    same = row[0] == prev_row[0]
+    for a, b in zip(row[1:], prev_row[1:]):
+        same = same & (a == b)
+    new_row = valid & (first | ~same)
+    new_grp = new_row & (first | (pre != prev_pre))
+    i32 = jnp.int32
+    return valid.astype(i32), new_row.astype(i32), new_grp.astype(i32), pre, suf, t
+
+
+def _count_kernel(*refs, n, consts):
+    *keys, consts_ref, counts_ref = refs
     pid = pl.program_id(0)
     j, live = _block(pid, n)
+    valid, new_row, new_grp, *_ = _flags(keys, consts_ref, j, live, consts=consts)
     lane = jnp.arange(4, dtype=jnp.int32)
-    rows, grps, valid = (jnp.sum(_load(r, j, live)) for r in (new_row_ref, new_grp_ref, valid_ref))
-    plgpu.store(counts_ref.at[pid * 4 + lane], jnp.where(lane == 0, rows, jnp.where(lane == 1, grps,
-                                                                                    jnp.where(lane == 2, valid, 0))))
+    rows, grps, valid = (jnp.sum(jnp.where(live, x, 0)) for x in (new_row, new_grp, valid))
+    plgpu.store(counts_ref.at[pid * _COUNTS + lane], jnp.where(lane == 0, rows, jnp.where(lane == 1, grps, valid)),
+                mask=lane < _COUNTS)
 
 
 def _item_flags(new_row, new_grp, uid, *, chunk, prefix_reuse):
@@ -60,28 +145,34 @@ def _item_flags(new_row, new_grp, uid, *, chunk, prefix_reuse):
     return new_grp
 
 
-def _items_kernel(new_row_ref, new_grp_ref, base_ref, counts_ref, *, n, chunk, prefix_reuse):
+def _items_kernel(*refs, n, chunk, prefix_reuse, consts):
+    *keys, consts_ref, base_ref, counts_ref = refs
     pid = pl.program_id(0)
     j, live = _block(pid, n)
-    new_row, new_grp = _load(new_row_ref, j, live), _load(new_grp_ref, j, live)
-    uid = plgpu.load(base_ref.at[pid * 4]) + jnp.cumsum(new_row) - 1
+    _, new_row, new_grp, *_ = _flags(keys, consts_ref, j, live, consts=consts)
+    new_row, new_grp = jnp.where(live, new_row, 0), jnp.where(live, new_grp, 0)
+    uid = plgpu.load(base_ref.at[pid * _COUNTS]) + jnp.cumsum(new_row) - 1
     new_item = _item_flags(new_row, new_grp, uid, chunk=chunk, prefix_reuse=prefix_reuse)
     plgpu.store(counts_ref.at[pid], jnp.sum(new_item))
 
 
-def _write_kernel(new_row_ref, new_grp_ref, valid_ref, pre_ref, suf_ref, tab_ref, perm_ref, base_ref, ibase_ref,
-                  tot_ref, consts_ref, inverse_ref, row_suffix_ref, row_start_ref, sorted_row_ref, item_meta_ref,
-                  *group_meta_refs, n, cap, chunk, prefix_reuse, t_cores, n_tables, interpret):
+def _write_kernel(*refs, n, cap, chunk, prefix_reuse, t_cores, digits, whole_groups, consts, interpret):
+    # inputs: the sort's keys (1-3 arrays), consts, perm, base, ibase, num_rows, num_groups, num_valid, num_items;
+    # outputs: inverse, row_suffix, row_start, sorted_row, item_meta, (group_meta)
+    n_out = 5 if whole_groups else 6
+    ins, outs = refs[:-n_out], refs[-n_out:]
+    *keys, consts_ref, perm_ref, base_ref, ibase_ref, rows_ref, groups_ref, valid_ref, items_ref = ins
+    inverse_ref, row_suffix_ref, row_start_ref, sorted_row_ref, item_meta_ref, *group_meta_refs = outs
     pid = pl.program_id(0)
     j, live = _block(pid, n)
-    new_row, new_grp, valid = (_load(r, j, live) for r in (new_row_ref, new_grp_ref, valid_ref))
-    pre, suf, tab, perm = (_load(r, j, live) for r in (pre_ref, suf_ref, tab_ref, perm_ref))
-    num_rows = plgpu.load(tot_ref.at[jnp.int32(0)])
-    num_groups = plgpu.load(tot_ref.at[jnp.int32(1)])
-    num_valid = plgpu.load(tot_ref.at[jnp.int32(2)])
-    num_items = plgpu.load(tot_ref.at[jnp.int32(3)])
-    uid = plgpu.load(base_ref.at[pid * 4]) + jnp.cumsum(new_row) - 1
-    gid = plgpu.load(base_ref.at[pid * 4 + 1]) + jnp.cumsum(new_grp) - 1
+    valid, new_row, new_grp, pre, suf, t = _flags(keys, consts_ref, j, live, consts=consts)
+    new_row, new_grp = jnp.where(live, new_row, 0), jnp.where(live, new_grp, 0)
+    perm = _load(perm_ref, j, live)
+    zero = jnp.int32(0)
+    num_rows, num_groups, num_valid, num_items = (plgpu.load(r.at[zero]) for r in (rows_ref, groups_ref, valid_ref,
+                                                                                   items_ref))
+    uid = plgpu.load(base_ref.at[pid * _COUNTS]) + jnp.cumsum(new_row) - 1
+    gid = plgpu.load(base_ref.at[pid * _COUNTS + 1]) + jnp.cumsum(new_grp) - 1
     new_item = _item_flags(new_row, new_grp, uid, chunk=chunk, prefix_reuse=prefix_reuse)
     iid = plgpu.load(ibase_ref.at[pid]) + jnp.cumsum(new_item) - 1
     ok = valid > 0
@@ -97,20 +188,14 @@ def _write_kernel(new_row_ref, new_grp_ref, valid_ref, pre_ref, suf_ref, tab_ref
     store(row_suffix_ref, j, jnp.zeros_like(j), (j >= num_rows) & (j < cap))
     store(row_start_ref, j, jnp.full_like(j, 0) + num_valid, (j >= num_rows) & (j <= cap))
 
-    # The item table's columns for a lookup starting an item: decoded as `_meta_table` does (consts: per table,
-    # its prefix base, then per core t < T-1 its radix p_t and stacked base, then its last core's base).
-    t = jnp.where(ok, tab, 0)
-
-    def const(row):
-        return plgpu.load(consts_ref.at[row * n_tables + t])
-
-    rest = pre - const(0)
+    # The item table's columns for a lookup starting an item: decoded as `_meta_table` does.
+    rest = pre - consts.prefix_base(consts_ref, t)
     cols = [None] * (t_cores - 1)
-    for c in reversed(range(t_cores - 1)):
-        radix = const(1 + 2 * c)
-        cols[c] = const(2 + 2 * c) + rest % radix
+    for c in reversed(digits):  # the prefix's digits, least significant first
+        radix = consts.radix(consts_ref, c, t)
+        cols[c] = consts.core_base(consts_ref, c, t) + rest % radix
         rest = rest // radix
-    last_base = const(2 * t_cores - 1)
+    last_base = consts.last_base(consts_ref, t) + jnp.zeros_like(j)
     # Each table row (first row, prefix digits, last-core base) is stored whole: one [BLOCK, 2^k] store whose lanes
     # are consecutive addresses, instead of one strided store per column (the fill rows are most of the writes).
     # SASS stores 170 -> 74; on the H200, workload a, B 32768: tt_plan_write 0.045 -> 0.026 ms (ttfwd-20261201-1932,
@@ -134,49 +219,50 @@ def _write_kernel(new_row_ref, new_grp_ref, valid_ref, pre_ref, suf_ref, tab_ref
         table(group_meta_refs[0], gid, new_grp, num_groups)
 
 
-def _consts(layout) -> np.ndarray:
-    """Per local table: prefix base; per core t < T-1 its radix and stacked base; the last core's stacked base."""
-    specs, t_cores = layout.specs, layout.num_cores
-    rows = [list(layout.prefix_base[:-1])]
-    for c in range(t_cores - 1):
-        rows.append([s.p_shapes[c] for s in specs])
-        rows.append(list(layout.core_base[c][:-1]))
-    rows.append(list(layout.core_base[-1][:-1]))
-    return np.asarray(rows, np.int32).reshape(-1)
-
-
-def bookkeeping(layout, new_row, new_grp, valid, pre, suf, tab, perm, *, cap: int, chunk: int, prefix_reuse: bool,
-                interpret: bool):
-    """`build_flow`'s outputs after the sort, from the sorted lookups' int32 flags and fields (`tab`: the local
-    table, zeros for one table): (inverse, row_suffix, row_start, sorted_row, item_meta, num_items, group_meta,
-    num_rows, num_groups); group_meta is item_meta when items are whole groups."""
-    n = new_row.shape[0]
+def bookkeeping(layout, key, key2, tab, perm, *, cap: int, chunk: int, prefix_reuse: bool, interpret: bool):
+    """`build_flow`'s outputs after the sort, from the sorted keys (`key`: the primary key, `_SENTINEL` for lookups
+    that produce no row; `key2`: the table key of a two-key sort, whose primary key is the table; `tab`: with one
+    packed key over stacked tables, each sorted lookup's local table) and `perm`: (inverse, row_suffix, row_start,
+    sorted_row, item_meta, num_items, group_meta, num_rows, num_groups); group_meta is item_meta when items are
+    whole groups. The per-lookup flags (new row, new group), prefix and last digit are derived in each pass from
+    the keys (a lookup and the one before it), never stored."""
+    n = key.shape[0]
     t_cores = layout.num_cores
+    consts = _Consts(layout)
+    keys = [x for x in (key, key2, tab) if x is not None]
+    has = (True, key2 is not None, tab is not None)
+
+    def with_keys(kernel):  # the kernels take (key, key2, tab) with None for the absent ones
+        def wrapped(*refs, **kw):
+            it = iter(refs[: len(keys)])
+            return kernel(*[next(it) if h else None for h in has], *refs[len(keys):], **kw)
+        return wrapped
+
     grid = n // BLOCK + 1  # the last block also covers the fill slots up to cap (<= n)
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
     i32 = jnp.int32
+    const_arr = jnp.asarray(consts.table.reshape(-1))
     counts = pallas_call(
-        functools.partial(_count_kernel, n=n), out_shape=jax.ShapeDtypeStruct((grid * 4,), i32), grid=(grid,),
-        compiler_params=params, interpret=interpret, name="tt_plan_count",
-    )(new_row, new_grp, valid)
-    c = counts.reshape(grid, 4)
-    base = (jnp.cumsum(c, axis=0) - c).reshape(-1)
-    kw = dict(n=n, chunk=chunk, prefix_reuse=prefix_reuse)
+        with_keys(functools.partial(_count_kernel, n=n, consts=consts)), out_shape=jax.ShapeDtypeStruct(
+            (grid * _COUNTS,), i32), grid=(grid,), compiler_params=params, interpret=interpret, name="tt_plan_count",
+    )(*keys, const_arr)
+    base, (num_rows, num_groups, num_valid) = exclusive_scan(counts, _COUNTS, interpret=interpret)
+    kw = dict(n=n, chunk=chunk, prefix_reuse=prefix_reuse, consts=consts)
     icounts = pallas_call(
-        functools.partial(_items_kernel, **kw), out_shape=jax.ShapeDtypeStruct((grid,), i32), grid=(grid,),
-        compiler_params=params, interpret=interpret, name="tt_plan_items",
-    )(new_row, new_grp, base)
-    ibase = jnp.cumsum(icounts) - icounts
-    tot = jnp.concatenate([jnp.sum(c, axis=0)[:3], jnp.sum(icounts)[None]])
+        with_keys(functools.partial(_items_kernel, **kw)), out_shape=jax.ShapeDtypeStruct((grid,), i32),
+        grid=(grid,), compiler_params=params, interpret=interpret, name="tt_plan_items",
+    )(*keys, const_arr, base)
+    ibase, (num_items,) = exclusive_scan(icounts, 1, interpret=interpret)
     whole_groups = prefix_reuse and not chunk
     meta_len = (cap + 1) * (t_cores + 1)
     shapes = [(n,), (cap,), (cap + 1,), (n,), (meta_len,)] + ([] if whole_groups else [(meta_len,)])
     outs = pallas_call(
-        functools.partial(_write_kernel, cap=cap, t_cores=t_cores, n_tables=len(layout.specs), interpret=interpret,
-                          **kw),
+        with_keys(functools.partial(_write_kernel, cap=cap, t_cores=t_cores, digits=layout.prefix_digits,
+                                    whole_groups=whole_groups, interpret=interpret, **kw)),
         out_shape=[jax.ShapeDtypeStruct(s, i32) for s in shapes], grid=(grid,), compiler_params=params,
         interpret=interpret, name="tt_plan_write",
-    )(new_row, new_grp, valid, pre, suf, tab, perm, base, ibase, tot, jnp.asarray(_consts(layout)))
+    )(*keys, const_arr, perm, base, ibase, num_rows, num_groups, num_valid, num_items)
     inverse, row_suffix, row_start, sorted_row, item_meta = outs[:5]
     group_meta = item_meta if whole_groups else outs[5]
-    return inverse, row_suffix, row_start, sorted_row, item_meta, tot[3], group_meta, tot[0], tot[1]
+    return (inverse, row_suffix, row_start, sorted_row, item_meta, num_items.reshape(()), group_meta,
+            num_rows.reshape(()), num_groups.reshape(()))
