@@ -297,6 +297,19 @@ def test_rle_kernel_matches_xla_ops(rng, case):
     np.testing.assert_array_equal(np.asarray(big), want_big)
 
 
+@pytest.mark.parametrize("rows,width", [(1, 1), (2500, 3), (1024, 2)])
+def test_exclusive_scan(rng, rows, width):
+    """kernels.scan.exclusive_scan (the per-block prefix sums of the rle and TT plan passes): one chunk, several
+    chunks with a partial last one, exactly one chunk; against NumPy."""
+    from tbe_jax.kernels import scan
+
+    counts = rng.integers(0, 1000, size=(rows, width)).astype(np.int32)
+    base, tot = jax.jit(functools.partial(scan.exclusive_scan, width=width, interpret=KERNEL_KW["interpret"]))(
+        jnp.asarray(counts.reshape(-1)))
+    np.testing.assert_array_equal(np.asarray(base).reshape(rows, width), np.cumsum(counts, axis=0) - counts)
+    assert [int(t[0]) for t in tot] == counts.sum(axis=0).tolist()
+
+
 def test_runs_rle_kernel_equals_xla_path(rng):
     """build_runs with and without the RLE kernel: every field equal."""
     tables = specs([7, 700, 3], [4, 4, 4])

@@ -11,7 +11,7 @@ and a launch; on the H200 they took ~0.2 ms of a 0.7 ms backward
    (key differs from the previous one and is valid), long starts (the key
    `SMALL` places further is the same: the run has more than `SMALL` lookups)
    and valid lookups.
-2. An exclusive prefix sum over the block counts (N / BLOCK values, XLA).
+2. An exclusive prefix sum over the block counts (N / BLOCK values; `scan.exclusive_scan`, one program).
 3. `_write_kernel`: per block, the in-block exclusive prefix sums give each start
    its run slot and each long start its slot in the long list; scatter the
    run's first lookup, its key, and the run index. Slots past the counts get
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.kernels.scan import exclusive_scan
 
 BLOCK = 1024
 
@@ -48,19 +49,18 @@ def _count_kernel(skey_ref, counts_ref, *, n, total, small):
     pid = pl.program_id(0)
     _, _, valid, start, long = _flags(skey_ref, pid, n=n, total=total, small=small)
     lane = jnp.arange(4, dtype=jnp.int32)
-    c = jnp.where(lane == 0, jnp.sum(start), jnp.where(lane == 1, jnp.sum(long), jnp.where(lane == 2, jnp.sum(valid),
-                                                                                           0)))
-    plgpu.store(counts_ref.at[pid * 4 + lane], c)
+    c = jnp.where(lane == 0, jnp.sum(start), jnp.where(lane == 1, jnp.sum(long), jnp.sum(valid)))
+    plgpu.store(counts_ref.at[pid * 3 + lane], c, mask=lane < 3)
 
 
-def _write_kernel(skey_ref, base_ref, tot_ref, run_start_ref, run_key_ref, big_ref, *, n, total, small, n_big_max):
+def _write_kernel(skey_ref, base_ref, runs_ref, big_count_ref, valid_ref, run_start_ref, run_key_ref, big_ref, *, n,
+                  total, small, n_big_max):
     pid = pl.program_id(0)
     j, k, _, start, long = _flags(skey_ref, pid, n=n, total=total, small=small)
-    num_runs = plgpu.load(tot_ref.at[jnp.int32(0)])
-    n_big = plgpu.load(tot_ref.at[jnp.int32(1)])
-    n_valid = plgpu.load(tot_ref.at[jnp.int32(2)])
-    slot = plgpu.load(base_ref.at[pid * 4]) + jnp.cumsum(start) - start
-    bslot = plgpu.load(base_ref.at[pid * 4 + 1]) + jnp.cumsum(long) - long
+    zero = jnp.int32(0)
+    num_runs, n_big, n_valid = (plgpu.load(r.at[zero]) for r in (runs_ref, big_count_ref, valid_ref))
+    slot = plgpu.load(base_ref.at[pid * 3]) + jnp.cumsum(start) - start
+    bslot = plgpu.load(base_ref.at[pid * 3 + 1]) + jnp.cumsum(long) - long
     is_start, is_long = start > 0, long > 0
     plgpu.store(run_start_ref.at[slot], j, mask=is_start)
     plgpu.store(run_key_ref.at[slot], k, mask=is_start)
@@ -88,16 +88,16 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, interpret
     kw = dict(n=n, total=total, small=small)
     counts = pallas_call(
         functools.partial(_count_kernel, **kw),
-        out_shape=jax.ShapeDtypeStruct((grid * 4,), jnp.int32), grid=(grid,),
+        out_shape=jax.ShapeDtypeStruct((grid * 3,), jnp.int32), grid=(grid,),
         compiler_params=params, interpret=interpret, name="tbe_runs_count",
     )(skey)
-    c = counts.reshape(grid, 4)
-    base = (jnp.cumsum(c, axis=0) - c).reshape(-1)
-    tot = jnp.sum(c, axis=0)
+    # Each block's first run / long run (and the totals): one single-program scan, not XLA's cumsum and sums.
+    base, tot = exclusive_scan(counts, 3, interpret=interpret)
     run_start, run_key, big = pallas_call(
         functools.partial(_write_kernel, n_big_max=n_big_max, **kw),
         out_shape=[jax.ShapeDtypeStruct((n + 1,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32),
                    jax.ShapeDtypeStruct((n_big_max,), jnp.int32)],
         grid=(grid,), compiler_params=params, interpret=interpret, name="tbe_runs_write",
-    )(skey, base, tot)
-    return run_start, run_key, tot[0], tot[2], big, tot[1]
+    )(skey, base, *tot)
+    num_runs, n_big, n_valid = (x.reshape(()) for x in tot)
+    return run_start, run_key, num_runs, n_valid, big, n_big
