@@ -148,6 +148,22 @@ def test_huge_table_paths(rng, monkeypatch):
     check(emb, params, idx, off, psw, 4)
 
 
+def test_sort_order_rule(monkeypatch):
+    # T = 3 sorts by (i2, i1, i3) unless a table's p1 p2 p3 reaches the limit, or the larger key range (p1 p2 p3
+    # per table instead of N) would turn the one packed key into two; T = 2 and 4 keep (i1, ..., i_{T-1}).
+    layout = prefix.StackedTables((0, 1), (T3, T3_OTHER))
+    spans = math.prod(T3.p_shapes) + math.prod(T3_OTHER.p_shapes)
+    rows = T3.num_embeddings + T3_OTHER.num_embeddings
+    assert layout.prefix_digits == (1, 0) and layout.key_base == (0, 220, spans) and layout.packed
+    assert prefix.StackedTables((0,), (T4,)).prefix_digits == (0, 1, 2)
+    monkeypatch.setattr(prefix, "_PACKED_LIMIT", rows + 1)  # packed with N, not with p1 p2 p3
+    assert layout.prefix_digits == (0, 1) and layout.key_base[-1] == rows and layout.packed
+    monkeypatch.setattr(prefix, "_PACKED_LIMIT", 1)  # two keys either way: reorder
+    assert layout.prefix_digits == (1, 0)
+    monkeypatch.setattr(prefix, "_REORDER_LIMIT", math.prod(T3.p_shapes))
+    assert layout.prefix_digits == (0, 1)
+
+
 @pytest.mark.parametrize("prefix_reuse,chunk", [(True, 3), (True, 0), (False, 3)])
 def test_flow_plan(rng, prefix_reuse, chunk):
     # Items cover every distinct row once, each within one prefix group, at most `chunk` rows (1 without reuse),

@@ -154,7 +154,11 @@ class StackedTables:
         slice, the order the packed kernels (`packed_prefix_products`, the backward's dP1 and middle-core sum) take
         them in, with no second sort. Other T: (i1, ..., i_{T-1})."""
         t = self.num_cores
-        if t == 3 and max(math.prod(s.p_shapes) for s in self.specs) < _REORDER_LIMIT:
+        spans = [math.prod(s.p_shapes) for s in self.specs]
+        limit = min(_PACKED_LIMIT, _SENTINEL)
+        # Not where the larger key range (p1 p2 p3 per table instead of N) would cost the one-key sort.
+        loses_packing = sum(s.num_embeddings for s in self.specs) < limit <= sum(spans)
+        if t == 3 and max(spans) < _REORDER_LIMIT and not loses_packing:
             return (1, 0)
         return tuple(range(t - 1))
 
