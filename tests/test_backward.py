@@ -304,7 +304,8 @@ def test_exclusive_scan(rng, rows, width):
     from tbe_jax.kernels import scan
 
     counts = rng.integers(0, 1000, size=(rows, width)).astype(np.int32)
-    base, tot = jax.jit(functools.partial(scan.exclusive_scan, width=width, interpret=KERNEL_KW["interpret"]))(
+    base, tot = jax.jit(functools.partial(scan.exclusive_scan, width=width, interpret=KERNEL_KW["interpret"],
+                                          kernel=True))(
         jnp.asarray(counts.reshape(-1)))
     np.testing.assert_array_equal(np.asarray(base).reshape(rows, width), np.cumsum(counts, axis=0) - counts)
     assert [int(t[0]) for t in tot] == counts.sum(axis=0).tolist()

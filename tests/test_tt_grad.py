@@ -334,16 +334,16 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     # sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), and a forward run for differentiation keeps
     # it for the backward's group kernel, which then runs per work item (never for T = 2 or 4, nor without prefix
     # reuse, nor past PREFIX_C_MAX_BYTES; there the kernels compute C item by item, and dP1's packed pass takes
-    # groups instead of items). C against float64 item by item, the items' order by i2 (the plan's sort order),
-    # and the gradients with C kept against float64 (T = 2, 3 with two stacked tables, 4; groups cut into items of
-    # 3 rows).
+    # groups instead of items). C against float64 item by item and the items' order by i2 (the plan's sort order)
+    # on T = 2, 3 with two stacked tables, 4, groups cut into items of 3 rows: the model whose gradients, with C
+    # kept, test_grads_match_float64_and_reference[sum-weighted-pallas] checks against float64.
     from tt_jax import prefix
     from tt_jax.kernels import forward as kf
 
     specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
     emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
     params = make_params(emb, rng)
-    idx, off, psw, g = make_inputs(rng, emb, 4, weighted=True)
+    idx, off, psw, _ = make_inputs(rng, emb, 4, weighted=True)
     out, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
     assert [p.prefix_c is not None for p in plans] == [False, True, False]  # T = 2, 3 (stacked), 4
     layout = prefix.stack_tables(emb.specs, emb.feature_table_map)[1][0]
@@ -357,7 +357,6 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
     assert_close(np.asarray(plans[1].prefix_c)[: want.size], want, 1e-6)
     # The plan sorts by (table, i2, i1, i3): the items come ordered by stacked i2, the packed kernels' order.
     assert layout.prefix_digits == (1, 0) and np.all(np.diff(meta[:, 2]) >= 0)
-    check_grads(emb, params, idx, off, psw, g, 4)
 
     # Past the budget: nothing kept, the rows kernel computes C itself (the same output). The backward without C
     # (groups as the packed dP1's members) runs in every `apply_gradients` test.
