@@ -67,6 +67,17 @@
 #             bench_tt.py forward at B 4096, 32768 off and on -> fusedplantests.log, fusedplan-*.json, .log, tt-*.json
 #   planblock trace_tt.py at B 4096 and 32768: forward.FUSED_PLAN off, on with plan.BLOCK 1024, 512, 256
 #             -> planblock-*.json, planblock.log
+#   ttcheck   the TT test files compiled; trace_tt.py (step with accuracy, forward alone) at B 4096, 32768; bench_tt.py
+#             forward and training steps -> ttchecktests.log, ttcheck-step.json, ttcheck-fwd.json, ttcheck.log, tttrain.log
+#   reorder   the TT test files compiled; trace_tt.py forward and step A/B of the (i2, i1, i3) sort order (default) against
+#             (i1, i2, i3) (prefix._REORDER_LIMIT=0); bench_tt.py -> reordertests.log, reorder-{fwd,step}-{1,2}.json,
+#             reorder.log, tt-*.json, tttrain.log
+#   scan      the whole suite compiled (8 workers); A/B of scan.exclusive_scan against XLA's cumsum (USE_XLA=1): trace_tt.py
+#             --forward, trace_backward.py on base, zipf -> scantests.log, scan-fwd-{1,2}.json, scan-backward.json, scan.log
+#   final17   session 17's final numbers: trace_tt.py step with accuracy, bench_tt.py, bench_backward.py --no-xla, bench_dims.py
+#             --single "" -> final17-step.json, final17.log, tt-*.json, tttrain.log, backward-*.json, backward.log, dims-*.json, dims.log
+#   meta17    the TT test files compiled; bench_tt.py on meta-240 (240 stacked tables) at B 4096, forward and Adagrad step, with
+#             the (i2, i1, i3) sort order and without it (_REORDER_LIMIT=0) -> meta17tests.log, tt-*.json, meta17.log
 #   ttfwd     trace_tt.py --forward at B 4096 and 32768 (the forward's kernels alone) -> ttfwd.json, ttfwd.log
 #   plancoal  test_tt_plan.py and test_tt_kernel.py compiled; trace_tt.py --forward and the step at B 32768 (the plan's
 #             table rows stored whole) -> plancoaltests.log, plancoal-fwd.json, plancoal-step.json, plancoal.log
@@ -216,6 +227,46 @@ for stage in "$@"; do
     planblock) i=0; for v in FUSED_PLAN=0 FUSED_PLAN=1,BLOCK=1024 FUSED_PLAN=1,BLOCK=512 FUSED_PLAN=1,BLOCK=256; do
           i=$((i+1)); timeout 80 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 8 --private "$v" \
             --out "$OUT/planblock-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/planblock.log" | grep -A2 "=="; done ;;
+    ttcheck) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py \
+          > "$OUT/ttchecktests.log" 2>&1; tail -2 "$OUT/ttchecktests.log"
+        timeout 100 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 12 --accuracy --out "$OUT/ttcheck-step.json" \
+          2>&1 | grep -v Warning | tee "$OUT/ttcheck.log" | grep -A3 "=="
+        timeout 100 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --out "$OUT/ttcheck-fwd.json" \
+          2>&1 | grep -v Warning | tee -a "$OUT/ttcheck.log" | grep -A3 "=="
+        timeout 200 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
+          --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/tttrain.log" | tail -12 ;;
+    reorder) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py \
+          > "$OUT/reordertests.log" 2>&1; tail -2 "$OUT/reordertests.log"
+        i=0; for v in "" _REORDER_LIMIT=0; do i=$((i+1))
+          timeout 80 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 30 --private "$v" \
+            --out "$OUT/reorder-fwd-$i.json" 2>&1 | grep -v "Warning\|^E1201\|^  %\|^This isn\|^If you\|^Constant\|^The op\|^$" \
+            | tee -a "$OUT/reorder.log" | grep -A2 "=="
+          timeout 80 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 30 --private "$v" \
+            --out "$OUT/reorder-step-$i.json" 2>&1 | grep -v "Warning\|^E1201\|^  %\|^This isn\|^If you\|^Constant\|^The op\|^$" \
+            | tee -a "$OUT/reorder.log" | grep -A2 "=="; done
+        timeout 150 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
+          --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/tttrain.log" | tail -3 ;;
+    scan) timeout 330 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/scantests.log" 2>&1; tail -2 "$OUT/scantests.log"
+        i=0; for v in "" USE_XLA=1; do i=$((i+1))
+          timeout 60 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 30 --private "$v" \
+            --out "$OUT/scan-fwd-$i.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee -a "$OUT/scan.log" | grep -A1 "=="; done
+        timeout 150 python3 benchmarks/trace_backward.py --presets base,zipf --variants "" USE_XLA=1 "" \
+          --out "$OUT/scan-backward.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee -a "$OUT/scan.log" | grep "==" ;;
+    final17) timeout 80 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 30 --accuracy \
+          --out "$OUT/final17-step.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/final17.log" | grep -A1 "=="
+        timeout 120 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
+          --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" \
+          | tee "$OUT/tttrain.log" | grep "^  pallas"
+        timeout 200 python3 benchmarks/bench_backward.py --no-xla --iters 10 --reps 3 --out "$OUT" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" \
+          | tee "$OUT/backward.log" | tail -8
+        timeout 150 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/dims.log" | tail -6 ;;
+    meta17) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py \
+          > "$OUT/meta17tests.log" 2>&1; tail -1 "$OUT/meta17tests.log"
+        for v in "" _REORDER_LIMIT=0; do timeout 130 python3 benchmarks/bench_tt.py --workload meta-240 --batches 4096 \
+          --iters 3 --reps 2 --sets 1 --bwd --variants pallas,train_adagrad --private "$v" --out "$OUT" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" \
+          | tee -a "$OUT/meta17.log" | grep "^  "; done ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \

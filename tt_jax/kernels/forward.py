@@ -461,7 +461,8 @@ def tt_rows(
 # `packed_prefix_products` (the items sharing a middle-core slice packed into one dot) and the rows kernel loads it.
 # Measured on the H200, workload a, B 32768 (packedc-20261201-1903-*, then an A/B switch): tt_prefix_rows 0.290 ->
 # 0.084 ms plus tt_prefix_packed 0.039 and one more sort (~0.03); the forward 0.508 -> 0.432 ms (bench_tt); with
-# the backward's packed dP1, the training step 1.394 -> 1.031 ms of kernels.
+# the backward's packed dP1, the training step 1.394 -> 1.031 ms of kernels. That sort is gone since the plan sorts
+# T = 3 lookups by (i2, i1, i3) (reorder-fwd-{2,1}-20261201-2108: forward 0.304 -> 0.274 ms of kernels).
 # A forward run for differentiation keeps C in its plan (`FlowPlan.prefix_c`: 1 KB per item on workload a, ~51 MB
 # at B 32768) and the backward's group kernel loads it instead of recomputing it (keepc-20261201-1736-*, before the
 # packing: tt_bwd_groups 0.611 -> 0.450 ms, the step 1.611 -> 1.434 ms enqueued). `apply_gradients` without a
@@ -542,7 +543,8 @@ def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout
     """`FlowPlan.prefix_c` for T = 3 with prefix reuse: each work item's C `[q1 q2, r2]` (row-major), from dots
     that pack the items sharing G2[i2] (8 items per 16-row dot when q1 = 2, where the rows kernel's own dot uses 2
     of its 16 rows per item and a block-diagonal operand 4x too long). The plan's items come sorted by i2
-    (`StackedTables.prefix_digits` (1, 0)); where they do not (keys of 2**31 or more), one XLA sort orders them."""
+    (`StackedTables.prefix_digits` (1, 0)); where they do not (the (i1, i2, i3) order, kept for key ranges near
+    2**31), one XLA sort orders them."""
     cap = plan.row_suffix.shape[0]
     size = prefix_c_size(layout, cap, config)
     if size is None:
@@ -656,7 +658,7 @@ def tt_pool(
         return call(*args)
 
 
-# The Pallas forward's plans do their bookkeeping after the sort in three Pallas passes (`tt_jax.kernels.plan`)
+# The Pallas forward's plans do their bookkeeping after the sort in Pallas passes (`tt_jax.kernels.plan`)
 # instead of ~15 XLA ops (off: `prefix.build_flow`'s XLA ops, the definition they are tested against). Measured on
 # the H200, workload a, training step (planblock-20261201-1912-*): B 32768 1.031 -> 0.983 ms of kernels, B 4096
 # 0.602 -> 0.524; plan.BLOCK 512 or 256 instead of 1024 made no difference.
