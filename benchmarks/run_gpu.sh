@@ -78,6 +78,8 @@
 #             --single "" -> final17-step.json, final17.log, tt-*.json, tttrain.log, backward-*.json, backward.log, dims-*.json, dims.log
 #   meta17    the TT test files compiled; bench_tt.py on meta-240 (240 stacked tables) at B 4096, forward and Adagrad step, with
 #             the (i2, i1, i3) sort order and without it (_REORDER_LIMIT=0) -> meta17tests.log, tt-*.json, meta17.log
+#   split     the run-length encoding's mid/long lists from its write pass (rle.SPLIT_LISTS): test_backward / test_optimizers
+#             run tests compiled; trace_backward.py A/B on base, zipf -> splittests.log, split-backward.json, split.log
 #   ttfwd     trace_tt.py --forward at B 4096 and 32768 (the forward's kernels alone) -> ttfwd.json, ttfwd.log
 #   plancoal  test_tt_plan.py and test_tt_kernel.py compiled; trace_tt.py --forward and the step at B 32768 (the plan's
 #             table rows stored whole) -> plancoaltests.log, plancoal-fwd.json, plancoal-step.json, plancoal.log
@@ -267,6 +269,11 @@ for stage in "$@"; do
         for v in "" _REORDER_LIMIT=0; do timeout 130 python3 benchmarks/bench_tt.py --workload meta-240 --batches 4096 \
           --iters 3 --reps 2 --sets 1 --bwd --variants pallas,train_adagrad --private "$v" --out "$OUT" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" \
           | tee -a "$OUT/meta17.log" | grep "^  "; done ;;
+    split) timeout 75 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
+          -k "rle or runs or long or chunk or bitwise or scan" > "$OUT/splittests.log" 2>&1
+        tail -1 "$OUT/splittests.log"
+        timeout 90 python3 benchmarks/trace_backward.py --presets base,zipf --variants "" SPLIT_LISTS=0 \
+          --out "$OUT/split-backward.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/split.log" | grep "==" ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \

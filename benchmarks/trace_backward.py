@@ -92,8 +92,8 @@ def workload(name: str):
 def backward_modules():
     """The modules whose upper-case constants `--private` and `--variants` may set."""
     from tbe_jax import _pallas, runs
-    from tbe_jax.kernels import backward as bwd_kernels, scan
-    return (bwd_kernels, _pallas, runs, scan)
+    from tbe_jax.kernels import backward as bwd_kernels, rle, scan
+    return (bwd_kernels, _pallas, runs, scan, rle)
 
 
 class Variants:

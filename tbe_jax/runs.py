@@ -163,9 +163,15 @@ def build_runs(
     # compacted over n; the mid/long split then works on that short list.
     n_big_max = n // (SMALL + 1) + 1
     n_long_max = n // LONG + 1
-    if rle_kernel:
-        from tbe_jax.kernels import rle
+    from tbe_jax.kernels import rle
 
+    mid = None
+    if rle_kernel and rle.SPLIT_LISTS:  # the mid and long lists straight from the kernel's write pass
+        run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long = rle.encode(
+            skey, total=total, small=SMALL, n_big_max=n_big_max, long=LONG, n_long_max=n_long_max,
+            interpret=interpret)
+        n_big = n_mid + n_long
+    elif rle_kernel:
         run_start, run_key, num_runs, n_valid, big, n_big = rle.encode(
             skey, total=total, small=SMALL, n_big_max=n_big_max, interpret=interpret)
         run_len = run_start[1:] - run_start[:-1]
@@ -179,13 +185,15 @@ def build_runs(
         run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
         live = jnp.arange(n) < num_runs
         big, n_big = _compact(live & (run_len > SMALL), n_big_max, n)
-    big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
-    mid_at, n_mid = _compact((big_len > SMALL) & (big_len < LONG), n_big_max, n_big_max - 1)
-    mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
-    long_at, n_long = _compact(big_len >= LONG, n_long_max, n_big_max - 1)
-    long = jnp.where(jnp.arange(n_long_max) < n_long, big[long_at], n)
+    if mid is None:
+        big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
+        mid_at, n_mid = _compact((big_len > SMALL) & (big_len < LONG), n_big_max, n_big_max - 1)
+        mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
+        long_at, n_long = _compact(big_len >= LONG, n_long_max, n_big_max - 1)
+        long = jnp.where(jnp.arange(n_long_max) < n_long, big[long_at], n)
     n_small = num_runs - n_big
-    long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_len[jnp.minimum(long, n - 1)], 0)
+    at = jnp.minimum(long, n - 1)
+    long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_start[at + 1] - run_start[at], 0)
     n_chunks = (long_len + LONG - 1) // LONG
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     max_chunks = 2 * n // LONG + 1

@@ -295,6 +295,20 @@ def test_rle_kernel_matches_xla_ops(rng, case):
     np.testing.assert_array_equal(np.asarray(run_start), want_start)
     np.testing.assert_array_equal(np.asarray(run_key), want_key)
     np.testing.assert_array_equal(np.asarray(big), want_big)
+    # With `long`: the mid (SMALL < length < LONG) and long (>= LONG) lists straight from the write pass.
+    n_long_max = n // lg + 1
+    rs2, rk2, nr2, nv2, mid, n_mid, long, n_long = jax.jit(functools.partial(
+        rle.encode, total=total, small=s, n_big_max=n_big_max, long=lg, n_long_max=n_long_max,
+        interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
+    np.testing.assert_array_equal(np.asarray(rs2), want_start)
+    np.testing.assert_array_equal(np.asarray(rk2), want_key)
+    assert int(nr2) == len(starts) and int(nv2) == nv
+    for got, count, want_runs, size in ((mid, n_mid, np.flatnonzero((lens > s) & (lens < lg)), n_big_max),
+                                        (long, n_long, np.flatnonzero(lens >= lg), n_long_max)):
+        want = np.full(size, n)
+        want[: len(want_runs)] = want_runs
+        assert int(count) == len(want_runs)
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 1), (2500, 3), (1024, 2)])

@@ -8,12 +8,13 @@ and a launch; on the H200 they took ~0.2 ms of a 0.7 ms backward
 (`benchmarks/results/trace-backward-*`). Here:
 
 1. `_count_kernel`: per block of `BLOCK` sorted lookups, count run starts
-   (key differs from the previous one and is valid), long starts (the key
-   `SMALL` places further is the same: the run has more than `SMALL` lookups)
-   and valid lookups.
+   (key differs from the previous one and is valid), starts of runs longer
+   than `SMALL` (the key `SMALL` places further is the same) and valid lookups;
+   with `SPLIT_LISTS`, the longer runs split into mid runs (shorter than
+   `LONG`) and long runs (the key `LONG - 1` places further is the same).
 2. An exclusive prefix sum over the block counts (N / BLOCK values; `scan.exclusive_scan`, one program).
 3. `_write_kernel`: per block, the in-block exclusive prefix sums give each start
-   its run slot and each long start its slot in the long list; scatter the
+   its run slot and each listed start its slot in its list; scatter the
    run's first lookup, its key, and the run index. Slots past the counts get
    the fill values (`n_valid`, `total`, N), so every output element is written
    exactly once (scatter slots and fill slots are disjoint): no initialisation,
@@ -33,7 +34,14 @@ from tbe_jax.kernels.scan import exclusive_scan
 BLOCK = 1024
 
 
-def _flags(skey_ref, pid, *, n, total, small):
+# The run lists split by length in the write pass (runs longer than `small` into those shorter than `long` and the
+# rest), instead of one list of long runs that XLA ops split afterwards (`runs.build_runs`). A/B switch.
+SPLIT_LISTS = True
+
+
+def _flags(skey_ref, pid, *, n, total, small, long):
+    """Per sorted lookup of the block: (position, key, valid, run start, per list whether it starts a run of it).
+    Lists: runs longer than `small`; with `long`, those shorter than `long` and those of `long` or more."""
     j = pid * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
     live = j < n
     k = plgpu.load(skey_ref.at[j], mask=live, other=total)
@@ -41,63 +49,81 @@ def _flags(skey_ref, pid, *, n, total, small):
     far = plgpu.load(skey_ref.at[j + small], mask=j + small < n, other=-1)
     valid = k < total
     start = valid & (k != prev)
-    long = start & (far == k)
-    return j, k, valid.astype(jnp.int32), start.astype(jnp.int32), long.astype(jnp.int32)
+    big = start & (far == k)
+    if long is None:
+        lists = (big,)
+    else:
+        is_long = start & (plgpu.load(skey_ref.at[j + long - 1], mask=j + long - 1 < n, other=-1) == k)
+        lists = (big & ~is_long, is_long)
+    i32 = jnp.int32
+    return j, k, valid.astype(i32), start.astype(i32), tuple(x.astype(i32) for x in lists)
 
 
-def _count_kernel(skey_ref, counts_ref, *, n, total, small):
+def _count_kernel(skey_ref, counts_ref, *, n, total, small, long):
     pid = pl.program_id(0)
-    _, _, valid, start, long = _flags(skey_ref, pid, n=n, total=total, small=small)
+    _, _, valid, start, lists = _flags(skey_ref, pid, n=n, total=total, small=small, long=long)
+    sums = [jnp.sum(x) for x in (start, *lists, valid)]  # the scan's columns
     lane = jnp.arange(4, dtype=jnp.int32)
-    c = jnp.where(lane == 0, jnp.sum(start), jnp.where(lane == 1, jnp.sum(long), jnp.sum(valid)))
-    plgpu.store(counts_ref.at[pid * 3 + lane], c, mask=lane < 3)
+    c = sums[-1]
+    for i in reversed(range(len(sums) - 1)):
+        c = jnp.where(lane == i, sums[i], c)
+    plgpu.store(counts_ref.at[pid * len(sums) + lane], c, mask=lane < len(sums))
 
 
-def _write_kernel(skey_ref, base_ref, runs_ref, big_count_ref, valid_ref, run_start_ref, run_key_ref, big_ref, *, n,
-                  total, small, n_big_max):
+def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, sizes):
+    # refs: the totals (runs, per list its count, valid), then the outputs: run_start, run_key, one per list
+    n_lists = len(sizes)
+    tot_refs, (run_start_ref, run_key_ref, *list_refs) = refs[: n_lists + 2], refs[n_lists + 2:]
+    width = n_lists + 2
     pid = pl.program_id(0)
-    j, k, _, start, long = _flags(skey_ref, pid, n=n, total=total, small=small)
+    j, k, _, start, lists = _flags(skey_ref, pid, n=n, total=total, small=small, long=long)
     zero = jnp.int32(0)
-    num_runs, n_big, n_valid = (plgpu.load(r.at[zero]) for r in (runs_ref, big_count_ref, valid_ref))
-    slot = plgpu.load(base_ref.at[pid * 3]) + jnp.cumsum(start) - start
-    bslot = plgpu.load(base_ref.at[pid * 3 + 1]) + jnp.cumsum(long) - long
-    is_start, is_long = start > 0, long > 0
+    num_runs, *counts, n_valid = (plgpu.load(r.at[zero]) for r in tot_refs)
+    slot = plgpu.load(base_ref.at[pid * width]) + jnp.cumsum(start) - start
+    is_start = start > 0
     plgpu.store(run_start_ref.at[slot], j, mask=is_start)
     plgpu.store(run_key_ref.at[slot], k, mask=is_start)
-    plgpu.store(big_ref.at[bslot], slot, mask=is_long)
     # Fill the slots past the counts (each index j is this program's to fill).
     plgpu.store(run_start_ref.at[j], jnp.full_like(j, n_valid), mask=(j >= num_runs) & (j <= n))
     plgpu.store(run_key_ref.at[j], jnp.full_like(j, total), mask=(j >= num_runs) & (j < n))
-    plgpu.store(big_ref.at[j], jnp.full_like(j, n), mask=(j >= n_big) & (j < n_big_max))
+    for i, (ref, flag, count, size) in enumerate(zip(list_refs, lists, counts, sizes)):
+        lslot = plgpu.load(base_ref.at[pid * width + 1 + i]) + jnp.cumsum(flag) - flag
+        plgpu.store(ref.at[lslot], slot, mask=flag > 0)
+        plgpu.store(ref.at[j], jnp.full_like(j, n), mask=(j >= count) & (j < size))
 
 
-def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, interpret: bool = False):
+def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int | None = None,
+           n_long_max: int = 0, interpret: bool = False):
     """Runs of the sorted keys `skey` ([N] int32, invalid keys == `total`, sorted last).
 
     Returns (run_start [N + 1], run_key [N], num_runs, n_valid, big [n_big_max], n_big):
     run r spans sorted lookups [run_start[r], run_start[r + 1]); run_start past
     the last run is n_valid, run_key is `total`; `big` lists, in key order, the
-    runs longer than `small` lookups, padded with N. Matches the XLA ops of
-    `runs.build_runs` exactly (tested).
+    runs longer than `small` lookups, padded with N. With `long`, `big, n_big` become
+    (mid [n_big_max], n_mid, long [n_long_max], n_long): the runs longer than `small` and shorter than `long`, and
+    those of `long` lookups or more. Matches the XLA ops of `runs.build_runs` exactly (tested).
     """
     n = skey.shape[0]
-    if n_big_max > n:
-        raise ValueError(f"n_big_max={n_big_max} must be <= N={n}")
+    sizes = (n_big_max,) if long is None else (n_big_max, n_long_max)
+    if max(sizes) > n:
+        raise ValueError(f"list sizes {sizes} must be <= N={n}")
     grid = n // BLOCK + 1  # the last block also covers run_start[N]
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    kw = dict(n=n, total=total, small=small)
+    kw = dict(n=n, total=total, small=small, long=long)
+    width = len(sizes) + 2
     counts = pallas_call(
         functools.partial(_count_kernel, **kw),
-        out_shape=jax.ShapeDtypeStruct((grid * 3,), jnp.int32), grid=(grid,),
+        out_shape=jax.ShapeDtypeStruct((grid * width,), jnp.int32), grid=(grid,),
         compiler_params=params, interpret=interpret, name="tbe_runs_count",
     )(skey)
-    # Each block's first run / long run (and the totals): one single-program scan, not XLA's cumsum and sums.
-    base, tot = exclusive_scan(counts, 3, interpret=interpret)
-    run_start, run_key, big = pallas_call(
-        functools.partial(_write_kernel, n_big_max=n_big_max, **kw),
-        out_shape=[jax.ShapeDtypeStruct((n + 1,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32),
-                   jax.ShapeDtypeStruct((n_big_max,), jnp.int32)],
+    # Each block's first run and list slots (and the totals): one single-program scan, not XLA's cumsum and sums.
+    base, tot = exclusive_scan(counts, width, interpret=interpret)
+    outs = pallas_call(
+        functools.partial(_write_kernel, sizes=sizes, **kw),
+        out_shape=[jax.ShapeDtypeStruct((n + 1,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
+        + [jax.ShapeDtypeStruct((s,), jnp.int32) for s in sizes],
         grid=(grid,), compiler_params=params, interpret=interpret, name="tbe_runs_write",
     )(skey, base, *tot)
-    num_runs, n_big, n_valid = (x.reshape(()) for x in tot)
-    return run_start, run_key, num_runs, n_valid, big, n_big
+    num_runs, *counts, n_valid = (x.reshape(()) for x in tot)
+    lists = [x for pair in zip(outs[2:], counts) for x in pair]
+    return (outs[0], outs[1], num_runs, n_valid, *lists)
