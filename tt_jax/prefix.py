@@ -162,12 +162,17 @@ class StackedTables:
             return (1, 0)
         return tuple(range(t - 1))
 
+    @property
+    def reordered(self) -> bool:
+        """Whether the sort key reorders the id's digits (`prefix_digits` is not (0, 1, ..., T-2))."""
+        return self.prefix_digits != tuple(range(self.num_cores - 1))
+
     def key_spans(self) -> tuple[int, ...]:
         """Per table, the range of its sort keys (the id with its digits in `prefix_digits` order, then the last):
         the table's row count, or p1 p2 p3 when the digits are reordered (the keys of ids < N then skip values)."""
-        if self.prefix_digits == tuple(range(self.num_cores - 1)):
-            return tuple(s.num_embeddings for s in self.specs)
-        return tuple(math.prod(s.p_shapes) for s in self.specs)
+        if self.reordered:
+            return tuple(math.prod(s.p_shapes) for s in self.specs)
+        return tuple(s.num_embeddings for s in self.specs)
 
     @property
     def key_base(self) -> tuple[int, ...]:
@@ -238,9 +243,9 @@ class FlowPlan(NamedTuple):
 def sort_key(layout: StackedTables, ids, p_shapes):
     """Per id, its digits in `layout.prefix_digits` order, then the last digit, as one int32 (`p_shapes`: per core
     its radix, ints or per-lookup arrays). The id itself when the digits keep their order."""
-    order = layout.prefix_digits
-    if order == tuple(range(layout.num_cores - 1)):
+    if not layout.reordered:
         return ids
+    order = layout.prefix_digits
     digits, rest = [], ids
     for p in reversed(p_shapes):  # least significant first
         digits.append(rest % p)
