@@ -121,11 +121,30 @@ def without_features(plan: FeaturePlan, features) -> FeaturePlan:
         plan, num_rows=tuple(0 if f in drop else r for f, r in enumerate(plan.num_rows)))
 
 
+# The keys of `lookup_keys` from the Pallas pass `kernels.keys` where the kernels are compiled (A/B switch).
+KEYS_KERNEL = True
+
+
 def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
-                sequence: bool = False):
-    """Per lookup: (linear key or `total` if invalid, flat offset of its output row, scale); jnp."""
+                sequence: bool = False, kernel: bool = False, interpret: bool = False, want_scale: bool = True):
+    """Per lookup: (linear key or `total` if invalid, flat offset of its output row, scale); jnp.
+
+    `kernel`: computed by the one Pallas pass of `kernels.keys` (same values); its scale is None unless
+    `want_scale`."""
     n = indices.shape[0]
     total = int(group_bases(layout)[-1])
+    if kernel:
+        from tbe_jax.kernels import keys as keys_kernel
+
+        table = np.stack([feature_keys(layout, plan), np.asarray(plan.num_rows), np.asarray(plan.out_base),
+                          np.asarray(plan.out_stride), np.asarray(plan.bag_base)])
+        if table.size and (table.max() >= 2**31 or table.min() < 0):
+            raise ValueError("lookup_keys: per-feature keys and offsets must fit in int32")
+        one_batch = len(set(plan.batch)) == 1 and plan.batch[0] > 0
+        return keys_kernel.lookup_keys(
+            table, np.asarray(plan.bag_base), indices, offsets, per_sample_weights,
+            batch=plan.batch[0] if one_batch else 0, total=total, sequence_stride=layout.dims[0] if sequence else 0,
+            mean=pooling == "mean", want_scale=want_scale, interpret=interpret)
     bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
     key = jnp.where(valid, jnp.asarray(feature_keys(layout, plan).astype(np.int32))[feat] + indices, total)
@@ -147,9 +166,12 @@ def build_runs(
     total = int(bases[-1])
     if total >= 2**31 - 1:
         raise ValueError(f"{total} rows in all tables: the int32 sort key needs fewer than 2**31 - 1")
-    key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
-                                  sequence=sequence)
     unit = per_sample_weights is None and (sequence or pooling == "sum")
+    # The Pallas pass where the kernels are compiled; in interpret mode XLA's ops (the same values): the interpreted
+    # pass would add CPU compile time to every backward test, and `test_lookup_keys_kernel` runs it there.
+    key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
+                                  sequence=sequence, kernel=rle_kernel and KEYS_KERNEL and not interpret,
+                                  interpret=interpret, want_scale=not unit)
     if unit:
         # No scale to carry: sort the output offsets themselves (the stable sort keeps
         # batch order within a run), saving the gather `src[sorted positions]`.

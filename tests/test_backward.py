@@ -153,6 +153,21 @@ def test_width_class_split_by_row_parity(rng):
                 steps=1, empty_bag=True)
 
 
+def test_narrow_segments_share_a_launch(rng):
+    # Seven dims of widths 8, 16 and 32 in five segments (w16 and w32 each split by row parity, the w32 ones holding
+    # two buffers each), next to a w64 table: the narrow five are one small-run launch (backward.MERGE_WIDTH), its
+    # programs split between them by program id, and small E gives runs of every kind in each.
+    from tbe_jax.kernels import backward as bwd
+
+    dims = [6, 12, 16, 20, 24, 28, 32, 40]
+    tables = specs([3, 4, 3, 4, 3, 1, 4, 3], dims)
+    segs = bwd._segments(tbe_jax.TableBatchedEmbedding(tables).layout)
+    assert [seg.dims for seg in segs] == [(6,), (16,), (12,), (24, 32), (20, 28), (40,)]
+    assert [len(g) for g in bwd._small_launches(segs)] == [5, 1]
+    _check_step(rng, tables, list(range(len(dims))), [2] * len(dims), (0, 12), tbe_jax.RowwiseAdagrad(0.05, 1e-3),
+                steps=1, empty_bag=True)
+
+
 def test_segments_cover_the_key_space_in_order():
     # For random dim mixes: every buffer in exactly one segment; a segment holds one width class and one row
     # parity, at most SEGMENT_BUFFERS buffers, whose keys are contiguous; segments follow each other in key order.
@@ -323,6 +338,38 @@ def test_exclusive_scan(rng, rows, width):
         jnp.asarray(counts.reshape(-1)))
     np.testing.assert_array_equal(np.asarray(base).reshape(rows, width), np.cumsum(counts, axis=0) - counts)
     assert [int(t[0]) for t in tot] == counts.sum(axis=0).tolist()
+
+
+@pytest.mark.parametrize("case", ["sum", "mean-weighted", "vbe", "sequence", "dropped"])
+def test_lookup_keys_kernel(rng, case):
+    """kernels.keys (each lookup's bag by a binary search in offsets) against the XLA ops of runs.lookup_keys
+    (the offsets' histogram and prefix sum): keys, output offsets and scales equal, over two programs (N > BLOCK)
+    with a partial last one, ids out of range, empty bags, positions before the first bag and past the last."""
+    from tbe_jax.kernels import keys as keys_mod
+
+    rows = [7, 700, 3, 50]
+    dims = [8] * 4 if case == "sequence" else [4, 8, 4, 16]
+    emb = tbe_jax.TableBatchedEmbedding(specs(rows, dims), pooling="none" if case == "sequence" else "sum")
+    batch = [9, 0, 300, 4] if case == "vbe" else [5] * 4  # vbe: a block spanning hundreds of bags, mostly empty
+    lens = (0, 8) if case == "sequence" else [(100, 400), (100, 400), (0, 1), (60, 90)]
+    idx, off, w = testing.make_batch(rng, rows, batch, lens, weighted=case == "mean-weighted")
+    idx[[3, 40, 41]] = [-1, 700, -7]
+    off[0] = 2  # positions 0, 1 in no bag
+    off[len(off) // 2] = off[len(off) // 2 - 1]  # an empty bag
+    idx = np.concatenate([idx, rng.integers(0, 3, 37).astype(np.int32)])  # padding past offsets[-1]
+    plan = emb.plan_for(len(off), batch if case == "vbe" else None)
+    if case == "dropped":
+        plan = runs_lib.without_features(plan, [1])
+    if case != "sequence":
+        assert len(idx) > keys_mod.BLOCK
+    kw = dict(pooling="mean" if case == "mean-weighted" else "sum", sequence=case == "sequence")
+    args = (jnp.asarray(idx), jnp.asarray(off), None if w is None else jnp.asarray(np.concatenate([w, w[:37]])))
+    want = jax.jit(lambda *a: runs_lib.lookup_keys(emb.layout, plan, *a, **kw))(*args)
+    got = jax.jit(lambda *a: runs_lib.lookup_keys(emb.layout, plan, *a, kernel=True, interpret=KERNEL_KW["interpret"],
+                                                  **kw))(*args)
+    for name, x, y in zip(("key", "src", "scale"), got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    assert int(np.sum(np.asarray(got[0]) < int(runs_lib.group_bases(emb.layout)[-1]))) > 0
 
 
 def test_runs_rle_kernel_equals_xla_path(rng):
