@@ -5,7 +5,8 @@ the batch, its lookups contiguous in key order) and the output gradient. The
 small-run kernel is launched once per segment of a width class `next_pow2(D)` (at
 most SEGMENT_BUFFERS storage buffers of one row alignment, `runs.row_parity`;
 `runs.width_classes` orders the key space class by class and parity by parity, so
-each segment's keys, runs and tasks are contiguous); the mid-run,
+each segment's keys, runs and tasks are contiguous; the narrow segments, of width
+MERGE_WIDTH or less, share one launch whose programs are split between them); the mid-run,
 chunk and long-run kernels are launched once each and branch per segment. Each
 segment's code is compiled for its tile width: the gradient gather-and-sum is one
 code path masked to each run's dim, and only the row update branches per storage
@@ -197,9 +198,9 @@ def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scale
     return jax.lax.fori_loop(0, n, step, (zeros,) + indices(0))[0]
 
 
-def _strided_tasks(lo, hi, programs, body):
-    """Program p handles tasks lo + p, lo + p + programs, ... below hi."""
-    pid = pl.program_id(0)
+def _strided_tasks(lo, hi, programs, body, pid=None):
+    """Program p (`pid`, by default the program id) handles tasks lo + p, lo + p + programs, ... below hi."""
+    pid = pl.program_id(0) if pid is None else pid
     n = jnp.maximum(hi - lo - pid + programs - 1, 0) // programs
     jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
 
@@ -229,6 +230,18 @@ WIDTH_BLOCK = True
 MULTI_SMALL_BLOCK = 0
 MULTI_SMALL_WARPS = 0
 MULTI_SMALL_PROGRAMS = 0
+# Segments of this width or less (the narrow ones) share one small-run launch with the segments before them (each
+# keeps its own programs: the grid is split by program id). On mixed-dim models each narrow segment alone was a
+# launch of ~8-16 us (dims 4..128: w4, w8, w16 x2, w32 x2 took 66 us of 0.44 ms of small-run kernels,
+# vecblock-20261201-1700-*). Measured in one process against 0 (one launch per segment; keys18-backward-20261201-2303):
+# dims 4..128 0.753 -> 0.746 ms per step, 8..192 0.776 -> 0.772, one-dim presets unchanged.
+MERGE_WIDTH = 32
+# Runs per small-run block of the narrow segments (width MERGE_WIDTH or less; SGD or row-wise state, `small_block`
+# left at None): a [32, width] tile is at most 1024 elements, as the width rule's. Against the rules above (block 8,
+# or 16 for several buffers), in one process on the H200 (benchmarks/results/keys18b-backward-20261201-2321):
+# the narrow launch of dims 4..128 0.0596 -> 0.0472 ms (step 0.722 -> 0.708), of 8..192 0.0534 -> 0.0395 ms (step
+# 0.744 -> 0.731); block 16 took 0.0497 / 0.0457. 0: the rules above.
+NARROW_BLOCK = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +289,18 @@ class _Segment:
             return
         for i in range(len(self.buffers)):
             pl.when(self.holds(i, key))(functools.partial(body, i))
+
+
+def _small_launches(segs) -> list[tuple[_Segment, ...]]:
+    """The segments (ascending width) grouped by small-run launch: each segment of width MERGE_WIDTH or less joins
+    the launch of the segment before it."""
+    groups = []
+    for seg in segs:
+        if groups and seg.width <= MERGE_WIDTH:
+            groups[-1] += (seg,)
+        else:
+            groups.append((seg,))
+    return groups
 
 
 def _multi_block(seg: _Segment) -> int:
@@ -327,7 +352,25 @@ def _list_kernel_tasks(rng_ref, segs, col, programs, body):
 
 
 def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, seg, block, programs, scaled, align):
+                  opt, segs, blocks, programs, scaled, align):
+    """The small-run kernel of one launch: segment `segs[c]` (blocks of `blocks[c]` runs) on `programs[c]`
+    programs of its own; with several segments (`MERGE_WIDTH`) the grid is split between them by program
+    id, so each program runs one segment's code."""
+    states = _segment_states(refs, opt, segs)
+    kw = dict(rng_ref=rng_ref, hyper_ref=hyper_ref, run_start_ref=run_start_ref, run_key_ref=run_key_ref,
+              src_ref=src_ref, scale_ref=scale_ref, g_ref=g_ref, opt=opt, scaled=scaled, align=align)
+    if len(segs) == 1:
+        _small_segment(state=states[0], seg=segs[0], block=blocks[0], programs=programs[0], pid=None, **kw)
+        return
+    pid, start = pl.program_id(0), 0
+    for state, seg, block, p in zip(states, segs, blocks, programs):
+        pl.when((pid >= start) & (pid < start + p))(functools.partial(
+            _small_segment, state=state, seg=seg, block=block, programs=p, pid=pid - start, **kw))
+        start += p
+
+
+def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, state, opt, seg,
+                   block, programs, pid, scaled, align):
     """Blocks of `block` consecutive runs of the segment `seg`; the small ones (<= SMALL lookups)
     are gathered in lockstep and updated, one row each; the others are left to the mid/long kernels.
 
@@ -335,7 +378,6 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
     (each lane masked to its run's dim), then each buffer present in the block updates its
     lanes in its own branch. Each loop step takes one lookup of every run of the block.
     """
-    (state,) = _segment_states(refs, opt, (seg,))
     lane = jnp.arange(block, dtype=jnp.int32)
     lo, hi = _range(rng_ref, seg, 0)
     cols = jnp.arange(seg.width, dtype=jnp.int32)
@@ -387,7 +429,7 @@ def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale
             pl.when((k0 < seg.ends[i]) & (k1 >= seg.bases[i]))(
                 functools.partial(update, i, ok & seg.holds(i, key)))
 
-    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task)
+    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task, pid)
 
 
 def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
@@ -599,7 +641,7 @@ def fused_update(
 
     segs = tuple(segs)
     align = row_align(layout.dims, 4)
-    for seg in segs:
+    def small_launch(seg):  # (block, warps, programs) of a segment's small runs
         s_blk, s_warps, s_programs = blk, small_warps, max_small
         if not seg.single:  # several buffers: the width rule (WIDTH_BLOCK), then the A/B overrides
             if WIDTH_BLOCK and not elementwise:
@@ -607,12 +649,19 @@ def fused_update(
                 s_programs = max_small if interpret else 2 * max_small
             s_blk, s_warps = MULTI_SMALL_BLOCK or s_blk, MULTI_SMALL_WARPS or s_warps
             s_programs = MULTI_SMALL_PROGRAMS or s_programs
-        s_programs = max(1, min(s_programs, -(-n // s_blk)))
-        aliased(functools.partial(_small_kernel, opt=opt, seg=seg, block=s_blk, programs=s_programs, scaled=scaled,
-                                  align=align),
-                f"tbe_backward_small_runs_w{seg.width}", s_programs,
-                [rng, hyper, runs.run_start, runs.run_key] + common, seg.buffers,
-                plgpu.CompilerParams(num_warps=s_warps, num_stages=1))
+        if NARROW_BLOCK and seg.width <= MERGE_WIDTH and not elementwise and config.small_block is None:
+            s_blk = NARROW_BLOCK
+        return s_blk, s_warps, max(1, min(s_programs, -(-n // s_blk)))
+
+    for group in _small_launches(segs):
+        blocks, warps, programs = zip(*map(small_launch, group))
+        widths = sorted({seg.width for seg in group})
+        aliased(functools.partial(_small_kernel, opt=opt, segs=group, blocks=blocks, programs=programs,
+                                  scaled=scaled, align=align),
+                f"tbe_backward_small_runs_w{widths[0]}" + (f"-{widths[-1]}" if len(widths) > 1 else ""),
+                sum(programs), [rng, hyper, runs.run_start, runs.run_key] + common,
+                [g for seg in group for g in seg.buffers],
+                plgpu.CompilerParams(num_warps=max(warps), num_stages=1))
     aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
                               prefetch=prefetch, align=align),
             "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
