@@ -15,7 +15,7 @@ import pytest
 
 import tbe_jax
 import tt_jax
-from conftest import KERNEL_KW, assert_close, learning_rate_f64
+from conftest import KERNEL_KW, ON_GPU, assert_close, learning_rate_f64
 from tbe_jax import testing
 from tt_jax import reference
 from tt_jax.kernels.forward import TTKernelConfig
@@ -292,9 +292,11 @@ def tt_train_step(emb, params, state, opt, idx, off, g, psw=None):
                          ids=[f"{k}-xla" for k in _OPTS] + ["adagrad-pallas"])
 def test_train_step_equals_apply_gradients(rng, opt, impl):
     # XLA: its GPU scatter-add sums in an unspecified order, so the two programs can differ by an ulp or so
-    # (1.3e-6 relative seen on an H200). Pallas: the same deterministic kernels in both programs.
+    # (1.3e-6 relative seen on an H200). Pallas: the same deterministic kernels in both programs; compiled, 1e-7.
+    # In interpret mode (CPU) the kernels are XLA ops inlined into two different programs, which the CPU compiler
+    # (the suite's flags, tests/conftest.py) may round differently by a few ulp (6.8e-7 relative seen).
     emb = make_emb([T4], impl, feature_table_map=(0, 0), config=dict(chunk=2))
-    rtol = 1e-5 if impl == "xla" else 1e-7
+    rtol = 1e-5 if impl == "xla" else (1e-7 if ON_GPU else 2e-6)
     params = make_params(emb, rng)
     state = emb.init_opt_state(params, opt)
     idx, off, psw, g = make_inputs(rng, emb, 3, weighted=True)
