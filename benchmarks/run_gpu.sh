@@ -83,6 +83,16 @@
 #   ttfwd     trace_tt.py --forward at B 4096 and 32768 (the forward's kernels alone) -> ttfwd.json, ttfwd.log
 #   plancoal  test_tt_plan.py and test_tt_kernel.py compiled; trace_tt.py --forward and the step at B 32768 (the plan's
 #             table rows stored whole) -> plancoaltests.log, plancoal-fwd.json, plancoal-step.json, plancoal.log
+#   keys18    the backward's test files compiled; trace_backward.py A/B of the Pallas lookup-keys pass (runs.KEYS_KERNEL)
+#             and of the narrow segments' shared small-run launch (backward.MERGE_WIDTH) on base, zipf, dims 4..128 and
+#             8..192 -> keys18tests.log, keys18-backward.json, keys18.log
+#   keys18b   the two-level search of the lookup-keys pass: its tests compiled; trace_backward.py A/B against XLA's keys
+#             (KEYS_KERNEL=0) and of the narrow segments' block (NARROW_BLOCK 16, 32) -> keys18btests.log,
+#             keys18b-backward.json, keys18b.log
+#   final18a  the whole suite compiled (8 workers); trace_backward.py A/B of NARROW_BLOCK 64 against the default on the three
+#             mixed models -> final18tests.log, narrow64-backward.json, narrow64.log
+#   final18b  bench_backward.py --no-xla on every preset; bench_dims.py on the three mixed models -> backward-*.json,
+#             backward.log, dims-*.json, dims.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -274,6 +284,27 @@ for stage in "$@"; do
         tail -1 "$OUT/splittests.log"
         timeout 90 python3 benchmarks/trace_backward.py --presets base,zipf --variants "" SPLIT_LISTS=0 \
           --out "$OUT/split-backward.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/split.log" | grep "==" ;;
+    keys18) timeout 170 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
+          tests/test_grad.py tests/test_vbe.py tests/test_structure.py > "$OUT/keys18tests.log" 2>&1
+        tail -1 "$OUT/keys18tests.log"
+        timeout 330 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;8-192/8" \
+          --variants "" KEYS_KERNEL=0 MERGE_WIDTH=0 --out "$OUT/keys18-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/keys18.log" | grep "==" ;;
+    keys18b) timeout 100 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_structure.py \
+          -k "lookup_keys or narrow or many_dims or grow or bitwise" > "$OUT/keys18btests.log" 2>&1
+        tail -1 "$OUT/keys18btests.log"
+        timeout 330 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;8-192/8" \
+          --variants "" KEYS_KERNEL=0 NARROW_BLOCK=16 NARROW_BLOCK=32 --out "$OUT/keys18b-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/keys18b.log" | grep "==" ;;
+    final18a) timeout 400 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/final18tests.log" 2>&1
+        tail -1 "$OUT/final18tests.log"
+        timeout 170 python3 benchmarks/trace_backward.py --presets "" --dims "4-128/4;8-192/8;16-256/16" \
+          --variants "" NARROW_BLOCK=64 --out "$OUT/narrow64-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/narrow64.log" | grep "==" ;;
+    final18b) timeout 300 python3 benchmarks/bench_backward.py --no-xla --iters 10 --reps 3 --out "$OUT" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/backward.log" | tail -8
+        timeout 200 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/dims.log" | tail -6 ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \
