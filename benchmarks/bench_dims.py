@@ -39,6 +39,8 @@ def run(dims, args, seed=0):
     emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, backward_config=cfg)
     params = emb.init(jax.random.key(seed))
     opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
+    if args.device_opt:  # its hyperparameters on the device once, not three host-to-device copies per step
+        opt = jax.device_put(opt)
     state = emb.init_opt_state(params, opt)
     rng = np.random.default_rng(seed)
     offsets = jnp.asarray(np.arange(0, t * b * l + 1, l, dtype=np.int32))
@@ -71,6 +73,9 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_block=4,small_num_warps=1")
+    ap.add_argument("--device-opt", action="store_true",
+                    help="pass the optimizer with its hyperparameters as device arrays (jax.device_put) instead of "
+                         "Python floats, which each step copies to the device")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     res = []

@@ -93,6 +93,10 @@
 #             mixed models -> final18tests.log, narrow64-backward.json, narrow64.log
 #   final18b  bench_backward.py --no-xla on every preset; bench_dims.py on the three mixed models -> backward-*.json,
 #             backward.log, dims-*.json, dims.log
+#   host18    trace_backward.py --host on base and dims 4..128 (host events per step); bench_dims on D 128 and 4..128 with
+#             XLA's command buffers (CUDA graphs) at their default and off -> host18.json, host18.log, dims-*.json
+#   hyper18   bench_dims.py on D 128 and 4..128, the optimizer's hyperparameters as Python floats / device arrays
+#             (--device-opt), twice each, alternating -> dims-*.json
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -305,6 +309,18 @@ for stage in "$@"; do
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/backward.log" | tail -8
         timeout 200 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/dims.log" | tail -6 ;;
+    host18) timeout 150 python3 benchmarks/trace_backward.py --presets base --dims "4-128/4" --host --iters 10 \
+          --out "$OUT/host18.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" \
+          | tee "$OUT/host18.log" | tail -60
+        for cb in default off; do
+          if [ $cb = off ]; then export XLA_FLAGS="--xla_gpu_enable_command_buffer="; fi
+          echo "== command buffers $cb"
+          timeout 100 python3 benchmarks/bench_dims.py --single 128 --mixed "4-128/4" --out "$OUT" 2>&1 \
+            | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | grep "dims"
+        done; unset XLA_FLAGS ;;
+    hyper18) for v in "" --device-opt "" --device-opt; do echo "== $v"
+          timeout 100 python3 benchmarks/bench_dims.py --single 128 --mixed "4-128/4" $v --out "$OUT" 2>&1 \
+            | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | grep "dims"; done ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \

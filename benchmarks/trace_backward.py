@@ -135,6 +135,8 @@ def main():
                     help="A/Bs in one process: each 'k=v,K=V' sets BackwardConfig fields (lower case) and module "
                          "constants (upper case) on top of --config/--private; every workload is traced once per "
                          "variant, variants interleaved per workload ('' is the base)")
+    ap.add_argument("--host", action="store_true",
+                    help="also trace the host side: the host events per step (XLA's thunks, jax's dispatch), by name")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     modules = backward_modules()
@@ -163,10 +165,20 @@ def main():
             def step(carry, opt, i, o, s, g):
                 return emb.apply_gradients(*carry, opt, i, o, g, s)
         kernels = profile(step, (params, state), with_opt(opt, sets), args.iters)
+
+        def carry_of(emb, opt):  # fresh tables and state: the traced steps donated the previous ones
+            p = emb.init(jax.random.key(0))
+            return p, emb.init_opt_state(p, opt)
+
         total = sum(v["ms"] for v in kernels.values())
         res["presets"][name] = {"total_ms": total, "kernels": kernels}
         print(f"== {name}: {total:.3f} ms of device events per step")
         print_kernels(kernels, 25)
+        if args.host:
+            host = profile(step, carry_of(emb, opt), with_opt(opt, sets), args.iters, host=True)
+            res["presets"][name]["host"] = host
+            print(f"   host events per step (top 25 of {len(host)} names; nested events overlap):")
+            print_kernels(host, 25)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
