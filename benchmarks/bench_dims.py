@@ -93,7 +93,7 @@ def main():
     dev = jax.devices()[0].device_kind
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": dev,
             "jax": jax.__version__, "timing": "enqueue --iters calls, block once, median of --reps",
-            "config": args.config}
+            "config": args.config, "device_opt": args.device_opt}
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     tag = ("-" + args.config.replace("=", "").replace(",", "-")) if args.config else ""
