@@ -220,9 +220,13 @@ def build_runs(
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     max_chunks = 2 * n // LONG + 1
     t = jnp.arange(max_chunks, dtype=jnp.int32)
-    # chunk_run[t] = searchsorted(long_chunk0, t, "right") - 1: the long runs whose first chunk is <= t, as a
-    # scatter of each run's first chunk and a prefix sum (fixed-size ops, no search loop).
-    starts = jnp.zeros((max_chunks,), jnp.int32).at[long_chunk0[1:]].add(1, mode="drop")
+    # chunk_run[t] = searchsorted(long_chunk0, t, "right") - 1 for the chunk tasks t < long_chunk0[-1]: the long
+    # runs whose chunks end at or before t, as a scatter of each run's chunk end and a prefix sum (fixed-size ops, no
+    # search loop). The slots past the long runs have no chunk and scatter nothing: they would all add at one index
+    # (the chunk total; the whole list on a step without long runs), a chain of atomic adds to one address on a GPU.
+    # (Tasks past the total are never read.)
+    ends = jnp.where(n_chunks > 0, long_chunk0[1:], max_chunks)
+    starts = jnp.zeros((max_chunks,), jnp.int32).at[ends].add(1, mode="drop")
     chunk_run = jnp.clip(jnp.cumsum(starts), 0, n_long_max - 1)
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)

@@ -262,6 +262,33 @@ def test_runs_preprocessing(rng):
     assert n_chunks == np.sum(-(-counts[counts >= runs_lib.LONG] // runs_lib.LONG))
 
 
+def test_chunk_tasks(rng):
+    # The long runs' chunk tasks (LONG lookups each, the last one partial), in key order: for each task its long run
+    # and its first sorted lookup; against NumPy on rows hit 256 to ~700 times, next to short runs.
+    tables = specs([3, 700], [4, 4])
+    emb = tbe_jax.TableBatchedEmbedding(tables)
+    idx, off, _ = testing.make_batch(rng, [3, 700], [6, 6], (100, 300))
+    plan = emb.plan_for(len(off))
+    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum"))(
+        jnp.asarray(idx), jnp.asarray(off), None)
+    nr, n_long, total = int(r.num_runs), int(r.counts[2]), int(r.counts[3])
+    run_start, long = np.asarray(r.run_start), np.asarray(r.long)
+    lengths = np.diff(run_start[: nr + 1])
+    want_long = np.flatnonzero(lengths >= runs_lib.LONG)
+    assert n_long == len(want_long) > 0 and np.any(lengths[want_long] > runs_lib.LONG)
+    np.testing.assert_array_equal(long[:n_long], want_long)
+    want_run, want_first = [], []
+    for li, run in enumerate(want_long):
+        for c in range(-(-lengths[run] // runs_lib.LONG)):
+            want_run.append(li)
+            want_first.append(run_start[run] + c * runs_lib.LONG)
+    assert total == len(want_run)
+    np.testing.assert_array_equal(np.asarray(r.chunk_run)[:total], want_run)
+    np.testing.assert_array_equal(np.asarray(r.chunk_first)[:total], want_first)
+    np.testing.assert_array_equal(np.asarray(r.long_chunk0)[: n_long + 1],
+                                  np.concatenate([[0], np.cumsum(-(-lengths[want_long] // runs_lib.LONG))]))
+
+
 def _sorted_keys(rng, lengths, n_invalid, total):
     """Sorted keys with runs of the given lengths (distinct random rows) and an invalid tail."""
     rows = np.sort(rng.choice(total, size=len(lengths), replace=False))
