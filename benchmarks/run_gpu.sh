@@ -97,6 +97,9 @@
 #             XLA's command buffers (CUDA graphs) at their default and off -> host18.json, host18.log, dims-*.json
 #   hyper18   bench_dims.py on D 128 and 4..128, the optimizer's hyperparameters as Python floats / device arrays
 #             (--device-opt), twice each, alternating -> dims-*.json
+#   check19   (for the next session) the whole suite compiled on session 18's final tree (the chunk-scatter change never
+#             ran compiled); trace_backward.py on base, zipf, dims 4..128, 8..192, to set against keys18b-/narrow64-*
+#             -> check19tests.log, check19-backward.json, check19.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -321,6 +324,11 @@ for stage in "$@"; do
     hyper18) for v in "" --device-opt "" --device-opt; do echo "== $v"
           timeout 100 python3 benchmarks/bench_dims.py --single 128 --mixed "4-128/4" $v --out "$OUT" 2>&1 \
             | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | grep "dims"; done ;;
+    check19) timeout 400 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/check19tests.log" 2>&1
+        tail -1 "$OUT/check19tests.log"
+        timeout 170 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;8-192/8" \
+          --out "$OUT/check19-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/check19.log" | grep -A12 "==" ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \
