@@ -50,6 +50,12 @@ def host_events(log_dir: str) -> list[dict]:
     return _events(log_dir, False)
 
 
+def fresh_carry(emb, opt):
+    """(tables, optimizer state) as a step's first carry."""
+    params = emb.init(jax.random.key(0))
+    return params, emb.init_opt_state(params, opt)
+
+
 def profile(step, carry, sets, iters, host=False):
     for a in sets:  # compile + warm-up
         carry = step(carry, *a)
@@ -156,26 +162,21 @@ def main():
         emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", weights_dtype=wl.weights_dtype,
                                             output_dtype=wl.output_dtype, backward_config=cfg)
         opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
-        params = emb.init(jax.random.key(0))
-        state = emb.init_opt_state(params, opt)
         if args.fwd_bwd:
             step = sparse_train_step(emb)
         else:
             @functools.partial(jax.jit, donate_argnums=(0,))
             def step(carry, opt, i, o, s, g):
                 return emb.apply_gradients(*carry, opt, i, o, g, s)
-        kernels = profile(step, (params, state), with_opt(opt, sets), args.iters)
-
-        def carry_of(emb, opt):  # fresh tables and state: the traced steps donated the previous ones
-            p = emb.init(jax.random.key(0))
-            return p, emb.init_opt_state(p, opt)
+        kernels = profile(step, fresh_carry(emb, opt), with_opt(opt, sets), args.iters)
 
         total = sum(v["ms"] for v in kernels.values())
         res["presets"][name] = {"total_ms": total, "kernels": kernels}
         print(f"== {name}: {total:.3f} ms of device events per step")
         print_kernels(kernels, 25)
         if args.host:
-            host = profile(step, carry_of(emb, opt), with_opt(opt, sets), args.iters, host=True)
+            # fresh tables and state: the traced steps donated the previous ones
+            host = profile(step, fresh_carry(emb, opt), with_opt(opt, sets), args.iters, host=True)
             res["presets"][name]["host"] = host
             print(f"   host events per step (top 25 of {len(host)} names; nested events overlap):")
             print_kernels(host, 25)
