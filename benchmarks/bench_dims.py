@@ -36,7 +36,8 @@ def run(dims, args, seed=0):
     t, e, b, l = 32, 100_000, args.batch, 20
     tables = [tbe_jax.TableSpec(e, int(dims[i % len(dims)])) for i in range(t)]
     cfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in args.config.split(",") if p)})
-    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, backward_config=cfg)
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, backward_config=cfg,
+                                        pad_rows=not args.no_pad)
     params = emb.init(jax.random.key(seed))
     opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
     if args.device_opt:  # its hyperparameters on the device once, not three host-to-device copies per step
@@ -76,6 +77,9 @@ def main():
     ap.add_argument("--device-opt", action="store_true",
                     help="pass the optimizer with its hyperparameters as device arrays (jax.device_put) instead of "
                          "Python floats, which each step copies to the device")
+    ap.add_argument("--no-pad", action="store_true",
+                    help="store the tables unpadded (TableBatchedEmbedding(pad_rows=False)): fp16 rows of dims 4 mod 8 "
+                         "then move in 8-byte vectors")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     res = []
@@ -93,10 +97,11 @@ def main():
     dev = jax.devices()[0].device_kind
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": dev,
             "jax": jax.__version__, "timing": "enqueue --iters calls, block once, median of --reps",
-            "config": args.config, "device_opt": args.device_opt}
+            "config": args.config, "device_opt": args.device_opt, "pad_rows": not args.no_pad}
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     tag = ("-" + args.config.replace("=", "").replace(",", "-")) if args.config else ""
+    tag += "-nopad" if args.no_pad else ""
     path = os.path.join(args.out, f"dims-{stamp}{tag}-{dev.replace(' ', '_')}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1)

@@ -100,6 +100,9 @@
 #   check19   (for the next session) the whole suite compiled on session 18's final tree (the chunk-scatter change never
 #             ran compiled); trace_backward.py on base, zipf, dims 4..128, 8..192, to set against keys18b-/narrow64-*
 #             -> check19tests.log, check19-backward.json, check19.log
+#   pad19     (session 19) the whole suite compiled with padded rows (StorageLayout.strides); trace_backward on
+#             dims 4..128, 8..192, 12..252 with and without padding (pad_rows=0), base; bench_dims on the mixed
+#             models, padded and not -> pad19tests.log, pad19-backward.json, pad19.log, dims-*.json, dims.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -329,6 +332,13 @@ for stage in "$@"; do
         timeout 170 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;8-192/8" \
           --out "$OUT/check19-backward.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/check19.log" | grep -A12 "==" ;;
+    pad19) timeout 330 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/pad19tests.log" 2>&1
+        tail -1 "$OUT/pad19tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/pad19tests.log" | head -20
+        timeout 150 python3 benchmarks/trace_backward.py --presets base --dims "4-128/4;8-192/8;12-252/8" \
+          --variants "" "pad_rows=0" --out "$OUT/pad19-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/pad19.log" | grep "=="
+        for np in "" "--no-pad"; do timeout 100 python3 benchmarks/bench_dims.py --single "" --mixed "4-128/4;8-192/8" \
+          --device-opt $np --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/dims.log" | grep "^dims"; done ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \

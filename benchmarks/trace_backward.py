@@ -103,7 +103,8 @@ def backward_modules():
 
 
 class Variants:
-    """`--variants` items: 'k=v,K=V' sets BackwardConfig fields (lower case) and module constants (upper case)."""
+    """`--variants` items: 'k=v,K=V' sets BackwardConfig fields (lower case) and module constants (upper case);
+    `pad_rows=0` builds the embedding with unpadded storage (`TableBatchedEmbedding(pad_rows=False)`)."""
 
     def __init__(self, modules, base: str = ""):
         self.modules, self.base = modules, base
@@ -115,6 +116,8 @@ class Variants:
             for k, v in consts.items():
                 setattr(m, k, v)
         items = [p for p in (self.base + "," + variant).split(",") if p]
+        self.pad_rows = all(p != "pad_rows=0" for p in items)
+        items = [p for p in items if not p.startswith("pad_rows=")]
         set_private(",".join(p for p in items if p.split("=")[0].isupper()), self.modules)
         return tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in items
                                                                if not p.split("=")[0].isupper())})
@@ -131,6 +134,7 @@ def main():
     ap.add_argument("--presets", default="base,zipf,fp32")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--fwd-bwd", action="store_true")
+    ap.add_argument("--forward", action="store_true", help="trace the forward (the lookup) alone")
     ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_block=16,num_warps=2")
     ap.add_argument("--dims", default="",
                     help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
@@ -160,9 +164,15 @@ def main():
         sets = make_sets(wl, 2)
         tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
         emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", weights_dtype=wl.weights_dtype,
-                                            output_dtype=wl.output_dtype, backward_config=cfg)
+                                            output_dtype=wl.output_dtype, backward_config=cfg,
+                                            pad_rows=configs.pad_rows)
         opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
-        if args.fwd_bwd:
+        if args.forward:
+            fwd = jax.jit(lambda p, i, o, s: emb(p, i, o, s))
+
+            def step(carry, opt, i, o, s, g):  # the tables unchanged; the output kept so it is computed
+                return carry[0], carry[1], fwd(carry[0], i, o, s)
+        elif args.fwd_bwd:
             step = sparse_train_step(emb)
         else:
             @functools.partial(jax.jit, donate_argnums=(0,))

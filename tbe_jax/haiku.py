@@ -272,7 +272,7 @@ class TableBatchedEmbed(SparseEmbedBase):
     rest keyword-only):
       tables: the `TableSpec`s.
       feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
-        interpret, kernel_config, use_histogram, histogram_config, backward_config:
+        interpret, kernel_config, use_histogram, histogram_config, backward_config, pad_rows:
         forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
         `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are parameters "d8", ...), or
@@ -342,6 +342,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         use_histogram: bool = True,
         histogram_config: HistogramConfig | None = None,
         backward_config=None,
+        pad_rows: bool = True,
         optimizer: Optimizer | None = None,
         mesh=None,
         axis_name: str = "data",
@@ -354,7 +355,7 @@ class TableBatchedEmbed(SparseEmbedBase):
             feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
             output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
             kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
-            backward_config=backward_config))
+            backward_config=backward_config, pad_rows=pad_rows))
         self._setup(shard_core(core, mesh, axis_name, sharding_plan, capacity), optimizer)
 
     @property

@@ -242,7 +242,7 @@ class TableBatchedEmbed(SparseEmbedBase):
     rest keyword-only):
       tables: the `TableSpec`s.
       feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
-        interpret, kernel_config, use_histogram, histogram_config, backward_config:
+        interpret, kernel_config, use_histogram, histogram_config, backward_config, pad_rows:
         forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
         `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are the parameter
@@ -309,6 +309,7 @@ class TableBatchedEmbed(SparseEmbedBase):
     use_histogram: bool = True
     histogram_config: HistogramConfig | None = None
     backward_config: Any = None
+    pad_rows: bool = True
     optimizer: Optimizer | None = None
     mesh: Any = None
     axis_name: str = "data"
@@ -320,7 +321,8 @@ class TableBatchedEmbed(SparseEmbedBase):
             feature_table_map=_as_tuple(self.feature_table_map), pooling=self.pooling, weights_dtype=self.weights_dtype,
             output_dtype=self.output_dtype, bounds_check=self.bounds_check, impl=self.impl,
             interpret=bool(self.interpret), kernel_config=self.kernel_config, use_histogram=bool(self.use_histogram),
-            histogram_config=self.histogram_config, backward_config=self.backward_config))
+            histogram_config=self.histogram_config, backward_config=self.backward_config,
+            pad_rows=bool(self.pad_rows)))
         return shard_core(core, self.mesh, self.axis_name, self.sharding_plan, self.capacity)
 
     @property

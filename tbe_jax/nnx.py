@@ -261,7 +261,7 @@ class TableBatchedEmbed(SparseEmbedBase):
     rest keyword-only):
       tables: the `TableSpec`s.
       feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
-        interpret, kernel_config, use_histogram, histogram_config, backward_config:
+        interpret, kernel_config, use_histogram, histogram_config, backward_config, pad_rows:
         forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
         `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are `nnx.Param`s), or
@@ -332,6 +332,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         use_histogram: bool = True,
         histogram_config: HistogramConfig | None = None,
         backward_config=None,
+        pad_rows: bool = True,
         optimizer: Optimizer | None = None,
         mesh=None,
         axis_name: str = "data",
@@ -343,7 +344,7 @@ class TableBatchedEmbed(SparseEmbedBase):
             feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
             output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
             kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
-            backward_config=backward_config))
+            backward_config=backward_config, pad_rows=pad_rows))
         core = shard_core(core, mesh, axis_name, sharding_plan, capacity)
         check_optimizer(optimizer, core, self._MAKERS)  # before drawing the tables
         self._setup(core, core.init(rngs.params()), optimizer)

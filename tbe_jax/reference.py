@@ -100,7 +100,7 @@ def pooled_forward(
         w = buffers[layout.key(g)]
         in_group = jnp.asarray(group == g)[feat]
         rows = jnp.where(valid & in_group, row_offset[feat] + indices.astype(jnp.int32), 0)
-        x = jnp.take(w, rows, axis=0).astype(jnp.float32) * jnp.where(in_group, scale, 0.0)[:, None]
+        x = layout.unpad(g, jnp.take(w, rows, axis=0)).astype(jnp.float32) * jnp.where(in_group, scale, 0.0)[:, None]
         local = bag - jnp.asarray(bag_base.astype(np.int32))[feat]
         seg = jnp.where(in_group, jnp.asarray(seg_base.astype(np.int32))[feat] + local, nseg)
         pooled = jax.ops.segment_sum(x, seg, num_segments=nseg)  # [nseg, d]: the buffer's bags, feature-major
@@ -153,7 +153,7 @@ def sequence_forward(
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     rows = jnp.where(valid, row_offset[feat] + indices.astype(jnp.int32), 0)
     w = buffers[layout.key(0)]
-    x = jnp.take(w, rows, axis=0).astype(jnp.float32)
+    x = layout.unpad(0, jnp.take(w, rows, axis=0)).astype(jnp.float32)
     scale = valid.astype(jnp.float32)
     if per_sample_weights is not None:
         scale = scale * per_sample_weights.astype(jnp.float32)
@@ -184,7 +184,7 @@ def output_rows(plan: FeaturePlan, bag, feat):
 
 
 def _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
-    """Per storage buffer: (key, lookup mask, [N, d] fp32 output-gradient rows, rows in the buffer)."""
+    """Per storage buffer: (its index, lookup mask, [N, d] fp32 output-gradient rows, rows in the buffer)."""
     n = indices.shape[0]
     g_flat = g_out.reshape(-1).astype(jnp.float32)
     first = jnp.arange(n, dtype=jnp.int32) * layout.dims[0] if pooling == "none" else output_rows(plan, bag, feat)
@@ -195,7 +195,7 @@ def _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
         cols = jnp.where(m[:, None], first[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :], 0)
         grad_rows = jnp.take(g_flat, cols) * m[:, None]  # [N, d]: g of each lookup's pooled row
         rows = jnp.where(m, row_offset[feat] + indices.astype(jnp.int32), 0)
-        yield layout.key(g), m, grad_rows, rows
+        yield g, m, grad_rows, rows
 
 
 def pooled_backward(
@@ -221,9 +221,10 @@ def pooled_backward(
     bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
     d_buffers, touched = {}, {}
-    for key, m, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+    for g, m, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+        key = layout.key(g)
         w = buffers[key]
-        d_buffers[key] = jnp.zeros(w.shape, jnp.float32).at[rows].add(grad_rows * scale[:, None])
+        d_buffers[key] = jnp.zeros(w.shape, jnp.float32).at[rows].add(layout.pad(g, grad_rows * scale[:, None]))
         touched[key] = jnp.zeros((w.shape[0],), jnp.int32).at[rows].add(m.astype(jnp.int32)) > 0
     if keep_fp32:
         return d_buffers, touched
@@ -241,8 +242,8 @@ def per_sample_weight_grad(buffers, layout, plan, indices, offsets, per_sample_w
     """
     bag, feat, coef, _ = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     d_psw = jnp.zeros((indices.shape[0],), jnp.float32)
-    for key, _, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, coef > 0, g_out, pooling):
-        x = jnp.take(buffers[key], rows, axis=0).astype(jnp.float32)
+    for g, _, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, coef > 0, g_out, pooling):
+        x = layout.unpad(g, jnp.take(buffers[layout.key(g)], rows, axis=0)).astype(jnp.float32)
         d_psw = d_psw + jnp.sum(x * grad_rows, axis=1) * coef
     return d_psw
 
@@ -264,14 +265,22 @@ def apply_gradients(buffers, slots, layout, plan, indices, offsets, per_sample_w
                                      pooling=pooling, keep_fp32=True)
     slots = tuple(slots or ())
     new_w, new_s = {}, tuple({} for _ in slots)
-    for key, w in buffers.items():
+    for gi in range(len(layout.dims)):
+        key = layout.key(gi)
+        w = buffers[key]
         g = grads[key]
         hit = touched[key]
         if rule.skip_nonfinite:
             hit = hit & jnp.all(jnp.isfinite(g), axis=1)
-        w32 = w.astype(jnp.float32)
         old = tuple(s[key] for s in slots)
-        upd, new, salts = apply_rule(rule, w32, tuple(x.astype(jnp.float32) for x in old), g, hyper)
+
+        def values(x):  # a padded buffer's padding columns read as zeros, as the kernels' masked loads give
+            x = x.astype(jnp.float32)
+            if x.ndim == 1 or layout.strides[gi] == layout.dims[gi]:
+                return x
+            return jnp.where(jnp.arange(x.shape[1]) < layout.dims[gi], x, 0.0)
+
+        upd, new, salts = apply_rule(rule, values(w), tuple(values(x) for x in old), g, hyper, dim=layout.dims[gi])
         for out, x, o in zip(new_s, new, old):
             out[key] = jnp.where(hit.reshape(hit.shape + (1,) * (o.ndim - 1)), x.astype(o.dtype), o)
         if rule.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):

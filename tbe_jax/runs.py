@@ -61,7 +61,8 @@ def row_parity(dim: int) -> int:
 
 def width_classes(layout: StorageLayout) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The storage buffers grouped by width class `next_pow2(D)`: `((width, buffers), ...)`,
-    widths ascending; each class's buffers by `row_parity` of their dim (descending), then in layout order.
+    widths ascending; each class's buffers by `row_parity` of their stored row length (`layout.strides`,
+    descending), then in layout order.
 
     The key space concatenates the buffers in this order (`group_bases`), so every
     class's rows, hence its runs and its mid/long task lists, form one contiguous
@@ -70,7 +71,7 @@ def width_classes(layout: StorageLayout) -> tuple[tuple[int, tuple[int, ...]], .
     """
     widths = sorted({next_pow2(d) for d in layout.dims})
     return tuple((w, tuple(sorted((g for g, d in enumerate(layout.dims) if next_pow2(d) == w),
-                                  key=lambda g: -row_parity(layout.dims[g]))))
+                                  key=lambda g: -row_parity(layout.strides[g]))))
                  for w in widths)
 
 

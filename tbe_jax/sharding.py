@@ -159,6 +159,8 @@ class ShardedTableBatchedEmbedding:
             output_dtype=emb.output_dtype if emb.pooling == "none" else jnp.float32,
             bounds_check="ignore", impl=emb.impl, interpret=emb.interpret, kernel_config=emb.kernel_config,
             use_histogram=False, backward_config=emb.backward_config,
+            # Unpadded: the shards' buffers are built here, at the pieces' widths (`ShardLayout.widths`).
+            pad_rows=False,
         )
 
     # -- identity ----------------------------------------------------------------
@@ -312,12 +314,7 @@ class ShardedTableBatchedEmbedding:
             return emb_params, None
         fields = {}
         for name in (f for f in opt_state._fields if f != "count"):
-            per_table = self.get_state(opt_state, name)
-            groups = [[] for _ in emb.layout.dims]
-            for t, arr in enumerate(per_table):
-                groups[emb.layout.table_group[t]].append(arr)
-            fields[name] = {emb.layout.key(g): jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-                            for g, parts in enumerate(groups)}
+            fields[name] = emb._pack(self.get_state(opt_state, name))
         return emb_params, opt_state._replace(count=jnp.asarray(jax.device_get(opt_state.count)), **fields)
 
     def from_unsharded(self, emb_params, emb_opt_state=None):

@@ -56,23 +56,53 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def padded_dim(dim: int, itemsize: int) -> int:
+    """The stored row length of tables of `dim` values of `itemsize` bytes: `dim` rounded up to a
+    multiple of 16 bytes when that wastes at most 1/8 of the row, else `dim`.
+
+    A row whose byte length is a multiple of 16 (and whose buffer starts 16-byte aligned) is moved
+    with 16-byte vector instructions; other rows with 8- or 4-byte ones. On the H200 the backward's
+    update of fp16 rows of dims = 4 mod 8 took 1.3x the time of the next dim's aligned rows
+    (0.166 against 0.128 ms for the dims 68..124 of the dims 4..128 model,
+    benchmarks/results/narrow64-backward-20261201-2328). Small dims (fp16 D = 4, 12, 20, 28) stay
+    unpadded: padding them would cost 14-100% more memory.
+    """
+    vec = max(1, 16 // int(itemsize))
+    up = -(-int(dim) // vec) * vec
+    return up if (up - dim) * 8 <= dim else int(dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageLayout:
     """Where each table lives in the parameter pytree.
 
     Tables of equal `embedding_dim` are stacked row-wise into one 2-D buffer
-    `[sum of their E, D]` (no row padding), so a kernel specialised for that D
-    reads rows at `buffer[row_offset[t] + id]` with a compile-time row stride
-    (16-byte vector loads). One buffer per distinct D, named `"d{D}"`.
+    `[sum of their E, stride]`, so a kernel specialised for that D reads rows at
+    `buffer[row_offset[t] + id]` with a compile-time row stride. One buffer per
+    distinct D, named `"d{D}"`. `stride` is D, or D rounded up to 16 bytes where
+    that costs at most 1/8 more memory (`padded_dim`; e.g. fp16 D = 36, 44, ..., 124),
+    so that rows move with 16-byte vector instructions. Columns past D are padding:
+    nothing reads them into a result (`get_tables` drops them, `set_tables` and
+    `init` write zeros there, optimizers keep them zero), so their values never
+    matter. `TableBatchedEmbedding(..., pad_rows=False)` stores every buffer unpadded.
     """
 
     dims: tuple[int, ...]  # distinct D, in order of first appearance
     group_rows: tuple[int, ...]  # rows in each buffer
     table_group: tuple[int, ...]  # per table: its buffer
     table_row_offset: tuple[int, ...]  # per table: first row in its buffer
+    strides: tuple[int, ...] = ()  # per buffer: its stored row length (>= its dim); () means the dims
+
+    def __post_init__(self):
+        if not self.strides:
+            object.__setattr__(self, "strides", tuple(self.dims))
+        if len(self.strides) != len(self.dims) or any(s < d for s, d in zip(self.strides, self.dims)):
+            raise ValueError(f"strides {self.strides} must give one stored row length >= each dim {self.dims}")
 
     @staticmethod
-    def build(tables: Sequence[TableSpec]) -> "StorageLayout":
+    def build(tables: Sequence[TableSpec], itemsize: int | None = None) -> "StorageLayout":
+        """The layout of `tables`; with `itemsize` (the weights' bytes per value), rows padded as
+        `padded_dim` says, else unpadded."""
         dims: list[int] = []
         rows: list[int] = []
         tgroup, toff = [], []
@@ -90,10 +120,35 @@ class StorageLayout:
                     f"tables of embedding_dim={dims[g]} hold {r} rows together; the int32 "
                     "row index of one storage buffer must stay below 2**31"
                 )
-        return StorageLayout(tuple(dims), tuple(rows), tuple(tgroup), tuple(toff))
+        strides = tuple(padded_dim(d, itemsize) if itemsize else d for d in dims)
+        return StorageLayout(tuple(dims), tuple(rows), tuple(tgroup), tuple(toff), strides)
 
     def key(self, g: int) -> str:
         return f"d{self.dims[g]}"
+
+    @property
+    def padded(self) -> bool:
+        return self.strides != self.dims
+
+    def shape(self, g: int) -> tuple[int, int]:
+        """The shape of buffer `g`: `[rows, stride]`."""
+        return (self.group_rows[g], self.strides[g])
+
+    def pad(self, g: int, x):
+        """`x` (`[..., dims[g]]`, a jax or numpy array) with zero columns appended up to buffer `g`'s stride."""
+        extra = self.strides[g] - self.dims[g]
+        if not extra:
+            return x
+        widths = [(0, 0)] * (x.ndim - 1) + [(0, extra)]
+        if isinstance(x, np.ndarray):
+            return np.pad(x, widths)
+        import jax.numpy as jnp
+
+        return jnp.pad(x, widths)
+
+    def unpad(self, g: int, x):
+        """The first `dims[g]` columns of `x` (`[..., stride]`): the values without the padding."""
+        return x if self.strides[g] == self.dims[g] else x[..., : self.dims[g]]
 
 
 @dataclasses.dataclass(frozen=True)

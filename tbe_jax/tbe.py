@@ -66,6 +66,11 @@ class TableBatchedEmbedding:
       histogram_config: `tbe_jax.HistogramConfig`; None for defaults.
       backward_config: `tbe_jax.BackwardConfig` for the sorted-run backward
         kernels (`apply_gradients`, `tbe_jax.train_step`, `jax.grad`); None for defaults.
+      pad_rows: store the rows of a dim whose byte length is not a multiple of 16
+        padded to 16 bytes when that costs at most 1/8 more memory (default True;
+        e.g. fp16 D = 36, 44, ..., 124), so the kernels move them with 16-byte
+        vector instructions. Only the storage buffers' shapes see it (`layout.strides`);
+        `get_tables`, `set_tables`, `get_state` and every result are per table, unpadded.
 
     The object is immutable and hashable: pass it as a static argument to `jit`.
 
@@ -95,6 +100,7 @@ class TableBatchedEmbedding:
         use_histogram: bool = True,
         histogram_config: hist_kernels.HistogramConfig | None = None,
         backward_config: bwd_kernels.BackwardConfig | None = None,
+        pad_rows: bool = True,
     ):
         if isinstance(tables, TableSpec):
             raise TypeError("tables must be a sequence of TableSpec (wrap a single table in a list)")
@@ -148,14 +154,15 @@ class TableBatchedEmbedding:
         if backward_config is not None and not isinstance(backward_config, bwd_kernels.BackwardConfig):
             raise TypeError("backward_config must be a tbe_jax.BackwardConfig")
         self.backward_config = backward_config or bwd_kernels.BackwardConfig()
-        self.layout = StorageLayout.build(tables)
+        self.pad_rows = bool(pad_rows)
+        self.layout = StorageLayout.build(tables, self.weights_dtype.itemsize if self.pad_rows else None)
 
     # -- identity: hashable, usable as a static jit argument -------------------
     def _key(self):
         return (
             self.tables, self.feature_table_map, self.pooling, self.weights_dtype.name,
             self.output_dtype.name, self.bounds_check, self.impl, self.interpret, self.kernel_config,
-            self.use_histogram, self.histogram_config, self.backward_config,
+            self.use_histogram, self.histogram_config, self.backward_config, self.pad_rows,
         )
 
     def __hash__(self):
@@ -220,7 +227,7 @@ class TableBatchedEmbedding:
         for g in range(len(self.layout.dims)):
             rows = tuple(spec.num_embeddings for t, spec in enumerate(self.tables) if self.layout.table_group[t] == g)
             out[self.layout.key(g)] = _init_buffer(jax.random.fold_in(key, g), rows, self.layout.dims[g],
-                                                   self.weights_dtype.name)
+                                                   self.layout.strides[g], self.weights_dtype.name)
         return out
 
     def get_tables(self, params: dict) -> list[jax.Array]:
@@ -228,20 +235,26 @@ class TableBatchedEmbedding:
         self._check_params(params, check_dtype=False)  # also used on gradients / casts of the params
         out = []
         for t, spec in enumerate(self.tables):
-            buf = params[self.layout.key(self.layout.table_group[t])]
+            g = self.layout.table_group[t]
             r0 = self.layout.table_row_offset[t]
-            out.append(buf[r0 : r0 + spec.num_embeddings])
+            out.append(self.layout.unpad(g, params[self.layout.key(g)][r0 : r0 + spec.num_embeddings]))
         return out
 
     def set_tables(self, params: dict | None, tables: Sequence[jax.Array]) -> dict:
         """Params holding `tables` (one `[E_t, D_t]` array per table), cast to weights_dtype."""
+        return self._pack([jnp.asarray(arr, self.weights_dtype) for arr in checked_tables(self.tables, tables)])
+
+    def _pack(self, per_table: Sequence[jax.Array]) -> dict:
+        """Storage buffers from one array per table (`[E_t, D_t]`, or `[E_t]` for a row-wise state field):
+        stacked per buffer, element-wise ones zero-padded to the buffer's stride."""
         groups: list[list] = [[] for _ in self.layout.dims]
-        for t, arr in enumerate(checked_tables(self.tables, tables)):
-            groups[self.layout.table_group[t]].append(jnp.asarray(arr, self.weights_dtype))
-        return {
-            self.layout.key(g): (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
-            for g, parts in enumerate(groups)
-        }
+        for t, arr in enumerate(per_table):
+            groups[self.layout.table_group[t]].append(arr)
+        out = {}
+        for g, parts in enumerate(groups):
+            buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+            out[self.layout.key(g)] = buf if buf.ndim == 1 else self.layout.pad(g, buf)
+        return out
 
     # -- forward -----------------------------------------------------------------
     def plan_for(self, num_offsets: int, batch_size_per_feature=None) -> FeaturePlan:
@@ -511,9 +524,11 @@ class TableBatchedEmbedding:
         tree = getattr(opt_state, name)
         out = []
         for t, spec in enumerate(self.tables):
-            buf = tree[self.layout.key(self.layout.table_group[t])]
+            g = self.layout.table_group[t]
+            buf = tree[self.layout.key(g)]
             r0 = self.layout.table_row_offset[t]
-            out.append(buf[r0 : r0 + spec.num_embeddings])
+            part = buf[r0 : r0 + spec.num_embeddings]
+            out.append(part if part.ndim == 1 else self.layout.unpad(g, part))
         return out
 
     def get_momentum(self, opt_state) -> list[jax.Array]:
@@ -539,9 +554,9 @@ class TableBatchedEmbedding:
         if set(params) != want:
             raise ValueError(f"params hold buffers {sorted(params)}; this embedding's are {sorted(want)} "
                              "(build them with emb.init or emb.set_tables)")
-        for g, d in enumerate(self.layout.dims):
+        for g in range(len(self.layout.dims)):
             key = self.layout.key(g)
-            shape = (self.layout.group_rows[g], d)
+            shape = self.layout.shape(g)
             if not (hasattr(params[key], "shape") and hasattr(params[key], "dtype")):
                 raise TypeError(f"params[{key!r}] must be an array ({self.weights_dtype.name}{list(shape)}), got "
                                 f"{type(params[key]).__name__}")
@@ -719,7 +734,7 @@ class TableBatchedEmbedding:
             ok = ok & (indices < jnp.asarray(np.asarray(plan.num_rows, np.int32))[feat])
         rows = jnp.where(ok, row_offset[feat] + indices, -1)
         return fwd_kernels.sequence_forward(
-            params[self.layout.key(0)], rows, per_sample_weights,
+            params[self.layout.key(0)], rows, per_sample_weights, dim=self.layout.dims[0],
             output_dtype=self.output_dtype, config=self.kernel_config, interpret=self.interpret,
         )
 
@@ -757,21 +772,23 @@ def _add_size_fix(rep, size_fix):
     return bounds.BoundsReport(rep.invalid_indices, rep.repaired_offsets + size_fix)
 
 
-def _init_buffer(key, rows: tuple, dim: int, dtype: str):
-    """One storage buffer: rows of table t uniform in +-1/sqrt(E_t), one draw for the whole buffer."""
+def _init_buffer(key, rows: tuple, dim: int, stride: int, dtype: str):
+    """One storage buffer: rows of table t uniform in +-1/sqrt(E_t), one draw for the whole buffer (its
+    padding columns, past `dim`, zero; the values are those of the unpadded buffer's draw)."""
     starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int32)
     bounds = (1.0 / np.sqrt(np.asarray(rows, np.float64))).astype(np.float32)
     # The per-table arrays are arguments, not constants, so XLA does not constant-fold a
     # buffer-sized row -> table map at compile time.
-    return _init_draw(key, jnp.asarray(starts), jnp.asarray(bounds), sum(rows), dim, dtype)
+    return _init_draw(key, jnp.asarray(starts), jnp.asarray(bounds), sum(rows), dim, stride, dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _init_draw(key, starts, bounds, num_rows: int, dim: int, dtype: str):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _init_draw(key, starts, bounds, num_rows: int, dim: int, stride: int, dtype: str):
     row = jax.lax.iota(jnp.int32, num_rows)
     table = jnp.searchsorted(starts, row, side="right", method="scan_unrolled") - 1
     u = jax.random.uniform(key, (num_rows, dim), jnp.float32, -1.0, 1.0)
-    return (u * bounds[table][:, None]).astype(dtype)
+    w = (u * bounds[table][:, None]).astype(dtype)
+    return w if stride == dim else jnp.pad(w, ((0, 0), (0, stride - dim)))
 
 
 # -- differentiation -------------------------------------------------------------

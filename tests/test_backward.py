@@ -46,11 +46,11 @@ def _same_shape_batch(rng, num_rows, batch, off, weighted):
 
 
 def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype="float32", weighted=False,
-                vbe=False, steps=2, empty_bag=False):
+                vbe=False, steps=2, empty_bag=False, pad_rows=True):
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
-                                        **KERNEL_KW)
+                                        pad_rows=pad_rows, **KERNEL_KW)
     ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
-                                        impl="xla")
+                                        impl="xla", pad_rows=pad_rows)
     params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
     state = emb.init_opt_state(params, opt)
     ref_params, ref_state = params, state
@@ -121,18 +121,22 @@ def test_many_dims_width_classes(rng):
 
 
 def test_width_class_split_into_segments(rng):
-    # Ten odd dims of one width class (33..51 -> 64) and one of another: the class is served by two
-    # segments (8 + 2 buffers, backward.SEGMENT_BUFFERS) of the same launches, next to a third
-    # segment; small-run blocks straddle buffers (E 3-4), a mid run (E 1) and an empty bag.
+    # Ten odd dims of one width class (33..51 -> 64) and one of another, stored unpadded: the class is
+    # served by two segments (8 + 2 buffers, backward.SEGMENT_BUFFERS) of the same launches, next to a
+    # third segment; small-run blocks straddle buffers (E 3-4), a mid run (E 1) and an empty bag.
     from tbe_jax.kernels import backward as bwd
 
     dims = list(range(33, 53, 2)) + [8]
     tables = specs([3, 4, 3, 4, 3, 4, 3, 4, 1, 3, 4], dims)
-    layout = tbe_jax.TableBatchedEmbedding(tables).layout
+    layout = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False).layout
     assert [len(s.buffers) for s in bwd._segments(layout)] == [1, bwd.SEGMENT_BUFFERS, 2]
+    # Padded (the default), the fp32 rows of 33..51 are stored 36..52 wide: parity 8 (40, 48) and 4.
+    layout = tbe_jax.TableBatchedEmbedding(tables).layout
+    assert layout.strides == (36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 8)
+    assert [len(s.buffers) for s in bwd._segments(layout)] == [1, 4, 6]
     fmap = list(range(len(dims)))
     _check_step(rng, tables, fmap, [2] * len(fmap), (0, 8), tbe_jax.RowwiseAdagrad(0.05, 1e-3), steps=1,
-                empty_bag=True)
+                empty_bag=True, pad_rows=False)
 
 
 def test_width_class_split_by_row_parity(rng):
@@ -144,13 +148,13 @@ def test_width_class_split_by_row_parity(rng):
 
     dims = [40, 36, 48, 44, 34, 64]
     tables = specs([4, 3, 4, 3, 4, 1], dims)
-    layout = tbe_jax.TableBatchedEmbedding(tables).layout
+    layout = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False).layout
     segs = bwd._segments(layout)
     assert [seg.dims for seg in segs] == [(40, 48, 64), (36, 44), (34,)]
     assert all(len({runs_mod.row_parity(d) for d in seg.dims}) == 1 for seg in segs)
     assert [seg.bases[0] for seg in segs] == sorted(seg.bases[0] for seg in segs)
     _check_step(rng, tables, list(range(len(dims))), [2] * len(dims), (0, 8), tbe_jax.RowwiseAdagrad(0.05, 1e-3),
-                steps=1, empty_bag=True)
+                steps=1, empty_bag=True, pad_rows=False)
 
 
 def test_narrow_segments_share_a_launch(rng):
@@ -179,18 +183,97 @@ def test_segments_cover_the_key_space_in_order():
     for _ in range(20):
         dims = sorted(set(int(d) for d in gen.integers(1, 300, gen.integers(1, 40))))
         gen.shuffle(dims)
-        layout = tbe_jax.TableBatchedEmbedding(specs([3] * len(dims), dims)).layout
+        layout = tbe_jax.TableBatchedEmbedding(specs([3] * len(dims), dims),
+                                               weights_dtype=("float32", "float16")[gen.integers(2)]).layout
         segs = bwd._segments(layout)
         assert sorted(g for seg in segs for g in seg.buffers) == list(range(len(dims)))
         key = 0
         for seg in segs:
             assert len(seg.buffers) <= bwd.SEGMENT_BUFFERS
             assert {next_pow2(d) for d in seg.dims} == {seg.width}
-            assert len({runs_mod.row_parity(d) for d in seg.dims}) == 1
+            assert len({runs_mod.row_parity(d) for d in seg.strides}) == 1
             for base, end in zip(seg.bases, seg.ends):
                 assert base == key
                 key = end
         assert key == int(runs_mod.group_bases(layout)[-1])
+
+
+def test_padded_rows_layout_and_round_trip():
+    # fp16 dims 4 mod 8 from 36 up, and odd fp32 dims from 25 up, are stored padded to 16 bytes (at most
+    # 1/8 more memory); smaller such dims are not. The padding is invisible through the per-table API.
+    from tbe_jax.specs import padded_dim
+
+    assert [padded_dim(d, 2) for d in (4, 12, 20, 28, 36, 44, 68, 124, 37, 128)] == [
+        4, 12, 20, 28, 40, 48, 72, 128, 40, 128]
+    assert [padded_dim(d, 4) for d in (6, 17, 25, 33, 34, 36, 127)] == [6, 17, 28, 36, 36, 36, 128]
+    tables = specs([30, 20, 10, 9], [36, 12, 68, 36])
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype="float16", **KERNEL_KW)
+    flat = tbe_jax.TableBatchedEmbedding(tables, weights_dtype="float16", pad_rows=False, **KERNEL_KW)
+    assert emb.layout.strides == (40, 12, 72) and flat.layout.strides == flat.layout.dims == (36, 12, 68)
+    assert emb != flat
+    params = emb.init(jax.random.key(3))
+    assert {k: v.shape for k, v in params.items()} == {"d36": (39, 40), "d12": (20, 12), "d68": (10, 72)}
+    assert not np.asarray(params["d36"][:, 36:]).any() and not np.asarray(params["d68"][:, 68:]).any()
+    # The same draw as unpadded storage, and the same tables back.
+    for a, b in zip(emb.get_tables(params), flat.get_tables(flat.init(jax.random.key(3)))):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    again = emb.set_tables(None, emb.get_tables(params))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(params[k]))
+    with pytest.raises(ValueError, match=r"float16\[39, 40\]"):
+        emb.apply_gradients(flat.init(jax.random.key(0)), None, tbe_jax.SGD(0.1), jnp.zeros(4, jnp.int32),
+                            jnp.zeros(5, jnp.int32), jnp.zeros((1, 152)))
+
+
+@pytest.mark.parametrize("make_opt", [lambda: tbe_jax.RowwiseAdagrad(0.05, 1e-3), lambda: tbe_jax.SGD(0.3),
+                                      lambda: tbe_jax.Adam(0.05, weight_decay=0.01),
+                                      lambda: tbe_jax.Adagrad(0.2, initial_accumulator_value=0.1)],
+                         ids=["rowwise", "sgd", "adam", "adagrad"])
+def test_padded_rows_match_unpadded(rng, make_opt):
+    # Padded fp16 buffers (36 -> 40, 68 -> 72, 124 -> 128) next to unpadded ones (12, 64), several buffers per
+    # segment, mean pooling and duplicates: the kernels' forward, gradient and fused step on padded storage equal
+    # the XLA reference on unpadded storage (row-wise and element-wise optimizer state alike), and the padding
+    # columns stay zero.
+    opt = make_opt()
+    dims = [36, 12, 68, 124, 64, 36, 76]
+    tables = specs([7, 9, 5, 6, 8, 3, 4], dims)
+    fmap = [0, 1, 2, 3, 4, 5, 6, 0]
+    kw = dict(feature_table_map=fmap, weights_dtype="float16", pooling="mean")
+    emb = tbe_jax.TableBatchedEmbedding(tables, **kw, **KERNEL_KW)
+    ref = tbe_jax.TableBatchedEmbedding(tables, **kw, impl="xla", pad_rows=False)
+    assert emb.layout.padded and not ref.layout.padded
+    params = emb.init(jax.random.key(1))
+    ref_params = ref.set_tables(None, emb.get_tables(params))
+    state, ref_state = emb.init_opt_state(params, opt), ref.init_opt_state(ref_params, opt)
+    num_rows = [tables[t].num_embeddings for t in fmap]
+    step = jax.jit(lambda p, s, i, o, g: emb.apply_gradients(p, s, opt, i, o, g))
+    for k in range(2):
+        idx, off, _ = testing.make_batch(rng, num_rows, [3] * len(fmap), (0, 9))
+        out = emb(params, idx, off)
+        want = ref(ref_params, idx, off)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+        g = rng.standard_normal(out.shape).astype(np.float32)
+        if k == 0:  # jax.grad: the true gradient, padded like the params (zero padding)
+            dense = jax.grad(lambda p: jnp.vdot(emb(p, idx, off), g))(params)
+            want_dense = jax.grad(lambda p: jnp.vdot(ref(p, idx, off), g))(ref_params)
+            assert {k2: v.shape for k2, v in dense.items()} == {k2: v.shape for k2, v in params.items()}
+            for gi in range(len(emb.layout.dims)):
+                key = emb.layout.key(gi)
+                got = np.asarray(dense[key], np.float32)
+                assert not got[:, emb.layout.dims[gi]:].any()
+                np.testing.assert_allclose(got[:, : emb.layout.dims[gi]], np.asarray(want_dense[key], np.float32),
+                                           rtol=2e-3, atol=1e-3)
+        params, state = step(params, state, idx, off, g)
+        ref_params, ref_state = ref.apply_gradients(ref_params, ref_state, opt, idx, off, g)
+    for got, want in zip(emb.get_tables(params), ref.get_tables(ref_params)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-3, atol=2e-3)
+    for name in (f for f in state._fields if f != "count"):
+        for got, want in zip(emb.get_state(state, name), ref.get_state(ref_state, name)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    for gi in range(len(emb.layout.dims)):
+        key, d = emb.layout.key(gi), emb.layout.dims[gi]
+        assert not np.asarray(params[key][:, d:]).any(), key
 
 
 # bfloat16 tables with row-wise Adagrad on these tables and batch: test_optimizers.py::test_low_precision_tables

@@ -123,6 +123,21 @@ def test_mixed_plan_matches_global_batch(pooling, opt):
     assert sharded.plan.strategies == ("table", "row", "data", "column", "table")
 
 
+def test_padded_rows():
+    """Tables stored padded (fp32 D 25 -> 28 and 33 -> 36, `StorageLayout.strides`) shard by table, row and
+    column like any other (the shards are stored unpadded), and their Adam state converts both ways."""
+    tables = [tbe_jax.TableSpec(37, 25), tbe_jax.TableSpec(50, 33), tbe_jax.TableSpec(20, 8)]
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=[0, 1, 2, 1], impl="xla")
+    assert emb.layout.strides == (28, 36, 8)
+    sharded, params, st = run_case(emb, {0: "row", 1: "column", 2: "table"}, tbe_jax.Adam(0.05), steps=2, seed=4)
+    emb_params, emb_st = sharded.to_unsharded(params, st)
+    assert emb_params["d25"].shape == (37, 28) and emb_st.momentum1["d33"].shape == (50, 36)
+    assert not np.asarray(emb_params["d33"][:, 33:]).any() and not np.asarray(emb_st.momentum2["d25"][:, 25:]).any()
+    p2, s2 = sharded.from_unsharded(emb_params, emb_st)
+    assert_tables(sharded.get_tables(p2), sharded.get_tables(params), 0)
+    assert_tables(sharded.get_state(s2, "momentum2"), sharded.get_state(st, "momentum2"), 0)
+
+
 @pytest.mark.parametrize("opt", [tbe_jax.RowwiseAdagrad(0.2, weight_decay=0.01, weight_decay_mode="decoupled"),
                                  tbe_jax.PartialRowwiseLamb(0.05)])
 def test_row_statistics_optimizers(opt):

@@ -113,7 +113,8 @@ class BackwardConfig:
                 raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
 
 
-def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, acc, cols, col_ok, dim):
+def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, acc, cols, col_ok, dim,
+               stride=None):
     """Apply `rule` to rows `row` ([R] int32, where `row_ok`) with gradients `acc` ([R, Dp] f32).
 
     `s_in`/`s_out`: the refs of the optimizer state's slots (`rule.slot_rowwise` says
@@ -124,24 +125,35 @@ def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, a
     true-gradient mode: `acc` is stored as the row's gradient. With
     `rule.skip_nonfinite`, a row whose gradient holds a NaN or an infinity is not
     written (its weights and state stay as they were).
+
+    `stride` (a Python int, > `dim`): the buffer's padded row length (`StorageLayout.strides`). Rows
+    then load and store up to it, so a 16-byte-multiple row moves in 16-byte vectors; the padding
+    columns are read as zeros (as `reference.apply_gradients` reads them) and written with what the
+    rule makes of zeros.
     """
     rows = row[:, None]
-    if rule is None:
-        mask = row_ok[:, None] & col_ok[None, :]
+    io_ok = col_ok if stride is None or stride <= dim else cols < stride
+    if rule is None:  # `acc` is zero past `dim`
+        mask = row_ok[:, None] & io_ok[None, :]
         plgpu.store(w_out_ref.at[rows, cols[None, :]], acc.astype(w_out_ref.dtype), mask=mask)
         return
     if rule.skip_nonfinite:
         bad = jnp.sum(jnp.where(jnp.abs(acc) < jnp.inf, 0, 1), axis=1)  # NaN fails the compare too
         row_ok = row_ok & (bad == 0)
-    mask = row_ok[:, None] & col_ok[None, :]
+    mask = row_ok[:, None] & io_ok[None, :]
+
+    def values(x):  # the padding columns as zeros
+        x = x.astype(jnp.float32)
+        return x if io_ok is col_ok else jnp.where(col_ok[None, :], x, 0.0)
+
     hyper = tuple(plgpu.load(hyper_ref.at[jnp.int32(i)]) for i in range(NUM_HYPER))
-    w0 = plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32)
+    w0 = values(plgpu.load(w_in_ref.at[rows, cols[None, :]], mask=mask, other=0))
     slots = []
     for ref, rowwise in zip(s_in, rule.slot_rowwise):
         if rowwise:
             slots.append(plgpu.load(ref.at[row], mask=row_ok, other=0).astype(jnp.float32))
         else:
-            slots.append(plgpu.load(ref.at[rows, cols[None, :]], mask=mask, other=0).astype(jnp.float32))
+            slots.append(values(plgpu.load(ref.at[rows, cols[None, :]], mask=mask, other=0)))
     w, new, salts = apply_rule(rule, w0, tuple(slots), acc, hyper, dim=dim)
     for ref, x, rowwise in zip(s_out, new, rule.slot_rowwise):
         if rowwise:
@@ -263,6 +275,7 @@ class _Segment:
     dims: tuple[int, ...]  # their embedding dims (distinct)
     bases: tuple[int, ...]  # their first keys (ascending)
     ends: tuple[int, ...]  # one past their last keys
+    strides: tuple[int, ...]  # their stored row lengths (`StorageLayout.strides`)
 
     @property
     def single(self) -> bool:
@@ -420,7 +433,7 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
             # (not written back over a live row) by interpret mode's masked store.
             row = jnp.where(mine, key - seg.bases[i], w_out.shape[0])
             row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, mine, acc, cols, cols < seg.dims[i],
-                       seg.dims[i])
+                       seg.dims[i], seg.strides[i])
 
         if seg.single:
             update(0, ok)
@@ -459,7 +472,7 @@ def _update_key_row(opt, hyper_ref, seg, state, key, acc, cols):
         w_in, s_in, w_out, s_out = state[i]
         row = key - seg.bases[i] + jnp.zeros((1,), jnp.int32)
         row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, jnp.ones((1,), jnp.bool_), acc, cols,
-                   cols < seg.dims[i], seg.dims[i])
+                   cols < seg.dims[i], seg.dims[i], seg.strides[i])
 
     seg.per_buffer(key, update)
 
@@ -527,13 +540,14 @@ def _segments(layout: StorageLayout) -> list[_Segment]:
     for w, gs in width_classes(layout):
         by_parity = {}
         for g in gs:  # width_classes keeps each parity's buffers contiguous
-            by_parity.setdefault(row_parity(layout.dims[g]), []).append(g)
+            by_parity.setdefault(row_parity(layout.strides[g]), []).append(g)
         for same in by_parity.values():
             for i in range(0, len(same), SEGMENT_BUFFERS):
                 part = tuple(same[i:i + SEGMENT_BUFFERS])
                 segs.append(_Segment(len(segs), w, part, tuple(layout.dims[g] for g in part),
                                      tuple(int(bases[g]) for g in part),
-                                     tuple(int(bases[g]) + layout.group_rows[g] for g in part)))
+                                     tuple(int(bases[g]) + layout.group_rows[g] for g in part),
+                                     tuple(layout.strides[g] for g in part)))
     return segs
 
 

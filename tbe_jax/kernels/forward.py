@@ -93,6 +93,7 @@ class _Branch:
     seg: programs.Segment  # its programs (prog_start, prog_end, bags per program, ...)
     dim: int
     block_dim: int
+    stride: int  # the buffer's stored row length (>= dim; padding columns are loaded, never stored)
 
     @property
     def bags(self) -> int:
@@ -110,8 +111,9 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
     branches = []
     for seg in pm.segments:
         f0 = int(pm.flist[seg.feat_base, 0])
-        d = layout.dims[plan.group[f0]]
-        branches.append(_Branch(used.index(plan.group[f0]), seg, d, next_pow2(d)))
+        g = plan.group[f0]
+        d = layout.dims[g]
+        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g]))
     return used, tuple(branches), pm, feature_table(plan)
 
 
@@ -152,9 +154,11 @@ def _pool_branch(
     shape = (br.bags, br.block_dim)
 
     def row_mask(ok):
-        if br.block_dim == br.dim:
+        # Rows load up to the stride: a padded row (16-byte multiple) then moves in 16-byte vectors. The
+        # padding columns' sums are never stored.
+        if br.block_dim == br.stride:
             return jnp.broadcast_to(ok[:, None], shape)
-        return ok[:, None] & col_ok[None, :]
+        return ok[:, None] & (cols < br.stride)[None, :]
 
     def fetch(k0):
         """Ids (and per-sample weights) of steps k0 .. k0+unroll-1; -1 past a bag's end."""
@@ -345,7 +349,7 @@ def pooled_forward(
     return res
 
 
-def _sequence_kernel(rows_ref, *refs, weighted, dim, block_dim, block_rows, n):
+def _sequence_kernel(rows_ref, *refs, weighted, dim, stride, block_dim, block_rows, n):
     psw_ref = refs[0] if weighted else None
     w_ref, out_ref = refs[-2], refs[-1]
     pos = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
@@ -354,7 +358,7 @@ def _sequence_kernel(rows_ref, *refs, weighted, dim, block_dim, block_rows, n):
     cols = jnp.arange(block_dim, dtype=jnp.int32)
     col_ok = cols < dim
     ok = rows >= 0
-    x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & col_ok[None, :], other=0)
+    x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & (cols < stride)[None, :], other=0)
     x = x.astype(jnp.float32)
     if psw_ref is not None:
         x = x * plgpu.load(psw_ref.at[pos], mask=in_range, other=0.0)[:, None]
@@ -363,22 +367,22 @@ def _sequence_kernel(rows_ref, *refs, weighted, dim, block_dim, block_rows, n):
 
 
 def sequence_forward(
-    weights: jax.Array,  # [R, D] the one storage buffer
+    weights: jax.Array,  # [R, stride] the one storage buffer
     rows: jax.Array,  # [N] int32 buffer row per position, -1 for "contributes zeros"
     per_sample_weights: jax.Array | None,
     *,
+    dim: int,  # the tables' embedding_dim (<= the buffer's stride)
     output_dtype,
     config: ForwardConfig,
     interpret: bool,
 ) -> jax.Array:
     n = rows.shape[0]
-    dim = weights.shape[1]
     if n == 0:
         return jnp.zeros((0, dim), output_dtype)
     block_dim = next_pow2(dim)
     block_rows = max(1, min(256, config.tile_elems // block_dim))
     kernel = functools.partial(
-        _sequence_kernel, weighted=per_sample_weights is not None, dim=dim,
+        _sequence_kernel, weighted=per_sample_weights is not None, dim=dim, stride=weights.shape[1],
         block_dim=block_dim, block_rows=block_rows, n=n,
     )
     args = [rows] + ([per_sample_weights] if per_sample_weights is not None else []) + [weights]

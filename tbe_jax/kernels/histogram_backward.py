@@ -271,7 +271,7 @@ def _grad_kernel(tabs_ref, flist_ref, prefix_ref, feat_ref, offsets_ref, indices
 
 
 def _update_branch(e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref, w_in, s_in, w_out, s_out,
-                   *, opt, q, dim, stride_rows, stride_cols):
+                   *, opt, q, dim, stride, stride_rows, stride_cols):
     """Row `e` of one table: its partials summed in slot order, then the optimizer (or the gradient stored)."""
     block_dim = next_pow2(dim)
     cols = jnp.arange(block_dim, dtype=jnp.int32)
@@ -293,10 +293,10 @@ def _update_branch(e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref, 
     touched = jnp.zeros((1,), jnp.int32) + n > 0
     # Rows not in the batch point one past the buffer: never stored on a GPU, dropped in interpret mode.
     row = jnp.where(touched, row_offset + e, w_out.shape[0])
-    row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, touched, acc, cols, col_ok, dim)
+    row_update(opt, hyper_ref, w_in, w_out, s_in, s_out, row, touched, acc, cols, col_ok, dim, stride)
 
 
-def _update_kernel(part_ref, occ_ref, hyper_ref, tabs_ref, *refs, opt, dims, num_tables, **kw):
+def _update_kernel(part_ref, occ_ref, hyper_ref, tabs_ref, *refs, opt, dims, strides, num_tables, **kw):
     pid = pl.program_id(0)
     t = _find_table(tabs_ref, num_tables, T_ROW0, pid)
 
@@ -307,10 +307,10 @@ def _update_kernel(part_ref, occ_ref, hyper_ref, tabs_ref, *refs, opt, dims, num
     slot0, n_parts, row_offset, buf = fact(T_SLOT0), fact(T_NPARTS), fact(T_ROW_OFFSET), fact(T_BUFFER)
     n_state = state_width(opt)
     ins, outs = refs[: n_state * len(dims)], refs[n_state * len(dims) :]
-    for b, dim in enumerate(dims):
+    for b, (dim, stride) in enumerate(zip(dims, strides)):
         state = state_refs(ins[b * n_state : (b + 1) * n_state] + outs[b * n_state : (b + 1) * n_state], opt)
         body = functools.partial(_update_branch, e, slot0, n_parts, row_offset, part_ref, occ_ref, hyper_ref,
-                                 *state, opt=opt, dim=dim, **kw)
+                                 *state, opt=opt, dim=dim, stride=stride, **kw)
         if len(dims) == 1:
             body()
         else:
@@ -374,6 +374,7 @@ def histogram_update(
     args = [part, occ, hyper, tabs] + state
     state = pallas_call(
         functools.partial(_update_kernel, opt=opt, dims=tuple(layout.dims[grp] for grp in sp.buffers),
+                          strides=tuple(layout.strides[grp] for grp in sp.buffers),
                           num_tables=n_tab, q=sp.q, stride_rows=sr, stride_cols=sc),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
         grid=(sp.num_rows,),
