@@ -103,6 +103,9 @@
 #   pad19     (session 19) the whole suite compiled with padded rows (StorageLayout.strides); trace_backward on
 #             dims 4..128, 8..192, 12..252 with and without padding (pad_rows=0), base; bench_dims on the mixed
 #             models, padded and not -> pad19tests.log, pad19-backward.json, pad19.log, dims-*.json, dims.log
+#   edges19   (session 19) the backward's tests compiled; trace_backward with the segments' task ranges from the
+#             run-length pass (rle.SEGMENT_EDGES) and without; the forward traced padded / unpadded
+#             -> edges19tests.log, edges19-backward.json, edges19.log, padfwd19.json, padfwd19.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -339,6 +342,15 @@ for stage in "$@"; do
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/pad19.log" | grep "=="
         for np in "" "--no-pad"; do timeout 100 python3 benchmarks/bench_dims.py --single "" --mixed "4-128/4;8-192/8" \
           --device-opt $np --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/dims.log" | grep "^dims"; done ;;
+    edges19) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_train_step.py \
+          tests/test_optimizers.py tests/test_histogram.py tests/test_forward_kernel.py > "$OUT/edges19tests.log" 2>&1
+        tail -1 "$OUT/edges19tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/edges19tests.log" | head -20
+        timeout 170 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;12-252/8" \
+          --variants "" "SEGMENT_EDGES=0" --out "$OUT/edges19-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/edges19.log" | grep "=="
+        timeout 120 python3 benchmarks/trace_backward.py --forward --presets base --dims "4-128/4;12-252/8" \
+          --variants "" "pad_rows=0" --out "$OUT/padfwd19.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/padfwd19.log" | grep -A3 "==" ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \

@@ -46,6 +46,8 @@ class Runs(NamedTuple):
     chunk_first: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its first sorted lookup
     long_chunk0: jax.Array  # [N // LONG + 2] int32: first chunk task of each long run
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
+    # [len(segment_bounds), 3] int32 or None: per bound, the runs, mid runs and long runs with keys below it
+    seg_edges: jax.Array | None = None
 
 
 # Order each width class's buffers by their rows' alignment (`row_parity`), so that the backward can serve
@@ -155,12 +157,13 @@ def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_
 
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
-    sequence: bool = False, rle_kernel: bool = False, interpret: bool = False,
+    sequence: bool = False, rle_kernel: bool = False, interpret: bool = False, segment_bounds: tuple[int, ...] = (),
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
     `rle_kernel`: find the runs and the long-run list with the two Pallas passes of
-    `kernels.rle` instead of XLA ops (same result).
+    `kernels.rle` instead of XLA ops (same result). `segment_bounds` (static keys, ascending): with
+    the kernels, the runs' `seg_edges` counts the runs below each (`rle.encode(bounds=...)`).
     """
     n = indices.shape[0]
     bases = group_bases(layout)
@@ -188,12 +191,14 @@ def build_runs(
     n_long_max = n // LONG + 1
     from tbe_jax.kernels import rle
 
-    mid = None
+    mid = seg_edges = None
     if rle_kernel and rle.SPLIT_LISTS:  # the mid and long lists straight from the kernel's write pass
-        run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long = rle.encode(
+        bounds = tuple(segment_bounds) if rle.SEGMENT_EDGES else ()
+        run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, *edges = rle.encode(
             skey, total=total, small=SMALL, n_big_max=n_big_max, long=LONG, n_long_max=n_long_max,
-            interpret=interpret)
+            bounds=bounds, interpret=interpret)
         n_big = n_mid + n_long
+        seg_edges = edges[0].reshape(len(bounds), 3) if bounds else None
     elif rle_kernel:
         run_start, run_key, num_runs, n_valid, big, n_big = rle.encode(
             skey, total=total, small=SMALL, n_big_max=n_big_max, interpret=interpret)
@@ -232,4 +237,4 @@ def build_runs(
     chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
     return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, chunk_run,
-                chunk_first, long_chunk0, counts)
+                chunk_first, long_chunk0, counts, seg_edges)

@@ -643,7 +643,8 @@ class TableBatchedEmbedding:
         cfg = backward_config or self.backward_config
         return runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
                                    pooling=self.pooling, sequence=self.pooling == "none",
-                                   rle_kernel=cfg.rle_kernel, interpret=self.interpret)
+                                   rle_kernel=cfg.rle_kernel, interpret=self.interpret,
+                                   segment_bounds=bwd_kernels.segment_bounds(self.layout))
 
     def _update_impl(self, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,
                      backward_config=None, runs=None):

@@ -372,6 +372,28 @@ def test_chunk_tasks(rng):
                                   np.concatenate([[0], np.cumsum(-(-lengths[want_long] // runs_lib.LONG))]))
 
 
+def test_task_ranges_from_rle_edges(rng):
+    # The segments' task ranges from the run-length pass's edges (rle.encode(bounds=...)) equal the XLA
+    # compare-and-count over the run and task lists: seven segments (widths 8 to 256, two parities in w64), small
+    # E so every segment has mid and long runs (rows hit 256+ times: chunk tasks), and a table no lookup reads.
+    from tbe_jax.kernels import backward as bwd
+
+    dims = [4, 8, 36, 40, 100, 250, 64, 12]
+    tables = specs([2, 3, 2, 40, 3, 2, 5, 9], dims)
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=[0, 1, 2, 3, 4, 5, 6], pad_rows=False,
+                                        **KERNEL_KW)
+    assert len(bwd._segments(emb.layout)) == 7
+    idx, off, _ = testing.make_batch(rng, [2, 3, 2, 40, 3, 2, 5], [4] * 7, (100, 300))
+    plan = emb.plan_for(len(off))
+    r = jax.jit(lambda i, o: emb._runs(plan, i, o, None))(jnp.asarray(idx), jnp.asarray(off))
+    assert r.seg_edges is not None and r.seg_edges.shape == (6, 3) and int(r.counts[2]) > 0
+    n = len(idx)
+    got = np.asarray(bwd._task_ranges(r, emb.layout, n))
+    want = np.asarray(bwd._task_ranges(r._replace(seg_edges=None), emb.layout, n))
+    np.testing.assert_array_equal(got, want)
+    assert got[:, 1].max() == int(r.num_runs) and (got[:, 4:6] > got[:, 4:6].min()).any()
+
+
 def _sorted_keys(rng, lengths, n_invalid, total):
     """Sorted keys with runs of the given lengths (distinct random rows) and an invalid tail."""
     rows = np.sort(rng.choice(total, size=len(lengths), replace=False))
@@ -420,11 +442,23 @@ def test_rle_kernel_matches_xla_ops(rng, case):
     np.testing.assert_array_equal(np.asarray(run_start), want_start)
     np.testing.assert_array_equal(np.asarray(run_key), want_key)
     np.testing.assert_array_equal(np.asarray(big), want_big)
-    # With `long`: the mid (SMALL < length < LONG) and long (>= LONG) lists straight from the write pass.
+    # With `long`: the mid (SMALL < length < LONG) and long (>= LONG) lists straight from the write pass; with
+    # `bounds`, the runs of each kind below each bound: bounds below every key, at a run's key, inside the gap
+    # between two runs, at the run crossing the block boundary, past the last valid key, and `total`.
     n_long_max = n // lg + 1
-    rs2, rk2, nr2, nv2, mid, n_mid, long, n_long = jax.jit(functools.partial(
-        rle.encode, total=total, small=s, n_big_max=n_big_max, long=lg, n_long_max=n_long_max,
+    keys = skey[starts]
+    cands = [1, total, int(rng.integers(1, total))]
+    if len(keys):
+        cands += [int(keys[0]), int(keys[-1]) + 1, int(keys[len(keys) // 2]), int(keys[len(keys) // 2]) + 1]
+        cross = skey[min(rle.BLOCK, n - 1)]
+        cands += [int(cross)] if cross < total else []
+    bounds = tuple(sorted({b for b in cands if 0 < b <= total}))
+    rs2, rk2, nr2, nv2, mid, n_mid, long, n_long, edges = jax.jit(functools.partial(
+        rle.encode, total=total, small=s, n_big_max=n_big_max, long=lg, n_long_max=n_long_max, bounds=bounds,
         interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
+    kinds = [np.ones(len(keys), bool), (lens > s) & (lens < lg), lens >= lg]
+    want_edges = [[int(np.sum(kind & (keys < b))) for kind in kinds] for b in bounds]
+    np.testing.assert_array_equal(np.asarray(edges).reshape(len(bounds), 3), want_edges)
     np.testing.assert_array_equal(np.asarray(rs2), want_start)
     np.testing.assert_array_equal(np.asarray(rk2), want_key)
     assert int(nr2) == len(starts) and int(nv2) == nv

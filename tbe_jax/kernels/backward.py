@@ -551,13 +551,28 @@ def _segments(layout: StorageLayout) -> list[_Segment]:
     return segs
 
 
+def segment_bounds(layout: StorageLayout) -> tuple[int, ...]:
+    """The first keys of the segments after the first (`_segments` order, ascending): where `_task_ranges`
+    splits the run and task lists (`runs.build_runs(segment_bounds=...)`)."""
+    return tuple(seg.bases[0] for seg in _segments(layout)[1:])
+
+
 def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
     """[num_segments, 8] int32: per segment (`_segments` order) its [lo, hi) in the runs (small-run
     kernel) and in the mid, chunk and long task lists."""
     segs = _segments(layout)
+    n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
+    if runs.seg_edges is not None and runs.seg_edges.shape[0] == len(segs) - 1:
+        # The counts below each segment's first key, from the run-length pass; a long run's chunks are
+        # contiguous in the chunk list, so the chunk bounds are the long bounds' first chunks.
+        zero = jnp.zeros((1, 3), jnp.int32)
+        last = jnp.stack([runs.num_runs, n_mid, n_long]).astype(jnp.int32)[None, :]
+        edges = jnp.concatenate([zero, runs.seg_edges, last], axis=0)  # [segments + 1, (runs, mid, long)]
+        chunk = runs.long_chunk0[edges[:, 2]]
+        cols = [edges[:, 0], edges[:, 1], chunk, edges[:, 2]]
+        return jnp.stack([e for c in cols for e in (c[:-1], c[1:])], axis=1)
     bases = jnp.asarray(np.asarray([seg.bases[0] for seg in segs] + [int(group_bases(layout)[-1])], np.int32))
     total = bases[-1]
-    n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     key_of = lambda r: jnp.where(r < n, runs.run_key[jnp.minimum(r, n - 1)], total)  # noqa: E731
 
     def keys(lst, count):

@@ -19,6 +19,12 @@ and a launch; on the H200 they took ~0.2 ms of a 0.7 ms backward
    the fill values (`n_valid`, `total`, N), so every output element is written
    exactly once (scatter slots and fill slots are disjoint): no initialisation,
    no atomics, and the result is the same run to run.
+
+With `bounds` (static keys, ascending: where the backward's segments of buffers
+begin), the write pass also gives, per bound b, how many runs, mid runs and long
+runs have keys below b: the slots of the first sorted lookup whose key is b or
+more (position N if none), written by the one program holding it. The backward's
+task ranges then need no pass over the runs per segment (`backward._task_ranges`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ BLOCK = 1024
 # The run lists split by length in the write pass (runs longer than `small` into those shorter than `long` and the
 # rest), instead of one list of long runs that XLA ops split afterwards (`runs.build_runs`). A/B switch.
 SPLIT_LISTS = True
+
+# The per-segment run and list counts from the write pass (`encode(bounds=...)`), instead of a compare-and-count
+# over all runs per segment in XLA (`backward._task_ranges`). A/B switch.
+SEGMENT_EDGES = True
 
 
 def _flags(skey_ref, pid, *, n, total, small, long):
@@ -70,10 +80,12 @@ def _count_kernel(skey_ref, counts_ref, *, n, total, small, long):
     plgpu.store(counts_ref.at[pid * len(sums) + lane], c, mask=lane < len(sums))
 
 
-def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, sizes):
-    # refs: the totals (runs, per list its count, valid), then the outputs: run_start, run_key, one per list
+def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, sizes, bounds):
+    # refs: the totals (runs, per list its count, valid), then the outputs: run_start, run_key, one per list, and
+    # with `bounds` the edges
     n_lists = len(sizes)
     tot_refs, (run_start_ref, run_key_ref, *list_refs) = refs[: n_lists + 2], refs[n_lists + 2:]
+    edges_ref = list_refs.pop() if bounds else None
     width = n_lists + 2
     pid = pl.program_id(0)
     j, k, _, start, lists = _flags(skey_ref, pid, n=n, total=total, small=small, long=long)
@@ -86,14 +98,38 @@ def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, sizes):
     # Fill the slots past the counts (each index j is this program's to fill).
     plgpu.store(run_start_ref.at[j], jnp.full_like(j, n_valid), mask=(j >= num_runs) & (j <= n))
     plgpu.store(run_key_ref.at[j], jnp.full_like(j, total), mask=(j >= num_runs) & (j < n))
+    lslots = []
     for i, (ref, flag, count, size) in enumerate(zip(list_refs, lists, counts, sizes)):
         lslot = plgpu.load(base_ref.at[pid * width + 1 + i]) + jnp.cumsum(flag) - flag
+        lslots.append(lslot)
         plgpu.store(ref.at[lslot], slot, mask=flag > 0)
         plgpu.store(ref.at[j], jnp.full_like(j, n), mask=(j >= count) & (j < size))
+    if bounds:
+        _write_edges(skey_ref, edges_ref, pid, j, k, (slot, *lslots), n=n, total=total, bounds=bounds)
+
+
+def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds):
+    """Per bound b held by this block: the exclusive run and list slots (`slots`, per lookup) at the first lookup
+    whose key is b or more (position n, past the keys, if none; it reads as key `total`), into
+    `edges_ref[b * len(slots) + c]`. Keys ascend, so that position is unique: each edge is written once."""
+    j0 = pid * BLOCK
+    first_prev = plgpu.load(skey_ref.at[jnp.maximum(j0 - 1, 0)])
+    first_prev = jnp.where(j0 > 0, first_prev, -1)
+    last = j0 + BLOCK - 1
+    last_key = jnp.where(last < n, plgpu.load(skey_ref.at[jnp.minimum(last, n - 1)]), total)
+    prev = plgpu.load(skey_ref.at[j - 1], mask=(j > 0) & (j <= n), other=-1)
+    width = len(slots)
+    for bi, b in enumerate(bounds):
+        def write(bi=bi, b=b):
+            at = (j <= n) & (k >= b) & (prev < b)
+            for c, x in enumerate(slots):
+                plgpu.store(edges_ref.at[jnp.int32(bi * width + c)], jnp.sum(jnp.where(at, x, 0)))
+
+        pl.when((first_prev < b) & (last_key >= b))(write)
 
 
 def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int | None = None,
-           n_long_max: int = 0, interpret: bool = False):
+           n_long_max: int = 0, bounds: tuple[int, ...] = (), interpret: bool = False):
     """Runs of the sorted keys `skey` ([N] int32, invalid keys == `total`, sorted last).
 
     Returns (run_start [N + 1], run_key [N], num_runs, n_valid, big [n_big_max], n_big):
@@ -102,6 +138,9 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     runs longer than `small` lookups, padded with N. With `long`, `big, n_big` become
     (mid [n_big_max], n_mid, long [n_long_max], n_long): the runs longer than `small` and shorter than `long`, and
     those of `long` lookups or more. Matches the XLA ops of `runs.build_runs` exactly (tested).
+
+    `bounds` (static keys in (0, total], ascending; only with `long`): one more result, `edges`
+    `[len(bounds) * 3]`: per bound, the numbers of runs, mid runs and long runs whose keys are below it.
     """
     n = skey.shape[0]
     sizes = (n_big_max,) if long is None else (n_big_max, n_long_max)
@@ -111,6 +150,9 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
     kw = dict(n=n, total=total, small=small, long=long)
     width = len(sizes) + 2
+    bounds = tuple(int(b) for b in bounds)
+    if bounds and (long is None or list(bounds) != sorted(bounds) or bounds[0] <= 0 or bounds[-1] > total):
+        raise ValueError(f"bounds {bounds} must ascend within (0, {total}], with `long`")
     counts = pallas_call(
         functools.partial(_count_kernel, **kw),
         out_shape=jax.ShapeDtypeStruct((grid * width,), jnp.int32), grid=(grid,),
@@ -119,11 +161,12 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     # Each block's first run and list slots (and the totals): one single-program scan, not XLA's cumsum and sums.
     base, tot = exclusive_scan(counts, width, interpret=interpret)
     outs = pallas_call(
-        functools.partial(_write_kernel, sizes=sizes, **kw),
+        functools.partial(_write_kernel, sizes=sizes, bounds=bounds, **kw),
         out_shape=[jax.ShapeDtypeStruct((n + 1,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
-        + [jax.ShapeDtypeStruct((s,), jnp.int32) for s in sizes],
+        + [jax.ShapeDtypeStruct((s,), jnp.int32) for s in sizes]
+        + ([jax.ShapeDtypeStruct((len(bounds) * (len(sizes) + 1),), jnp.int32)] if bounds else []),
         grid=(grid,), compiler_params=params, interpret=interpret, name="tbe_runs_write",
     )(skey, base, *tot)
     num_runs, *counts, n_valid = (x.reshape(()) for x in tot)
-    lists = [x for pair in zip(outs[2:], counts) for x in pair]
-    return (outs[0], outs[1], num_runs, n_valid, *lists)
+    lists = [x for pair in zip(outs[2 : 2 + len(sizes)], counts) for x in pair]
+    return (outs[0], outs[1], num_runs, n_valid, *lists) + ((outs[-1],) if bounds else ())
