@@ -106,6 +106,8 @@
 #   edges19   (session 19) the backward's tests compiled; trace_backward with the segments' task ranges from the
 #             run-length pass (rle.SEGMENT_EDGES) and without; the forward traced padded / unpadded
 #             -> edges19tests.log, edges19-backward.json, edges19.log, padfwd19.json, padfwd19.log
+#   final19   (session 19) the test files that run the backward, compiled, on the session's final tree (SIGINT at
+#             235 s: pytest then prints what ran) -> final19tests.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
 set -u
 OUT=${OUT:-gpu-out}
@@ -351,6 +353,10 @@ for stage in "$@"; do
         timeout 120 python3 benchmarks/trace_backward.py --forward --presets base --dims "4-128/4;12-252/8" \
           --variants "" "pad_rows=0" --out "$OUT/padfwd19.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/padfwd19.log" | grep -A3 "==" ;;
+    final19) timeout -s INT 235 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_train_step.py \
+          tests/test_vbe.py tests/test_grad.py tests/test_many_features.py tests/test_histogram.py tests/test_layers.py \
+          tests/test_optimizers.py > "$OUT/final19tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed|Interrupted" "$OUT/final19tests.log" | tail -20 ;;
     ttfwd) timeout 120 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 40 --private "${TTFWD_PRIVATE:-}" \
           --out "$OUT/ttfwd.json" 2>&1 | grep -v Warning | tee "$OUT/ttfwd.log" | grep -A40 "== B 32768" ;;
     plancoal) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_kernel.py \

@@ -561,9 +561,14 @@ class TableBatchedEmbedding:
                 raise TypeError(f"params[{key!r}] must be an array ({self.weights_dtype.name}{list(shape)}), got "
                                 f"{type(params[key]).__name__}")
             if tuple(params[key].shape) != shape or (check_dtype and params[key].dtype != self.weights_dtype):
+                hint = ""
+                if tuple(params[key].shape) == (shape[0], self.layout.dims[g]) != shape:
+                    hint = (f" (rows of {self.layout.dims[g]} values are stored padded to {shape[1]}: "
+                            "emb.set_tables(None, tables) converts per-table arrays; params saved unpadded load "
+                            "into TableBatchedEmbedding(..., pad_rows=False))")
                 raise ValueError(
                     f"params[{key!r}] must be {self.weights_dtype.name}{list(shape)}, "
-                    f"got {params[key].dtype}{list(params[key].shape)}"
+                    f"got {params[key].dtype}{list(params[key].shape)}" + hint
                 )
 
     def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None, *,

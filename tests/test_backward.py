@@ -221,20 +221,22 @@ def test_padded_rows_layout_and_round_trip():
     again = emb.set_tables(None, emb.get_tables(params))
     for k in params:
         np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(params[k]))
-    with pytest.raises(ValueError, match=r"float16\[39, 40\]"):
+    with pytest.raises(ValueError, match=r"float16\[39, 40\].*stored padded to 40.*pad_rows=False"):
         emb.apply_gradients(flat.init(jax.random.key(0)), None, tbe_jax.SGD(0.1), jnp.zeros(4, jnp.int32),
                             jnp.zeros(5, jnp.int32), jnp.zeros((1, 152)))
 
 
-@pytest.mark.parametrize("make_opt", [lambda: tbe_jax.RowwiseAdagrad(0.05, 1e-3), lambda: tbe_jax.SGD(0.3),
-                                      lambda: tbe_jax.Adam(0.05, weight_decay=0.01),
-                                      lambda: tbe_jax.Adagrad(0.2, initial_accumulator_value=0.1)],
-                         ids=["rowwise", "sgd", "adam", "adagrad"])
-def test_padded_rows_match_unpadded(rng, make_opt):
+@pytest.mark.parametrize("make_opt,check_grad", [
+    (lambda: tbe_jax.RowwiseAdagrad(0.05, 1e-3), True),
+    (lambda: tbe_jax.Adam(0.05, weight_decay=0.01), False),
+    (lambda: tbe_jax.Adagrad(0.2, initial_accumulator_value=0.1), False)], ids=["rowwise", "adam", "adagrad"])
+def test_padded_rows_match_unpadded(rng, make_opt, check_grad):
     # Padded fp16 buffers (36 -> 40, 68 -> 72, 124 -> 128) next to unpadded ones (12, 64), several buffers per
-    # segment, mean pooling and duplicates: the kernels' forward, gradient and fused step on padded storage equal
-    # the XLA reference on unpadded storage (row-wise and element-wise optimizer state alike), and the padding
-    # columns stay zero.
+    # segment, mean pooling and duplicates (the E <= 64 tables of D 64..128 take the histogram kernels, the others
+    # the sorted runs): the kernels' forward, gradient (`jax.grad`, once: it does not depend on the optimizer) and
+    # fused step on padded storage equal the XLA reference on unpadded storage, for row-wise and element-wise
+    # optimizer state (Adagrad's accumulators start non-zero, in the padding too), and the padding stays zero.
+    # SGD's rule is the others' without state (test_optimizers.py covers it on every path).
     opt = make_opt()
     dims = [36, 12, 68, 124, 64, 36, 76]
     tables = specs([7, 9, 5, 6, 8, 3, 4], dims)
@@ -254,7 +256,7 @@ def test_padded_rows_match_unpadded(rng, make_opt):
         want = ref(ref_params, idx, off)
         np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
         g = rng.standard_normal(out.shape).astype(np.float32)
-        if k == 0:  # jax.grad: the true gradient, padded like the params (zero padding)
+        if k == 0 and check_grad:  # jax.grad: the true gradient, padded like the params (zero padding)
             dense = jax.grad(lambda p: jnp.vdot(emb(p, idx, off), g))(params)
             want_dense = jax.grad(lambda p: jnp.vdot(ref(p, idx, off), g))(ref_params)
             assert {k2: v.shape for k2, v in dense.items()} == {k2: v.shape for k2, v in params.items()}
