@@ -135,16 +135,13 @@ class StorageLayout:
         return (self.group_rows[g], self.strides[g])
 
     def pad(self, g: int, x):
-        """`x` (`[..., dims[g]]`, a jax or numpy array) with zero columns appended up to buffer `g`'s stride."""
+        """`x` (`[..., dims[g]]`) with zero columns appended up to buffer `g`'s stride."""
         extra = self.strides[g] - self.dims[g]
         if not extra:
             return x
-        widths = [(0, 0)] * (x.ndim - 1) + [(0, extra)]
-        if isinstance(x, np.ndarray):
-            return np.pad(x, widths)
-        import jax.numpy as jnp
+        import jax.numpy as jnp  # this module's dataclasses stay importable without jax
 
-        return jnp.pad(x, widths)
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
     def unpad(self, g: int, x):
         """The first `dims[g]` columns of `x` (`[..., stride]`): the values without the padding."""
