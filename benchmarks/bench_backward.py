@@ -134,14 +134,27 @@ def unique_rows(wl, sets):
     feats = wl.features()
     row0 = jnp.asarray(np.concatenate([[0], np.cumsum([e for e, _, _ in feats])[:-1]]).astype(np.int32))
 
+    dims = jnp.asarray(np.asarray([d for _, d, _ in feats], np.int32))
+
     @jax.jit
     def count(idx, off):
         feat = jnp.minimum(jnp.searchsorted(off[:: wl.B], jnp.arange(idx.shape[0]), side="right",
                                             method="scan_unrolled") - 1, len(feats) - 1)
-        k = jnp.sort(row0[feat] + idx)
-        return 1 + jnp.sum(k[1:] != k[:-1])
+        k, f = jax.lax.sort((row0[feat] + idx, feat), num_keys=1)
+        first = jnp.concatenate([jnp.ones((1,), bool), k[1:] != k[:-1]])
+        return jnp.sum(first), jnp.sum(jnp.where(first, dims[f], 0))
 
-    return float(np.mean([int(count(idx, off)) for idx, off, _, _ in sets]))
+    counts = [tuple(int(c) for c in count(idx, off)) for idx, off, _, _ in sets]
+    return float(np.mean([c[0] for c in counts])), float(np.mean([c[1] for c in counts]))
+
+
+def fbgemm_estimate(wl) -> float | None:
+    """FBGEMM's backward kernel time on a workload that is not an anchor, scaled from its measured `base` time
+    (`zipf` for Zipf ids) by the gradient columns looked up, sum(B * L * D) (its backward is bandwidth-bound on
+    `base`). A rough reference only: FBGEMM cannot run here."""
+    ref = testing.PRESETS["zipf" if wl.alpha > 1 else "base"]
+    cols = lambda w: sum(w.B * l * d for _, d, l in w.features())  # noqa: E731
+    return FBGEMM_BWD_KERNEL_MS[ref.name] * cols(wl) / cols(ref)
 
 
 def run_workload(wl, args, bcfgs):
@@ -158,13 +171,12 @@ def run_workload(wl, args, bcfgs):
         opt = jax.device_put(opt)
     row = {"workload": dataclasses.asdict(wl), "variants": {}}
     bcfg = next(iter(bcfgs.values()))
-    row["unique_rows"] = unique_rows(wl, sets)
+    row["unique_rows"], unique_cols = unique_rows(wl, sets)
     wbytes = 4 if wl.weights_dtype == "float32" else 2
-    d = feats[0][1]
     # Floor bytes: read+write each distinct row and its accumulator, read the output gradient once per lookup
     # (L2 may serve repeats), sort keys (approx. 4 passes of 8 B per lookup).
     n_lookups = sum(wl.B * l for _, _, l in feats)
-    row["floor_bytes"] = row["unique_rows"] * (2 * d * wbytes + 8) + wl.B * sum(dd for _, dd, _ in feats) * 4 \
+    row["floor_bytes"] = 2 * unique_cols * wbytes + row["unique_rows"] * 8 + wl.B * sum(dd for _, dd, _ in feats) * 4 \
         + n_lookups * 32
 
     params0 = emb.init(jax.random.key(0))
@@ -251,6 +263,9 @@ def run_workload(wl, args, bcfgs):
     if fb:
         row["vs_fbgemm_bwd"] = fb / row["bwd_ms"]
         row["vs_fbgemm_fwd_bwd"] = (fb + ff) / row["fwd_bwd_ms"]
+    else:
+        row["fbgemm_bwd_est_ms"] = fbgemm_estimate(wl)
+        row["vs_fbgemm_bwd_est"] = row["fbgemm_bwd_est_ms"] / row["bwd_ms"]
     row["floor_ms_at_3.7TBps"] = row["floor_bytes"] / 3.7e9
     del params0, state0
     return row
@@ -306,7 +321,9 @@ def scaling_run(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", default="base,zipf,weighted,large,fp32,smalltable")
+    ap.add_argument("--presets", default="base,zipf,weighted,large,fp32,smalltable",
+                    help="comma-separated workloads: presets, dims<lo>-<hi>/<step>, many<T>x<dims>[z] "
+                         "(tbe_jax.testing.workload); non-anchors get a byte-scaled FBGEMM estimate")
     ap.add_argument("--configs", default="default",
                     help="';'-separated BackwardConfig overrides, e.g. 'default;small_block=64,small_num_warps=8'")
     ap.add_argument("--iters", type=int, default=20)
@@ -346,7 +363,7 @@ def main():
     path = os.path.join(args.out, f"backward-{stamp}-{meta['device'].replace(' ', '_')}.json")
     out = {"meta": meta, "results": rows}
     for name in args.presets.split(","):
-        wl = TINY if name == "tiny" else testing.PRESETS[name]
+        wl = TINY if name == "tiny" else testing.workload(name)
         r = run_workload(wl, args, bcfgs)
         rows.append(r)
         nan = float("nan")
@@ -354,6 +371,7 @@ def main():
               f"fwd+bwd {r['fwd_bwd_ms']:.4f} (sort in fwd {r['fwd_bwd_sort_in_forward_ms']:.4f})  "
               + " ".join(f"[{k}] {v['bwd_ms']:.4f}" for k, v in r["variants"].items()) + "  "
               f"xla bwd {r.get('xla_bwd_ms', nan):.4f}  fbgemm bwd {r['fbgemm_bwd_ms'] or nan:.3f}  "
+              f"(est {r.get('fbgemm_bwd_est_ms', nan):.3f}: {r.get('vs_fbgemm_bwd_est', nan):.2f}x)  "
               f"err {r['max_rel_err']:.2e}  uniq {r['unique_rows']:.0f}  hlo {r.get('hlo', {}).get('counts')}",
               flush=True)
         with open(path, "w") as fh:  # after every preset: a run cut short keeps what it measured

@@ -37,6 +37,7 @@
 #   trace     per-kernel device time of the backward step (profiler trace) on base, zipf, fp32 -> trace.log
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
+#   check20   the whole suite compiled; backward traces (with host events) on base, zipf, many300x24, two mixed-dim models
 #   dims      bench_dims.py: backward/forward against D, mixed-dim models    -> dims-*.json, dims.log
 #   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
 #   optim     bench_optimizers.py: each fused optimizer's backward step on base and zipf -> optimizers-*.json, optim.log
@@ -402,6 +403,11 @@ for stage in "$@"; do
             --out "$OUT/exact01-$v.json" 2>&1 | grep -v Warning | tee -a "$OUT/exact01.log" | grep -A3 "==" ; done ;;
     tttests2) timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
           > "$OUT/tttests2.log" 2>&1; tail -3 "$OUT/tttests2.log" ;;
+    check20) timeout -s INT 360 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/check20tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed|Interrupted" "$OUT/check20tests.log" | tail -20
+        timeout -s INT 210 python3 benchmarks/trace_backward.py --presets base,zipf,dims4-128/4,dims8-192/8,many300x24 \
+          --host --out "$OUT/check20-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/check20.log" | grep -A14 "==" ;;
     x2tests) timeout 400 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
           tests/test_sharded_layers.py tests/test_tt_sharded_layers.py tests/test_dlrm_sharded.py \
           tests/test_sharded_input_errors.py > "$OUT/x2tests.log" 2>&1; tail -3 "$OUT/x2tests.log" ;;

@@ -85,14 +85,7 @@ def set_private(spec: str, modules) -> None:
         setattr(mod, k, type(getattr(mod, k))(int(v)))
 
 
-def workload(name: str):
-    """A preset of `tbe_jax.testing.PRESETS`, or "dims<lo>-<hi>/<step>": `base` with its 32 tables cycling through
-    the dims lo, lo + step, ..., hi."""
-    if name.startswith("dims"):
-        rng, step = name[4:].split("/")
-        lo, hi = map(int, rng.split("-"))
-        return dataclasses.replace(testing.PRESETS["base"], name=name, dims=tuple(range(lo, hi + 1, int(step))))
-    return testing.PRESETS[name]
+workload = testing.workload
 
 
 def backward_modules():

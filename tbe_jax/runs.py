@@ -42,12 +42,39 @@ class Runs(NamedTuple):
     num_runs: jax.Array  # [] int32
     mid: jax.Array  # [N // (SMALL + 1) + 1] int32: runs of SMALL < length < LONG, in key order, padded with N
     long: jax.Array  # [N // LONG + 1] int32: runs of LONG or more, in key order, padded
-    chunk_run: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its index into `long`
-    chunk_first: jax.Array  # [2 * N // LONG + 1] int32: per chunk task, its first sorted lookup
+    # [2 * N // LONG + 1] int32 per chunk task: its index into `long` and its first sorted lookup; None with
+    # CHUNK_SEARCH (the chunk kernel finds both from `long_chunk0`), else `chunk_tasks(...)`
+    chunk_run: jax.Array | None
+    chunk_first: jax.Array | None
     long_chunk0: jax.Array  # [N // LONG + 2] int32: first chunk task of each long run
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
     # [len(segment_bounds), 3] int32 or None: per bound, the runs, mid runs and long runs with keys below it
     seg_edges: jax.Array | None = None
+
+
+# The chunk tasks' long runs found by the chunk kernel (a binary search in `long_chunk0`, only for the tasks there
+# are) instead of XLA ops over all 2N/LONG task slots on every step (a scatter, a prefix sum, gathers:
+# `chunk_tasks`), which ran even with no long run. A/B switch.
+CHUNK_SEARCH = True
+
+
+def chunk_tasks(run_start, long, long_chunk0, n: int):
+    """(chunk_run, chunk_first) `[2 * n // LONG + 1]`: per chunk task t (below the chunk count `long_chunk0[-1]`;
+    the slots past it hold clamped values never read) its index into `long` (`searchsorted(long_chunk0, t,
+    "right") - 1`) and its first sorted lookup."""
+    max_chunks = 2 * n // LONG + 1
+    n_long_max = long.shape[0]
+    t = jnp.arange(max_chunks, dtype=jnp.int32)
+    # The long runs whose chunks end at or before t, as a scatter of each run's chunk end and a prefix sum
+    # (fixed-size ops, no search loop). The slots past the long runs have no chunk and scatter nothing: they would
+    # all add at one index (the chunk total; the whole list on a step without long runs), a chain of atomic adds to
+    # one address on a GPU.
+    n_chunks = long_chunk0[1:] - long_chunk0[:-1]
+    ends = jnp.where(n_chunks > 0, long_chunk0[1:], max_chunks)
+    starts = jnp.zeros((max_chunks,), jnp.int32).at[ends].add(1, mode="drop")
+    chunk_run = jnp.clip(jnp.cumsum(starts), 0, n_long_max - 1)
+    chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
+    return chunk_run, chunk_first
 
 
 # Order each width class's buffers by their rows' alignment (`row_parity`), so that the backward can serve
@@ -224,17 +251,9 @@ def build_runs(
     long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_start[at + 1] - run_start[at], 0)
     n_chunks = (long_len + LONG - 1) // LONG
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
-    max_chunks = 2 * n // LONG + 1
-    t = jnp.arange(max_chunks, dtype=jnp.int32)
-    # chunk_run[t] = searchsorted(long_chunk0, t, "right") - 1 for the chunk tasks t < long_chunk0[-1]: the long
-    # runs whose chunks end at or before t, as a scatter of each run's chunk end and a prefix sum (fixed-size ops, no
-    # search loop). The slots past the long runs have no chunk and scatter nothing: they would all add at one index
-    # (the chunk total; the whole list on a step without long runs), a chain of atomic adds to one address on a GPU.
-    # (Tasks past the total are never read.)
-    ends = jnp.where(n_chunks > 0, long_chunk0[1:], max_chunks)
-    starts = jnp.zeros((max_chunks,), jnp.int32).at[ends].add(1, mode="drop")
-    chunk_run = jnp.clip(jnp.cumsum(starts), 0, n_long_max - 1)
-    chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
+    chunk_run = chunk_first = None
+    if not CHUNK_SEARCH:
+        chunk_run, chunk_first = chunk_tasks(run_start, long, long_chunk0, n)
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
     return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, chunk_run,
                 chunk_first, long_chunk0, counts, seg_edges)

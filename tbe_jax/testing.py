@@ -58,6 +58,38 @@ PRESETS = {
 }
 
 
+def many_tables(num_tables: int, num_dims: int = 24, batch: int = 2048, alpha: float = 1.0, seed: int = 0,
+                name: str | None = None) -> Workload:
+    """A model of `num_tables` features (one table each) over `num_dims` distinct dims, drawn once from `seed`:
+    the dims are distinct multiples of 4 in [4, 256], each table takes one of them at random (every dim at least
+    once), rows log-uniform in [1e3, 1e6], a fixed bag size per feature uniform in [1, 40]. Not an anchor: a shape
+    kept apart from the presets (hundreds of tables, tens of dims, tables small enough to repeat rows)."""
+    rng = np.random.default_rng(seed)
+    dims = rng.choice(np.arange(4, 257, 4), size=num_dims, replace=False)
+    pick = np.concatenate([np.arange(num_dims), rng.integers(0, num_dims, max(num_tables - num_dims, 0))])
+    pick = rng.permutation(pick[:num_tables])
+    rows = np.exp(rng.uniform(np.log(1e3), np.log(1e6), num_tables)).astype(np.int64)
+    lens = rng.integers(1, 41, num_tables)
+    extra = tuple((1, int(e), int(dims[k]), int(l)) for e, k, l in zip(rows, pick, lens))
+    return Workload(name or f"many{num_tables}x{num_dims}", 0, 0, 0, batch, 0, alpha, extra=extra)
+
+
+def workload(name: str) -> Workload:
+    """A workload by name: a preset of PRESETS; "dims<lo>-<hi>/<step>": `base` with its 32 tables cycling through
+    the dims lo, lo + step, ..., hi; "many<T>x<dims>[z]" (optionally "@<seed>"): `many_tables(T, dims)`, with
+    Zipf(1.15) ids if it ends in "z"."""
+    if name.startswith("dims"):
+        span, step = name[4:].split("/")
+        lo, hi = map(int, span.split("-"))
+        return dataclasses.replace(PRESETS["base"], name=name, dims=tuple(range(lo, hi + 1, int(step))))
+    if name.startswith("many"):
+        spec, _, seed = name[4:].partition("@")
+        zipf = spec.endswith("z")
+        t, d = map(int, spec.rstrip("z").split("x"))
+        return many_tables(t, d, alpha=1.15 if zipf else 1.0, seed=int(seed or 0), name=name)
+    return PRESETS[name]
+
+
 def sample_ids(rng: np.random.Generator, num_rows: int, n: int, alpha: float, perm=None) -> np.ndarray:
     """`n` ids in `[0, num_rows)`: uniform for alpha <= 1, else permuted Zipf ranks."""
     if alpha <= 1.0:

@@ -286,8 +286,11 @@ def test_low_precision_tables(rng, wdtype):
     _check_step(rng, tables, [0, 1], [5, 5], (0, 10), tbe_jax.RowwiseAdagrad(0.1, 0.1), wdtype=wdtype)
 
 
-def test_long_runs_split_into_chunks(rng):
-    # Rows hit hundreds of times (runs >= 256 lookups, up to 3 chunks) next to short runs.
+@pytest.mark.parametrize("search", [True, False], ids=["search", "xla-tasks"])
+def test_long_runs_split_into_chunks(rng, search, monkeypatch):
+    # Rows hit hundreds of times (runs >= 256 lookups, up to 3 chunks) next to short runs; the chunk tasks found
+    # by the chunk kernel (runs.CHUNK_SEARCH) or listed by XLA ops.
+    monkeypatch.setattr(runs_lib, "CHUNK_SEARCH", search)
     tables = specs([3, 500], [8, 8])
     _check_step(rng, tables, [0, 1], [3, 3], (200, 300), tbe_jax.RowwiseAdagrad(0.05, 1e-2), steps=1)
 
@@ -368,10 +371,32 @@ def test_chunk_tasks(rng):
             want_run.append(li)
             want_first.append(run_start[run] + c * runs_lib.LONG)
     assert total == len(want_run)
-    np.testing.assert_array_equal(np.asarray(r.chunk_run)[:total], want_run)
-    np.testing.assert_array_equal(np.asarray(r.chunk_first)[:total], want_first)
     np.testing.assert_array_equal(np.asarray(r.long_chunk0)[: n_long + 1],
                                   np.concatenate([[0], np.cumsum(-(-lengths[want_long] // runs_lib.LONG))]))
+    n = len(idx)
+    # The XLA ops (runs.CHUNK_SEARCH off) ...
+    chunk_run, chunk_first = jax.jit(functools.partial(runs_lib.chunk_tasks, n=n))(r.run_start, r.long,
+                                                                                   r.long_chunk0)
+    np.testing.assert_array_equal(np.asarray(chunk_run)[:total], want_run)
+    np.testing.assert_array_equal(np.asarray(chunk_first)[:total], want_first)
+    # ... and the chunk kernel's binary search (backward._chunk_task, on), run over every task.
+    from tbe_jax._pallas import pallas_call, plgpu
+    from tbe_jax.kernels import backward as bwd
+
+    def kernel(chunk0_ref, long_ref, start_ref, run_ref, first_ref):
+        def one(t, c):
+            li, first = bwd._chunk_task(chunk0_ref, long_ref, start_ref, t, chunk0_ref.shape[0])
+            plgpu.store(run_ref.at[t], li)
+            plgpu.store(first_ref.at[t], first)
+            return c
+
+        jax.lax.fori_loop(0, total, one, 0)
+
+    got_run, got_first = pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct((total,), jnp.int32)] * 2, grid=(1,), interpret=True,
+    )(r.long_chunk0, r.long, r.run_start)
+    np.testing.assert_array_equal(np.asarray(got_run), want_long[want_run])
+    np.testing.assert_array_equal(np.asarray(got_first), want_first)
 
 
 def test_task_ranges_from_rle_edges(rng):
@@ -472,11 +497,15 @@ def test_rle_kernel_matches_xla_ops(rng, case):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("rows,width", [(1, 1), (2500, 3), (1024, 2)])
-def test_exclusive_scan(rng, rows, width):
+@pytest.mark.parametrize("tile", [True, False], ids=["tile", "columns"])
+@pytest.mark.parametrize("rows,width", [(1, 1), (2500, 3), (1024, 2), (3000, 4)])
+def test_exclusive_scan(rng, rows, width, tile, monkeypatch):
     """kernels.scan.exclusive_scan (the per-block prefix sums of the rle and TT plan passes): one chunk, several
-    chunks with a partial last one, exactly one chunk; against NumPy."""
+    chunks with a partial last one, exactly one chunk; a width padded to a power of two (3) and not; the tiled
+    kernel and the column-at-a-time one; against NumPy."""
     from tbe_jax.kernels import scan
+
+    monkeypatch.setattr(scan, "TILE", tile)
 
     counts = rng.integers(0, 1000, size=(rows, width)).astype(np.int32)
     base, tot = jax.jit(functools.partial(scan.exclusive_scan, width=width, interpret=KERNEL_KW["interpret"],

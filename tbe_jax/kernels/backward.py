@@ -44,7 +44,7 @@ import numpy as np
 
 from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
-from tbe_jax.runs import LONG, SMALL, Runs, group_bases, row_parity, width_classes
+from tbe_jax.runs import LONG, SMALL, Runs, chunk_tasks, group_bases, row_parity, width_classes
 from tbe_jax.specs import StorageLayout
 
 
@@ -477,15 +477,34 @@ def _update_key_row(opt, hyper_ref, seg, state, key, acc, cols):
     seg.per_buffer(key, update)
 
 
-def _chunk_kernel(rng_ref, chunk_first_ref, chunk_run_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
-                  g_ref, part_ref, *, segs, k, programs, scaled, prefetch, align):
+def _chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, size: int):
+    """(long run, first sorted lookup) of chunk task `t` (below the chunk count): the last `li` with
+    `long_chunk0[li] <= t`, by a binary search over its `size` entries (those past the long runs hold the chunk
+    count, above t), then the run's first lookup plus `LONG` per chunk before t."""
+    def halve(_, lo_hi):  # the answer stays in [lo, hi)
+        lo, hi = lo_hi
+        mid = (lo + hi) // 2
+        below = plgpu.load(long_chunk0_ref.at[mid]) <= t
+        return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
+
+    li, _ = jax.lax.fori_loop(0, max(size - 1, 1).bit_length(), halve, (jnp.int32(0), jnp.int32(size)))
+    r = plgpu.load(long_ref.at[li])
+    return r, plgpu.load(run_start_ref.at[r]) + (t - plgpu.load(long_chunk0_ref.at[li])) * LONG
+
+
+def _chunk_kernel(rng_ref, chunk_a_ref, chunk_b_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
+                  g_ref, part_ref, *, segs, k, programs, scaled, prefetch, align, search):
     """One LONG-lookup chunk of a long run per task: its fp32 partial sum (zero past the run's dim)
-    to row `t` of the workspace (the first `width` columns of its segment)."""
+    to row `t` of the workspace (the first `width` columns of its segment). With `search`, `chunk_a_ref` is
+    `long_chunk0` (`_chunk_task`; `chunk_b_ref` unused), else `chunk_first` and `chunk_b_ref` `chunk_run`."""
     def body(c, t):
         seg = segs[c]
         cols = jnp.arange(seg.width, dtype=jnp.int32)
-        first = plgpu.load(chunk_first_ref.at[t])
-        r = plgpu.load(long_ref.at[plgpu.load(chunk_run_ref.at[t])])
+        if search:
+            r, first = _chunk_task(chunk_a_ref, long_ref, run_start_ref, t, chunk_a_ref.shape[0])
+        else:
+            first = plgpu.load(chunk_a_ref.at[t])
+            r = plgpu.load(long_ref.at[plgpu.load(chunk_b_ref.at[t])])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
         col_ok = (cols < seg.dims[0] if seg.single
                   else _cols_below(cols, seg.dim_of(plgpu.load(run_key_ref.at[r])), align))
@@ -562,12 +581,14 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
     kernel) and in the mid, chunk and long task lists."""
     segs = _segments(layout)
     n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
-    if runs.seg_edges is not None and runs.seg_edges.shape[0] == len(segs) - 1:
-        # The counts below each segment's first key, from the run-length pass; a long run's chunks are
-        # contiguous in the chunk list, so the chunk bounds are the long bounds' first chunks.
+    one = len(segs) == 1
+    if one or (runs.seg_edges is not None and runs.seg_edges.shape[0] == len(segs) - 1):
+        # The counts below each segment's first key, from the run-length pass (one segment: none below it, all
+        # below the end); a long run's chunks are contiguous in the chunk list, so the chunk bounds are the long
+        # bounds' first chunks.
         zero = jnp.zeros((1, 3), jnp.int32)
         last = jnp.stack([runs.num_runs, n_mid, n_long]).astype(jnp.int32)[None, :]
-        edges = jnp.concatenate([zero, runs.seg_edges, last], axis=0)  # [segments + 1, (runs, mid, long)]
+        edges = jnp.concatenate([zero] + ([] if one else [runs.seg_edges]) + [last], axis=0)
         chunk = runs.long_chunk0[edges[:, 2]]
         cols = [edges[:, 0], edges[:, 1], chunk, edges[:, 2]]
         return jnp.stack([e for c in cols for e in (c[:-1], c[1:])], axis=1)
@@ -579,7 +600,9 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
         return jnp.where(jnp.arange(lst.shape[0]) < count, key_of(lst), total)
 
     long_keys = keys(runs.long, n_long)
-    chunk_keys = jnp.where(jnp.arange(runs.chunk_run.shape[0]) < n_chunks, long_keys[runs.chunk_run], total)
+    chunk_run = runs.chunk_run if runs.chunk_run is not None else chunk_tasks(
+        runs.run_start, runs.long, runs.long_chunk0, n)[0]
+    chunk_keys = jnp.where(jnp.arange(chunk_run.shape[0]) < n_chunks, long_keys[chunk_run], total)
 
     def bounds(keys):  # searchsorted(keys, bases, "left") as one fused compare-and-count pass: no device
         # while loop, and a program whose size does not depend on len(keys)
@@ -632,7 +655,8 @@ def fused_update(
     # run), so the runs carry no scales and the kernels skip those loads.
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
-    max_chunks = runs.chunk_first.shape[0]
+    max_chunks = 2 * n // LONG + 1  # chunk task slots (`runs.chunk_tasks`)
+    search = runs.chunk_first is None
     # Every launch gets the full program count (scaling a class's programs by its share of the
     # tables measured slower: dims-20261130-164044).
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
@@ -696,11 +720,12 @@ def fused_update(
             "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
     part = pallas_call(
         functools.partial(_chunk_kernel, segs=segs, k=k, programs=p_long, scaled=scaled, prefetch=prefetch,
-                          align=align),
+                          align=align, search=search),
         out_shape=jax.ShapeDtypeStruct((max_chunks, width), jnp.float32),
         grid=(p_long,),
         compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
-    )(rng, runs.chunk_first, runs.chunk_run, runs.long, runs.run_start, runs.run_key, *common)
+    )(rng, *((runs.long_chunk0, runs.long) if search else (runs.chunk_first, runs.chunk_run)), runs.long,
+      runs.run_start, runs.run_key, *common)
     aliased(functools.partial(_long_kernel, opt=opt, segs=segs, programs=p_long),
             "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part])
     return new_w, new_s

@@ -18,6 +18,9 @@ import jax.numpy as jnp
 from tbe_jax._pallas import pallas_call, plgpu
 
 CHUNK = 1024
+# One [CHUNK, width] tile per step (contiguous in memory, one scan along its rows), instead of the `width` columns
+# one at a time with strided loads (a scan, a reduction and a carry per column). A/B switch (`--private TILE=0`).
+TILE = True
 # A/B switch (benchmarks' `--private USE_XLA=1`): the same sums as XLA's cumsum and sum.
 USE_XLA = False
 
@@ -41,6 +44,24 @@ def _scan_kernel(counts_ref, base_ref, *tot_refs, rows: int, width: int):
         plgpu.store(ref.at[zero], v)
 
 
+def _tile_kernel(counts_ref, base_ref, *tot_refs, rows: int, width: int):
+    cols = 1 << (width - 1).bit_length()  # a power of two: Triton's block shapes
+    r = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    c = jnp.arange(cols, dtype=jnp.int32)[None, :]
+
+    def body(i, carry):  # carry: [1, cols], the column sums of the rows before this tile
+        j = i * CHUNK + r
+        ok = (j < rows) & (c < width)
+        x = plgpu.load(counts_ref.at[j * width + c], mask=ok, other=0)
+        plgpu.store(base_ref.at[j * width + c], carry + jnp.cumsum(x, axis=0) - x, mask=ok)
+        return carry + jnp.sum(x, axis=0, keepdims=True)
+
+    tot = jax.lax.fori_loop(0, -(-rows // CHUNK), body, jnp.zeros((1, cols), jnp.int32))
+    zero = jnp.int32(0)
+    for k, ref in enumerate(tot_refs):
+        plgpu.store(ref.at[zero], jnp.sum(jnp.where(c == k, tot, 0)))
+
+
 def exclusive_scan(counts: jax.Array, width: int, *, interpret: bool = False, kernel: bool | None = None):
     """`counts` `[rows * width]` int32 (row-major: `width` counts per block) -> (the exclusive prefix sum over
     rows of each column, same layout; the column totals as `width` arrays of shape `[1]`).
@@ -56,7 +77,7 @@ def exclusive_scan(counts: jax.Array, width: int, *, interpret: bool = False, ke
         tot = jnp.sum(c, axis=0)
         return (jnp.cumsum(c, axis=0) - c).reshape(-1), tuple(tot[k : k + 1] for k in range(width))
     outs = pallas_call(
-        functools.partial(_scan_kernel, rows=rows, width=width),
+        functools.partial(_tile_kernel if TILE else _scan_kernel, rows=rows, width=width),
         out_shape=[jax.ShapeDtypeStruct(counts.shape, jnp.int32)] + [jax.ShapeDtypeStruct((1,), jnp.int32)] * width,
         grid=(1,), compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="prefix_scan",
