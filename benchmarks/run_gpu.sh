@@ -38,6 +38,8 @@
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 #   check20   the whole suite compiled; backward traces (with host events) on base, zipf, many300x24, two mixed-dim models
+#   merge20   the whole suite compiled; traces of session 20's chunk search, tiled scan, merged mid/chunk launch (A/B)
+#   final20   traces of held-out-like models (many tables, tens of dims); bench_backward --device-opt on anchors + mixed
 #   dims      bench_dims.py: backward/forward against D, mixed-dim models    -> dims-*.json, dims.log
 #   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
 #   optim     bench_optimizers.py: each fused optimizer's backward step on base and zipf -> optimizers-*.json, optim.log
@@ -408,6 +410,17 @@ for stage in "$@"; do
         timeout -s INT 210 python3 benchmarks/trace_backward.py --presets base,zipf,dims4-128/4,dims8-192/8,many300x24 \
           --host --out "$OUT/check20-backward.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/check20.log" | grep -A14 "==" ;;
+    merge20) timeout -s INT 330 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/merge20tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed|Interrupted" "$OUT/merge20tests.log" | tail -20
+        timeout -s INT 200 python3 benchmarks/trace_backward.py --presets base,zipf,dims4-128/4,many300x24 \
+          --variants "" "CHUNK_SEARCH=0,TILE=0,MERGE_MID_CHUNK=0" --out "$OUT/merge20-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/merge20.log" | grep -A10 "==" ;;
+    final20) timeout -s INT 150 python3 benchmarks/trace_backward.py --presets many300x24z,many500x40@1,dims12-252/8,dims16-256/16 \
+          --out "$OUT/final20-backward.json" 2>&1 \
+          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/final20.log" | grep "=="
+        timeout -s INT 380 python3 benchmarks/bench_backward.py --no-xla --device-opt \
+          --presets base,zipf,weighted,fp32,smalltable,dims4-128/4,dims8-192/8,many300x24,large --out "$OUT" 2>&1 \
+          | grep -v Warning | tee "$OUT/final20-bench.log" | tail -14 ;;
     x2tests) timeout 400 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
           tests/test_sharded_layers.py tests/test_tt_sharded_layers.py tests/test_dlrm_sharded.py \
           tests/test_sharded_input_errors.py > "$OUT/x2tests.log" 2>&1; tail -3 "$OUT/x2tests.log" ;;

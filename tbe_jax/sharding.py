@@ -628,7 +628,7 @@ def _psum(x, s):
 def _forward(s: ShardedTableBatchedEmbedding, params, idx, off, psw, want_routed: bool):
     s._check_params(params)
     ax = s.axis_name
-    emb, lay, n = s.emb, s.layout, s.num_devices
+    emb, n = s.emb, s.num_devices
     nf = emb.num_features
     b = (off.shape[1] - 1) // nf
     sequence = emb.pooling == "none"
@@ -693,7 +693,7 @@ def _route_for_update(s, idx, off, psw):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _update(s: ShardedTableBatchedEmbedding, params, opt_state, opt, routed, grad_output):
     ax = s.axis_name
-    emb, lay, n = s.emb, s.layout, s.num_devices
+    emb, n = s.emb, s.num_devices
     sequence = emb.pooling == "none"
     pspec = jax.tree_util.tree_map(lambda _: P(ax), params)
     sspec = s._state_specs(opt_state)

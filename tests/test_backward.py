@@ -286,11 +286,15 @@ def test_low_precision_tables(rng, wdtype):
     _check_step(rng, tables, [0, 1], [5, 5], (0, 10), tbe_jax.RowwiseAdagrad(0.1, 0.1), wdtype=wdtype)
 
 
-@pytest.mark.parametrize("search", [True, False], ids=["search", "xla-tasks"])
+@pytest.mark.parametrize("search", [True, False], ids=["search-merged", "xla-tasks-apart"])
 def test_long_runs_split_into_chunks(rng, search, monkeypatch):
-    # Rows hit hundreds of times (runs >= 256 lookups, up to 3 chunks) next to short runs; the chunk tasks found
-    # by the chunk kernel (runs.CHUNK_SEARCH) or listed by XLA ops.
+    # Rows hit hundreds of times (runs >= 256 lookups, up to 3 chunks) next to short runs and mid runs; the chunk
+    # tasks found by the kernel (runs.CHUNK_SEARCH) in the mid runs' launch (backward.MERGE_MID_CHUNK), or listed
+    # by XLA ops for a chunk kernel of their own.
+    from tbe_jax.kernels import backward as bwd
+
     monkeypatch.setattr(runs_lib, "CHUNK_SEARCH", search)
+    monkeypatch.setattr(bwd, "MERGE_MID_CHUNK", search)
     tables = specs([3, 500], [8, 8])
     _check_step(rng, tables, [0, 1], [3, 3], (200, 300), tbe_jax.RowwiseAdagrad(0.05, 1e-2), steps=1)
 

@@ -242,6 +242,10 @@ WIDTH_BLOCK = True
 MULTI_SMALL_BLOCK = 0
 MULTI_SMALL_WARPS = 0
 MULTI_SMALL_PROGRAMS = 0
+# The mid-run and chunk tasks in one launch (`_mid_chunk_kernel`: each persistent program takes its mid tasks, then
+# its chunk tasks) instead of two. Each launch cost ~6 us on every step even with no task (base, dims 4..128:
+# check20-backward-20261202-0135). A/B switch.
+MERGE_MID_CHUNK = True
 # Segments of this width or less (the narrow ones) share one small-run launch with the segments before them (each
 # keeps its own programs: the grid is split by program id). On mixed-dim models each narrow segment alone was a
 # launch of ~8-16 us (dims 4..128: w4, w8, w16 x2, w32 x2 took 66 us of 0.44 ms of small-run kernels,
@@ -448,8 +452,25 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
 def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
                 opt, segs, k, programs, scaled, prefetch, align):
     """One mid run per task: its lookups gathered `k` at a time, one row update."""
-    states = _segment_states(refs, opt, segs)
+    _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
+               _segment_states(refs, opt, segs), opt=opt, segs=segs, k=k, programs=programs, scaled=scaled,
+               prefetch=prefetch, align=align)
 
+
+def _mid_chunk_kernel(rng_ref, hyper_ref, mid_ref, chunk_a_ref, chunk_b_ref, long_ref, run_start_ref, run_key_ref,
+                      src_ref, scale_ref, g_ref, *refs, opt, segs, k, programs, scaled, prefetch, align, search):
+    """The mid-run tasks, then the chunk tasks, on the same persistent programs (MERGE_MID_CHUNK): one launch.
+    `refs`: the buffers' state (inputs, aliased outputs), then the chunk partials' workspace."""
+    _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
+               _segment_states(refs[:-1], opt, segs), opt=opt, segs=segs, k=k, programs=programs, scaled=scaled,
+               prefetch=prefetch, align=align)
+    _chunk_kernel(rng_ref, chunk_a_ref, chunk_b_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
+                  g_ref, refs[-1], segs=segs, k=k, programs=programs, scaled=scaled, prefetch=prefetch,
+                  align=align, search=search)
+
+
+def _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, states, *,
+               opt, segs, k, programs, scaled, prefetch, align):
     def body(c, t):
         seg = segs[c]
         cols = jnp.arange(seg.width, dtype=jnp.int32)
@@ -676,9 +697,11 @@ def fused_update(
     buffers = [g for seg in segs for g in seg.buffers]
     width = max(seg.width for seg in segs)
 
-    def aliased(kernel, name, grid, args, buffers=buffers, compiler_params=params):
+    def aliased(kernel, name, grid, args, buffers=buffers, compiler_params=params, extra=()):
+        """Launch `kernel` with the state of `buffers` aliased in place; `extra`: more outputs (shapes) after the
+        state's, returned."""
         state = [x for g in buffers for x in [new_w[keys[g]]] + [d[keys[g]] for d in new_s]]
-        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state] + list(extra)
         args = list(args) + state
         out = pallas_call(
             kernel, out_shape=shapes, grid=(grid,),
@@ -691,6 +714,7 @@ def fused_update(
             new_w[keys[g]] = out[per * i]
             for j, d in enumerate(new_s):
                 d[keys[g]] = out[per * i + 1 + j]
+        return out[len(state):]
 
     segs = tuple(segs)
     align = row_align(layout.dims, 4)
@@ -715,17 +739,25 @@ def fused_update(
                 sum(programs), [rng, hyper, runs.run_start, runs.run_key] + common,
                 [g for seg in group for g in seg.buffers],
                 plgpu.CompilerParams(num_warps=max(warps), num_stages=1))
-    aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
-                              prefetch=prefetch, align=align),
-            "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
-    part = pallas_call(
-        functools.partial(_chunk_kernel, segs=segs, k=k, programs=p_long, scaled=scaled, prefetch=prefetch,
-                          align=align, search=search),
-        out_shape=jax.ShapeDtypeStruct((max_chunks, width), jnp.float32),
-        grid=(p_long,),
-        compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
-    )(rng, *((runs.long_chunk0, runs.long) if search else (runs.chunk_first, runs.chunk_run)), runs.long,
-      runs.run_start, runs.run_key, *common)
+    chunk_args = [*((runs.long_chunk0, runs.long) if search else (runs.chunk_first, runs.chunk_run)), runs.long]
+    part_shape = jax.ShapeDtypeStruct((max_chunks, width), jnp.float32)
+    if MERGE_MID_CHUNK:
+        p_mc = max(p_mid, p_long)
+        part, = aliased(functools.partial(_mid_chunk_kernel, opt=opt, segs=segs, k=k, programs=p_mc, scaled=scaled,
+                                          prefetch=prefetch, align=align, search=search),
+                        "tbe_backward_mid_runs_chunks", p_mc,
+                        [rng, hyper, runs.mid, *chunk_args, runs.run_start, runs.run_key] + common,
+                        extra=[part_shape])
+    else:
+        aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
+                                  prefetch=prefetch, align=align),
+                "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
+        part = pallas_call(
+            functools.partial(_chunk_kernel, segs=segs, k=k, programs=p_long, scaled=scaled, prefetch=prefetch,
+                              align=align, search=search),
+            out_shape=part_shape, grid=(p_long,),
+            compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
+        )(rng, *chunk_args, runs.run_start, runs.run_key, *common)
     aliased(functools.partial(_long_kernel, opt=opt, segs=segs, programs=p_long),
             "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part])
     return new_w, new_s

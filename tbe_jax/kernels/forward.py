@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.kernels import programs
