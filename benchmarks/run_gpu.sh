@@ -40,6 +40,7 @@
 #   check20   the whole suite compiled; backward traces (with host events) on base, zipf, many300x24, two mixed-dim models
 #   merge20   the whole suite compiled; traces of session 20's chunk search, tiled scan, merged mid/chunk launch (A/B)
 #   final20   traces of held-out-like models (many tables, tens of dims); bench_backward --device-opt on anchors + mixed
+#   many20    bench_backward --bwd-only on many300x24 (enqueued, against the byte-scaled FBGEMM estimate)
 #   dims      bench_dims.py: backward/forward against D, mixed-dim models    -> dims-*.json, dims.log
 #   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
 #   optim     bench_optimizers.py: each fused optimizer's backward step on base and zipf -> optimizers-*.json, optim.log
@@ -421,6 +422,9 @@ for stage in "$@"; do
         timeout -s INT 380 python3 benchmarks/bench_backward.py --no-xla --device-opt \
           --presets base,zipf,weighted,fp32,smalltable,dims4-128/4,dims8-192/8,many300x24,large --out "$OUT" 2>&1 \
           | grep -v Warning | tee "$OUT/final20-bench.log" | tail -14 ;;
+    many20) timeout -s INT 140 python3 benchmarks/bench_backward.py --no-xla --device-opt --bwd-only --presets many300x24 \
+          --iters 10 --reps 3 --sets 2 --out "$OUT" 2>&1 | grep -v "Warning\\|^E1202\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^$" \
+          | tee "$OUT/many20.log" | tail -6 ;;
     x2tests) timeout 400 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
           tests/test_sharded_layers.py tests/test_tt_sharded_layers.py tests/test_dlrm_sharded.py \
           tests/test_sharded_input_errors.py > "$OUT/x2tests.log" 2>&1; tail -3 "$OUT/x2tests.log" ;;
