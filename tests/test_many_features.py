@@ -60,3 +60,26 @@ def test_300_features_forward_and_step(rng, impl):
         assert_close(got, ref, 1e-5)
     for got, ref in zip(jax.jit(emb.get_momentum)(new_s), want_m):  # jitted: one compile, not one per table
         assert_close(got, ref, 1e-5)
+
+
+def test_many_tables_workload():
+    """`testing.many_tables` / `testing.workload("many...")`, the benchmarks' models of hundreds of tables: the
+    promised shape (tables, distinct dims, ranges), the same model for the same seed, another for another seed, and
+    the name forms."""
+    from tbe_jax import testing
+
+    wl = testing.workload("many300x24")
+    feats = wl.features()
+    rows, dims, lens = (np.array(x) for x in zip(*feats))
+    assert len(feats) == 300 and len(set(dims.tolist())) == 24
+    assert np.all(dims % 4 == 0) and dims.min() >= 4 and dims.max() <= 256
+    assert rows.min() >= 1000 and rows.max() <= 1_000_000 and lens.min() >= 1 and lens.max() <= 40
+    assert wl.B == 2048 and wl.alpha == 1.0 and wl.name == "many300x24"
+    assert testing.workload("many300x24").features() == feats  # deterministic
+    assert testing.workload("many300x24@1").features() != feats
+    z = testing.workload("many300x24z")
+    assert z.alpha > 1.0 and z.features() == feats  # same model, Zipf ids
+    small = testing.many_tables(5, 5)  # every dim used at least once, even with as many dims as tables
+    assert len(set(d for _, d, _ in small.features())) == 5
+    assert testing.workload("dims4-16/4").dims == (4, 8, 12, 16)
+    assert testing.workload("base") is testing.PRESETS["base"]
