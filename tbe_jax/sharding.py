@@ -54,7 +54,8 @@ from tbe_jax import bounds, optim, reference
 from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, plan_sharding
 from tbe_jax.specs import TableSpec, checked_tables
 from tbe_jax.inputs import widen_ids
-from tbe_jax.tbe import TableBatchedEmbedding
+from tbe_jax import tbe as tbe_module
+from tbe_jax.tbe import TableBatchedEmbedding, blocked_draw
 
 __all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
 
@@ -224,7 +225,7 @@ class ShardedTableBatchedEmbedding:
         """Tables drawn as `emb.init` draws them (uniform in `+-1/sqrt(E_t)` per table), placed on the mesh:
         each device draws its own shards (no table exists whole anywhere). The values differ from
         `emb.init(key)`'s; use `set_tables` to start from given tables."""
-        return _sharded_init(self, key)
+        return _sharded_init(self, key, tbe_module.INIT_BLOCK)
 
     def set_tables(self, params, tables: Sequence) -> dict:
         """Params holding `tables` (one `[E_t, D_t]` array per table, as `emb.set_tables` takes), each device
@@ -809,8 +810,8 @@ def _sequence_grads(s, g, r):
 # -- init and gathers -------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _sharded_init(s: ShardedTableBatchedEmbedding, key):
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _sharded_init(s: ShardedTableBatchedEmbedding, key, init_block: int):
     lay, emb, n, ax = s.layout, s.emb, s.num_devices, s.axis_name
     specs = {}
     tables = {}
@@ -832,14 +833,19 @@ def _sharded_init(s: ShardedTableBatchedEmbedding, key):
         j = jax.lax.axis_index(ax) if n > 1 else 0
         out = {}
         for name, (starts, bnd, c, w) in tables.items():
-            rows = lay.pool_rows[c]
-            r = jax.lax.iota(jnp.int32, rows)
-            st = starts[j]
-            piece = jnp.searchsorted(st, r, side="right", method="scan_unrolled") - 1
-            bound = bnd[j][jnp.clip(piece, 0, st.shape[0] - 1)]
+            st, bd = starts[j], bnd[j]
+
+            def draw(k, r0, n, st=st, bd=bd, w=w):  # rows [r0, r0 + n) of this device's pool
+                piece = jnp.searchsorted(st, r0 + jax.lax.iota(jnp.int32, n), side="right",
+                                         method="scan_unrolled") - 1
+                bound = bd[jnp.clip(piece, 0, st.shape[0] - 1)]
+                u = jax.random.uniform(k, (n, w), jnp.float32, -1.0, 1.0)
+                return (u * bound[:, None]).astype(emb.weights_dtype)
+
             k = jax.random.fold_in(jax.random.fold_in(key, j), c)
-            u = jax.random.uniform(k, (rows, w), jnp.float32, -1.0, 1.0)
-            out[name] = (u * bound[:, None]).astype(emb.weights_dtype)
+            # a large pool block by block: init's scratch memory that of a block (tbe.INIT_BLOCK), per device
+            block = max(1, init_block // w)
+            out[name] = blocked_draw(k, lay.pool_rows[c], w, emb.weights_dtype, block, draw)
         return out
 
     return s._smap(body, P(), specs)(key)

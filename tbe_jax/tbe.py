@@ -778,21 +778,53 @@ def _add_size_fix(rep, size_fix):
     return bounds.BoundsReport(rep.invalid_indices, rep.repaired_offsets + size_fix)
 
 
+# Elements drawn at a time by `init`: a buffer larger than this is drawn block by block into its place (a loop on
+# the device), so init's scratch memory is that of one block (XLA keeps a draw's random bits and fp32 values: on
+# the CPU a one-draw buffer needed 8x its own size in scratch, 8.2 GB for a 1 GB fp16 buffer), not of the buffer.
+INIT_BLOCK = 1 << 24
+
+
 def _init_buffer(key, rows: tuple, dim: int, stride: int, dtype: str):
-    """One storage buffer: rows of table t uniform in +-1/sqrt(E_t), one draw for the whole buffer (its
-    padding columns, past `dim`, zero; the values are those of the unpadded buffer's draw)."""
+    """One storage buffer: rows of table t uniform in +-1/sqrt(E_t), its padding columns (past `dim`) zero. A
+    buffer of at most INIT_BLOCK elements is one draw (the values are those of the unpadded buffer's draw);
+    a larger one is drawn in blocks of rows, block i from `fold_in(key, i)`."""
     starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int32)
     bounds = (1.0 / np.sqrt(np.asarray(rows, np.float64))).astype(np.float32)
     # The per-table arrays are arguments, not constants, so XLA does not constant-fold a
     # buffer-sized row -> table map at compile time.
-    return _init_draw(key, jnp.asarray(starts), jnp.asarray(bounds), sum(rows), dim, stride, dtype)
+    block = max(1, INIT_BLOCK // max(dim, 1))
+    return _init_draw(key, jnp.asarray(starts), jnp.asarray(bounds), sum(rows), dim, stride, dtype, block)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def _init_draw(key, starts, bounds, num_rows: int, dim: int, stride: int, dtype: str):
-    row = jax.lax.iota(jnp.int32, num_rows)
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _init_draw(key, starts, bounds, num_rows: int, dim: int, stride: int, dtype: str, block: int):
+    return blocked_draw(key, num_rows, stride, dtype, block,
+                        lambda k, r0, n: _init_rows(k, starts, bounds, r0, n, dim, stride, dtype))
+
+
+def blocked_draw(key, num_rows: int, width: int, dtype, block: int, draw):
+    """A `[num_rows, width]` array from `draw(key, r0, n)` (rows [r0, r0 + n)): one call if it has at most
+    `block` rows, else blocks of `block` rows written into place by a device loop, block i drawn with
+    `fold_in(key, i)` (the last block ends at the last row and may redraw rows of the one before). The scratch
+    memory is then that of one block's draw. Traced (call it under `jit`)."""
+    if num_rows <= block:
+        return draw(key, 0, num_rows)
+
+    def one(i, w):
+        r0 = jnp.minimum(i * block, num_rows - block)
+        return jax.lax.dynamic_update_slice(w, draw(jax.random.fold_in(key, i), r0, block), (r0, jnp.int32(0)))
+
+    # Block 0 outside the loop: the carry then has the draws' type (under `shard_map`, varying over the mesh axis
+    # when the key is), not that of a constant zero array.
+    w0 = one(0, jnp.zeros((num_rows, width), dtype))
+    return jax.lax.fori_loop(1, -(-num_rows // block), one, w0)
+
+
+def _init_rows(key, starts, bounds, r0, n: int, dim: int, stride: int, dtype: str):
+    """Rows [r0, r0 + n) of a buffer: uniform in +-1/sqrt(E_t) of each row's table, padded to `stride`."""
+    row = r0 + jax.lax.iota(jnp.int32, n)
     table = jnp.searchsorted(starts, row, side="right", method="scan_unrolled") - 1
-    u = jax.random.uniform(key, (num_rows, dim), jnp.float32, -1.0, 1.0)
+    u = jax.random.uniform(key, (n, dim), jnp.float32, -1.0, 1.0)
     w = (u * bounds[table][:, None]).astype(dtype)
     return w if stride == dim else jnp.pad(w, ((0, 0), (0, stride - dim)))
 

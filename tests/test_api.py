@@ -36,6 +36,36 @@ def test_storage_round_trip(wdtype):
     assert np.std(np.asarray(got[1], np.float32)) > bound / 4  # really random
 
 
+def test_init_in_blocks(monkeypatch):
+    """`init` draws a buffer larger than `tbe.INIT_BLOCK` elements block by block into its place: each table's rows
+    within +-1/sqrt(E_t) of its own E (tables sharing a buffer and a block), every block its own draw (the last one
+    overlapping the one before), the same result for the same key, and a buffer of one block drawn as before. The
+    scratch memory of a large buffer's init is that of a block, not of the buffer (XLA's memory analysis)."""
+    from tbe_jax import tbe
+
+    rows, dims = [10, 400, 5, 7, 300], [4, 8, 4, 3, 8]
+    emb = tbe_jax.TableBatchedEmbedding(specs(rows, dims), weights_dtype="float32")
+    whole = emb.get_tables(emb.init(jax.random.key(3)))
+    monkeypatch.setattr(tbe, "INIT_BLOCK", 64)  # d8: 700 rows in blocks of 8 (88 blocks); d4, d3: one block
+    got = [np.asarray(t) for t in emb.get_tables(emb.init(jax.random.key(3)))]
+    for t, e in zip(got, rows):
+        assert np.abs(t).max() <= 1 / np.sqrt(e) and np.abs(t).max() > 0.5 / np.sqrt(e)
+    d8 = np.concatenate([got[1], got[4]]) * np.sqrt(np.repeat([400, 300], [400, 300]))[:, None]
+    blocks = d8[:696].reshape(87, 8, 8)
+    assert not np.any(np.all(np.isclose(blocks[1:], blocks[:-1]), axis=(1, 2)))  # no block repeats the one before
+    assert np.abs(np.mean(d8)) < 0.05 and abs(np.std(d8) - 1 / np.sqrt(3)) < 0.02  # uniform in [-1, 1]
+    for k in (0, 2, 3):  # one-block buffers: the same draw as without blocks
+        np.testing.assert_array_equal(got[k], np.asarray(whole[k]))
+    again = emb.get_tables(emb.init(jax.random.key(3)))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(got, again))
+    monkeypatch.undo()
+    shape = (4_000_000, 128, 128, "float16", tbe.INIT_BLOCK // 128)
+    compiled = tbe._init_draw.trace(jax.random.key(0), jax.ShapeDtypeStruct((4,), jnp.int32),
+                                    jax.ShapeDtypeStruct((4,), jnp.float32), *shape).lower().compile()
+    mem = compiled.memory_analysis()
+    assert mem.output_size_in_bytes == 4_000_000 * 128 * 2 and mem.temp_size_in_bytes < 0.5e9
+
+
 def test_constructor_errors():
     t = specs([10], [4])
     with pytest.raises(ValueError, match="pooling"):

@@ -183,8 +183,14 @@ def test_mesh_of_one_is_emb_bitwise():
         assert np.array_equal(np.asarray(a), np.asarray(c))
 
 
-def test_params_are_sharded_and_init():
-    """Each device holds only its shards; `init` draws every table in +-1/sqrt(E) on its owners."""
+@pytest.mark.parametrize("block", [None, 256], ids=["one-draw", "blocks"])
+def test_params_are_sharded_and_init(block, monkeypatch):
+    """Each device holds only its shards; `init` draws every table in +-1/sqrt(E) on its owners, also block by
+    block (`tbe.INIT_BLOCK` elements, here 16 rows of 16; the pools hold ~1000-1500 rows)."""
+    from tbe_jax import tbe as tbe_module
+
+    if block:
+        monkeypatch.setattr(tbe_module, "INIT_BLOCK", block)
     big = [tbe_jax.TableSpec(4000, 16), tbe_jax.TableSpec(300, 16), tbe_jax.TableSpec(200, 16),
            tbe_jax.TableSpec(101, 16), tbe_jax.TableSpec(50, 8)]
     emb = tbe_jax.TableBatchedEmbedding(big, impl="xla")
