@@ -41,6 +41,7 @@
 #   merge20   the whole suite compiled; traces of session 20's chunk search, tiled scan, merged mid/chunk launch (A/B)
 #   final20   traces of held-out-like models (many tables, tens of dims); bench_backward --device-opt on anchors + mixed
 #   many20    bench_backward --bwd-only on many300x24 (enqueued, against the byte-scaled FBGEMM estimate)
+#   check21   the whole suite compiled (blocked init); bench_features (construct + init, compiles, at 26..1000 features)
 #   dims      bench_dims.py: backward/forward against D, mixed-dim models    -> dims-*.json, dims.log
 #   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
 #   optim     bench_optimizers.py: each fused optimizer's backward step on base and zipf -> optimizers-*.json, optim.log
@@ -425,6 +426,10 @@ for stage in "$@"; do
     many20) timeout -s INT 140 python3 benchmarks/bench_backward.py --no-xla --device-opt --bwd-only --presets many300x24 \
           --iters 10 --reps 3 --sets 2 --out "$OUT" 2>&1 | grep -v "Warning\\|^E1202\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^$" \
           | tee "$OUT/many20.log" | tail -6 ;;
+    check21) timeout -s INT 330 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/check21tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed|Interrupted" "$OUT/check21tests.log" | tail -20
+        timeout -s INT 230 python3 benchmarks/bench_features.py --out "$OUT" 2>&1 | grep -v Warning \
+          | tee "$OUT/check21-features.log" | tail -8 ;;
     x2tests) timeout 400 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
           tests/test_sharded_layers.py tests/test_tt_sharded_layers.py tests/test_dlrm_sharded.py \
           tests/test_sharded_input_errors.py > "$OUT/x2tests.log" 2>&1; tail -3 "$OUT/x2tests.log" ;;
