@@ -55,7 +55,7 @@ from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, pl
 from tbe_jax.specs import TableSpec, checked_tables
 from tbe_jax.inputs import widen_ids
 from tbe_jax import tbe as tbe_module
-from tbe_jax.tbe import TableBatchedEmbedding, blocked_draw
+from tbe_jax.tbe import TableBatchedEmbedding, blocked_draw, init_rows
 
 __all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
 
@@ -833,14 +833,10 @@ def _sharded_init(s: ShardedTableBatchedEmbedding, key, init_block: int):
         j = jax.lax.axis_index(ax) if n > 1 else 0
         out = {}
         for name, (starts, bnd, c, w) in tables.items():
-            st, bd = starts[j], bnd[j]
+            st, bd = starts[j], bnd[j]  # this device's pieces (then its padding rows: bound 0)
 
-            def draw(k, r0, n, st=st, bd=bd, w=w):  # rows [r0, r0 + n) of this device's pool
-                piece = jnp.searchsorted(st, r0 + jax.lax.iota(jnp.int32, n), side="right",
-                                         method="scan_unrolled") - 1
-                bound = bd[jnp.clip(piece, 0, st.shape[0] - 1)]
-                u = jax.random.uniform(k, (n, w), jnp.float32, -1.0, 1.0)
-                return (u * bound[:, None]).astype(emb.weights_dtype)
+            def draw(k, r0, count, st=st, bd=bd, w=w):  # rows [r0, r0 + count) of this device's pool
+                return init_rows(k, st, bd, r0, count, w, w, emb.weights_dtype)
 
             k = jax.random.fold_in(jax.random.fold_in(key, j), c)
             # a large pool block by block: init's scratch memory that of a block (tbe.INIT_BLOCK), per device

@@ -799,7 +799,7 @@ def _init_buffer(key, rows: tuple, dim: int, stride: int, dtype: str):
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
 def _init_draw(key, starts, bounds, num_rows: int, dim: int, stride: int, dtype: str, block: int):
     return blocked_draw(key, num_rows, stride, dtype, block,
-                        lambda k, r0, n: _init_rows(k, starts, bounds, r0, n, dim, stride, dtype))
+                        lambda k, r0, n: init_rows(k, starts, bounds, r0, n, dim, stride, dtype))
 
 
 def blocked_draw(key, num_rows: int, width: int, dtype, block: int, draw):
@@ -820,10 +820,11 @@ def blocked_draw(key, num_rows: int, width: int, dtype, block: int, draw):
     return jax.lax.fori_loop(1, -(-num_rows // block), one, w0)
 
 
-def _init_rows(key, starts, bounds, r0, n: int, dim: int, stride: int, dtype: str):
-    """Rows [r0, r0 + n) of a buffer: uniform in +-1/sqrt(E_t) of each row's table, padded to `stride`."""
+def init_rows(key, starts, bounds, r0, n: int, dim: int, stride: int, dtype):
+    """Rows [r0, r0 + n) of a buffer whose table t starts at row `starts[t]`: uniform in +-`bounds[t]` of each
+    row's table (rows past the last start take the last bound), padded with zeros to `stride` columns."""
     row = r0 + jax.lax.iota(jnp.int32, n)
-    table = jnp.searchsorted(starts, row, side="right", method="scan_unrolled") - 1
+    table = jnp.clip(jnp.searchsorted(starts, row, side="right", method="scan_unrolled") - 1, 0, starts.shape[0] - 1)
     u = jax.random.uniform(key, (n, dim), jnp.float32, -1.0, 1.0)
     w = (u * bounds[table][:, None]).astype(dtype)
     return w if stride == dim else jnp.pad(w, ((0, 0), (0, stride - dim)))
