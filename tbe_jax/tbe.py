@@ -220,8 +220,10 @@ class TableBatchedEmbedding:
     def init(self, key: jax.Array) -> dict:
         """Tables drawn uniform in `[-1/sqrt(E_t), 1/sqrt(E_t)]` (FBGEMM's default).
 
-        One jitted draw per storage buffer, whatever the number of tables: each row's
-        bound comes from its table's size (a per-table array, repeated on the device).
+        One jitted program per storage buffer, whatever the number of tables: each row's
+        bound comes from its table's size (a per-table array, repeated on the device). A
+        buffer of more than `INIT_BLOCK` elements is drawn in blocks of rows, each into
+        place, so the scratch memory is one block's (`blocked_draw`).
         """
         out = {}
         for g in range(len(self.layout.dims)):
