@@ -148,6 +148,20 @@ def unique_rows(wl, sets):
     return float(np.mean([c[0] for c in counts])), float(np.mean([c[1] for c in counts]))
 
 
+def fbgemm_ratios(row: dict, wl) -> dict:
+    """FBGEMM's anchor times and our ratios to them into `row` (needs `bwd_ms`, `fwd_bwd_ms`); a non-anchor gets
+    `fbgemm_estimate` and its ratio instead."""
+    fb, ff = FBGEMM_BWD_KERNEL_MS.get(wl.name), FBGEMM_FWD_KERNEL_MS.get(wl.name)
+    row["fbgemm_bwd_ms"], row["fbgemm_fwd_ms"] = fb, ff
+    if fb:
+        row["vs_fbgemm_bwd"] = fb / row["bwd_ms"]
+        row["vs_fbgemm_fwd_bwd"] = (fb + ff) / row["fwd_bwd_ms"]
+    else:
+        row["fbgemm_bwd_est_ms"] = fbgemm_estimate(wl)
+        row["vs_fbgemm_bwd_est"] = row["fbgemm_bwd_est_ms"] / row["bwd_ms"]
+    return row
+
+
 def fbgemm_estimate(wl) -> float | None:
     """FBGEMM's backward kernel time on a workload that is not an anchor, scaled from its measured `base` time
     (`zipf` for Zipf ids) by the gradient columns looked up, sum(B * L * D) (its backward is bandwidth-bound on
@@ -225,15 +239,8 @@ def run_workload(wl, args, bcfgs):
     row["best"], row["bwd_ms"] = best, row["variants"][best]["bwd_ms"]
     bcfg = bcfgs[best]
     if args.bwd_only:
-        fb = FBGEMM_BWD_KERNEL_MS.get(wl.name)
-        if fb:
-            row["vs_fbgemm_bwd"] = fb / row["bwd_ms"]
-        else:
-            row["fbgemm_bwd_est_ms"] = fbgemm_estimate(wl)
-            row["vs_fbgemm_bwd_est"] = row["fbgemm_bwd_est_ms"] / row["bwd_ms"]
-        row.update(fbgemm_bwd_ms=fb, fbgemm_fwd_ms=FBGEMM_FWD_KERNEL_MS.get(wl.name), fwd_bwd_ms=float("nan"),
-                   fwd_bwd_sort_in_forward_ms=float("nan"))
-        return row
+        row.update(fwd_bwd_ms=float("nan"), fwd_bwd_sort_in_forward_ms=float("nan"))
+        return fbgemm_ratios(row, wl)
     emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, backward_config=bcfg, **kw)
     emb_sif = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, **kw,
                                             backward_config=dataclasses.replace(bcfg, sort_in_forward=True))
@@ -272,14 +279,7 @@ def run_workload(wl, args, bcfgs):
         row["xla_bwd_ms"] = row["xla_fwd_bwd_ms"] - row["xla_fwd_ms"]
         row["vs_xla_bwd"] = row["xla_bwd_ms"] / row["bwd_ms"]
         row["vs_xla_fwd_bwd"] = row["xla_fwd_bwd_ms"] / row["fwd_bwd_ms"]
-    fb, ff = FBGEMM_BWD_KERNEL_MS.get(wl.name), FBGEMM_FWD_KERNEL_MS.get(wl.name)
-    row["fbgemm_bwd_ms"], row["fbgemm_fwd_ms"] = fb, ff
-    if fb:
-        row["vs_fbgemm_bwd"] = fb / row["bwd_ms"]
-        row["vs_fbgemm_fwd_bwd"] = (fb + ff) / row["fwd_bwd_ms"]
-    else:
-        row["fbgemm_bwd_est_ms"] = fbgemm_estimate(wl)
-        row["vs_fbgemm_bwd_est"] = row["fbgemm_bwd_est_ms"] / row["bwd_ms"]
+    fbgemm_ratios(row, wl)
     row["floor_ms_at_3.7TBps"] = row["floor_bytes"] / 3.7e9
     del params0, state0
     return row
