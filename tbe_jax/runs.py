@@ -185,12 +185,15 @@ def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
     sequence: bool = False, rle_kernel: bool = False, interpret: bool = False, segment_bounds: tuple[int, ...] = (),
+    rank_sort_max: int = 0, rank_sort_chunk: int = 2048,
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
     `rle_kernel`: find the runs and the long-run list with the two Pallas passes of
     `kernels.rle` instead of XLA ops (same result). `segment_bounds` (static keys, ascending): with
-    the kernels, the runs' `seg_edges` counts the runs below each (`rle.encode(bounds=...)`).
+    the kernels, the runs' `seg_edges` counts the runs below each (`rle.encode(bounds=...)`). Batches of at most
+    `rank_sort_max` lookups are sorted by the counting-rank kernels (`kernels.ranksort`, chunks of
+    `rank_sort_chunk`), others by XLA's sort.
     """
     n = indices.shape[0]
     bases = group_bases(layout)
@@ -203,7 +206,13 @@ def build_runs(
     key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                                   sequence=sequence, kernel=rle_kernel and KEYS_KERNEL and not interpret,
                                   interpret=interpret, want_scale=not unit)
-    if unit:
+    if 0 < n <= rank_sort_max:  # one launch, payloads scattered to their places (no gathers)
+        from tbe_jax.kernels.ranksort import rank_sort
+
+        skey, ssrc, *rest = rank_sort(key, src, *(() if unit else (scale,)), chunk=rank_sort_chunk,
+                                      interpret=interpret)
+        sscale = rest[0] if rest else None
+    elif unit:
         # No scale to carry: sort the output offsets themselves (the stable sort keeps
         # batch order within a run), saving the gather `src[sorted positions]`.
         skey, ssrc = jax.lax.sort((key, src), num_keys=1, is_stable=True)

@@ -46,9 +46,9 @@ def _same_shape_batch(rng, num_rows, batch, off, weighted):
 
 
 def _check_step(rng, tables, fmap, batch, bag_len, opt, *, pooling="sum", wdtype="float32", weighted=False,
-                vbe=False, steps=2, empty_bag=False, pad_rows=True):
+                vbe=False, steps=2, empty_bag=False, pad_rows=True, backward_config=None):
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
-                                        pad_rows=pad_rows, **KERNEL_KW)
+                                        pad_rows=pad_rows, backward_config=backward_config, **KERNEL_KW)
     ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype,
                                         impl="xla", pad_rows=pad_rows)
     params = emb.init(jax.random.key(int(rng.integers(1 << 30))))
@@ -570,6 +570,64 @@ def test_runs_rle_kernel_equals_xla_path(rng):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
+@pytest.mark.parametrize("n,key_range", [(1, 5), (31, 3), (33, 1), (300, 10**9), (700, 40), (1100, 2**31 - 2)])
+def test_rank_sort_matches_lax_sort(rng, n, key_range):
+    """The counting-rank sort is XLA's stable sort: every key and payload, on crowded and spread keys, at sizes
+    around its blocks and chunks (one partial block, several, a partial last chunk, the merge pass)."""
+    from tbe_jax.kernels.ranksort import rank_sort
+
+    key = jnp.asarray(rng.integers(0, key_range, n).astype(np.int32))
+    pos, w = jnp.arange(n, dtype=jnp.int32), jnp.asarray(rng.random(n).astype(np.float32))
+    want = jax.lax.sort((key, pos, w), num_keys=1, is_stable=True)
+    # Blocks of (i, j, chunk, merge): the defaults (one chunk up to 2048), and small ones (the merge pass from 65).
+    for blocks in ((16, 256, 2048, 256), (8, 32, 64, 32)):
+        kw = dict(zip(("block_i", "block_j", "chunk", "merge_block"), blocks))
+        got = jax.jit(functools.partial(rank_sort, interpret=KERNEL_KW["interpret"], **kw))(key, pos, w)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unit", "weighted"])
+def test_runs_rank_sort_equals_xla_sort(rng, weighted):
+    """build_runs through the counting-rank sort and through XLA's: every field equal; the rank sort is taken up to
+    `rank_sort_max` lookups inclusive, XLA's sort past it."""
+    tables = specs([7, 700, 3], [4, 4, 4])
+    emb = tbe_jax.TableBatchedEmbedding(tables)
+    idx, off, psw = testing.make_batch(rng, [7, 700, 3], [5, 5, 5], (0, 120), weighted=weighted)
+    idx[4] = -1
+    n = len(idx)
+    plan = emb.plan_for(len(off))
+    args = (jnp.asarray(idx), jnp.asarray(off), None if psw is None else jnp.asarray(psw))
+    interp = KERNEL_KW["interpret"]
+
+    def build(limit, chunk=2048):
+        fn = functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="mean" if weighted else "sum",
+                               rle_kernel=True, interpret=interp, rank_sort_max=limit, rank_sort_chunk=chunk)
+        return jax.jit(fn)(*args), str(jax.make_jaxpr(fn)(*args))
+
+    (want, want_jaxpr), (got, got_jaxpr), (past, past_jaxpr) = build(0), build(n), build(n - 1)
+    merged, merged_jaxpr = build(n, 256)  # several chunks: the merge pass
+    assert n > 256 and "tbe_rank_sort_merge" in merged_jaxpr and "tbe_rank_sort_merge" not in got_jaxpr
+    assert "tbe_rank_sort" in got_jaxpr and "tbe_rank_sort" not in want_jaxpr + past_jaxpr
+    for runs in (got, merged):
+        for name, x, y in zip(runs_lib.Runs._fields, runs, want):
+            if x is None or y is None:
+                assert x is None and y is None, name
+            else:
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+@pytest.mark.parametrize("opt,pooling,weighted", [
+    (tbe_jax.RowwiseAdagrad(0.05, 1e-3), "sum", False), (tbe_jax.SGD(0.05), "mean", True)],
+    ids=["adagrad-sum", "sgd-mean-w"])
+def test_rank_sorted_update_matches_model(rng, opt, pooling, weighted):
+    # The backward with its lookups sorted by the counting-rank kernel, against the float64 model and the reference.
+    tables = specs([17, 6, 40], [5, 16, 16])
+    # ~380 lookups, chunks of 256: the merge pass too
+    _check_step(rng, tables, [0, 1, 2, 1], [16] * 4, (0, 12), opt, pooling=pooling, weighted=weighted,
+                backward_config=tbe_jax.BackwardConfig(rank_sort_max=1 << 20, rank_sort_chunk=256))
+
+
 def test_errors():
     emb = tbe_jax.TableBatchedEmbedding(specs([10], [4]), impl="xla")
     params = emb.init(jax.random.key(0))
@@ -796,8 +854,9 @@ def _apply_step_w(emb, opt, params, state, idx, off, g, psw):
     return emb.apply_gradients(params, state, opt, idx, off, g, psw)
 
 
-@pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2)],
-                         ids=["prefetch", "lookups_per_step2"])
+@pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2), dict(rank_sort_max=1 << 20),
+                                 dict(rank_sort_max=0)],
+                         ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort"])
 def test_backward_config_variants(rng, cfg):
     # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
     tables = specs([3, 300], [8, 16])
@@ -826,6 +885,10 @@ def test_backward_config_errors():
         tbe_jax.BackwardConfig(num_warps=0)
     with pytest.raises(ValueError, match="small_programs=0 must be >= 1"):
         tbe_jax.BackwardConfig(small_programs=0)
+    with pytest.raises(ValueError, match="rank_sort_max"):
+        tbe_jax.BackwardConfig(rank_sort_max=-1)
+    with pytest.raises(ValueError, match="rank_sort_chunk"):
+        tbe_jax.BackwardConfig(rank_sort_chunk=1000)
     for removed in ("keys_kernel", "keys_bags", "small_unroll"):  # experiments measured slower, removed
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{removed}'"):
             tbe_jax.BackwardConfig(**{removed: 1})

@@ -48,6 +48,11 @@ from tbe_jax.runs import LONG, SMALL, Runs, chunk_tasks, group_bases, row_parity
 from tbe_jax.specs import StorageLayout
 
 
+# The counting-rank sort's default reach (`BackwardConfig.rank_sort_max`): where it stops beating XLA's sort of
+# (key, position) on the H200 (`benchmarks/results/ranksort-20261202*.json`).
+RANK_SORT_MAX = 24576
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
     """Knobs of the backward kernels.
@@ -87,6 +92,12 @@ class BackwardConfig:
         `kernels.rle` (run starts, keys, the long-run list) instead of ~15 XLA ops
         (on the H200: 8-11% off the whole backward on fp32, zipf, base, weighted,
         `benchmarks/results/bwdsweep5-20261129-1832-*`).
+      rank_sort_max: batches of at most this many lookups are sorted by the counting-rank kernel
+        (`kernels.ranksort`: one launch, N^2 compares) instead of XLA's sort, whose small-array form costs
+        ~0.02-0.07 ms in several launches. None (default): `RANK_SORT_MAX` with compiled kernels, 0 (XLA's sort)
+        in interpret mode, where the interpreted kernel only adds CPU compile time; 0: never.
+      rank_sort_chunk: positions the counting-rank sort ranks by direct comparison; larger batches take its merge
+        pass (binary searches in the other chunks). A multiple of 256.
     """
 
     small_block: int | None = None
@@ -98,8 +109,20 @@ class BackwardConfig:
     sort_in_forward: bool = False
     prefetch: bool | None = None
     rle_kernel: bool = True
+    rank_sort_max: int | None = None
+    rank_sort_chunk: int = 2048
+
+    def rank_sort_limit(self, interpret: bool) -> int:
+        """The largest batch (lookups) sorted by the counting-rank kernel."""
+        if self.rank_sort_max is not None:
+            return self.rank_sort_max
+        return 0 if interpret else RANK_SORT_MAX
 
     def __post_init__(self):
+        if self.rank_sort_max is not None and (not isinstance(self.rank_sort_max, int) or self.rank_sort_max < 0):
+            raise ValueError(f"BackwardConfig.rank_sort_max={self.rank_sort_max!r} must be None or an int >= 0")
+        if not isinstance(self.rank_sort_chunk, int) or self.rank_sort_chunk < 256 or self.rank_sort_chunk % 256:
+            raise ValueError(f"BackwardConfig.rank_sort_chunk={self.rank_sort_chunk!r} must be a multiple of 256")
         for name in ("small_block", "lookups_per_step"):
             v = getattr(self, name)
             if v is None and name == "small_block":

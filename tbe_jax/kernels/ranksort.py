@@ -1,0 +1,150 @@
+"""A stable sort of an int32 key array with payloads by counting ranks: one or two Pallas launches, no XLA sort.
+
+XLA's GPU sort of a small array (below its radix-sort threshold, ~22k 32-bit keys on Hopper) is a bitonic network
+of several launches, and inside the backward (two or three operands) it costs 0.04-0.09 ms on the H200 however few
+keys there are; past the threshold CUB's radix sort still costs ~0.035 ms and a memset. Here each key's place in the
+stable order is its rank, counted:
+
+    rank(i) = #{j : key[j] < key[i]} + #{j < i : key[j] == key[i]}
+
+(a total order on (key, position): ranks are distinct, and the result is the stable sort's).
+
+1. Chunk ranks (`_chunk_kernel`): the positions are cut into chunks of `chunk` consecutive positions; each program
+   takes `block_i` keys and counts, against every key of its chunk (`block_j` at a time, one compare and one add
+   per pair, summed element-wise and reduced once), its rank within the chunk. One chunk (N <= chunk): these are
+   the ranks, and the keys and payloads are scattered to them: one launch.
+2. Merge ranks (`_merge_kernel`, several chunks): the chunk-sorted keys are sorted runs, and a key's rank is its
+   rank in its own chunk plus, per other chunk, a binary search: the keys <= it in earlier chunks (their positions
+   are all smaller), the keys < it in later ones. Then keys and payloads (gathered through the saved positions) go
+   to their ranks.
+
+Every output slot is written exactly once: no atomics, no initialisation, the same result run to run. The work is
+N * chunk compares plus N * (N / chunk) * log2(chunk) search steps; `BackwardConfig.rank_sort_max` says up to which
+N the backward takes it (`benchmarks/results/ranksort-*.json`). Keys must be below 2**31 - 1 (the value past the end).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tbe_jax._pallas import pallas_call, pl, plgpu
+
+BLOCK_I = 16
+BLOCK_J = 256
+CHUNK = 2048
+MERGE_BLOCK = 256
+_FAR = 2**31 - 1  # the key of positions past the end: above every key, counted by neither test
+
+
+def _chunk_kernel(key_ref, *refs, n, n_payload, block_i, block_j, chunk, final):
+    pay_refs, out_key_ref, out_refs = refs[:n_payload], refs[n_payload], refs[n_payload + 1:]
+    pid = pl.program_id(0)
+    i = pid * block_i + jnp.arange(block_i, dtype=jnp.int32)
+    ok_i = i < n
+    ki = plgpu.load(key_ref.at[i], mask=ok_i, other=0)
+
+    def keys(t):
+        j = t * block_j + jnp.arange(block_j, dtype=jnp.int32)
+        return j, plgpu.load(key_ref.at[j], mask=j < n, other=_FAR)
+
+    # Blocks of j before the one holding this program's keys hold only earlier positions (count key <= ki), those
+    # after it only later ones (count key < ki): one compare and one add per pair. Only the diagonal block compares
+    # positions.
+    def before(t, acc):
+        return acc + (keys(t)[1][None, :] <= ki[:, None]).astype(jnp.int32)
+
+    def after(t, acc):
+        return acc + (keys(t)[1][None, :] < ki[:, None]).astype(jnp.int32)
+
+    first = pid * block_i // chunk * chunk  # the chunk's first position
+    t_first, t0 = first // block_j, pid * block_i // block_j
+    t_end = jnp.minimum(first + chunk, n + block_j - 1) // block_j
+    acc = jnp.zeros((block_i, block_j), jnp.int32)
+    acc = jax.lax.fori_loop(t_first, t0, before, acc)
+    j, kj = keys(t0)
+    diag = (kj[None, :] < ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
+    acc = jax.lax.fori_loop(t0 + 1, t_end, after, acc + diag.astype(jnp.int32))
+    rank = first + jnp.sum(acc, axis=1)
+    # Lanes past the end get distinct (out-of-range, masked) slots: interpret mode's masked store writes every
+    # lane's old value back, which at a slot shared with a live lane could undo that lane's store.
+    rank = jnp.where(ok_i, rank, i)
+    plgpu.store(out_key_ref.at[rank], ki, mask=ok_i)
+    if final:
+        for src, dst in zip(pay_refs, out_refs):
+            plgpu.store(dst.at[rank], plgpu.load(src.at[i], mask=ok_i), mask=ok_i)
+    else:  # the positions, for the merge pass to gather the payloads through
+        plgpu.store(out_refs[0].at[rank], i, mask=ok_i)
+
+
+def _merge_kernel(ckey_ref, cpos_ref, *refs, n, n_payload, chunk, block):
+    pay_refs, out_key_ref, out_pay_refs = refs[:n_payload], refs[n_payload], refs[n_payload + 1:]
+    q = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+    ok = q < n
+    k = plgpu.load(ckey_ref.at[q], mask=ok, other=0)
+    c = pl.program_id(0) * block // chunk  # the program's chunk (block divides chunk)
+    steps = chunk.bit_length()
+
+    def count(b, total):
+        lo0 = b * chunk
+        hi0 = jnp.minimum(lo0 + chunk, n)
+
+        def halve(_, bounds):
+            lo, hi = bounds
+            mid = (lo + hi) // 2
+            live = lo < hi
+            v = plgpu.load(ckey_ref.at[mid], mask=live, other=0)
+            below = jnp.where(b < c, v <= k, v < k)
+            return jnp.where(live & below, mid + 1, lo), jnp.where(live & ~below, mid, hi)
+
+        lo, _ = jax.lax.fori_loop(0, steps, halve, (jnp.full(k.shape, lo0, jnp.int32),
+                                                     jnp.full(k.shape, hi0, jnp.int32)))
+        return total + jnp.where(b == c, q - lo0, lo - lo0)
+
+    rank = jax.lax.fori_loop(0, pl.cdiv(n, chunk), count, jnp.zeros(k.shape, jnp.int32))
+    rank = jnp.where(ok, rank, q)  # distinct slots for the masked lanes (see `_chunk_kernel`)
+    pos = plgpu.load(cpos_ref.at[q], mask=ok, other=0)
+    plgpu.store(out_key_ref.at[rank], k, mask=ok)
+    for src, dst in zip(pay_refs, out_pay_refs):
+        plgpu.store(dst.at[rank], plgpu.load(src.at[pos], mask=ok), mask=ok)
+
+
+def rank_sort(keys: jax.Array, *payloads: jax.Array, interpret: bool = False, block_i: int = BLOCK_I,
+              block_j: int = BLOCK_J, chunk: int = CHUNK, merge_block: int = MERGE_BLOCK):
+    """`(sorted keys, *payloads in that order)`: `jax.lax.sort((keys, *payloads), num_keys=1, is_stable=True)`.
+
+    `keys`: `[N]` int32 below 2**31 - 1; each payload `[N]` (any 32-bit dtype). `chunk` (a multiple of `block_j`
+    and of `merge_block`, itself a multiple of `block_i`): positions ranked by direct comparison; larger inputs
+    take the merge pass."""
+    n = keys.shape[0]
+    if keys.dtype != jnp.int32:
+        raise TypeError(f"rank_sort: keys must be int32, got {keys.dtype}")
+    for p in payloads:
+        if p.shape != keys.shape:
+            raise ValueError(f"rank_sort: payload shape {p.shape} must match keys {keys.shape}")
+    if block_j % block_i or chunk % block_j or chunk % merge_block:
+        raise ValueError(f"rank_sort: block_j={block_j} must be a multiple of block_i={block_i}, and chunk={chunk} "
+                         f"of block_j and of merge_block={merge_block}")
+    if n == 0:
+        return (keys, *payloads)
+    final = n <= chunk
+    i32 = jax.ShapeDtypeStruct((n,), jnp.int32)
+    outs = [i32] + ([jax.ShapeDtypeStruct((n,), p.dtype) for p in payloads] if final else [i32])
+    params = plgpu.CompilerParams(num_warps=4, num_stages=1)
+    res = pallas_call(
+        functools.partial(_chunk_kernel, n=n, n_payload=len(payloads), block_i=block_i, block_j=block_j,
+                          chunk=chunk, final=final),
+        out_shape=outs, grid=(pl.cdiv(n, block_i),), compiler_params=params, interpret=interpret,
+        name="tbe_rank_sort",
+    )(keys, *payloads)
+    if final:
+        return tuple(res)
+    ckey, cpos = res
+    res = pallas_call(
+        functools.partial(_merge_kernel, n=n, n_payload=len(payloads), chunk=chunk, block=merge_block),
+        out_shape=[i32] + [jax.ShapeDtypeStruct((n,), p.dtype) for p in payloads],
+        grid=(pl.cdiv(n, merge_block),), compiler_params=params, interpret=interpret, name="tbe_rank_sort_merge",
+    )(ckey, cpos, *payloads)
+    return tuple(res)
