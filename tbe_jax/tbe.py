@@ -165,11 +165,19 @@ class TableBatchedEmbedding:
             self.use_histogram, self.histogram_config, self.backward_config, self.pad_rows,
         )
 
+    # A static argument of every jitted call: hashed and compared on each call, so the hash is computed once
+    # (the object is immutable) and an object equals itself without comparing its fields.
     def __hash__(self):
-        return hash(self._key())
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self._key())
+            self.__dict__["_hash"] = h
+        return h
 
     def __eq__(self, other):
-        return isinstance(other, TableBatchedEmbedding) and self._key() == other._key()
+        if other is self:
+            return True
+        return isinstance(other, TableBatchedEmbedding) and hash(self) == hash(other) and self._key() == other._key()
 
     def __repr__(self):
         dims = sorted({t.embedding_dim for t in self.tables})
@@ -651,7 +659,9 @@ class TableBatchedEmbedding:
         return runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
                                    pooling=self.pooling, sequence=self.pooling == "none",
                                    rle_kernel=cfg.rle_kernel, interpret=self.interpret,
-                                   segment_bounds=bwd_kernels.segment_bounds(self.layout))
+                                   segment_bounds=bwd_kernels.segment_bounds(self.layout),
+                                   rank_sort_max=cfg.rank_sort_limit(self.interpret),
+                                   rank_sort_chunk=cfg.rank_sort_chunk)
 
     def _update_impl(self, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,
                      backward_config=None, runs=None):

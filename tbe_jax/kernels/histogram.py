@@ -394,7 +394,7 @@ def histogram_forward(
         _hist_kernel, branches=branches, n_buffers=len(used), pooling=pooling, check_upper=check_upper,
         count_invalid=count_invalid, save_counts=save_counts, cfg=cfg, aliased=out_flat is not None,
     )
-    args = [*programs.operands(pm, live), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
+    args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     args += [buffers[layout.key(g)] for g in used]
     if out_flat is not None:
         args.append(out_flat)

@@ -351,11 +351,11 @@ def histogram_update(
     if sp is None:
         return new_w, new_s
     g_flat = g_out.reshape(-1).astype(jnp.float32)
-    feat_meta = jnp.asarray(feature_table(plan).reshape(-1))
+    feat_meta = programs.const(feature_table(plan))
     if hyper is None:
         hyper = jnp.zeros((NUM_HYPER,), jnp.float32)
     n_prog, sr, sc, n_tab = sp.num_programs, sp.stride_rows, sp.stride_cols, sp.tabs.shape[0]
-    tabs = jnp.asarray(sp.tabs.reshape(-1))
+    tabs = programs.const(sp.tabs)
     part, occ = pallas_call(
         functools.partial(_grad_kernel, classes=sp.classes, num_tables=n_tab, per_program=sp.per_program,
                           seg=sp.pm.segments[0], bags=cfg.grad_bags,

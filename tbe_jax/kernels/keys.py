@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.kernels.programs import const
 
 BLOCK = 1024
 
@@ -109,8 +110,7 @@ def lookup_keys(feature_table: np.ndarray, first_bags: np.ndarray, indices, offs
     num_features = feature_table.shape[1]
     weighted = per_sample_weights is not None
     outs = [jax.ShapeDtypeStruct((n,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((n,), jnp.float32)] * want_scale
-    args = [indices, offsets, jnp.asarray(feature_table.reshape(-1).astype(np.int32)),
-            jnp.asarray(first_bags.astype(np.int32))] + ([per_sample_weights.astype(jnp.float32)] if weighted else [])
+    args = [indices, offsets, const(feature_table), const(first_bags)] + ([per_sample_weights.astype(jnp.float32)] if weighted else [])
     res = pallas_call(
         functools.partial(_keys_kernel, n=n, num_bags=num_bags, num_features=num_features, batch=batch, total=total,
                           sequence_stride=sequence_stride, mean=mean, weighted=weighted),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,6 +121,27 @@ def rows(pm: ProgramMap) -> np.ndarray:
     return np.asarray(out, np.int32).reshape(-1, 4)
 
 
+def _progression(a: np.ndarray) -> bool:
+    return a.size <= 2 or bool(np.all(np.diff(a) == a[1] - a[0]))
+
+
+def const(values) -> jax.Array:
+    """A kernel's small int32 table as a device constant that XLA keeps a constant.
+
+    XLA's GPU compiler turns a constant array whose values are an arithmetic progression (one or two values,
+    `[0, 128]`, `arange(F) * B`...) into an iota expression, which then runs as a kernel of its own before
+    the Pallas call on every step (an extra launch: ~10 us of host time per call on the H200's host,
+    `benchmarks/results/dispatch-20261202-before.json`). Kernels read only the entries they know of, so
+    such a table gets a tail that breaks the progression.
+    """
+    a = np.asarray(values, np.int64).reshape(-1)
+    while _progression(a):
+        a = np.append(a, (a[-1] if a.size else 0) + a.size + 1)
+    if a.max() >= 2**31 or a.min() < -(2**31):
+        raise ValueError("kernel tables must fit in int32")
+    return jnp.asarray(a.astype(np.int32))
+
+
 def operands(pm: ProgramMap, live=None):
     """The two kernel operands (flat int32 device arrays).
 
@@ -128,8 +150,8 @@ def operands(pm: ProgramMap, live=None):
     still run but do nothing, so another kernel can own its output columns. The
     grid and every static fact stay the same, whatever `live` holds.
     """
-    flist = jnp.asarray(pm.flist)
     if live is not None and pm.flist.shape[0]:
+        flist = jnp.asarray(pm.flist)
         batch = flist[:, 2] * live[jnp.asarray(pm.flist[:, 0])].astype(jnp.int32)
-        flist = flist.at[:, 2].set(batch)
-    return flist.reshape(-1), jnp.asarray(pm.prefix)
+        return flist.at[:, 2].set(batch).reshape(-1), const(pm.prefix)
+    return const(pm.flist), const(pm.prefix)
