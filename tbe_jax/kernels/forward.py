@@ -5,7 +5,7 @@ feature. Step k gathers the k-th row of each of its bags, a `[G, Dp]` tile
 (`Dp = next_pow2(D)`), scales it by the per-sample weights and adds it to a
 `[G, Dp]` fp32 accumulator. `U` steps are unrolled so `U * G` row loads are in
 flight before the first add. The accumulation is element-wise and sequential in
-k, so fp32 weights can get an accumulation as accurate as FBGEMM's fp64 one
+k, so fp32 weights can get an accumulation more accurate than FBGEMM's fp32 one
 at no extra memory traffic: fp64 accumulators, or TwoSum-compensated fp32 pairs.
 
 Specialisation: each storage buffer (one per distinct D) gets its own branch of
@@ -27,7 +27,7 @@ from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
-_FP32_ACCUMULATION = ("fp64", "twosum", "naive")
+_FP32_ACCUMULATION = ("fp32", "fp64", "twosum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +42,12 @@ class ForwardConfig:
       num_warps: warps per program.
       prefetch: load the next step's ids while this step's rows are in flight.
       num_stages: Triton software-pipelining depth.
-      fp32_accumulation: how fp32 weights are summed. "fp64": fp64 accumulators
-        (FBGEMM's choice); "twosum": an fp32 sum and its TwoSum error term;
-        "naive": plain fp32 sums (fails the 2-ulp accuracy contract; kept to
-        demonstrate that in the tests). fp16/bf16 weights always sum in fp32.
+      fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
+        FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
+        "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
+        within 2 ulp of the exact sum of any bag (`tests/test_accuracy.py`). On the H200
+        fp64 accumulators cost 1.2-2.1x the fp32 forward on fp32 shards
+        (`benchmarks/results/probe-forward-20261202*.json`). fp16/bf16 weights always sum in fp32.
     """
 
     tile_elems: int = 256
@@ -54,7 +56,7 @@ class ForwardConfig:
     num_warps: int = 1
     num_stages: int = 1
     prefetch: bool = True
-    fp32_accumulation: str = "fp64"
+    fp32_accumulation: str = "fp32"
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages"):
@@ -300,7 +302,7 @@ def pooled_forward(
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
         return (out, jnp.int32(0)) if count_invalid else out
     all_fp32 = all(buffers[layout.key(g)].dtype == jnp.float32 for g in used)
-    accumulation = config.fp32_accumulation if all_fp32 else "naive"
+    accumulation = config.fp32_accumulation if all_fp32 else "fp32"
 
     kernel = functools.partial(
         _pooled_kernel,
@@ -315,7 +317,7 @@ def pooled_forward(
         count_invalid=count_invalid,
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
     )
-    args = [*programs.operands(pm, live), jnp.asarray(feat_meta.reshape(-1)), offsets, indices]
+    args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)
