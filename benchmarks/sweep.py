@@ -472,6 +472,34 @@ def _meta() -> dict:
     return meta
 
 
+def _measure(args, drawn: list[Shard], extra: list[Shard]) -> list[dict]:
+    """Run the workers: the shards over MAX_BYTES first, one side at a time (all of the GPU's memory for one
+    process), within --big-budget-s; then the rest, sides in parallel, until the deadline."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        deadline = time.time() + args.budget_s
+        big = [s for s in extra if s.table_bytes() > MAX_BYTES]
+        small = [s for s in extra if s not in big]
+        big_deadline = time.time() + min(args.big_budget_s, args.budget_s)
+        for s in big:
+            for side in ("ours", "fbgemm"):
+                left = big_deadline - time.time()
+                if args.only in ("", side) and left > 20:
+                    rows += run_shards([s], _one(args, side, left), tmp, f"big-{s.name}-{side}")
+        ours = drawn[: args.ours_first] + small if args.ours_first else None
+        rows += run_shards(drawn + small, _one(args, args.only, deadline - time.time(), args.workers), tmp, "main",
+                           ours)
+    return rows
+
+
+def _merged_meta(specs) -> dict:
+    """A summary of merged runs: the machine facts of the last run, and what was merged."""
+    meta = json.load(open(specs[-1].partition(":")[0]))["meta"] if specs else {}
+    keep = ("date", "host", "jax", "device", "torch", "fbgemm_gpu", "triton")
+    return {**{k: meta.get(k) for k in keep}, "merged": list(specs),
+            "summarized": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -488,7 +516,10 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop the workers after this long")
     ap.add_argument("--big-budget-s", type=float, default=200.0, help="of the budget, at most this long for the "
                     "shards over MAX_BYTES (run first, one side at a time)")
-    ap.add_argument("--merge", nargs="*", default=[], help="shard results (.json from earlier runs) to merge in")
+    ap.add_argument("--merge", nargs="*", default=[],
+                    help="shard results (.json of earlier runs; path:ours or path:fbgemm for one side) to merge in; "
+                         "later rows of a (shard, side) replace earlier ones")
+    ap.add_argument("--no-run", action="store_true", help="measure nothing: summarize the merged rows")
     ap.add_argument("--dispatch", default="", help="a dispatch-probe JSON whose dispatch_us goes in the summary")
     ap.add_argument("--out", default="")
     ap.add_argument("--impl", default="pallas", help="our impl (xla: a CPU smoke test of the plumbing)")
@@ -510,23 +541,11 @@ def main(argv=None):
     named = named_shards()
     extra = [named[n] for n in filter(None, args.named.split(","))]
     rows = []
-    for path in args.merge:
-        rows += json.load(open(path))["rows"]
-    with tempfile.TemporaryDirectory() as tmp:
-        deadline = time.time() + args.budget_s
-        # Shards over MAX_BYTES first, one side at a time (all of the GPU's memory for one process), within
-        # --big-budget-s; then the rest, sides in parallel, until the deadline.
-        big = [s for s in extra if s.table_bytes() > MAX_BYTES]
-        small = [s for s in extra if s not in big]
-        big_deadline = time.time() + min(args.big_budget_s, args.budget_s)
-        for s in big:
-            for side in ("ours", "fbgemm"):
-                left = big_deadline - time.time()
-                if args.only in ("", side) and left > 20:
-                    rows += run_shards([s], _one(args, side, left), tmp, f"big-{s.name}-{side}")
-        ours = drawn[: args.ours_first] + small if args.ours_first else None
-        rows += run_shards(drawn + small, _one(args, args.only, deadline - time.time(), args.workers), tmp, "main",
-                           ours)
+    for spec in args.merge:  # path, or path:side to take one side's rows only
+        path, _, side = spec.partition(":")
+        rows += [r for r in json.load(open(path))["rows"] if not side or r["side"] == side]
+    if not args.no_run:
+        rows += _measure(args, drawn, extra)
     # later rows of a (shard, side) replace earlier ones (a merge keeps the newest measurement)
     last = {}
     for r in rows:
@@ -540,7 +559,7 @@ def main(argv=None):
         dispatch = json.load(open(args.dispatch)).get("dispatch_us")
     result = {"summary": summary(table, {s.name for s in drawn}, dispatch),
               "named": {t["shard"]: t.get("ratio") for t in table if t["shard"] in named},
-              "meta": {**_meta(), "seed": args.seed, "shapes_drawn": len(drawn), "iters": args.iters,
+              "meta": {**(_merged_meta(args.merge) if args.no_run else _meta()), "seed": args.seed, "shapes_drawn": len(drawn), "iters": args.iters,
                        "reps": args.reps, "distribution": __doc__.split("\n\n")[1]},
               "rows": rows, "table": table}
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
