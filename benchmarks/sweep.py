@@ -403,11 +403,24 @@ def run_shards(shards: list[Shard], args, tmp: str, tag: str, ours: list[Shard] 
     return [json.loads(line) for line in open(results)]
 
 
+def row_bytes(shard: Shard) -> int:
+    """Bytes of the table rows one forward gathers (each lookup's D elements; the bag lengths exactly as `batch`
+    draws them): the forward's floor of memory traffic, for its GB/s."""
+    shape_rng = np.random.default_rng([shard.seed, 0])
+    wb = 4 if shard.weights_dtype == "float32" else 2
+    total = 0
+    for d, l in zip(shard.dims, shard.bags):
+        n = shard.B * int(round(l)) if shard.fixed_bags else int(
+            shape_rng.integers(0, int(round(2 * l)) + 1, size=shard.B).sum())
+        total += n * d * wb
+    return total
+
+
 def _ratio(fb, ours):
     return fb / ours if fb and ours and fb > 0 and ours > 0 else None
 
 
-def summarize(shards: dict[str, dict], rows: list[dict]) -> dict:
+def summarize(shards: dict[str, dict], rows: list[dict], shards_by_name: dict | None = None) -> list[dict]:
     """Per shard both sides' numbers and the ratios (FBGEMM time / ours: > 1 is faster than FBGEMM)."""
     by = {}
     for r in rows:
@@ -416,6 +429,12 @@ def summarize(shards: dict[str, dict], rows: list[dict]) -> dict:
     for name, params in shards.items():
         o, f = by.get(name, {}).get("ours"), by.get(name, {}).get("fbgemm")
         entry = {"shard": name, **params, "ours": o, "fbgemm": f}
+        if shards_by_name and name in shards_by_name:  # the forward's gathered row bytes per ms of device time
+            gb = row_bytes(shards_by_name[name]) / 1e9
+            entry["fwd_row_gb"] = round(gb, 4)
+            entry["fwd_gbps"] = {side: round(gb / (r[key] / 1e3), 1) for side, r, key in
+                                 (("ours", o, "fwd_dev"), ("fbgemm", f, "fwd_kernel"))
+                                 if r and "error" not in r and r.get(key)}
         if o and f and "error" not in o and "error" not in f:
             entry["ratio"] = {
                 "fwd": _ratio(f["fwd_kernel"], o["fwd_dev"]),
@@ -553,7 +572,7 @@ def main(argv=None):
             last[(r["shard"], r["side"])] = r
     rows = list(last.values())
     shard_params = {s.name: s.params() for s in drawn + extra}
-    table = summarize(shard_params, rows)
+    table = summarize(shard_params, rows, {s.name: s for s in drawn + extra})
     dispatch = None
     if args.dispatch and os.path.exists(args.dispatch):
         dispatch = json.load(open(args.dispatch)).get("dispatch_us")
