@@ -364,8 +364,8 @@ def worker(args) -> None:
         r["wall_s"] = round(time.perf_counter() - t0, 2)
         with open(args.results, "a") as fh:
             fh.write(json.dumps({"shard": s.name, "side": args.worker, **r}) + "\n")
-        print(f"[{args.worker}{args.index}] {s.name} {json.dumps({k: v for k, v in r.items() if 'kernels' not in k and k != 'trace'})}",
-              flush=True)
+        brief = {k: v for k, v in r.items() if "kernels" not in k and k != "trace"}
+        print(f"[{args.worker}{args.index}] {s.name} {json.dumps(brief)}", flush=True)
 
 
 # -- driver ---------------------------------------------------------------------------------------------------------
@@ -376,7 +376,8 @@ def _spawn(kind: str, index: int, of: int, shard_file: str, tmp: str, results: s
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     env["PYTHONPATH"] = root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--worker", kind, "--index", str(index), "--of", str(of),
-           "--shard-file", shard_file, "--lock", os.path.join(tmp, "gpu.lock"), "--results", results, "--iters", str(args.iters), "--reps", str(args.reps), "--impl", args.impl]
+           "--shard-file", shard_file, "--lock", os.path.join(tmp, "gpu.lock"), "--results", results,
+           "--iters", str(args.iters), "--reps", str(args.reps), "--impl", args.impl]
     return subprocess.Popen(cmd, env=env)
 
 
@@ -578,7 +579,8 @@ def main(argv=None):
         dispatch = json.load(open(args.dispatch)).get("dispatch_us")
     result = {"summary": summary(table, {s.name for s in drawn}, dispatch),
               "named": {t["shard"]: t.get("ratio") for t in table if t["shard"] in named},
-              "meta": {**(_merged_meta(args.merge) if args.no_run else _meta()), "seed": args.seed, "shapes_drawn": len(drawn), "iters": args.iters,
+              "meta": {**(_merged_meta(args.merge) if args.no_run else _meta()), "seed": args.seed,
+                       "shapes_drawn": len(drawn), "iters": args.iters,
                        "reps": args.reps, "distribution": __doc__.split("\n\n")[1]},
               "rows": rows, "table": table}
     out = args.out or os.path.join(os.path.dirname(__file__), "results",

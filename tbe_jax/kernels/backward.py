@@ -92,9 +92,9 @@ class BackwardConfig:
         `kernels.rle` (run starts, keys, the long-run list) instead of ~15 XLA ops
         (on the H200: 8-11% off the whole backward on fp32, zipf, base, weighted,
         `benchmarks/results/bwdsweep5-20261129-1832-*`).
-      rank_sort_max: batches of at most this many lookups are sorted by the counting-rank kernel
-        (`kernels.ranksort`: one launch, N^2 compares) instead of XLA's sort, whose small-array form costs
-        ~0.02-0.07 ms in several launches. None (default): `RANK_SORT_MAX` with compiled kernels, 0 (XLA's sort)
+      rank_sort_max: batches of at most this many lookups are sorted by the counting-rank kernels
+        (`kernels.ranksort`: one launch up to `rank_sort_chunk` lookups, a merge pass past it) instead of
+        XLA's sort, whose small-array form costs ~0.04-0.09 ms in several launches inside the backward. None (default): `RANK_SORT_MAX` with compiled kernels, 0 (XLA's sort)
         in interpret mode, where the interpreted kernel only adds CPU compile time; 0: never.
       rank_sort_chunk: positions the counting-rank sort ranks by direct comparison; larger batches take its merge
         pass (binary searches in the other chunks). A multiple of 256.

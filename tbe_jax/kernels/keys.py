@@ -110,7 +110,9 @@ def lookup_keys(feature_table: np.ndarray, first_bags: np.ndarray, indices, offs
     num_features = feature_table.shape[1]
     weighted = per_sample_weights is not None
     outs = [jax.ShapeDtypeStruct((n,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((n,), jnp.float32)] * want_scale
-    args = [indices, offsets, const(feature_table), const(first_bags)] + ([per_sample_weights.astype(jnp.float32)] if weighted else [])
+    args = [indices, offsets, const(feature_table), const(first_bags)]
+    if weighted:
+        args.append(per_sample_weights.astype(jnp.float32))
     res = pallas_call(
         functools.partial(_keys_kernel, n=n, num_bags=num_bags, num_features=num_features, batch=batch, total=total,
                           sequence_stride=sequence_stride, mean=mean, weighted=weighted),
