@@ -95,6 +95,25 @@ def test_auto_forward_takes_either_path_in_one_compile(rng, pooling):
     assert len(traces) == 1
 
 
+def test_auto_forward_counts_bad_ids_once_on_either_path(rng):
+    """Warning mode, an auto feature holding bad ids: whichever kernel is live for it counts them (the other
+    one's programs for that feature have no bags and read nothing), and the good ids give the model's sums."""
+    tables = [tbe_jax.TableSpec(20, 64), tbe_jax.TableSpec(300, 64)]
+    emb = _emb(tables, bounds_check="warning")
+    assert emb.plan() == ("auto", "generic")
+    params = emb.init(jax.random.key(4))
+    fwd = jax.jit(emb.forward_with_report)
+    b = 4
+    for lengths in ([[70, 64, 90, 80], [3] * b], [[1, 0, 5, 2], [3] * b]):
+        idx, off = _batch(rng, [20, 300], [np.asarray(l) for l in lengths])
+        bad = rng.choice(int(off[b]), size=3, replace=False)
+        idx[bad] = [20, -2, 1000]
+        out, rep = fwd(params, jnp.asarray(idx), jnp.asarray(off))
+        assert int(rep.invalid_indices) == 3 and int(rep.repaired_offsets) == 0
+        model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [b, b], idx, off, None, "sum", False)
+        assert_close(out, model, tolerance("float32", 100))
+
+
 def test_auto_tables_train_with_the_histogram_backward(rng):
     """No hints: the small table's backward takes the histogram kernels (no sort) and two
     row-wise Adagrad steps equal the float64 model, for long and for short bags."""

@@ -169,14 +169,14 @@ def forward_mode(table: TableSpec) -> str:
 def long_bags(plan: FeaturePlan, offsets: jax.Array, features) -> jax.Array:
     """`[F]` int32 on the device: 1 for each of `features` whose mean bag length in this batch
     is >= MIN_BAG, else 0 (one tiny fused op on `offsets`, no host sync)."""
-    feats = list(features)
-    starts = np.asarray([plan.bag_base[f] for f in feats], np.int32)
-    ends = np.asarray([plan.bag_base[f] + plan.batch[f] for f in feats], np.int32)
-    need = np.asarray([MIN_BAG * plan.batch[f] for f in feats], np.int32)
+    # Dense over all F features (need 0: never long), so that it is one gather-compare that XLA fuses into its
+    # consumers (`programs.operands`), not a scatter of its own.
+    feats = set(features)
+    starts = np.asarray(plan.bag_base[: plan.num_features], np.int32)
+    ends = starts + np.asarray(plan.batch, np.int32)
+    need = np.asarray([MIN_BAG * plan.batch[f] if f in feats else 0 for f in range(plan.num_features)], np.int32)
     total = offsets[jnp.asarray(ends)] - offsets[jnp.asarray(starts)]
-    hit = (total >= jnp.asarray(need)) & (jnp.asarray(need) > 0)
-    return jnp.zeros((plan.num_features,), jnp.int32).at[jnp.asarray(np.asarray(feats, np.int32))].set(
-        hit.astype(jnp.int32))
+    return ((total >= jnp.asarray(need)) & jnp.asarray(need > 0)).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,70 +269,83 @@ def _hist_branch(
 
     bags = cfg.bags
     f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
-    g = jnp.arange(bags, dtype=jnp.int32)
-    bag_ok = g < nbags
-    start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
-    end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
-    num_rows = meta(feat_ref, META_COLS, f, NUM_ROWS)
-    row_offset = meta(feat_ref, META_COLS, f, ROW_OFFSET)
-    out_base = meta(feat_ref, META_COLS, f, OUT_BASE)
-    out_stride = meta(feat_ref, META_COLS, f, OUT_STRIDE)
-    length = end - start
 
-    def n_bad(ids):
-        if bad_ref is None:
-            return jnp.int32(0)
-        return jnp.sum((ids != -1) & ((ids < 0) | (ids >= num_rows)), dtype=jnp.int32)
+    def body():
+        g = jnp.arange(bags, dtype=jnp.int32)
+        bag_ok = g < nbags
+        start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
+        end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
+        num_rows = meta(feat_ref, META_COLS, f, NUM_ROWS)
+        row_offset = meta(feat_ref, META_COLS, f, ROW_OFFSET)
+        out_base = meta(feat_ref, META_COLS, f, OUT_BASE)
+        out_stride = meta(feat_ref, META_COLS, f, OUT_STRIDE)
+        length = end - start
 
-    # 1. Histogram of the first HEAD ids of each bag: counts[b, e] = #{j < HEAD : id_bj == e}.
-    chunks, bad = _count_packed(indices_ref, start, start + jnp.minimum(length, HEAD), n_bad, bags=bags,
-                                c=cfg.resolved_ids_per_step(), rows=br.rows_padded, lookahead=cfg.lookahead)
+        def n_bad(ids):
+            if bad_ref is None:
+                return jnp.int32(0)
+            return jnp.sum((ids != -1) & ((ids < 0) | (ids >= num_rows)), dtype=jnp.int32)
 
-    # 2. counts @ table on tensor cores (rows past the table's E are zero), one dot per chunk of rows.
-    cols = jnp.arange(br.block_dim, dtype=jnp.int32)
-    col_ok = cols < br.dim
-    acc = None
-    for r0, cnt in chunks:
-        e = r0 + jnp.arange(cnt.shape[1], dtype=jnp.int32)
-        table = plgpu.load(
-            w_ref.at[(row_offset + e)[:, None], cols[None, :]],
-            mask=(e < num_rows)[:, None] & col_ok[None, :], other=0,
-        )
-        part = jnp.dot(cnt.astype(jnp.float16), table, preferred_element_type=jnp.float32)
-        acc = part if acc is None else acc + part
+        # 1. Histogram of the first HEAD ids of each bag: counts[b, e] = #{j < HEAD : id_bj == e}.
+        chunks, bad = _count_packed(indices_ref, start, start + jnp.minimum(length, HEAD), n_bad, bags=bags,
+                                    c=cfg.resolved_ids_per_step(), rows=br.rows_padded, lookahead=cfg.lookahead)
 
-    # 3. Ids past HEAD: the scalar gather path, unrolled.
-    u_n = cfg.tail_unroll
-    n_tail = (jnp.max(length - HEAD) + u_n - 1) // u_n
-
-    def tail(it, carry):
-        acc, bad = carry
-        for u in range(u_n):
-            k = HEAD + it * u_n + u
-            live = k < length
-            idx = plgpu.load(indices_ref.at[start + k], mask=live, other=-1)
-            ok = idx >= 0
-            if check_upper:
-                ok = ok & (idx < num_rows)
-            x = plgpu.load(w_ref.at[(row_offset + idx)[:, None], cols[None, :]],
-                           mask=ok[:, None] & col_ok[None, :], other=0)
-            acc = acc + x.astype(jnp.float32)
-            bad = bad + n_bad(idx)
-        return acc, bad
-
-    acc, bad = jax.lax.fori_loop(0, jnp.maximum(n_tail, 0), tail, (acc, bad))
-    if pooling == "mean":
-        acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
-    bag = b0 + g
-    ptr = (out_base + bag * out_stride)[:, None] + cols[None, :]
-    plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
-    if bad_ref is not None:
-        plgpu.store(bad_ref.at[pid], bad)
-    if counts_ref is not None:
-        rows = pid * bags + g
+        # 2. counts @ table on tensor cores (rows past the table's E are zero), one dot per chunk of rows.
+        cols = jnp.arange(br.block_dim, dtype=jnp.int32)
+        col_ok = cols < br.dim
+        acc = None
         for r0, cnt in chunks:
             e = r0 + jnp.arange(cnt.shape[1], dtype=jnp.int32)
-            plgpu.store(counts_ref.at[rows[:, None], e[None, :]], cnt.astype(jnp.int32))
+            table = plgpu.load(
+                w_ref.at[(row_offset + e)[:, None], cols[None, :]],
+                mask=(e < num_rows)[:, None] & col_ok[None, :], other=0,
+            )
+            part = jnp.dot(cnt.astype(jnp.float16), table, preferred_element_type=jnp.float32)
+            acc = part if acc is None else acc + part
+
+        # 3. Ids past HEAD: the scalar gather path, unrolled.
+        u_n = cfg.tail_unroll
+        n_tail = (jnp.max(length - HEAD) + u_n - 1) // u_n
+
+        def tail(it, carry):
+            acc, bad = carry
+            for u in range(u_n):
+                k = HEAD + it * u_n + u
+                live = k < length
+                idx = plgpu.load(indices_ref.at[start + k], mask=live, other=-1)
+                ok = idx >= 0
+                if check_upper:
+                    ok = ok & (idx < num_rows)
+                x = plgpu.load(w_ref.at[(row_offset + idx)[:, None], cols[None, :]],
+                               mask=ok[:, None] & col_ok[None, :], other=0)
+                acc = acc + x.astype(jnp.float32)
+                bad = bad + n_bad(idx)
+            return acc, bad
+
+        acc, bad = jax.lax.fori_loop(0, jnp.maximum(n_tail, 0), tail, (acc, bad))
+        if pooling == "mean":
+            acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
+        bag = b0 + g
+        ptr = (out_base + bag * out_stride)[:, None] + cols[None, :]
+        plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
+        if bad_ref is not None:
+            plgpu.store(bad_ref.at[pid], bad)
+        if counts_ref is not None:
+            rows = pid * bags + g
+            for r0, cnt in chunks:
+                e = r0 + jnp.arange(cnt.shape[1], dtype=jnp.int32)
+                plgpu.store(counts_ref.at[rows[:, None], e[None, :]], cnt.astype(jnp.int32))
+
+    if counts_ref is not None:  # the saved counts need every program's rows
+        body()
+        return
+    # A program with no bags (the end of a feature, or a feature `live` gave to the generic kernel) reads nothing:
+    # without this it would still load its table rows and run the dots.
+    pl.when(nbags > 0)(body)
+    if bad_ref is not None:
+        @pl.when(nbags <= 0)
+        def _():
+            plgpu.store(bad_ref.at[pid], jnp.int32(0))
 
 
 def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid, save_counts, cfg, aliased):
