@@ -183,7 +183,7 @@ def output_rows(plan: FeaturePlan, bag, feat):
     return out_base[feat] + (bag - bag_base[feat]) * out_stride[feat]
 
 
-def _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+def group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
     """Per storage buffer: (its index, lookup mask, [N, d] fp32 output-gradient rows, rows in the buffer)."""
     n = indices.shape[0]
     g_flat = g_out.reshape(-1).astype(jnp.float32)
@@ -221,7 +221,7 @@ def pooled_backward(
     bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
     d_buffers, touched = {}, {}
-    for g, m, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+    for g, m, grad_rows, rows in group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
         key = layout.key(g)
         w = buffers[key]
         d_buffers[key] = jnp.zeros(w.shape, jnp.float32).at[rows].add(layout.pad(g, grad_rows * scale[:, None]))
@@ -242,7 +242,7 @@ def per_sample_weight_grad(buffers, layout, plan, indices, offsets, per_sample_w
     """
     bag, feat, coef, _ = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     d_psw = jnp.zeros((indices.shape[0],), jnp.float32)
-    for g, _, grad_rows, rows in _group_lookups(layout, plan, indices, bag, feat, coef > 0, g_out, pooling):
+    for g, _, grad_rows, rows in group_lookups(layout, plan, indices, bag, feat, coef > 0, g_out, pooling):
         x = layout.unpad(g, jnp.take(buffers[layout.key(g)], rows, axis=0)).astype(jnp.float32)
         d_psw = d_psw + jnp.sum(x * grad_rows, axis=1) * coef
     return d_psw

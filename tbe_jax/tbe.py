@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from tbe_jax import bounds, reference, runs as runs_lib, vbe
+from tbe_jax import bounds, reference, runs as runs_lib, sparse_update, vbe
 from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax import optim
 from tbe_jax.kernels import forward as fwd_kernels
@@ -695,7 +695,7 @@ class TableBatchedEmbedding:
                     pooling=self.pooling, config=self.histogram_config, interpret=self.interpret,
                 )
             return params, slots
-        return reference.apply_gradients(
+        return sparse_update.apply_gradients(
             params, slots, self.layout, plan, indices, offsets, per_sample_weights,
             grad_output, opt, hyper, pooling=self.pooling,
         )

@@ -27,13 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
-from tbe_jax.specs import next_pow2
 
 RADIX_BITS = 4
 BLOCK = 256
-# Up to this many entries (digits x blocks, padded) each scatter program sums the counts matrix itself for its
-# offsets; past it one XLA scan per pass computes them (a launch more, for large inputs).
-SCAN_MAX = 8192
 
 
 def _digits(key_ref, n, block, shift, radix):
@@ -45,30 +41,18 @@ def _digits(key_ref, n, block, shift, radix):
     return j, ok, k, onehot
 
 
-def _count_kernel(key_ref, cnt_in_ref, cnt_ref, *, n, block, shift, radix, n_blocks):
-    del cnt_in_ref  # aliased: the zeroed counts buffer (slice 0 is written here)
+def _count_kernel(key_ref, cnt_ref, *, n, block, shift, radix, n_blocks):
     _, _, _, onehot = _digits(key_ref, n, block, shift, radix)
     r = jnp.arange(radix, dtype=jnp.int32)
     plgpu.store(cnt_ref.at[r * n_blocks + pl.program_id(0)], jnp.sum(onehot, axis=0))
 
 
-def _scatter_kernel(key_ref, *refs, n, n_payload, block, shift, radix, n_blocks, n_blocks_p2, base_at, scan,
-                    next_at, scratch, interpret):
-    pay_refs, cnt_ref, rest = refs[:n_payload], refs[n_payload], list(refs[n_payload + 1:])
-    offs_ref = None if scan else rest.pop(0)
-    out_key_ref, out_refs = rest[0], rest[1:1 + n_payload]
-    cnt_out_ref = rest[1 + n_payload] if next_at is not None else None
-    pid = pl.program_id(0)
+def _scatter_kernel(key_ref, *refs, n, n_payload, block, shift, radix, n_blocks):
+    pay_refs, offs_ref = refs[:n_payload], refs[n_payload]
+    out_key_ref, out_refs = refs[n_payload + 1], refs[n_payload + 2:]
     j, ok, k, onehot = _digits(key_ref, n, block, shift, radix)
     r = jnp.arange(radix, dtype=jnp.int32)
-    if scan:  # this block's offsets from the whole counts matrix (small: at most SCAN_MAX entries)
-        b = jnp.arange(n_blocks_p2, dtype=jnp.int32)
-        c = plgpu.load(cnt_ref.at[base_at + r[:, None] * n_blocks + b[None, :]], mask=(b < n_blocks)[None, :],
-                       other=0)
-        tot = jnp.sum(c, axis=1)
-        base = jnp.cumsum(tot) - tot + jnp.sum(jnp.where((b < pid)[None, :], c, 0), axis=1)
-    else:
-        base = plgpu.load(offs_ref.at[r * n_blocks + pid])
+    base = plgpu.load(offs_ref.at[r * n_blocks + pl.program_id(0)])
     before = jnp.cumsum(onehot, axis=0) - onehot  # keys of the same digit earlier in the block
     dest = jnp.sum(jnp.where(onehot > 0, before + base[None, :], 0), axis=1)
     # Lanes past the end get distinct out-of-range (masked) slots: interpret mode's masked store writes every
@@ -77,14 +61,6 @@ def _scatter_kernel(key_ref, *refs, n, n_payload, block, shift, radix, n_blocks,
     plgpu.store(out_key_ref.at[dest], k, mask=ok)
     for src, dst in zip(pay_refs, out_refs):
         plgpu.store(dst.at[dest], plgpu.load(src.at[j], mask=ok), mask=ok)
-    if cnt_out_ref is not None:  # the next pass's digit counts, per block of the order written here
-        d_next = jnp.right_shift(k, shift + _bits(radix)) & (radix - 1)
-        slot = jnp.where(ok, next_at + d_next * n_blocks + dest // block, scratch)  # (interpret: no masked atomics)
-        if interpret:  # interpret mode's vector atomic drops repeated indices' adds: one lane at a time
-            jax.lax.fori_loop(0, block, lambda i, c: (plgpu.atomic_add(cnt_out_ref, slot[i], jnp.int32(1)), c)[1],
-                              jnp.int32(0))
-        else:
-            plgpu.atomic_add(cnt_out_ref, slot, jnp.ones((block,), jnp.int32))
 
 
 def _bits(radix: int) -> int:
@@ -96,12 +72,12 @@ def passes(key_bits: int, radix_bits: int = RADIX_BITS) -> int:
 
 
 def radix_sort(keys: jax.Array, *payloads: jax.Array, key_bits: int, radix_bits: int = RADIX_BITS,
-               block: int = BLOCK, scan_max: int = SCAN_MAX, interpret: bool = False):
+               block: int = BLOCK, interpret: bool = False):
     """`(sorted keys, *payloads in that order)`: `jax.lax.sort((keys, *payloads), num_keys=1, is_stable=True)`
     for `keys` `[N]` int32 in `[0, 2**key_bits)` (others: undefined order, never out-of-bounds writes).
 
-    Each payload `[N]` of a 32-bit dtype. `ceil(key_bits / radix_bits)` scatter launches after one count launch
-    (and one XLA scan per pass when the counts matrix exceeds `scan_max` entries).
+    Each payload `[N]` of a 32-bit dtype. Per pass (`ceil(key_bits / radix_bits)` of them): a count launch, one
+    XLA scan of the counts and a scatter launch.
     """
     n = keys.shape[0]
     if keys.dtype != jnp.int32:
@@ -117,38 +93,20 @@ def radix_sort(keys: jax.Array, *payloads: jax.Array, key_bits: int, radix_bits:
         return (keys, *payloads)
     radix = 1 << radix_bits
     n_blocks = pl.cdiv(n, block)
-    n_blocks_p2 = next_pow2(n_blocks)
-    scan = radix * n_blocks_p2 <= scan_max
-    n_pass = passes(key_bits, radix_bits)
-    per = radix * n_blocks  # one pass's counts: [radix, n_blocks] digit-major
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    i32 = jnp.int32
-    cnt = jnp.zeros((n_pass * per + 1,), i32)  # + a scratch slot for the masked lanes' atomics
-    cnt = pallas_call(
-        functools.partial(_count_kernel, n=n, block=block, shift=0, radix=radix, n_blocks=n_blocks),
-        out_shape=jax.ShapeDtypeStruct(cnt.shape, i32), grid=(n_blocks,), input_output_aliases={1: 0},
-        compiler_params=params, interpret=interpret, name="tbe_radix_counts",
-    )(keys, cnt)
+    kw = dict(n=n, block=block, radix=radix, n_blocks=n_blocks)
     out = (keys, *payloads)
-    for p in range(n_pass):
-        has_next = p + 1 < n_pass
-        args = [*out, cnt]
-        if not scan:
-            c = cnt[p * per:(p + 1) * per]
-            args.append(jnp.cumsum(c) - c)
-        shapes = [jax.ShapeDtypeStruct((n,), x.dtype) for x in out]
-        if has_next:
-            shapes.append(jax.ShapeDtypeStruct(cnt.shape, i32))
-        res = pallas_call(
-            functools.partial(_scatter_kernel, n=n, n_payload=len(payloads), block=block, shift=p * radix_bits,
-                              radix=radix, n_blocks=n_blocks, n_blocks_p2=n_blocks_p2, base_at=p * per, scan=scan,
-                              next_at=(p + 1) * per if has_next else None, scratch=n_pass * per,
-                              interpret=interpret),
-            out_shape=shapes, grid=(n_blocks,),
-            input_output_aliases={len(out): len(out)} if has_next else {},
+    for p in range(passes(key_bits, radix_bits)):
+        shift = p * radix_bits
+        counts = pallas_call(
+            functools.partial(_count_kernel, shift=shift, **kw),
+            out_shape=jax.ShapeDtypeStruct((radix * n_blocks,), jnp.int32), grid=(n_blocks,),
+            compiler_params=params, interpret=interpret, name="tbe_radix_counts",
+        )(out[0])
+        offsets = jnp.cumsum(counts) - counts
+        out = tuple(pallas_call(
+            functools.partial(_scatter_kernel, n_payload=len(payloads), shift=shift, **kw),
+            out_shape=[jax.ShapeDtypeStruct((n,), x.dtype) for x in out], grid=(n_blocks,),
             compiler_params=params, interpret=interpret, name="tbe_radix_scatter",
-        )(*args)
-        out = tuple(res[:len(out)])
-        if has_next:
-            cnt = res[len(out)]
+        )(*out, offsets))
     return out

@@ -1,0 +1,87 @@
+"""The XLA path's training update on the CPU (issue 36's bar): the step time as the table grows, sparse
+(`tbe_jax.sparse_update`, what `impl="xla"` runs) against the dense reference update (`reference.apply_gradients`).
+
+  python -m benchmarks cpu_update --out benchmarks/results/cpu-update-<date>.json
+
+One table of E rows, D=32, a batch of B=256 bags of 4 ids (1024 lookups, uniform), jitted with the tables and
+state donated (as a training loop does); the median of `--iters` steps, blocked every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tbe_jax
+from tbe_jax import reference
+
+
+def _step_fn(emb, opt, dense):
+    if not dense:
+        return lambda p, s, i, o, g: emb.apply_gradients(p, s, opt, i, o, g)
+
+    def step(p, s, i, o, g):
+        plan = emb.plan_for(o.shape[0])
+        w, slots = reference.apply_gradients(p, opt.slots(s), emb.layout, plan, i, o, None, g, opt.rule(),
+                                             opt.hyperparameters(s.count), pooling=emb.pooling)
+        return w, opt.next_state(s, slots)
+    return step
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--rows", default="100000,1000000,4000000")
+    ap.add_argument("--opts", default="sgd,rowwise_adagrad,adam")
+    ap.add_argument("--dense-max", type=int, default=4_000_000, help="largest E also run densely")
+    ap.add_argument("--iters", type=int, default=15)
+    args = ap.parse_args(argv)
+    opts = {"sgd": tbe_jax.SGD(0.01), "rowwise_adagrad": tbe_jax.RowwiseAdagrad(0.01), "adam": tbe_jax.Adam(0.01)}
+    rng = np.random.default_rng(0)
+    b, ln, d = 256, 4, 32
+    rows = []
+    for e in map(int, args.rows.split(",")):
+        emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(e, d)], impl="xla")
+        for name in args.opts.split(","):
+            opt = opts[name]
+            for dense in (False, True):
+                if dense and e > args.dense_max:
+                    continue
+                params = emb.init(jax.random.key(0))
+                state = emb.init_opt_state(params, opt)
+                step = jax.jit(_step_fn(emb, opt, dense), donate_argnums=(0, 1))
+                idx = jnp.asarray(rng.integers(0, e, b * ln).astype(np.int32))
+                off = jnp.arange(0, b * ln + 1, ln, dtype=jnp.int32)
+                g = jnp.asarray(rng.standard_normal((b, d)).astype(np.float32))
+                params, state = jax.block_until_ready(step(params, state, idx, off, g))  # compile
+                times = []
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    params, state = jax.block_until_ready(step(params, state, idx, off, g))
+                    times.append((time.perf_counter() - t0) * 1e3)
+                row = {"rows": e, "dim": d, "batch": b, "lookups": b * ln, "opt": name,
+                       "update": "dense" if dense else "sparse", "ms": round(statistics.median(times), 3)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    summary = {}
+    for name in args.opts.split(","):
+        sp = {r["rows"]: r["ms"] for r in rows if r["opt"] == name and r["update"] == "sparse"}
+        lo, hi = min(sp), max(sp)
+        summary[name] = {"sparse_ms": sp, f"ratio_{hi}_over_{lo}": round(sp[hi] / sp[lo], 2)}
+    print(json.dumps(summary))
+    if args.out:
+        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
+                   "device": jax.devices()[0].device_kind, "cpu": platform.processor() or platform.machine(),
+                   "config": vars(args), "summary": summary, "rows": rows}, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

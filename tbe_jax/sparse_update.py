@@ -1,0 +1,85 @@
+"""The XLA path's fused update (`impl="xla"`, the CPU default): work proportional to the batch, not the tables.
+
+`reference.apply_gradients` defines the update (every looked-up row gets the optimizer's rule once, on the sum of
+its lookups' gradients; every other row and its state stay bitwise unchanged), but computes it densely over whole
+buffers: a step cost 230 ms at 4M rows where a scatter of the touched rows costs 0.2. Here, per storage buffer:
+
+1. the buffer's lookups sorted by row (stable, so each row's contributions keep their batch order);
+2. one slot per distinct row (`N` slots at most: static shapes), its gradient the sorted segment sum of its lookups;
+3. those rows and their optimizer state gathered, updated by the same `optim.apply_rule` (and the same
+   stochastic rounding, seeded by the row's id), and scattered back with unique indices.
+
+Each row sums its lookups in batch order as the dense form does, so on the CPU the result is bitwise the dense
+one's (tested). Under `jit` with the tables donated, XLA updates the buffers in place: no copy of a table either.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tbe_jax import reference
+from tbe_jax.specs import FeaturePlan, StorageLayout
+
+
+def touched_rows(rows: jax.Array, live: jax.Array, num_rows: int):
+    """The distinct rows of `rows[live]`: `(slot of each lookup, row of each slot, live slots)`.
+
+    Slots are in increasing row order; `rows` has `N` entries, so there are at most `N` live slots; the others
+    hold the sentinel row `num_rows` (out of range: dropped by the scatter). A lookup that is not live gets a
+    slot whose row is the sentinel.
+    """
+    n = rows.shape[0]
+    key = jnp.where(live, rows, num_rows).astype(jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    skey, spos = jax.lax.sort((key, pos), num_keys=1, is_stable=True)
+    first = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) if n else jnp.zeros((0,), bool)
+    run = jnp.cumsum(first.astype(jnp.int32)) - 1  # the slot of each sorted lookup
+    slot_row = jnp.full((n,), num_rows, jnp.int32).at[jnp.where(first, run, n)].set(skey, mode="drop")
+    slot = jnp.zeros((n,), jnp.int32).at[spos].set(run, unique_indices=True)
+    return slot, slot_row, slot_row < num_rows
+
+
+def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights,
+                    g_out, rule, hyper, *, pooling: str):
+    """`reference.apply_gradients`'s result, touching only the looked-up rows (same arguments)."""
+    from tbe_jax.optim import apply_rule, stochastic_round
+
+    bag, feat, coef, scale = reference.lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
+    valid = coef > 0
+    slots = tuple(slots or ())
+    new_w, new_s = dict(buffers), tuple(dict(s) for s in slots)
+    for g, m, grad_rows, rows in reference.group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+        key = layout.key(g)
+        w = buffers[key]
+        num_rows = w.shape[0]
+        slot, slot_row, hit = touched_rows(rows, m, num_rows)
+        # Each slot's gradient: its lookups' contributions, summed in batch order (the sort was stable).
+        contrib = jnp.where(m[:, None], grad_rows * scale[:, None], 0.0)
+        order_slot = jnp.where(m, slot, rows.shape[0])  # dead lookups: no slot
+        grad = jax.ops.segment_sum(contrib, order_slot, num_segments=rows.shape[0])
+        grad = layout.pad(g, grad)
+        if rule.skip_nonfinite:
+            hit = hit & jnp.all(jnp.isfinite(grad), axis=1)
+        dest = jnp.where(hit, slot_row, num_rows)  # rows to write (the rest dropped)
+
+        def gather(x):
+            return jnp.take(x, slot_row, axis=0, mode="fill", fill_value=0)
+
+        def values(x):  # a padded buffer's padding columns read as zeros, as the kernels' masked loads give
+            x = x.astype(jnp.float32)
+            if x.ndim == 1 or layout.strides[g] == layout.dims[g]:
+                return x
+            return jnp.where(jnp.arange(x.shape[1]) < layout.dims[g], x, 0.0)
+
+        old = tuple(gather(s[key]) for s in slots)
+        upd, new, salts = apply_rule(rule, values(gather(w)), tuple(values(x) for x in old), grad, hyper,
+                                     dim=layout.dims[g])
+        for out, x, src in zip(new_s, new, slots):
+            out[key] = src[key].at[dest].set(x.astype(src[key].dtype), mode="drop", unique_indices=True)
+        if rule.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):
+            rr = jnp.broadcast_to(slot_row[:, None], grad.shape)
+            cc = jax.lax.broadcasted_iota(jnp.int32, grad.shape, 1)
+            upd = stochastic_round(upd, w.dtype, rr, cc, *salts)
+        new_w[key] = w.at[dest].set(upd.astype(w.dtype), mode="drop", unique_indices=True)
+    return new_w, new_s

@@ -1,0 +1,110 @@
+"""The XLA path's sparse update (`tbe_jax.sparse_update`) against the dense reference update
+(`reference.apply_gradients`, the semantics): the same tables and state (up to a few roundings: two XLA programs;
+bitwise where the dense update leaves a value unchanged), for every optimizer, with duplicate
+ids, invalid ids, empty bags, padding past `offsets[-1]`, padded row layouts, fp16 stochastic rounding and
+non-finite gradients; and its traced program has no op over a whole table but the in-place scatters."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tbe_jax
+from tbe_jax import reference, sparse_update, testing
+from conftest import specs
+
+OPTS = [tbe_jax.SGD(0.1), tbe_jax.SGD(0.1, stochastic_rounding=True), tbe_jax.Adagrad(0.1),
+        tbe_jax.RowwiseAdagrad(0.1, weight_decay=0.01, weight_decay_mode="decoupled"), tbe_jax.Adam(0.05),
+        tbe_jax.PartialRowwiseAdam(0.05), tbe_jax.Lamb(0.05), tbe_jax.PartialRowwiseLamb(0.05)]
+
+
+def _check(got, want, before, name):
+    """`got` equals `want` up to a few roundings of the operands (XLA may fuse one rule's divisions and
+    multiply-adds differently in two programs), and bitwise `before` wherever the dense update left it unchanged."""
+    got, want, before = (np.asarray(x) for x in (got, want, before))
+    eps = float(jnp.finfo(want.dtype).eps)
+    g64, w64, b64 = (x.astype(np.float64) for x in (got, want, before))
+    bad = np.abs(g64 - w64) > 4 * eps * (np.abs(b64) + np.abs(w64)) + 1e-30
+    assert not bad.any(), (name, np.argwhere(bad)[:5], g64[bad][:5], w64[bad][:5])
+    keep = (w64 == b64) & (np.signbit(w64) == np.signbit(b64))
+    np.testing.assert_array_equal(got[keep], before[keep], err_msg=name)
+
+
+def _dense(emb, params, state, opt, idx, off, g, psw):
+    plan = emb.plan_for(len(off))
+    return jax.jit(lambda p, s, g: reference.apply_gradients(
+        p, opt.slots(s), emb.layout, plan, jnp.asarray(idx), jnp.asarray(off),
+        None if psw is None else jnp.asarray(psw), g, opt.rule(), opt.hyperparameters(s.count),
+        pooling=emb.pooling))(params, state, jnp.asarray(g))
+
+
+@pytest.mark.parametrize("opt", OPTS, ids=lambda o: type(o).__name__ + ("-sr" if getattr(
+    o, "stochastic_rounding", False) else ""))
+@pytest.mark.parametrize("pooling,weighted,wdtype", [("sum", False, "float32"), ("mean", True, "float16"),
+                                                     ("sum", True, "bfloat16")])
+def test_sparse_equals_dense(rng, opt, pooling, weighted, wdtype):
+    rows, dims = [40, 7, 300], [5, 16, 8]  # D=5 fp16: a padded row layout
+    fmap = [0, 1, 2, 0]
+    emb = tbe_jax.TableBatchedEmbedding(specs(rows, dims), feature_table_map=fmap, pooling=pooling,
+                                        weights_dtype=wdtype, impl="xla")
+    params = emb.init(jax.random.key(1))
+    state = emb.init_opt_state(params, opt)
+    idx, off, psw = testing.make_batch(rng, [rows[t] for t in fmap], [6] * 4, (0, 9), weighted=weighted)
+    idx[::5] = idx[0]  # duplicates
+    idx[3] = -2  # invalid ids: no row
+    idx[7] = rows[fmap[0]] + 3
+    off[2] = off[1]  # an empty bag
+    idx = np.concatenate([idx, np.zeros(5, idx.dtype)])  # padding past offsets[-1] refers to row 0
+    if psw is not None:
+        psw = np.concatenate([psw, np.ones(5, psw.dtype)])
+    step = jax.jit(lambda p, s, g: emb.apply_gradients(p, s, opt, idx, off, g, psw))
+    for k in range(2):
+        g = rng.standard_normal((6, sum(dims[t] for t in fmap))).astype(np.float32)
+        if k == 1:
+            g[2, 1] = np.nan  # a non-finite gradient: its rows skipped (skip_nonfinite) on both
+        want_w, want_s = _dense(emb, params, state, opt, idx, off, g, psw)
+        old_w, old_s = params, opt.slots(state)
+        params, state = step(params, state, g)
+        for key in want_w:
+            _check(params[key], want_w[key], old_w[key], key)
+        for got, want, old in zip(opt.slots(state), want_s, old_s):
+            for key in want:
+                _check(got[key], want[key], old[key], key)
+
+
+def test_sparse_sequence(rng):
+    emb = tbe_jax.TableBatchedEmbedding(specs([30, 9], [8, 8]), pooling="none", impl="xla")
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    params = emb.init(jax.random.key(2))
+    state = emb.init_opt_state(params, opt)
+    idx, off, _ = testing.make_batch(rng, [30, 9], [4, 4], (0, 5))
+    idx[1] = idx[0]
+    g = rng.standard_normal((len(idx), 8)).astype(np.float32)
+    want_w, want_s = _dense(emb, params, state, opt, idx, off, g, None)
+    got_w, got_state = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g))(params, state)
+    for key in want_w:
+        _check(got_w[key], want_w[key], params[key], key)
+        _check(opt.slots(got_state)[0][key], want_s[0][key], opt.slots(state)[0][key], key)
+
+
+def test_touched_rows():
+    rows = jnp.asarray([5, 2, 5, 0, 9, 2, 7], jnp.int32)
+    live = jnp.asarray([1, 1, 1, 1, 0, 1, 1], bool)
+    slot, slot_row, hit = sparse_update.touched_rows(rows, live, 8)
+    assert slot_row.tolist() == [0, 2, 5, 7, 8, 8, 8]
+    assert hit.tolist() == [True] * 4 + [False] * 3
+    assert [int(slot_row[s]) for s, ok in zip(slot.tolist(), live.tolist()) if ok] == [5, 2, 5, 0, 2, 7]
+    assert int(slot_row[int(slot[4])]) == 8  # a dead lookup's slot holds the sentinel
+
+
+def test_no_dense_work():
+    """The jitted XLA update of a 1M-row table: every op but the final scatters has batch-sized operands."""
+    emb = tbe_jax.TableBatchedEmbedding(specs([1 << 20], [16]), impl="xla")
+    opt = tbe_jax.Adam(0.01)
+    params = jax.eval_shape(lambda: emb.init(jax.random.key(0)))
+    state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
+    idx, off = np.zeros(64, np.int32), np.arange(0, 65, 2, dtype=np.int32)
+    g = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda p, s, g: emb.apply_gradients(p, s, opt, idx, off, g))(params, state, g)
+    big = [e for e in jaxpr.eqns if any(getattr(v.aval, "shape", (0,))[:1] == (1 << 20,) for v in e.outvars)]
+    assert big and all(e.primitive.name == "scatter" for e in big), [e.primitive.name for e in big]
