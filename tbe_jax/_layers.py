@@ -51,11 +51,11 @@ except ImportError:  # pragma: no cover - older jax
 
 
 def check_ids(indices, offsets) -> None:
-    """Integer ids only (the layers' contract): a ValueError naming the dtype otherwise."""
+    """Integer ids only (the layers' contract): a TypeError naming the dtype otherwise (as the functional API's)."""
     for name, x in (("indices", indices), ("offsets", offsets)):
         dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
         if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must hold integer ids (int32, or int64 with jax x64), got dtype {dtype}")
+            raise TypeError(f"{name} must hold integers (int32, or int64 with jax x64), got dtype {dtype}")
 
 
 def check_optimizer(optimizer, core, makers: str) -> None:
@@ -231,6 +231,29 @@ _GRAD_OF_TABLES = (
     "tbe_jax.haiku.train_step (see the layer module's docstring); differentiate only the dense parameters.")
 
 
+_NOT_IN_STEP = (
+    "sparse-mode embedding layer {name!r} (built with optimizer=...) was called under jax.grad / value_and_grad "
+    "(nnx.grad, ...) outside its framework's training step: its tables are not parameters, so that gradient "
+    "would leave them untrained, silently. Train with {helper}(loss_fn, ...), which differentiates the dense "
+    "parameters and applies the layer's fused update; or build the layer with optimizer=None to train its "
+    "tables with jax.grad and optax.")
+
+_HELPERS = {"linen": "tbe_jax.linen.train_step", "nnx": "tbe_jax.nnx.train_step", "haiku": "tbe_jax.haiku.train_step"}
+
+
+def _differentiating() -> bool:
+    """Whether the current trace is an autodiff one (jax.grad, value_and_grad, jvp, linearize): read from JAX's
+    trace context (no public API says it). False where JAX's internals differ (the check is then skipped)."""
+    try:
+        from jax._src import core as jcore
+        from jax._src.interpreters import ad
+    except ImportError:  # pragma: no cover
+        return False
+    trace = getattr(getattr(jcore, "trace_ctx", None), "trace", None)
+    kinds = tuple(k for k in (getattr(ad, "JVPTrace", None), getattr(ad, "LinearizeTrace", None)) if k is not None)
+    return bool(kinds) and isinstance(trace, kinds)
+
+
 @jax.custom_vjp
 def _frozen(tree):
     return tree
@@ -315,6 +338,10 @@ def sparse_lookup(key, core, opt, tables, opt_state, indices, offsets, per_sampl
     """
     recorder = _current()
     if recorder is None:
+        if _differentiating():
+            name = ("/".join(map(str, key[1])) if isinstance(key[1], tuple)
+                    else f"(an {key[0]} layer)" if isinstance(key[1], int) else str(key[1]))
+            raise TypeError(_NOT_IN_STEP.format(name=name, helper=_HELPERS.get(key[0], "the layer's train_step")))
         return core(_frozen(tables), indices, offsets, per_sample_weights, **(options or {}))
     return recorder.lookup(key, core, opt, tables, opt_state, indices, offsets, per_sample_weights,
                            options)
@@ -342,9 +369,10 @@ class SparseStep:
     tap_grads)` returns `(value, [SparseUpdate, ...])`.
     """
 
-    def __init__(self, has_aux: bool = False, resolve: Callable | None = None):
+    def __init__(self, has_aux: bool = False, resolve: Callable | None = None, optimizer=None):
         self.has_aux = has_aux
         self.resolve = resolve
+        self.optimizer = optimizer  # the step's override of the layers' optimizers (see `step_optimizer`)
         self.keys: list | None = None
         self._static: list | None = None
 
@@ -391,20 +419,45 @@ class SparseStep:
             it = iter(dyn)
             leaves = [next(it) if x is None else x for x in leaves]
             tables, opt_state, opt, residuals = jax.tree_util.tree_unflatten(treedef, leaves)
+            opt = step_optimizer(self.optimizer, key, opt)
             params, opt_state, invalid = core._step_update(tables, opt_state, opt, residuals, g)
             report = StepReport(jnp.asarray(invalid, jnp.int32), jnp.sum(~jnp.isfinite(g), dtype=jnp.int32))
             updates.append(SparseUpdate(key, params, opt_state, report))
         return ((loss, aux) if self.has_aux else loss), updates
 
 
-def sparse_value_and_grad(fn: Callable, dense, *, has_aux: bool = False):
+def layer_name(key) -> str:
+    """A sparse layer's name in a step: its path joined by "/" (Linen, NNX) or its module name (Haiku)."""
+    return "/".join(map(str, key[1])) if isinstance(key[1], tuple) else str(key[1])
+
+
+def step_optimizer(override, key, default):
+    """The optimizer a step applies to the layer `key`: `override` (an `Optimizer` for every layer, or a dict
+    from layer names to optimizers) where it names one, else the layer's own `default`. Passed as a value
+    (a jitted step's argument), its hyperparameters are traced: a new learning rate does not recompile."""
+    if override is None:
+        return default
+    if isinstance(override, Optimizer):
+        opt = override
+    elif isinstance(override, dict):
+        opt = override.get(layer_name(key), default)
+    else:
+        raise TypeError(f"optimizer must be a tbe_jax.optim optimizer or a dict of them by layer name, got "
+                        f"{type(override).__name__}")
+    if opt is not default and (not isinstance(opt, Optimizer) or opt.rule().kind != default.rule().kind):
+        raise TypeError(f"the step's optimizer for layer {layer_name(key)!r} must be a {type(default).__name__} "
+                        f"like the layer's (its state has that layout), got {type(opt).__name__}")
+    return opt
+
+
+def sparse_value_and_grad(fn: Callable, dense, *, has_aux: bool = False, optimizer=None):
     """`fn(dense) -> loss` (or `(loss, aux)`) with sparse-mode layers inside: one step.
 
     Returns `(value, grads, updates)`: `value` as `jax.value_and_grad` gives it,
     `grads` the gradient with respect to `dense`, and one `SparseUpdate` per sparse
     layer called (in call order), whose new tables and state the caller writes back.
     """
-    step = SparseStep(has_aux)
+    step = SparseStep(has_aux, optimizer=optimizer)
     taps = step.discover(fn, dense)
     (loss, packed), (grads, tap_grads) = jax.value_and_grad(step.wrap(fn), argnums=(0, 1), has_aux=True)(
         dense, taps)

@@ -39,7 +39,8 @@
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Sparse optimizer** (`optimizer=tbe_jax.RowwiseAdagrad(...)` or `tbe_jax.SGD(...)`).
+2. **Sparse optimizer** (`optimizer=` any of `tbe_jax.optim`: `SGD`, `RowwiseAdagrad`, `Adagrad`, `Adam`,
+   `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`).
    The tables are not parameters: tables and optimizer state are Haiku *state*
    (`hk.get_state`; use `hk.transform_with_state`), named `"fused_d8"`, ... (tables)
    and `"fused_momentum_d8"`, `"fused_count"` (the state's leaves). `train_step(loss_fn,
@@ -113,7 +114,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from tbe_jax._layers import (
-    build_core, check_ids, check_optimizer, check_options, leaf_names, opt_init, param_spec, shard_core, sparse_lookup,
+    build_core, check_ids, check_optimizer, check_options, layer_name, leaf_names, opt_init, param_spec, shard_core,
+    sparse_lookup,
     sparse_value_and_grad,
 )
 from tbe_jax.kernels.forward import ForwardConfig
@@ -150,7 +152,8 @@ class StepResult(NamedTuple):
     state: Any  # the state with the sparse layers' new tables and optimizer state
 
 
-def train_step(loss_fn: Callable, params, state, *args, has_aux: bool = False) -> StepResult:
+def train_step(loss_fn: Callable, params, state, *args, has_aux: bool = False, optimizer=None,
+               with_report: bool = False) -> StepResult:
     """One training step of a Haiku model holding sparse-mode embedding layers.
 
     Args:
@@ -162,6 +165,12 @@ def train_step(loss_fn: Callable, params, state, *args, has_aux: bool = False) -
       state: holds the sparse layers' tables and optimizer state (not differentiated).
       *args: passed to `loss_fn` (not differentiated).
       has_aux: as in `jax.value_and_grad`.
+      optimizer: this step's optimizer for the sparse layers, in place of the ones they were built with: an
+        optimizer of `tbe_jax.optim` (every layer) or a dict from a layer's module name to one; each of the
+        layer's kind. Given as an argument of the jitted step, its hyperparameters are values: a new learning
+        rate does not recompile (a layer's own optimizer is part of the model).
+      with_report: also return `{module name: tbe_jax.StepReport}` (device counts of invalid ids and
+        non-finite output gradients), as `(StepResult, reports)`.
 
     Returns:
       `StepResult(loss, grads, state)`: the loss (or `(loss, aux)`), the gradient with
@@ -169,7 +178,8 @@ def train_step(loss_fn: Callable, params, state, *args, has_aux: bool = False) -
       that `loss_fn` called updated by its optimizer (the rows its batch looked up,
       once, with the gradient of its output); other entries as given. Jittable.
     """
-    value, grads, updates = sparse_value_and_grad(lambda p: loss_fn(p, state, *args), params, has_aux=has_aux)
+    value, grads, updates = sparse_value_and_grad(lambda p: loss_fn(p, state, *args), params, has_aux=has_aux,
+                                                  optimizer=optimizer)
     if updates:
         state = {name: dict(entry) for name, entry in state.items()}
         for u in updates:
@@ -177,7 +187,8 @@ def train_step(loss_fn: Callable, params, state, *args, has_aux: bool = False) -
             if kind != "haiku":
                 raise TypeError(f"tbe_jax.haiku.train_step ran a sparse layer of another framework ({kind})")
             state.setdefault(module_name, {}).update(module_state(u.params, u.opt_state))
-    return StepResult(value, grads, state)
+    result = StepResult(value, grads, state)
+    return (result, {layer_name(u.key): u.report for u in updates}) if with_report else result
 
 
 def is_fused(module_name: str, name: str, value) -> bool:
@@ -276,7 +287,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
         `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are parameters "d8", ...), or
-        `tbe_jax.RowwiseAdagrad(...)` / `tbe_jax.SGD(...)` (sparse mode: tables and
+        any optimizer of `tbe_jax.optim` (`RowwiseAdagrad(...)`, `SGD`, `Adam`, ...; sparse mode: tables and
         optimizer state are state entries "fused_d8", "fused_momentum_d8", ...,
         trained by `tbe_jax.haiku.train_step`; see the module docstring).
       mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of

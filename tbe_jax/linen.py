@@ -42,7 +42,8 @@
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Sparse optimizer** (`optimizer=tbe_jax.RowwiseAdagrad(...)` or `tbe_jax.SGD(...)`).
+2. **Sparse optimizer** (`optimizer=` any of `tbe_jax.optim`: `SGD`, `RowwiseAdagrad`, `Adagrad`, `Adam`,
+   `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`).
    The tables are not parameters: they and the optimizer state live in the collection
    `FUSED_COLLECTION = "tbe_fused"`, as `{"embedding": {"d8": ...}, "opt_state":
    RowwiseAdagradState(...)}` under the layer's path. `train_step(loss_fn, variables,
@@ -115,7 +116,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
 from tbe_jax._layers import (
-    cached_core, check_ids, check_optimizer, check_options, opt_init, shard_core, sparse_lookup, sparse_value_and_grad,
+    cached_core, check_ids, check_optimizer, check_options, layer_name, opt_init, shard_core, sparse_lookup,
+    sparse_value_and_grad,
 )
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
@@ -137,7 +139,8 @@ class StepResult(NamedTuple):
     variables: Any  # the variables with the sparse layers' new tables and optimizer state
 
 
-def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False) -> StepResult:
+def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False, optimizer=None,
+               with_report: bool = False) -> StepResult:
     """One training step of a Linen model holding sparse-mode embedding layers.
 
     Args:
@@ -148,6 +151,12 @@ def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False) -> St
         differentiated, `FUSED_COLLECTION` holds the sparse layers' tables and state.
       *args: passed to `loss_fn` (not differentiated).
       has_aux: as in `jax.value_and_grad`.
+      optimizer: this step's optimizer for the sparse layers, in place of the ones they were built with: an
+        optimizer of `tbe_jax.optim` (every layer) or a dict from a layer's path ("embed", "tower/embed") to
+        one; each of the layer's kind. Given as an argument of the jitted step, its hyperparameters are
+        values: a new learning rate does not recompile (a layer's own optimizer is part of the model).
+      with_report: also return `{layer path: tbe_jax.StepReport}` (device counts of invalid ids and
+        non-finite output gradients), as `(StepResult, reports)`.
 
     Returns:
       `StepResult(loss, grads, variables)`: the loss (or `(loss, aux)`), the gradient
@@ -164,7 +173,8 @@ def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False) -> St
     def fn(params):
         return loss_fn({**variables, "params": params} if has_params else variables, *args)
 
-    value, grads, updates = sparse_value_and_grad(fn, variables.get("params", {}), has_aux=has_aux)
+    value, grads, updates = sparse_value_and_grad(fn, variables.get("params", {}), has_aux=has_aux,
+                                                  optimizer=optimizer)
     if updates:
         fused = _copy_tree(variables.get(FUSED_COLLECTION, {}))
         for u in updates:
@@ -176,7 +186,8 @@ def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False) -> St
                 node = node.setdefault(name, {})
             node["embedding"], node["opt_state"] = u.params, u.opt_state
         variables[FUSED_COLLECTION] = fused
-    return StepResult(value, grads, freeze(variables) if frozen else variables)
+    result = StepResult(value, grads, freeze(variables) if frozen else variables)
+    return (result, {layer_name(u.key): u.report for u in updates}) if with_report else result
 
 
 def _as_tuple(x):
@@ -246,8 +257,8 @@ class TableBatchedEmbed(SparseEmbedBase):
         forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
         `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are the parameter
-        `"embedding"` in `"params"`), or `tbe_jax.RowwiseAdagrad(...)` /
-        `tbe_jax.SGD(...)` (sparse mode: the tables, `"embedding"`, and the optimizer
+        `"embedding"` in `"params"`), or any optimizer of `tbe_jax.optim`
+        (`RowwiseAdagrad(...)`, `SGD`, `Adam`, ...; sparse mode: the tables, `"embedding"`, and the optimizer
         state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
         `tbe_jax.linen.train_step`, see the module docstring).
       mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of

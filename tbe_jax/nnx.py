@@ -35,7 +35,8 @@
    >>> losses[-1] < losses[0] / 2
    True
 
-2. **Sparse optimizer** (`optimizer=tbe_jax.RowwiseAdagrad(...)` or `tbe_jax.SGD(...)`).
+2. **Sparse optimizer** (`optimizer=` any of `tbe_jax.optim`: `SGD`, `RowwiseAdagrad`, `Adagrad`, `Adam`,
+   `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`).
    Tables and optimizer state are `Fused` variables (an `nnx.Variable` type that is
    not an `nnx.Param`, so `nnx.Optimizer(..., wrt=nnx.Param)` leaves them alone):
    `layer.embedding` (same keys as above) and `layer.opt_state` (the state's leaves,
@@ -96,7 +97,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
 from tbe_jax._layers import (
-    SparseStep, build_core, check_ids, check_optimizer, check_options, leaf_names, opt_init, shard_core, sparse_lookup,
+    SparseStep, build_core, check_ids, check_optimizer, check_options, layer_name, leaf_names, opt_init, shard_core,
+    sparse_lookup,
 )
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
@@ -122,7 +124,8 @@ class Fused(nnx.Variable):
     `train_step` updates them)."""
 
 
-def train_step(loss_fn: Callable, model: nnx.Module, *args, has_aux: bool = False, wrt=nnx.Param):
+def train_step(loss_fn: Callable, model: nnx.Module, *args, has_aux: bool = False, wrt=nnx.Param,
+               optimizer=None, with_report: bool = False):
     """One training step of an NNX model holding sparse-mode embedding layers.
 
     Args:
@@ -134,6 +137,12 @@ def train_step(loss_fn: Callable, model: nnx.Module, *args, has_aux: bool = Fals
       *args: passed to `loss_fn` (not differentiated).
       has_aux: as in `nnx.value_and_grad`.
       wrt: the filter of the differentiated variables (default `nnx.Param`).
+      optimizer: this step's optimizer for the sparse layers, in place of the ones they were built with: an
+        optimizer of `tbe_jax.optim` (every layer) or a dict from a layer's path ("embed", "tower/embed") to
+        one; each of the layer's kind. Given as an argument of the jitted step, its hyperparameters are
+        values: a new learning rate does not recompile (a layer's own optimizer is part of the model).
+      with_report: also return `{layer path: tbe_jax.StepReport}` (device counts of invalid ids and
+        non-finite output gradients), as `(loss, grads, reports)`.
 
     Returns:
       `(loss, grads)`, as `nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt),
@@ -156,7 +165,7 @@ def train_step(loss_fn: Callable, model: nnx.Module, *args, has_aux: bool = Fals
         paths.update(_sparse_layers(m, by_id=True))
         return loss_fn(m, *args)
 
-    step = SparseStep(has_aux, resolve)
+    step = SparseStep(has_aux, resolve, optimizer)
     graphdef, diff, rest = nnx.split(model, wrt, ...)
     taps = step.discover(lambda d: with_paths(nnx.merge(graphdef, d, rest)), diff)
     (loss, packed), (grads, tap_grads) = nnx.value_and_grad(
@@ -168,6 +177,8 @@ def train_step(loss_fn: Callable, model: nnx.Module, *args, has_aux: bool = Fals
             layer = layers[u.key[1]]
             layer.set_params(u.params)
             layer.set_opt_state(u.opt_state)
+    if with_report:
+        return value, grads, {layer_name(u.key): u.report for u in updates}
     return value, grads
 
 
@@ -265,7 +276,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
         `bounds_check`'s is "ignore").
       optimizer: None (true-gradient mode: the tables are `nnx.Param`s), or
-        `tbe_jax.RowwiseAdagrad(...)` / `tbe_jax.SGD(...)` (sparse mode: tables and
+        any optimizer of `tbe_jax.optim` (`RowwiseAdagrad(...)`, `SGD`, `Adam`, ...; sparse mode: tables and
         optimizer state are `Fused` variables, trained by `tbe_jax.nnx.train_step`;
         see the module docstring).
       mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of

@@ -74,8 +74,8 @@ def pooled_forward(
     bag, feat = position_features(plan, offsets, n)
     valid = valid_lookups(plan, indices, offsets, feat)
     scale = valid.astype(jnp.float32)
-    if per_sample_weights is not None:
-        scale = scale * per_sample_weights.astype(jnp.float32)
+    if per_sample_weights is not None:  # masked: a NaN weight on padding contributes nothing
+        scale = jnp.where(valid, per_sample_weights.astype(jnp.float32), 0.0)
     lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     group = np.asarray(plan.group, np.int32)
@@ -100,7 +100,8 @@ def pooled_forward(
         w = buffers[layout.key(g)]
         in_group = jnp.asarray(group == g)[feat]
         rows = jnp.where(valid & in_group, row_offset[feat] + indices.astype(jnp.int32), 0)
-        x = layout.unpad(g, jnp.take(w, rows, axis=0)).astype(jnp.float32) * jnp.where(in_group, scale, 0.0)[:, None]
+        live = (valid & in_group)[:, None]
+        x = jnp.where(live, layout.unpad(g, jnp.take(w, rows, axis=0)).astype(jnp.float32) * scale[:, None], 0.0)
         local = bag - jnp.asarray(bag_base.astype(np.int32))[feat]
         seg = jnp.where(in_group, jnp.asarray(seg_base.astype(np.int32))[feat] + local, nseg)
         pooled = jax.ops.segment_sum(x, seg, num_segments=nseg)  # [nseg, d]: the buffer's bags, feature-major
@@ -156,8 +157,8 @@ def sequence_forward(
     x = layout.unpad(0, jnp.take(w, rows, axis=0)).astype(jnp.float32)
     scale = valid.astype(jnp.float32)
     if per_sample_weights is not None:
-        scale = scale * per_sample_weights.astype(jnp.float32)
-    return (x * scale[:, None]).astype(output_dtype)
+        scale = jnp.where(valid, per_sample_weights.astype(jnp.float32), 0.0)
+    return jnp.where(valid[:, None], x * scale[:, None], 0.0).astype(output_dtype)
 
 
 def lookup_coefficients(plan: FeaturePlan, indices, offsets, per_sample_weights, pooling: str):
@@ -171,7 +172,7 @@ def lookup_coefficients(plan: FeaturePlan, indices, offsets, per_sample_weights,
     if pooling == "mean":
         lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
         coef = coef / jnp.maximum(lengths, 1.0)[bag]
-    scale = coef if per_sample_weights is None else coef * per_sample_weights
+    scale = coef if per_sample_weights is None else jnp.where(coef > 0, coef * per_sample_weights, 0.0)
     return bag, feat, coef, scale
 
 
@@ -193,7 +194,9 @@ def group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
     for g, d in enumerate(layout.dims):
         m = valid & (feat_group[feat] == g)
         cols = jnp.where(m[:, None], first[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :], 0)
-        grad_rows = jnp.take(g_flat, cols) * m[:, None]  # [N, d]: g of each lookup's pooled row
+        # [N, d]: g of each lookup's pooled row; exactly 0 for the others (masked, not multiplied: a NaN in the
+        # output gradient must not reach the rows that padding or invalid ids name).
+        grad_rows = jnp.where(m[:, None], jnp.take(g_flat, cols), 0.0)
         rows = jnp.where(m, row_offset[feat] + indices.astype(jnp.int32), 0)
         yield g, m, grad_rows, rows
 
@@ -224,7 +227,8 @@ def pooled_backward(
     for g, m, grad_rows, rows in group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
         key = layout.key(g)
         w = buffers[key]
-        d_buffers[key] = jnp.zeros(w.shape, jnp.float32).at[rows].add(layout.pad(g, grad_rows * scale[:, None]))
+        contrib = jnp.where(m[:, None], grad_rows * scale[:, None], 0.0)
+        d_buffers[key] = jnp.zeros(w.shape, jnp.float32).at[rows].add(layout.pad(g, contrib))
         touched[key] = jnp.zeros((w.shape[0],), jnp.int32).at[rows].add(m.astype(jnp.int32)) > 0
     if keep_fp32:
         return d_buffers, touched
@@ -244,7 +248,7 @@ def per_sample_weight_grad(buffers, layout, plan, indices, offsets, per_sample_w
     d_psw = jnp.zeros((indices.shape[0],), jnp.float32)
     for g, _, grad_rows, rows in group_lookups(layout, plan, indices, bag, feat, coef > 0, g_out, pooling):
         x = layout.unpad(g, jnp.take(buffers[layout.key(g)], rows, axis=0)).astype(jnp.float32)
-        d_psw = d_psw + jnp.sum(x * grad_rows, axis=1) * coef
+        d_psw = d_psw + jnp.where(coef > 0, jnp.sum(x * grad_rows, axis=1) * coef, 0.0)
     return d_psw
 
 

@@ -185,7 +185,7 @@ def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
     sequence: bool = False, rle_kernel: bool = False, interpret: bool = False, segment_bounds: tuple[int, ...] = (),
-    rank_sort_max: int = 0, rank_sort_chunk: int = 2048, radix_sort_max: int = 0, radix_bits: int = 4,
+    rank_sort_max: int = 0, rank_sort_chunk: int = 2048,
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
@@ -193,8 +193,7 @@ def build_runs(
     `kernels.rle` instead of XLA ops (same result). `segment_bounds` (static keys, ascending): with
     the kernels, the runs' `seg_edges` counts the runs below each (`rle.encode(bounds=...)`). Batches of at most
     `rank_sort_max` lookups are sorted by the counting-rank kernels (`kernels.ranksort`, chunks of
-    `rank_sort_chunk`); larger ones of at most `radix_sort_max` by the Pallas radix sort (`kernels.radixsort`,
-    `radix_bits` per pass), others by XLA's sort.
+    `rank_sort_chunk`), others by XLA's sort.
     """
     n = indices.shape[0]
     bases = group_bases(layout)
@@ -212,12 +211,6 @@ def build_runs(
 
         skey, ssrc, *rest = rank_sort(key, src, *(() if unit else (scale,)), chunk=rank_sort_chunk,
                                       interpret=interpret)
-        sscale = rest[0] if rest else None
-    elif 0 < n <= radix_sort_max:  # payloads carried through the passes (no gathers)
-        from tbe_jax.kernels.radixsort import radix_sort
-
-        skey, ssrc, *rest = radix_sort(key, src, *(() if unit else (scale,)), key_bits=max(1, total.bit_length()),
-                                       radix_bits=radix_bits, interpret=interpret)
         sscale = rest[0] if rest else None
     elif unit:
         # No scale to carry: sort the output offsets themselves (the stable sort keeps

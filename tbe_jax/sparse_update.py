@@ -9,8 +9,10 @@ buffers: a step cost 230 ms at 4M rows where a scatter of the touched rows costs
 3. those rows and their optimizer state gathered, updated by the same `optim.apply_rule` (and the same
    stochastic rounding, seeded by the row's id), and scattered back with unique indices.
 
-Each row sums its lookups in batch order as the dense form does, so on the CPU the result is bitwise the dense
-one's (tested). Under `jit` with the tables donated, XLA updates the buffers in place: no copy of a table either.
+Each row sums its lookups in batch order as the dense form does (on the CPU: deterministic; on a GPU XLA's
+scatter-add may sum them in any order, as the dense form's does). The result is the dense one's up to the
+rounding of two differently fused programs (tested). Under `jit` with the tables donated, XLA updates the buffers
+in place: no copy of a table either.
 """
 
 from __future__ import annotations

@@ -661,8 +661,7 @@ class TableBatchedEmbedding:
                                    rle_kernel=cfg.rle_kernel, interpret=self.interpret,
                                    segment_bounds=bwd_kernels.segment_bounds(self.layout),
                                    rank_sort_max=cfg.rank_sort_limit(self.interpret),
-                                   rank_sort_chunk=cfg.rank_sort_chunk,
-                                   radix_sort_max=cfg.radix_sort_limit(self.interpret), radix_bits=cfg.radix_bits)
+                                   rank_sort_chunk=cfg.rank_sort_chunk)
 
     def _update_impl(self, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,
                      backward_config=None, runs=None):

@@ -628,80 +628,6 @@ def test_rank_sorted_update_matches_model(rng, opt, pooling, weighted):
                 backward_config=tbe_jax.BackwardConfig(rank_sort_max=1 << 20, rank_sort_chunk=256))
 
 
-@pytest.mark.parametrize("n,bits", [(1, 1), (33, 2), (255, 9), (257, 14), (700, 31), (1500, 20)])
-def test_radix_sort_matches_lax_sort(rng, n, bits):
-    """The radix sort is XLA's stable sort: every key and payload, keys crowded (a few hot values) and spread up
-    to 2**bits, sizes around its blocks (one partial block, several), passes of 1 to 8 bits (the last one
-    partial where bits is not a multiple)."""
-    from tbe_jax.kernels.radixsort import radix_sort
-
-    key = rng.integers(0, 2**bits, n).astype(np.int32)
-    key[rng.random(n) < 0.3] = key[0]  # a hot key: long runs of equal keys
-    key = jnp.asarray(key)
-    pos, w = jnp.arange(n, dtype=jnp.int32), jnp.asarray(rng.random(n).astype(np.float32))
-    want = jax.lax.sort((key, pos, w), num_keys=1, is_stable=True)
-    # (bits per pass, block): the defaults; small blocks; wide digits.
-    for radix_bits, block in ((4, 256), (3, 16), (8, 64)):
-        got = jax.jit(functools.partial(radix_sort, key_bits=bits, radix_bits=radix_bits, block=block,
-                                        interpret=KERNEL_KW["interpret"]))(key, pos, w)
-        for x, y in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def test_radix_sort_errors():
-    from tbe_jax.kernels.radixsort import radix_sort
-
-    k = jnp.zeros((4,), jnp.int32)
-    with pytest.raises(TypeError, match="int32"):
-        radix_sort(k.astype(jnp.float32), key_bits=4)
-    with pytest.raises(ValueError, match="payload shape"):
-        radix_sort(k, jnp.zeros((3,), jnp.int32), key_bits=4)
-    with pytest.raises(ValueError, match="key_bits"):
-        radix_sort(k, key_bits=32)
-    with pytest.raises(ValueError, match="block"):
-        radix_sort(k, key_bits=4, block=100)
-
-
-@pytest.mark.parametrize("weighted", [False, True], ids=["unit", "weighted"])
-def test_runs_radix_sort_equals_xla_sort(rng, weighted):
-    """build_runs through the radix sort and through XLA's: every field equal; the radix sort takes the batches
-    past the rank sort's limit up to `radix_sort_max` lookups inclusive, XLA's sort past that."""
-    tables = specs([7, 700, 3], [4, 4, 4])
-    emb = tbe_jax.TableBatchedEmbedding(tables)
-    idx, off, psw = testing.make_batch(rng, [7, 700, 3], [5, 5, 5], (0, 120), weighted=weighted)
-    idx[4] = -1
-    n = len(idx)
-    plan = emb.plan_for(len(off))
-    args = (jnp.asarray(idx), jnp.asarray(off), None if psw is None else jnp.asarray(psw))
-
-    def build(rank_max, radix_max, radix_bits=4):
-        fn = functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="mean" if weighted else "sum",
-                               rle_kernel=True, interpret=KERNEL_KW["interpret"], rank_sort_max=rank_max,
-                               radix_sort_max=radix_max, radix_bits=radix_bits)
-        return jax.jit(fn)(*args), str(jax.make_jaxpr(fn)(*args))
-
-    (want, want_jaxpr), (got, got_jaxpr), (past, past_jaxpr) = build(0, 0), build(0, n), build(0, n - 1)
-    (odd, _), (ranked, ranked_jaxpr) = build(0, n, radix_bits=3), build(n, n)
-    assert "tbe_radix_scatter" in got_jaxpr
-    assert "tbe_radix_scatter" not in want_jaxpr + past_jaxpr + ranked_jaxpr
-    for runs in (got, odd):
-        for name, x, y in zip(runs_lib.Runs._fields, runs, want):
-            if x is None or y is None:
-                assert x is None and y is None, name
-            else:
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
-
-
-@pytest.mark.parametrize("opt,pooling,weighted", [
-    (tbe_jax.RowwiseAdagrad(0.05, 1e-3), "sum", False), (tbe_jax.SGD(0.05), "mean", True)],
-    ids=["adagrad-sum", "sgd-mean-w"])
-def test_radix_sorted_update_matches_model(rng, opt, pooling, weighted):
-    # The backward with its lookups sorted by the radix sort, against the float64 model and the reference.
-    tables = specs([17, 6, 40], [5, 16, 16])
-    _check_step(rng, tables, [0, 1, 2, 1], [16] * 4, (0, 12), opt, pooling=pooling, weighted=weighted,
-                backward_config=tbe_jax.BackwardConfig(rank_sort_max=0, radix_sort_max=1 << 20))
-
-
 def test_errors():
     emb = tbe_jax.TableBatchedEmbedding(specs([10], [4]), impl="xla")
     params = emb.init(jax.random.key(0))
@@ -929,9 +855,8 @@ def _apply_step_w(emb, opt, params, state, idx, off, g, psw):
 
 
 @pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2), dict(rank_sort_max=1 << 20),
-                                 dict(rank_sort_max=0, radix_sort_max=1 << 20),
-                                 dict(rank_sort_max=0, radix_sort_max=0)],
-                         ids=["prefetch", "lookups_per_step2", "rank_sort", "radix_sort", "xla_sort"])
+                                 dict(rank_sort_max=0)],
+                         ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort"])
 def test_backward_config_variants(rng, cfg):
     # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
     tables = specs([3, 300], [8, 16])
@@ -964,10 +889,6 @@ def test_backward_config_errors():
         tbe_jax.BackwardConfig(rank_sort_max=-1)
     with pytest.raises(ValueError, match="rank_sort_chunk"):
         tbe_jax.BackwardConfig(rank_sort_chunk=1000)
-    with pytest.raises(ValueError, match="radix_sort_max"):
-        tbe_jax.BackwardConfig(radix_sort_max=-1)
-    with pytest.raises(ValueError, match="radix_bits"):
-        tbe_jax.BackwardConfig(radix_bits=9)
     for removed in ("keys_kernel", "keys_bags", "small_unroll"):  # experiments measured slower, removed
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{removed}'"):
             tbe_jax.BackwardConfig(**{removed: 1})

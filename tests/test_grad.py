@@ -115,3 +115,31 @@ def test_sgd_training_step_lowers_the_loss(rng):
         params, l = step(params)
         losses.append(float(l))
     assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_nan_does_not_leak_through_padding(impl, pooling):
+    """A NaN in sample 0's output gradient, padding past offsets[-1] (ids 0, NaN weights) and an invalid id in
+    sample 0's bag: only the rows sample 0's valid ids name get NaN, in the forward, jax.grad (tables and
+    weights) and apply_gradients without skip_nonfinite; the padding and invalid lookups contribute exactly 0."""
+    kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
+    emb = tbe_jax.TableBatchedEmbedding(specs([10, 12], [4, 8]), pooling=pooling, **kw)
+    params = emb.init(jax.random.key(0))
+    idx = np.array([3, 25, 4, 5, 6, 7, 0, 0, 0], np.int32)  # 25: invalid in table 0
+    off = np.array([0, 2, 4, 5, 6], np.int32)  # bags: [3, 25] [4, 5] | [6] [7]; then 3 padding slots
+    psw = np.array([1, 1, 1, 1, 1, 1, np.nan, np.nan, np.nan], np.float32)
+    g = np.zeros((2, 12), np.float32)
+    g[0, 0] = np.nan  # sample 0, feature 0
+    out = emb(params, idx, off, psw)
+    assert np.isfinite(np.asarray(out)).all()
+    dp, dw = _grads(emb, params, idx, off, psw, g)
+    nan_rows = {k: np.flatnonzero(np.isnan(np.asarray(v)).any(axis=1)).tolist() for k, v in dp.items()}
+    assert nan_rows == {"d4": [3], "d8": []}, nan_rows
+    dw = np.asarray(dw)
+    assert np.isnan(dw[:2]).any() and np.isfinite(dw[2:]).all() and (dw[6:] == 0).all(), dw
+    opt = tbe_jax.SGD(0.1, skip_nonfinite=False)
+    new, _ = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, idx, off, g, psw))(
+        params, emb.init_opt_state(params, opt))
+    nan_rows = {k: np.flatnonzero(np.isnan(np.asarray(v)).any(axis=1)).tolist() for k, v in new.items()}
+    assert nan_rows == {"d4": [3], "d8": []}, nan_rows

@@ -14,6 +14,7 @@ test_tt_layers.py.
 import dataclasses
 import doctest
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -268,6 +269,86 @@ def test_sparse_step_matches_functional(rng, framework, opt_name):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_step_optimizer_is_a_value_and_reports(rng, framework):
+    """`train_step(..., optimizer=opt)` with `opt` a jitted argument: four Python-float learning rates, one
+    compilation, each step equal to the functional `tbe_jax.train_step` at that rate; `with_report=True` gives
+    each layer's StepReport (here: NaN labels make every output gradient non-finite on the last step)."""
+    mod = module("tbe_jax", framework)
+    kw = dict(feature_table_map=FMAP, impl="xla")
+    core = tbe_jax.TableBatchedEmbedding(TABLES, **kw)
+    tables = core.init(jax.random.key(4))
+    state = tbe_jax.RowwiseAdagrad(0.1).init(tables)
+    idx, off, _, y = make_batch(rng, ROWS, False)
+    traces = [0]
+    if framework == "linen":
+        layer = mod.TableBatchedEmbed(TABLES, optimizer=tbe_jax.RowwiseAdagrad(0.1), **kw)
+        v = {mod.FUSED_COLLECTION: {"embedding": tables, "opt_state": state}}
+
+        @jax.jit
+        def step(v, opt, y):
+            traces[0] += 1
+            res, rep = mod.train_step(lambda v: jnp.mean((layer.apply(v, idx, off).sum(1) - y) ** 2), v,
+                                      optimizer=opt, with_report=True)
+            return res.variables, rep
+
+        def run(opt, y):
+            nonlocal v
+            v, rep = step(v, opt, y)
+            return v[mod.FUSED_COLLECTION]["embedding"], rep
+    elif framework == "nnx":
+        from flax import nnx
+
+        layer = mod.TableBatchedEmbed(TABLES, optimizer=tbe_jax.RowwiseAdagrad(0.1), rngs=nnx.Rngs(0), **kw)
+        layer.set_params(tables)
+        layer.set_opt_state(state)
+
+        @nnx.jit
+        def step(m, opt, y):
+            traces[0] += 1
+            _, _, rep = mod.train_step(lambda m: jnp.mean((m(idx, off).sum(1) - y) ** 2), m, optimizer=opt,
+                                       with_report=True)
+            return rep
+
+        def run(opt, y):
+            rep = step(layer, opt, y)
+            return layer.get_params(), rep
+    else:
+        import haiku as hk
+
+        f = hk.without_apply_rng(hk.transform_with_state(
+            lambda: mod.TableBatchedEmbed(TABLES, optimizer=tbe_jax.RowwiseAdagrad(0.1), name="embed", **kw)(
+                idx, off)))
+        box = {"s": {"embed": mod.module_state(tables, state)}}
+
+        @jax.jit
+        def step(s, opt, y):
+            traces[0] += 1
+            res, rep = mod.train_step(lambda p, s: jnp.mean((f.apply(p, s)[0].sum(1) - y) ** 2), {}, s,
+                                      optimizer=opt, with_report=True)
+            return res.state, rep
+
+        def run(opt, y):
+            box["s"], rep = step(box["s"], opt, y)
+            return mod.fused_params(box["s"]["embed"], core), rep
+    want_t, want_s = tables, state
+    for lr in (0.3, 0.05, 0.7, 0.2):
+        opt = tbe_jax.RowwiseAdagrad(lr)
+        got, rep = run(opt, y)
+        res = tbe_jax.train_step(lambda d, pooled: jnp.mean((pooled.sum(1) - y) ** 2), {},
+                                 tbe_jax.SparseLookup(core, opt, want_t, want_s, idx, off))
+        want_t, want_s = res.params, res.opt_state
+        close(got, want_t, framework)
+    assert traces[0] == 1
+    (name, report), = rep.items()
+    assert name == ("embed" if framework == "haiku" else "")  # the model's root layer: the empty path
+    assert int(report.nonfinite_grads) == 0
+    _, rep = run(tbe_jax.RowwiseAdagrad(0.1), jnp.full_like(y, jnp.nan))
+    assert int(rep[name].nonfinite_grads) == BATCH * OUT_DIM
+    with pytest.raises(TypeError, match="must be a RowwiseAdagrad"):
+        run(tbe_jax.SGD(0.1), y)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_sparse_step_on_kernels(rng, framework):
     # One step through the forward and sorted-run backward kernels equals the XLA reference's
     # (one table: interpret mode compiles slowly).
@@ -370,6 +451,50 @@ def test_differentiating_sparse_tables_raises(framework):
             state = mod.module_state({}, opt.init(tables))
             jax.grad(lambda t: jnp.sum(f.apply({}, {"table_batched_embed": {**state, **mod.module_state(t, {})}})[0]))(
                 tables)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("package", ["tbe_jax", "tt_jax"])
+def test_plain_grad_of_a_sparse_model_raises(framework, package):
+    """A model with a sparse-mode layer differentiated with the framework's plain gradient (only its dense
+    parameters: the tables would silently not train) raises at trace time, naming the step helper."""
+    mod = module(package, framework)
+    rng = np.random.default_rng(0)
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    if package == "tbe_jax":
+        make = lambda **kw: mod.TableBatchedEmbed(TABLES, optimizer=opt, impl="xla", feature_table_map=FMAP, **kw)
+        rows, dim = ROWS, OUT_DIM
+    else:
+        import tt_jax
+        spec = tt_jax.TTSpec(60, 8, ranks=(3, 4))
+        make = lambda **kw: mod.TTEmbeddingBag([spec], optimizer=opt, impl="xla", **kw)
+        rows, dim = (60,), 8
+    idx, off, _, y = make_batch(rng, rows, False)
+    head = make_head(rng, dim)
+    helper = f"tbe_jax.{framework}.train_step"
+    with pytest.raises(TypeError, match=rf"outside its framework's training step.*{re.escape(helper)}"):
+        if framework == "linen":
+            layer = make()
+            v = layer.init(jax.random.key(0), idx, off)
+            jax.jit(jax.grad(lambda h: head_loss(h, layer.apply(v, idx, off), y)))(head)
+        elif framework == "nnx":
+            from flax import nnx
+
+            class Model(nnx.Module):
+                def __init__(self):
+                    self.embed = make(rngs=nnx.Rngs(0))
+                    self.head = nnx.Linear(dim, 1, rngs=nnx.Rngs(1))
+
+                def __call__(self, idx, off):
+                    return self.head(self.embed(idx, off))[:, 0]
+
+            nnx.jit(nnx.value_and_grad(lambda m: jnp.mean((m(idx, off) - y) ** 2)))(Model())
+        else:
+            import haiku as hk
+
+            f = hk.without_apply_rng(hk.transform_with_state(lambda: make()(idx, off)))
+            p, s = f.init(jax.random.key(0))
+            jax.grad(lambda h: head_loss(h, f.apply(p, s)[0], y))(head)
 
 
 def test_per_sample_weights_from_dense_params(rng):
@@ -491,7 +616,7 @@ def test_float_ids_raise(framework, which):
         idx = idx.astype(jnp.float32)
     else:
         off = off.astype(jnp.float32)
-    with pytest.raises(ValueError, match=f"{which} must hold integer ids.*float32"):
+    with pytest.raises(TypeError, match=f"{which} must hold integers.*float32"):
         layer_call(framework, mod.TableBatchedEmbed, TABLES, idx, off, feature_table_map=FMAP, impl="xla")
 
 

@@ -17,17 +17,19 @@ def _section_code(title: str) -> list[str]:
 
 
 def test_training_snippets_run():
-    """The train_step block, then the apply_gradients and jax.grad blocks in the same namespace."""
-    ns: dict = {}
+    """The train_step, apply_gradients and jax.grad blocks, each on its own (a reader copies one)."""
     blocks = _section_code("### Training: `tbe_jax.train_step`")
     blocks += _section_code("### `apply_gradients`, and the kernels behind it")
     blocks += _section_code("### True gradient (`jax.grad`)")
     assert len(blocks) == 3
-    exec(compile(blocks[0], str(README), "exec"), ns)  # noqa: S102
-    assert int(ns["table_state"].count) == 3 and float(ns["loss"]) > 0
-    for code in blocks[1:]:
+    spaces = []
+    for code in blocks:
+        ns: dict = {}
         exec(compile(code, str(README), "exec"), ns)  # noqa: S102
-    assert [m.shape for m in ns["momentum"]] == [(1000,), (500,)]
+        spaces.append(ns)
+    assert int(spaces[0]["table_state"].count) == 3 and float(spaces[0]["loss"]) > 0
+    assert [m.shape for m in spaces[1]["momentum"]] == [(1000,), (500,)]
+    ns = spaces[2]
     assert all(ns["tables"][k].shape == ns["grads"][k].shape for k in ns["tables"])
 
 

@@ -362,13 +362,12 @@ def test_comm_dtype_bfloat16():
         tbe_jax.shard(emb, mesh(), "data", comm_dtype=jnp.int8)
 
 
-@pytest.mark.parametrize("bcfg", [dict(rank_sort_max=0, radix_sort_max=0), dict(rank_sort_max=0),
-                                  dict(rank_sort_max=1 << 20, rank_sort_chunk=256)],
-                         ids=["xla_sort", "radix_sort", "rank_sort_merge"])
+@pytest.mark.parametrize("bcfg", [dict(rank_sort_max=0), dict(rank_sort_max=1 << 20, rank_sort_chunk=256)],
+                         ids=["xla_sort", "rank_sort_merge"])
 def test_program_does_not_grow_with_batch(bcfg):
     """The sharded forward and step, lowered for the kernels (CUDA) at two batch sizes: the same program text
     up to the shapes' digits (no constant grows with b). The backward's sort is pinned to one path at both
-    sizes (XLA's sort; the radix sort; the counting-rank sort with its merge pass): the default picks by size."""
+    sizes (XLA's sort; the counting-rank sort with its merge pass): the default picks by size."""
     emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="pallas",
                                         backward_config=tbe_jax.BackwardConfig(**bcfg))
     emb._use_kernel = lambda: True  # lower the kernels without a GPU

@@ -19,12 +19,13 @@ OPTS = [tbe_jax.SGD(0.1), tbe_jax.SGD(0.1, stochastic_rounding=True), tbe_jax.Ad
 
 
 def _check(got, want, before, name):
-    """`got` equals `want` up to a few roundings of the operands (XLA may fuse one rule's divisions and
-    multiply-adds differently in two programs), and bitwise `before` wherever the dense update left it unchanged."""
+    """`got` equals `want` up to a few roundings (XLA may fuse one rule's divisions and multiply-adds differently
+    in two programs; on a GPU its scatter-adds sum a row's lookups in any order), and bitwise `before` wherever
+    the dense update left it unchanged."""
     got, want, before = (np.asarray(x) for x in (got, want, before))
     eps = float(jnp.finfo(want.dtype).eps)
     g64, w64, b64 = (x.astype(np.float64) for x in (got, want, before))
-    bad = np.abs(g64 - w64) > 4 * eps * (np.abs(b64) + np.abs(w64)) + 1e-30
+    bad = np.abs(g64 - w64) > 16 * eps * (np.abs(b64) + np.abs(w64)) + 1e-5 * np.abs(w64 - b64) + 1e-30
     assert not bad.any(), (name, np.argwhere(bad)[:5], g64[bad][:5], w64[bad][:5])
     keep = (w64 == b64) & (np.signbit(w64) == np.signbit(b64))
     np.testing.assert_array_equal(got[keep], before[keep], err_msg=name)

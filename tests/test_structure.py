@@ -66,26 +66,17 @@ def _custom_calls(text: str) -> int:
 @pytest.mark.parametrize("build", [_forward_hlo, _step_hlo], ids=["forward", "step"])
 def test_hlo_does_not_grow_with_batch(build):
     emb = _model(10)
-    small, large = build(emb, 2048), build(emb, 16384)
+    small, large = build(emb, 1024), build(emb, 8192)
     # Only shapes may differ (digits in type signatures), never the amount of text.
     assert abs(len(large) - len(small)) < 0.01 * len(small), (len(small), len(large))
 
 
 @pytest.mark.parametrize("build", [_forward_hlo, _step_hlo], ids=["forward", "step"])
 def test_launches_do_not_grow_with_features(build):
-    from tbe_jax.kernels.radixsort import passes
-    from tbe_jax.runs import group_bases
-
     counts, sizes = {}, {}
     for f in (10, 100, 1000):
-        emb = _model(f)
-        text = build(emb, 1024)
-        # The radix sort's passes follow the bits of the largest key (all tables' rows): two launches per 4 bits,
-        # at most 8 passes, not one per feature.
-        scatters, tallies = text.count('"tbe_radix_scatter"'), text.count('"tbe_radix_counts"')
-        total = int(group_bases(emb.layout)[-1])
-        assert scatters == tallies == (passes(total.bit_length()) if build is _step_hlo else 0), (f, scatters, total)
-        counts[f] = _custom_calls(text) - scatters - tallies
+        text = build(_model(f), 1024)
+        counts[f] = _custom_calls(text)
         sizes[f] = len(text)
     assert counts[10] == counts[100] == counts[1000], counts
     # At most a small constant per feature (the per-feature tables the kernels read).

@@ -276,7 +276,7 @@ def test_float_ids_raise(framework, which):
         idx = idx.astype(jnp.float32)
     else:
         off = off.astype(jnp.float32)
-    with pytest.raises(ValueError, match=f"{which} must hold integer ids.*float32"):
+    with pytest.raises(TypeError, match=f"{which} must hold integers.*float32"):
         layer_call(framework, mod.TTEmbeddingBag, SPECS, idx, off, feature_table_map=FMAP, impl="xla")
 
 

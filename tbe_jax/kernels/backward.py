@@ -98,12 +98,6 @@ class BackwardConfig:
         in interpret mode, where the interpreted kernel only adds CPU compile time; 0: never.
       rank_sort_chunk: positions the counting-rank sort ranks by direct comparison; larger batches take its merge
         pass (binary searches in the other chunks). A multiple of 256.
-      radix_sort_max: batches of more than the rank sort's limit and at most this many lookups are sorted by the
-        Pallas LSD radix sort (`kernels.radixsort`), larger ones by XLA's sort. XLA sorts these arrays with CUB, a
-        custom call outside the step's CUDA graph that costs ~70 us of host time per step, and on the H200 the
-        radix sort's device time is 2-4x lower too (24k-1.5M keys, `benchmarks/results/radixsort-20261202.json`).
-        None (default): every batch with compiled kernels, 0 (XLA's sort) in interpret mode; 0: never.
-      radix_bits: key bits per radix pass (1-8; passes = ceil(bits of the largest key / radix_bits)).
     """
 
     small_block: int | None = None
@@ -117,14 +111,6 @@ class BackwardConfig:
     rle_kernel: bool = True
     rank_sort_max: int | None = None
     rank_sort_chunk: int = 2048
-    radix_sort_max: int | None = None
-    radix_bits: int = 4
-
-    def radix_sort_limit(self, interpret: bool) -> int:
-        """The largest batch (lookups) sorted by the radix sort (past `rank_sort_limit`)."""
-        if self.radix_sort_max is not None:
-            return self.radix_sort_max
-        return 0 if interpret else 2**31 - 1
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
@@ -135,10 +121,6 @@ class BackwardConfig:
     def __post_init__(self):
         if self.rank_sort_max is not None and (not isinstance(self.rank_sort_max, int) or self.rank_sort_max < 0):
             raise ValueError(f"BackwardConfig.rank_sort_max={self.rank_sort_max!r} must be None or an int >= 0")
-        if self.radix_sort_max is not None and (not isinstance(self.radix_sort_max, int) or self.radix_sort_max < 0):
-            raise ValueError(f"BackwardConfig.radix_sort_max={self.radix_sort_max!r} must be None or an int >= 0")
-        if not isinstance(self.radix_bits, int) or not 1 <= self.radix_bits <= 8:
-            raise ValueError(f"BackwardConfig.radix_bits={self.radix_bits!r} must be an int in [1, 8]")
         if not isinstance(self.rank_sort_chunk, int) or self.rank_sort_chunk < 256 or self.rank_sort_chunk % 256:
             raise ValueError(f"BackwardConfig.rank_sort_chunk={self.rank_sort_chunk!r} must be a multiple of 256")
         for name in ("small_block", "lookups_per_step"):
