@@ -4,7 +4,8 @@
   python -m benchmarks cpu_update --out benchmarks/results/cpu-update-<date>.json
 
 One table of E rows, D=32, a batch of B=256 bags of 4 ids (1024 lookups, uniform), jitted with the tables and
-state donated (as a training loop does); the median of `--iters` steps, blocked every step.
+state donated (as a training loop does); the median of `--iters` steps, blocked every step. `--tt`: also a
+`tt_jax.TTEmbeddingBag` of the same rows (ranks 16, 16; its `apply_gradients` on the XLA path).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--opts", default="sgd,rowwise_adagrad,adam")
     ap.add_argument("--dense-max", type=int, default=4_000_000, help="largest E also run densely")
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--tt", action="store_true", help="also the TT table's step")
     args = ap.parse_args(argv)
     opts = {"sgd": tbe_jax.SGD(0.01), "rowwise_adagrad": tbe_jax.RowwiseAdagrad(0.01), "adam": tbe_jax.Adam(0.01)}
     rng = np.random.default_rng(0)
@@ -71,11 +73,40 @@ def main(argv=None):
                        "update": "dense" if dense else "sparse", "ms": round(statistics.median(times), 3)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if args.tt:
+        import tt_jax
+
+        for e in map(int, args.rows.split(",")):
+            emb = tt_jax.TTEmbeddingBag([tt_jax.TTSpec(e, d, ranks=(16, 16))], impl="xla")
+            for name in args.opts.split(","):
+                opt = opts[name]
+                params = emb.init(jax.random.key(0))
+                state = emb.init_opt_state(params, opt)
+                step = jax.jit(lambda p, s, i, o, g, emb=emb, opt=opt: emb.apply_gradients(p, s, opt, i, o, g),
+                               donate_argnums=(0, 1))
+                idx = jnp.asarray(rng.integers(0, e, b * ln).astype(np.int32))
+                off = jnp.arange(0, b * ln + 1, ln, dtype=jnp.int32)
+                g = jnp.asarray(rng.standard_normal((b, d)).astype(np.float32))
+                params, state = jax.block_until_ready(step(params, state, idx, off, g))
+                times = []
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    params, state = jax.block_until_ready(step(params, state, idx, off, g))
+                    times.append((time.perf_counter() - t0) * 1e3)
+                row = {"rows": e, "dim": d, "batch": b, "lookups": b * ln, "opt": name, "update": "tt",
+                       "core_values": sum(int(x.size) for x in jax.tree.leaves(params)),
+                       "ms": round(statistics.median(times), 3)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     summary = {}
     for name in args.opts.split(","):
         sp = {r["rows"]: r["ms"] for r in rows if r["opt"] == name and r["update"] == "sparse"}
         lo, hi = min(sp), max(sp)
         summary[name] = {"sparse_ms": sp, f"ratio_{hi}_over_{lo}": round(sp[hi] / sp[lo], 2)}
+        tt = {r["rows"]: r["ms"] for r in rows if r["opt"] == name and r["update"] == "tt"}
+        if tt:
+            summary[name]["tt_ms"] = tt
+            summary[name][f"tt_ratio_{hi}_over_{lo}"] = round(tt[hi] / tt[lo], 2)
     print(json.dumps(summary))
     if args.out:
         json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,

@@ -379,8 +379,12 @@ class ShardedTableBatchedEmbedding:
                 raise TypeError(f"params[{key!r}] must be an array ({self.emb.weights_dtype.name}{list(shape)}), "
                                 f"got {type(params[key]).__name__}")
             if tuple(params[key].shape) != shape or params[key].dtype != self.emb.weights_dtype:
-                raise ValueError(f"params[{key!r}] must be {self.emb.weights_dtype.name}{list(shape)}, got "
-                                 f"{params[key].dtype}{list(params[key].shape)}")
+                raise ValueError(
+                    f"params[{key!r}] must be {self.emb.weights_dtype.name}{list(shape)}, got "
+                    f"{params[key].dtype}{list(params[key].shape)}. Sharded buffers depend on the mesh (its size "
+                    f"and the plan): a checkpoint of another mesh's buffers cannot be restored onto this one, not "
+                    f"even with orbax's strict=False (which would pad or cut the rows of the wrong tables). Save "
+                    f"`to_unsharded(params, opt_state)` (mesh-independent), and restore it with `from_unsharded`")
 
     def init_opt_state(self, params, opt):
         """`opt`'s state for the shards, sharded like the params (the step count replicated)."""

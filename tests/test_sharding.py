@@ -341,6 +341,16 @@ def test_train_step_under_jit_and_checkpoint_to_other_meshes(tmp_path):
         assert int(s2.count) == 3
 
 
+def test_other_mesh_buffers_refused_with_the_way_out():
+    """Sharded buffers of a 4-device mesh given to the same plan on 2 devices (what restoring a checkpoint of
+    the sharded arrays onto another mesh gives): refused, naming to_unsharded/from_unsharded."""
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    four, two = tbe_jax.shard(emb, mesh(4), "data", {0: "row"}), tbe_jax.shard(emb, mesh(2), "data", {0: "row"})
+    params = four.init(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"another mesh.*to_unsharded\(params, opt_state\).*from_unsharded"):
+        two.init_opt_state(params, tbe_jax.SGD(0.1))
+
+
 def test_comm_dtype_bfloat16():
     """Pooled rows and gradients travelling in bf16: close to emb (bf16 rounding), tables still updated."""
     emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
