@@ -645,19 +645,19 @@ def _forward(s: ShardedTableBatchedEmbedding, params, idx, off, psw, want_routed
             out, rep = emb.forward_with_report(params, idx, off, psw)
             rep = bounds.BoundsReport(_psum(rep.invalid_indices, s), _psum(rep.repaired_offsets, s))
             return out, rep, ({"ids": idx, "off": off, "w": psw} if want_routed else None)
-        (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired) = _routed_local(s, idx, off, psw, False)
+        # Training (want_routed) with mean pooling: the ids travel once, with weights scaled by 1/len(bag) at the
+        # source; the owners' sums are then the means (no division on the way back), and the same routed batch
+        # serves the update. A forward alone keeps the weightless ids and divides at the source.
+        scaled = want_routed and emb.pooling == "mean"
+        routed = _routed_local(s, idx, off, psw, scaled)
+        (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired) = routed
         out_l = s.local(params, m_ids, m_off, m_w)
         if sequence:
             out = _sequence_back(s, out_l, back, sent, idx.shape[0])
         else:
-            out = _assemble(s, out_l, off, b)
+            out = _assemble(s, out_l, off, b, divide=not scaled)
         rep = bounds.BoundsReport(_psum(invalid + dropped, s), _psum(repaired, s))
-        routed = None
-        if want_routed:  # for the update: the owner-side batch (a backward-scaled copy of the weights)
-            routed = _routed_local(s, idx, off, psw, True) if emb.pooling == "mean" else (
-                (m_ids, m_off, m_w), back, sent, None)
-            routed = _pack_routed(routed)
-        return out, rep, routed
+        return out, rep, (_pack_routed(routed) if want_routed else None)
 
     spec = P(ax)
     routed_spec = None if not want_routed else _routed_specs(s, psw is not None)
@@ -718,8 +718,9 @@ def _update(s: ShardedTableBatchedEmbedding, params, opt_state, opt, routed, gra
     return f(params, opt_state, opt, routed, grad_output)
 
 
-def _assemble(s, out_l, off, b):
-    """Owner-side pooled rows `[n*b, W]` back to their devices: `[b, sum D]` on each."""
+def _assemble(s, out_l, off, b, divide: bool = True):
+    """Owner-side pooled rows `[n*b, W]` back to their devices: `[b, sum D]` on each (mean pooling: divided by
+    the bag lengths unless `divide` is False, where the routed weights carried 1/len)."""
     n, lay, emb = s.num_devices, s.layout, s.emb
     parts = out_l.reshape(n, b, lay.width)
     if s.comm_dtype is not None:
@@ -750,7 +751,7 @@ def _assemble(s, out_l, off, b):
         col = jnp.take_along_axis(local_col, owner[None, :], axis=0)[0]
         val = jnp.where(jnp.any(sel, axis=0)[None, :], parts[owner[None, :], rows, col[None, :]], 0.0)
         out = val if out is None else out + val
-    if emb.pooling == "mean":
+    if emb.pooling == "mean" and divide:
         nf = emb.num_features
         length = (off[1:] - off[:-1]).reshape(nf, b)
         out = out / jnp.maximum(length, 1).astype(jnp.float32).T[:, feat]

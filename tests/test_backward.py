@@ -230,13 +230,17 @@ def test_padded_rows_layout_and_round_trip():
     (lambda: tbe_jax.RowwiseAdagrad(0.05, 1e-3), True),
     (lambda: tbe_jax.Adam(0.05, weight_decay=0.01), False),
     (lambda: tbe_jax.Adagrad(0.2, initial_accumulator_value=0.1), False)], ids=["rowwise", "adam", "adagrad"])
-def test_padded_rows_match_unpadded(rng, make_opt, check_grad):
+def test_padded_rows_match_unpadded(rng, make_opt, check_grad, request):
     # Padded fp16 buffers (36 -> 40, 68 -> 72, 124 -> 128) next to unpadded ones (12, 64), several buffers per
     # segment, mean pooling and duplicates (the E <= 64 tables of D 64..128 take the histogram kernels, the others
     # the sorted runs): the kernels' forward, gradient (`jax.grad`, once: it does not depend on the optimizer) and
     # fused step on padded storage equal the XLA reference on unpadded storage, for row-wise and element-wise
     # optimizer state (Adagrad's accumulators start non-zero, in the padding too), and the padding stays zero.
     # SGD's rule is the others' without state (test_optimizers.py covers it on every path).
+    if not ON_GPU and "adagrad" in request.node.name and "rowwise" not in request.node.name:
+        # ~40 s in interpret mode; Adam's variant covers the padded element-wise state there (two slots, the
+        # same kernel code per slot), and this one runs compiled.
+        pytest.skip("Adagrad's variant: compiled only (interpret mode: Adam's covers element-wise state)")
     opt = make_opt()
     dims = [36, 12, 68, 124, 64, 36, 76]
     tables = specs([7, 9, 5, 6, 8, 3, 4], dims)
