@@ -287,7 +287,7 @@ class _Recorder:
     def lookup(self, key, core, opt, tables, opt_state, indices, offsets, per_sample_weights, options):
         if self.resolve is not None:
             key = self.resolve(key)
-        name = "/".join(map(str, key[1])) if isinstance(key[1], tuple) else str(key[1])
+        name = layer_name(key)
         if _trace_state() != self.trace:
             raise ValueError(
                 f"sparse-mode layer {name!r} was called inside a transformation (jit, vmap, scan, remat, ...) "
@@ -339,8 +339,7 @@ def sparse_lookup(key, core, opt, tables, opt_state, indices, offsets, per_sampl
     recorder = _current()
     if recorder is None:
         if _differentiating():
-            name = ("/".join(map(str, key[1])) if isinstance(key[1], tuple)
-                    else f"(an {key[0]} layer)" if isinstance(key[1], int) else str(key[1]))
+            name = f"(an {key[0]} layer)" if isinstance(key[1], int) else layer_name(key)
             raise TypeError(_NOT_IN_STEP.format(name=name, helper=_HELPERS.get(key[0], "the layer's train_step")))
         return core(_frozen(tables), indices, offsets, per_sample_weights, **(options or {}))
     return recorder.lookup(key, core, opt, tables, opt_state, indices, offsets, per_sample_weights,

@@ -14,7 +14,7 @@ import pytest
 import tbe_jax
 from tbe_jax import runs as runs_lib
 from tbe_jax import testing
-from conftest import KERNEL_KW, assert_close, model_step_f64, specs, tables_f64
+from conftest import KERNEL_KW, ON_GPU, assert_close, model_step_f64, specs, tables_f64
 
 
 
