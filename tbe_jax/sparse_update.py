@@ -57,9 +57,9 @@ def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, in
         num_rows = w.shape[0]
         slot, slot_row, hit = touched_rows(rows, m, num_rows)
         # Each slot's gradient: its lookups' contributions, summed in batch order (the sort was stable).
+        # (A dead lookup's slot is the sentinel's, never written back; its contribution is 0 anyway.)
         contrib = jnp.where(m[:, None], grad_rows * scale[:, None], 0.0)
-        order_slot = jnp.where(m, slot, rows.shape[0])  # dead lookups: no slot
-        grad = jax.ops.segment_sum(contrib, order_slot, num_segments=rows.shape[0])
+        grad = jax.ops.segment_sum(contrib, slot, num_segments=rows.shape[0])
         grad = layout.pad(g, grad)
         if rule.skip_nonfinite:
             hit = hit & jnp.all(jnp.isfinite(grad), axis=1)
