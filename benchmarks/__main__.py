@@ -1,7 +1,8 @@
 """`python -m benchmarks <suite> [args]`: run one benchmark suite.
 
 Suites: `sweep` (many drawn shard shapes against FBGEMM, `benchmarks/sweep.py`), `dispatch` (host time of jitted
-calls, `benchmarks/dispatch.py`), `cpu_update` (the XLA path's update on the CPU as tables grow). The older scripts (`bench_*.py`, `trace_*.py`) still run as files.
+calls, `benchmarks/dispatch.py`), `cpu_update` (the XLA path's update on the CPU as tables grow), `probe_repair`
+(the default mode's offsets repair and id counts on the device, `benchmarks/probe_repair.py`). The older scripts (`bench_*.py`, `trace_*.py`) still run as files.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = {"sweep": "benchmarks.sweep", "dispatch": "benchmarks.dispatch", "cpu_update": "benchmarks.cpu_update"}
+SUITES = {"sweep": "benchmarks.sweep", "dispatch": "benchmarks.dispatch", "cpu_update": "benchmarks.cpu_update",
+          "probe_repair": "benchmarks.probe_repair"}
 
 
 def main(argv=None):

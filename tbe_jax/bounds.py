@@ -1,25 +1,31 @@
 """Input validation and repair for the four `bounds_check` modes.
 
-- `"ignore"` (the default): ids outside `[0, E_t)` contribute nothing to the
-  forward and update nothing in the backward, silently, with identical results on
-  every `impl` and device (one compare per id in the kernels; measured on the
-  H200 in benchmarks/NOTES.md). Malformed offsets are not repaired (undefined).
+In every mode the kernels read only ids inside `indices` (each bag's extent is
+clamped to `[0, len(indices))` where it is loaded), whatever `offsets` holds.
+
+- `"ignore"` (the default): `offsets` is repaired on the device (first entry 0,
+  every entry clamped to `[0, len(indices)]`, then its running maximum: the
+  bags are those of a valid partition; valid offsets are unchanged) and ids
+  outside `[0, E_t)` contribute nothing to the forward and update nothing in
+  the backward, silently, with identical results on every `impl` and device.
+  Both are counted in the call's report (`forward_with_report`,
+  `bounds_report`, `train_step`'s `StepReport`), read when you want them.
 - `"none"`: no upper-bound check in the forward kernels: an id >= E_t reads
-  another table's row or past the buffer (undefined behaviour, fastest). Negative
-  ids, the pruned-row marker -1 included, are still skipped; the backward and the
-  XLA path skip every id outside `[0, E_t)` as in `"ignore"`.
-- `"warning"`: a small XLA pass repairs `offsets` by clamping (first entry 0,
-  non-decreasing, at most `len(indices)`); ids outside `[0, E_t)` contribute
-  nothing (-1, a pruned row, is skipped silently and not counted). The counts of
-  repaired offsets and invalid ids are reported through `warnings.warn` from a
-  `jax.debug.callback` (works under `jit`, no host sync in the step) and can be
-  read as device values with `TableBatchedEmbedding.bounds_report(...)` (or the
-  `report` of `tbe_jax.train_step`).
+  another table's row or past the buffer (undefined behaviour, fastest), and
+  `offsets` is not repaired (malformed offsets give undefined bags, though no
+  read leaves `indices`). Negative ids, the pruned-row marker -1 included, are
+  still skipped; the backward and the XLA path skip every id outside
+  `[0, E_t)` as in `"ignore"`. Ids outside their table are still counted.
+- `"warning"`: `"ignore"`'s repairs, and when something was repaired a
+  `warnings.warn` from a `jax.debug.callback` (works under `jit`, no host sync
+  in the step: the callback sits behind a device-side `lax.cond`).
 - `"fatal"`: a `ValueError` naming the feature, the bag and the bad value. With
   concrete inputs it is raised at once; under `jit` the check is a
   `jax.experimental.checkify.check`, so wrap the jitted function with
   `checkify.checkify` and call `err.throw()` (a plain `jit` refuses to trace it
   and says so).
+
+`-1` (a pruned row) is skipped silently in every mode and never counted.
 """
 
 from __future__ import annotations
@@ -40,18 +46,22 @@ PRUNED = -1
 
 
 class BoundsReport(NamedTuple):
-    """What `bounds_check="warning"` repaired in one call (device scalars)."""
+    """What one call skipped and repaired (device scalars; zeros in "fatal" mode, which raises instead)."""
 
-    invalid_indices: jax.Array  # int32 []: ids outside [0, E) other than -1
-    repaired_offsets: jax.Array  # int32 []: entries of offsets changed by clamping
+    invalid_indices: jax.Array  # int32 []: ids outside [0, E) other than -1 (skipped, except in "none" mode)
+    repaired_offsets: jax.Array  # int32 []: entries of offsets changed by the repair (0 in "none" mode)
 
 
 def repair_offsets(offsets: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """Clamp offsets to a valid partition of `[0, n)`: returns (repaired, count)."""
-    first = jnp.zeros((1,), offsets.dtype)
-    fixed = jnp.concatenate([first, jnp.maximum(offsets[1:], 0)])
-    # An explicit parallel scan: O(log n) fused steps on every backend.
-    fixed = jnp.minimum(jax.lax.associative_scan(jnp.maximum, fixed), n).astype(offsets.dtype)
+    """Clamp offsets to a valid partition of `[0, n)`: returns (repaired, count of changed entries).
+
+    First entry 0, every entry clamped to `[0, n]`, then the running maximum (`lax.cummax`: on the GPU XLA
+    lowers it to a reduce-window tree, `benchmarks/results/probe-repair-*` for its cost).
+    """
+    if offsets.shape[0] == 0:
+        return offsets, jnp.int32(0)
+    fixed = jnp.clip(offsets, 0, n).at[0].set(0)
+    fixed = jax.lax.cummax(fixed).astype(offsets.dtype)
     return fixed, jnp.sum(fixed != offsets).astype(jnp.int32)
 
 
@@ -62,6 +72,13 @@ def _invalid_ids(plan: FeaturePlan, indices, offsets):
     num_rows = jnp.asarray(np.asarray(plan.num_rows), dtype=indices.dtype)[feat]
     in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
     return in_bag & (indices != PRUNED) & ((indices < 0) | (indices >= num_rows))
+
+
+def count_invalid(plan: FeaturePlan, indices, offsets) -> jax.Array:
+    """How many ids inside a bag are outside their table's `[0, E)` (other than -1): an int32 scalar."""
+    if indices.shape[0] == 0:
+        return jnp.int32(0)
+    return jnp.sum(_invalid_ids(plan, indices, offsets)).astype(jnp.int32)
 
 
 def report(plan: FeaturePlan, indices, offsets) -> tuple[jax.Array, BoundsReport]:
@@ -135,8 +152,46 @@ def check_concrete(plan: FeaturePlan, indices: np.ndarray, offsets: np.ndarray, 
         )
 
 
-def check_traced(plan: FeaturePlan, indices, offsets) -> None:
-    """The same checks as `check_concrete`, as checkify checks (for use under jit)."""
+# -- "fatal" under a trace -------------------------------------------------------------------------------------
+# checkify's checks cannot be lowered unless `checkify.checkify` functionalized them first, and JAX's own error
+# then ("Cannot abstractly evaluate a checkify.check which was not functionalized") names neither this library nor
+# the way out. `check_traced` passes `offsets` through an identity primitive whose checkify rule is the identity
+# (checkify removes it along with the checks) and whose lowering raises the error below: a plain `jit` of a
+# fatal-mode call fails with it, before JAX's. Registered through jax internals (`jax._src.checkify`), present
+# from jax 0.10.2 to 0.12.
+FATAL_UNDER_JIT = (
+    "bounds_check='fatal' under jax.jit checks on the device with jax.experimental.checkify: wrap the jitted "
+    "function, jax.jit(checkify.checkify(f)) (or checkify.checkify(jax.jit(f))), and call err.throw() on the "
+    "error it returns; or use bounds_check='warning' (ids skipped and offsets repaired, counted and warned) or "
+    "the default 'ignore' with forward_with_report / train_step's report (counted on the device)")
+
+
+def _make_guard():
+    from jax._src import checkify as checkify_internal
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive("tbe_jax_fatal_guard")
+    prim.def_impl(lambda x: x)
+    prim.def_abstract_eval(lambda x: x)
+
+    def lowering(ctx, x):
+        raise ValueError(FATAL_UNDER_JIT)
+
+    mlir.register_lowering(prim, lowering)
+    batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), dims[0])
+    ad.primitive_jvps[prim] = lambda primals, tangents: (prim.bind(*primals), tangents[0])
+    checkify_internal.error_checks[prim] = lambda error, enabled_errors, x: (error, x)
+    return prim
+
+
+_GUARD = _make_guard()
+
+
+def check_traced(plan: FeaturePlan, indices, offsets):
+    """The same checks as `check_concrete`, as checkify checks (for use under jit); returns `offsets` (use it:
+    under a plain `jit` its lowering raises `FATAL_UNDER_JIT`)."""
+    offsets = _GUARD.bind(offsets)
     n = indices.shape[0]
     fixed, n_fixed = repair_offsets(offsets, n)
     first_bad = jnp.argmax(fixed != offsets).astype(jnp.int32)
@@ -150,7 +205,7 @@ def check_traced(plan: FeaturePlan, indices, offsets) -> None:
         i=first_bad, v=offsets[first_bad], f=f, b=gbag - bag_base[f],
     )
     if n == 0 or plan.num_bags == 0:
-        return
+        return offsets
     bad = _invalid_ids(plan, indices, offsets)
     p = jnp.argmax(bad).astype(jnp.int32)
     bag, feat = position_features(plan, offsets, n)
@@ -160,3 +215,4 @@ def check_traced(plan: FeaturePlan, indices, offsets) -> None:
         "bounds_check='fatal': feature {f}, bag {b}: index {v} (indices[{p}]) is outside [0, {e})",
         f=feat[p], b=bag[p] - bag_base[feat[p]], v=indices[p], p=p, e=num_rows[feat[p]],
     )
+    return offsets

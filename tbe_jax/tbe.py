@@ -418,11 +418,12 @@ class TableBatchedEmbedding:
             checkify.check(size_fix == 0, msg, n=size_fix)
 
     def _check_fatal(self, plan, indices, offsets):
+        """Raises for bad inputs (concrete) or adds checkify checks (traced); returns `offsets` to use."""
         if _is_concrete(indices, offsets):
             bounds.check_concrete(plan, np.asarray(indices), np.asarray(offsets),
                                   [t.label(i) for i, t in enumerate(self.tables)])
-        else:
-            bounds.check_traced(plan, indices, offsets)
+            return offsets
+        return bounds.check_traced(plan, indices, offsets)
 
     def _narrow(self, indices, offsets, per_sample_weights):
         """int32 ids and offsets, fp32 weights (the kernels' types)."""
@@ -445,26 +446,25 @@ class TableBatchedEmbedding:
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
         n = indices.shape[0]
 
-        use_kernel = self.pooling != "none" and self._use_kernel()
-        n_fixed = None  # warning mode on the kernels: they count skipped ids, offsets need a pass
-        report = None
-        if self.bounds_check == "warning":
-            if use_kernel:
-                offsets, n_fixed = bounds.repair_offsets(offsets, n)
-            else:
-                offsets, report = bounds.report(plan, indices, offsets)
-        elif self.bounds_check == "fatal":
-            self._check_fatal(plan, indices, offsets)
+        # The pooled kernels count the ids they skip themselves (a slot per program, summed only where the report
+        # is used: XLA drops the sum otherwise); the other paths count with an XLA pass (dropped likewise).
+        count = self.pooling != "none" and self._use_kernel()
+        n_fixed = jnp.int32(0)
+        if self.bounds_check == "fatal":
+            offsets = self._check_fatal(plan, indices, offsets)
+        elif self.bounds_check != "none":
+            offsets, n_fixed = bounds.repair_offsets(offsets, n)
+        n_bad = None
+        if not count and self.bounds_check != "fatal":
+            n_bad = bounds.count_invalid(plan, indices, offsets)
         indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
 
-        count = n_fixed is not None
-        out, n_bad = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
-        if count:
-            report = bounds.BoundsReport(n_bad, n_fixed)
-        if report is None:
+        out, kernel_bad = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
+        if self.bounds_check == "fatal":  # checked: nothing to report
             return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
+        report = bounds.BoundsReport(kernel_bad if count else n_bad, n_fixed)
         report = _add_size_fix(report, size_fix)
-        if warn:
+        if warn and self.bounds_check == "warning":
             bounds.warn_if_repaired(report)
         return out, report
 
@@ -613,10 +613,10 @@ class TableBatchedEmbedding:
         """(plan, int32 indices, offsets, fp32 weights) after the bounds mode's checks and repairs."""
         plan, indices, offsets, per_sample_weights, _ = self._prepare(
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
-        if self.bounds_check == "warning":
+        if self.bounds_check == "fatal":
+            offsets = self._check_fatal(plan, indices, offsets)
+        elif self.bounds_check != "none":
             offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
-        elif self.bounds_check == "fatal":
-            self._check_fatal(plan, indices, offsets)
         return (plan,) + self._narrow(indices, offsets, per_sample_weights)
 
     def _apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,

@@ -112,8 +112,13 @@ def make_batch(
     alpha: float = 1.0,
     weighted: bool = False,
     perms: Sequence[np.ndarray] | None = None,
+    pad_to: int | None = None,
 ):
-    """FBGEMM-format inputs: (indices int32 [N], offsets int32 [sum B_f + 1], weights or None)."""
+    """FBGEMM-format inputs: (indices int32 [N], offsets int32 [sum B_f + 1], weights or None).
+
+    `pad_to`: append id 0 (weight 0) past `offsets[-1]` up to that length, so batches of different total
+    lengths share one shape (one compilation under `jit`); the padding is not part of any bag.
+    """
     lengths, ids = [], []
     for f, (e, b) in enumerate(zip(num_rows, batch)):
         bl = bag_len[f] if isinstance(bag_len, list) else bag_len
@@ -127,6 +132,11 @@ def make_batch(
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     indices = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32)
     psw = rng.uniform(0.5, 1.5, size=indices.shape).astype(np.float32) if weighted else None
+    if pad_to is not None:
+        if pad_to < len(indices):
+            raise ValueError(f"pad_to={pad_to} is below the batch's {len(indices)} ids")
+        indices = np.pad(indices, (0, pad_to - len(indices)))
+        psw = None if psw is None else np.pad(psw, (0, pad_to - len(psw)))
     return indices, offsets, psw
 
 

@@ -173,6 +173,20 @@ def test_warning_repairs_offsets():
     assert_close(out, _model(idx, fixed), 2e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_default_mode_repairs_offsets(impl):
+    # The same repair in the default mode, silently, on both impls; the pooling kernel reads no id past the end.
+    idx = np.array([1, 2, 3, 4, 5, 0, 1, 2, 3, 4], np.int32)
+    off = np.array([2, 4, 3, 12, 9], np.int32)
+    fixed = np.array([0, 4, 4, 10, 10], np.int32)
+    emb = _emb(impl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = jax.jit(lambda c, i, o: emb({"cores": c}, i, o))(_params()["cores"], idx, off)
+        jax.effects_barrier()
+    assert_close(out, _model(idx, fixed), 2e-6)
+
+
 # -- "fatal" ---------------------------------------------------------------------------------------------------
 
 
@@ -203,8 +217,8 @@ def test_fatal_under_jit_and_checkify():
     err, out = f(CLEAN_IDX, OFF)  # -1 is not an error
     err.throw()
     assert_close(out, _model(CLEAN_IDX, OFF), 2e-6)
-    with pytest.raises(Exception, match="checkify"):  # a plain jit refuses to trace the check
-        jax.jit(lambda i, o: emb(_params(), i, o))(BAD_IDX, OFF)
+    with pytest.raises(ValueError, match=r"bounds_check='fatal' under jax.jit .*checkify.checkify.*'warning'"):
+        jax.jit(lambda i, o: emb(_params(), i, o))(BAD_IDX, OFF)  # a plain jit: the way out in the error
 
 
 # -- "none" ----------------------------------------------------------------------------------------------------

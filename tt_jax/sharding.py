@@ -486,12 +486,11 @@ def _broadcast0(tree, ax):
 def _update(s: ShardedTTEmbeddingBag, params, opt_state, opt, idx, off, psw, g):
     ax, n = s.axis_name, s.num_devices
     nf = len(s.emb.feature_table_map)
-    warn = s.emb.bounds_check == "warning"
 
     def body(params, opt_state, opt, idx, off, psw, g):
         idx, off = idx[0], off[0]
         psw = None if psw is None else psw[0]
-        if warn:  # repaired per device, silently (as emb.apply_gradients does)
+        if s.emb.bounds_check != "none":  # repaired per device, silently (as emb.apply_gradients does)
             off, _ = bounds.repair_offsets(off, idx.shape[0])
         ids, offs, w, gg = _gather(s, idx, off, psw, g)
         gids, goff, gw = _global_batch(ids, offs, w, nf)

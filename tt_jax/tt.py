@@ -52,17 +52,17 @@ class TTEmbeddingBag:
     never another row. Per `bounds_check`:
 
     - "ignore": bad ids contribute nothing to the output and get no gradient
-      and no optimizer update, on both impls. Silent, jittable, no host
-      synchronisation. Offsets are not checked: malformed offsets are
-      undefined behaviour (the Pallas pooling kernel reads through them
-      unchecked, and the impls may disagree), as in `tbe_jax`.
+      and no optimizer update, on both impls, and malformed offsets are
+      repaired on the device (`tbe_jax.bounds.repair_offsets`: first entry 0,
+      clamped to `[0, len(indices)]`, non-decreasing; valid offsets are
+      unchanged), identically on both impls, lookup and update. Silent,
+      jittable, no host synchronisation.
     - "none": nothing is checked. Negative ids (-1 included) contribute
       nothing; ids >= N_t are undefined behaviour (today the TT planner drops
       them, as "ignore": the sort needs the check anyway, so "none" saves
-      nothing here); malformed offsets are undefined behaviour.
-    - "warning": bad ids are skipped as in "ignore", and offsets are repaired
-      by clamping (`tbe_jax.bounds.repair_offsets`: first entry 0,
-      non-decreasing, at most `len(indices)`); the counts of bad ids (other
+      nothing here); malformed offsets give undefined bags (the pooling
+      kernel still reads no id outside `indices`).
+    - "warning": "ignore"'s skips and repairs; the counts of bad ids (other
       than -1) and of repaired offsets entries are reported by `warnings.warn`
       (RuntimeWarning) from a `jax.debug.callback` behind a `lax.cond` (works
       under `jit`; a clean batch issues no callback). Lookups warn (`emb(...)`,
@@ -266,7 +266,8 @@ class TTEmbeddingBag:
         """`bounds_check` on the raw inputs: int32 (indices, offsets) with bad ids never wrapped into valid ones.
 
         Every mode narrows: an id outside the int32 range becomes -2 (bad, skipped by the planner and the
-        reference as every id outside `[0, N_t)`: no further masking is needed). "warning" repairs the offsets.
+        reference as every id outside `[0, N_t)`: no further masking is needed). "ignore" and "warning" repair
+        the offsets (`tbe_jax.bounds.repair_offsets`).
         """
         mode = self.bounds_check
         plan = self._feature_plan(batch) if mode in ("warning", "fatal") else None
@@ -276,14 +277,16 @@ class TTEmbeddingBag:
                                       [f"table {t}" for t in range(len(self.specs))])
             else:  # signed ids are checked as given (the message names the value); unsigned ones narrowed
                 signed = jnp.issubdtype(indices.dtype, jnp.signedinteger)
-                bounds.check_traced(plan, jnp.asarray(indices if signed else narrow_ids(indices)),
-                                    jnp.asarray(offsets))
+                offsets = bounds.check_traced(plan, jnp.asarray(indices if signed else narrow_ids(indices)),
+                                              jnp.asarray(offsets))
         indices = jnp.asarray(narrow_ids(indices))
         offsets = jnp.asarray(narrow_offsets(offsets))
         if mode == "warning":
             offsets, rep = bounds.report(plan, indices, offsets)
             if warn:
                 bounds.warn_if_repaired(rep, package="tt_jax")
+        elif mode == "ignore":  # the same repair, silently (valid offsets are unchanged)
+            offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
         return indices, offsets
 
     def __call__(self, params, indices, offsets, per_sample_weights=None):

@@ -136,8 +136,7 @@ def _pool_branch(
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     bag_ok = g < nbags
-    start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
-    end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
+    start, length = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
 
     def feat_meta(col):
         return plgpu.load(feat_ref.at[META_COLS * f + col])
@@ -147,7 +146,6 @@ def _pool_branch(
     out_base = feat_meta(OUT_BASE)
     out_stride = feat_meta(OUT_STRIDE)
     bag = b0 + g
-    length = end - start
     n_iter = (jnp.max(length) + unroll - 1) // unroll
 
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
@@ -173,11 +171,12 @@ def _pool_branch(
         return tuple(ids), tuple(ws)
 
     def count_bad(ids):
-        """Ids outside [0, E) other than the pruned marker -1 (-1 also pads past a bag's end)."""
-        n = jnp.int32(0)
+        """Per bag, ids outside [0, E) other than the pruned marker -1 (-1 also pads past a bag's end); summed
+        over the bags once, after the loop (a cross-lane sum per step would cost more than the compares)."""
+        n = jnp.zeros((br.bags,), jnp.int32)
         if bad_ref is not None:
             for idx in ids:
-                n += jnp.sum((idx != -1) & ((idx < 0) | (idx >= num_rows)), dtype=jnp.int32)
+                n += ((idx != -1) & ((idx < 0) | (idx >= num_rows))).astype(jnp.int32)
         return n
 
     def gather(ids):
@@ -213,7 +212,7 @@ def _pool_branch(
             s, c = accumulate(s, c, tiles, ws)
             return s, c, nbad + count_bad(ids), nxt_ids, nxt_ws
 
-        init = (acc0, zeros, jnp.int32(0)) + fetch(jnp.int32(0))
+        init = (acc0, zeros, jnp.zeros((br.bags,), jnp.int32)) + fetch(jnp.int32(0))
         s, c, nbad, _, _ = jax.lax.fori_loop(0, n_iter, body, init)
     else:
         def body(it, carry):
@@ -222,9 +221,9 @@ def _pool_branch(
             s, c = accumulate(s, c, gather(ids), ws)
             return s, c, nbad + count_bad(ids)
 
-        s, c, nbad = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros, jnp.int32(0)))
+        s, c, nbad = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros, jnp.zeros((br.bags,), jnp.int32)))
     if bad_ref is not None:  # one slot per program: no atomics, summed by the caller
-        plgpu.store(bad_ref.at[pid], nbad)
+        plgpu.store(bad_ref.at[pid], jnp.sum(nbad, dtype=jnp.int32))
     acc = s + c if accumulation == "twosum" else s
     if pooling == "mean":
         acc = acc / jnp.maximum(length, 1).astype(acc.dtype)[:, None]

@@ -226,7 +226,8 @@ def _count_packed(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, l
     """Counts of the ids at positions [lo_b, hi_b) of each bag b (`lo`, `hi`: [bags] int32).
 
     Returns (chunks, bad): `chunks` is a list of (first row, counts [bags, 16] int32) whose
-    column r counts row `first + r` (exact integers); `bad` the bad-id count.
+    column r counts row `first + r` (exact integers); `bad` the bad-id count (`n_bad(ids)`: elementwise 0/1,
+    summed once after the loop).
     """
     j = jnp.arange(c, dtype=jnp.int32)
     n_steps = (jnp.max(hi - lo) + c - 1) // c
@@ -246,7 +247,7 @@ def _count_packed(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, l
         word = ids & (WORDS - 1)
         return acc + jnp.where(word[:, :, None] == w[None, None, :], inc[:, :, None], 0), bad + n_bad(ids)
 
-    state = (jnp.zeros((bags, c, WORDS), jnp.int32), jnp.int32(0))
+    state = (jnp.zeros((bags, c, WORDS), jnp.int32), jnp.zeros((bags, c), jnp.int32))
     if lookahead:
         def step(i, carry):
             nxt = load(i + lookahead)
@@ -257,7 +258,8 @@ def _count_packed(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, l
     else:
         acc, bad = jax.lax.fori_loop(0, n_steps, lambda i, st: consume(st, load(i)), state)
     # Unpack before summing over C: a bag's count may reach 256.
-    return [(WORDS * byte, jnp.sum((acc >> (8 * byte)) & 255, axis=1)) for byte in range(rows // WORDS)], bad
+    counts = [(WORDS * byte, jnp.sum((acc >> (8 * byte)) & 255, axis=1)) for byte in range(rows // WORDS)]
+    return counts, jnp.sum(bad, dtype=jnp.int32)
 
 
 def _hist_branch(
@@ -273,18 +275,16 @@ def _hist_branch(
     def body():
         g = jnp.arange(bags, dtype=jnp.int32)
         bag_ok = g < nbags
-        start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
-        end = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
+        start, length = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
         num_rows = meta(feat_ref, META_COLS, f, NUM_ROWS)
         row_offset = meta(feat_ref, META_COLS, f, ROW_OFFSET)
         out_base = meta(feat_ref, META_COLS, f, OUT_BASE)
         out_stride = meta(feat_ref, META_COLS, f, OUT_STRIDE)
-        length = end - start
 
-        def n_bad(ids):
+        def n_bad(ids):  # elementwise: summed after the loops, not per step
             if bad_ref is None:
-                return jnp.int32(0)
-            return jnp.sum((ids != -1) & ((ids < 0) | (ids >= num_rows)), dtype=jnp.int32)
+                return jnp.zeros(ids.shape, jnp.int32)
+            return ((ids != -1) & ((ids < 0) | (ids >= num_rows))).astype(jnp.int32)
 
         # 1. Histogram of the first HEAD ids of each bag: counts[b, e] = #{j < HEAD : id_bj == e}.
         chunks, bad = _count_packed(indices_ref, start, start + jnp.minimum(length, HEAD), n_bad, bags=bags,
@@ -322,7 +322,8 @@ def _hist_branch(
                 bad = bad + n_bad(idx)
             return acc, bad
 
-        acc, bad = jax.lax.fori_loop(0, jnp.maximum(n_tail, 0), tail, (acc, bad))
+        acc, tail_bad = jax.lax.fori_loop(0, jnp.maximum(n_tail, 0), tail, (acc, jnp.zeros((bags,), jnp.int32)))
+        bad = bad + jnp.sum(tail_bad, dtype=jnp.int32)
         if pooling == "mean":
             acc = acc / jnp.maximum(length, 1).astype(jnp.float32)[:, None]
         bag = b0 + g

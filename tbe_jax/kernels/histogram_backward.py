@@ -74,13 +74,12 @@ from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 # single [K] gather with no per-step index arithmetic beyond one add.
 
 
-def _tile_positions(offsets_ref, first, nbags, *, bags: int, c: int):
+def _tile_positions(offsets_ref, first, nbags, n, *, bags: int, c: int):
     """(bag of p [K], slot p % C [K], its bag's first id [K], its bag's length [K]); 0 for padding bags."""
     p = jnp.arange(bags * c, dtype=jnp.int32)
     pb, pc = p // c, p % c
     ok = pb < nbags
-    p_start = plgpu.load(offsets_ref.at[first + pb], mask=ok, other=0)
-    p_len = plgpu.load(offsets_ref.at[first + pb + 1], mask=ok, other=0) - p_start
+    p_start, p_len = programs.bag_extent(offsets_ref, first + pb, ok, n)
     return pb, pc, p_start, jnp.where(ok, p_len, 0)
 
 
@@ -214,18 +213,13 @@ def _grad_branch(pid, lo, hi, flist_ref, prefix_ref, feat_ref, offsets_ref, indi
         out_base = plgpu.load(feat_ref.at[META_COLS * f + OUT_BASE])
         out_stride = plgpu.load(feat_ref.at[META_COLS * f + OUT_STRIDE])
         bag_ok = g < nbags
-        length = jnp.where(
-            bag_ok,
-            plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0)
-            - plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0),
-            0,
-        )
+        length = jnp.where(bag_ok, programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])[1], 0)
         dout = plgpu.load(g_ref.at[(out_base + (b0 + g) * out_stride)[:, None] + cols[None, :]],
                           mask=bag_ok[:, None] & col_ok[None, :], other=0.0)
         if mean:
             dout = dout * (1.0 / jnp.maximum(length, 1).astype(jnp.float32))[:, None]
         parts = split3(dout)
-        pb, pc, p_start, p_len = _tile_positions(offsets_ref, first, nbags, bags=bags, c=c)
+        pb, pc, p_start, p_len = _tile_positions(offsets_ref, first, nbags, indices_ref.shape[0], bags=bags, c=c)
         membership_t = (pb[:, None] == g[None, :]).astype(jnp.float16)  # S^T [K, bags]
         longest = jnp.max(length)
 

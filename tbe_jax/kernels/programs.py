@@ -110,6 +110,18 @@ def locate(seg: Segment, q, flist_ref, prefix_ref):
     return f, bag_base + b0, jnp.minimum(seg.bags, batch - b0), b0
 
 
+def bag_extent(offsets_ref, bag, ok, n: int):
+    """(start, length) of bags `bag` (where `ok`; 0 elsewhere), clamped to `[0, n)` of `indices`.
+
+    The callers validate or repair `offsets` first (every `bounds_check` mode but "none"); the clamp keeps
+    even malformed offsets from reading ids outside `indices` (memory safety in every mode; two min/max
+    per bag).
+    """
+    start = jnp.clip(plgpu.load(offsets_ref.at[bag], mask=ok, other=0), 0, n)
+    end = jnp.clip(plgpu.load(offsets_ref.at[bag + 1], mask=ok, other=0), start, n)
+    return start, end - start
+
+
 def rows(pm: ProgramMap) -> np.ndarray:
     """The explicit `[programs, 4]` table (feature, first bag, bags, b0), on the host (tests, bookkeeping)."""
     out = []

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.kernels.programs import bag_extent
 from tbe_jax.specs import next_pow2
 from tt_jax import prefix
 
@@ -588,8 +589,7 @@ def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, prog
     first = f * batch + b0
     g = jnp.arange(bags, dtype=jnp.int32)
     bag_ok = b0 + g < batch
-    start = plgpu.load(offsets_ref.at[first + g], mask=bag_ok, other=0)
-    length = plgpu.load(offsets_ref.at[first + g + 1], mask=bag_ok, other=0) - start
+    start, length = bag_extent(offsets_ref, first + g, bag_ok, inverse_ref.shape[0])
     cols = jnp.arange(block_dim, dtype=jnp.int32)
     col_ok = cols < dim
 
