@@ -272,7 +272,7 @@ def main():
                     help="tiny shapes in interpret mode (default: on without a GPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tt_jax.kernels.forward, .backward, .plan or tt_jax.prefix, e.g. FUSED_PLAN=0 "
+                    help="A/B of module constants of tt_jax.kernels.forward, .backward, .plan or tt_jax.prefix, e.g. BLOCK=512 "
                          "(saved in the result's args)")
     args = ap.parse_args()
     from trace_backward import set_private

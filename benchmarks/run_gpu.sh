@@ -38,7 +38,8 @@
 #   testsfast the whole suite compiled, 8 workers            -> tests.log
 #   dlrm      the DLRM demo at GPU size, 300 steps              -> dlrm.log
 #   check20   the whole suite compiled; backward traces (with host events) on base, zipf, many300x24, two mixed-dim models
-#   merge20   the whole suite compiled; traces of session 20's chunk search, tiled scan, merged mid/chunk launch (A/B)
+#   (exact01, multisweep, multisweep2, parity, fusedplan, scan, split, merge20: A/Bs of switches since removed, their
+#             default arms kept: benchmarks/NOTES.md, end of sessions 22-23)
 #   final20   traces of held-out-like models (many tables, tens of dims); bench_backward --device-opt on anchors + mixed
 #   many20    bench_backward --bwd-only on many300x24 (enqueued, against the byte-scaled FBGEMM estimate)
 #   check21   the whole suite compiled (blocked init); bench_features (construct + init, compiles, at 26..1000 features)
@@ -46,53 +47,42 @@
 #   bwdall    bench_backward.py on every preset and mixed, no scaling run      -> backward-*.json, bwdall.log
 #   optim     bench_optimizers.py: each fused optimizer's backward step on base and zipf -> optimizers-*.json, optim.log
 #   opttests  test_optimizers, test_backward, test_histogram compiled (8 workers)       -> opttests.log
-#   ncubwd    Nsight Compute on the small-run kernel: base, dims4-128/4, large (aligned and not) -> ncu-*.txt
+#   ncubwd    Nsight Compute on the small-run kernel: base, dims4-128/4, large -> ncu-*.txt
 #   preload   trace_backward.py A/B of backward.PRELOAD (rows loaded before the gather) on presets and mixed dims -> preload-*.json
 #   hoist     trace_backward.py A/B: HOIST_HYPER, SEGMENT_BUFFERS 4/16 on base, fp32 and mixed dims -> hoist-*.json
 #   ttprec    trace_tt.py with --accuracy: the dot precisions tf32x3 (default), bf16x3, bf16x6, tf32 -> ttprec.json, ttprec.log
 #   bwdtests2 test_backward.py compiled (8 workers)                                  -> bwdtests2.log
-#   exact01   trace_tt.py A/B of the group kernel's two-pass 0/1 dots (EXACT01_SPLIT) -> exact01-{0,1}.json, exact01.log
 #   tttests2  test_tt_grad.py, test_tt_kernel.py compiled (8 workers)          -> tttests2.log
 #   x2tests   (2-GPU kind) the sharded test files compiled on the GPUs present  -> x2tests.log
 #   x2weak    (2-GPU kind) bench_sharding.py --weak, table and row plans, default and per-feature capacity -> sharding-*.json, x2weak.log
-#   multisweep trace_backward.py --variants: small-run launch knobs of multi-buffer segments on mixed dims -> multisweep.json, .log
-#   multisweep2 the width rule for multi-buffer segments' block (WIDTH_BLOCK) against block 8 -> multisweep2.json, .log
 #   bwdopt    test_backward.py, test_optimizers.py compiled (8 workers)              -> bwdopt.log
 #   dimsreadme bench_dims.py --single 64,128 and the three mixed models (the README's numbers) -> dims-*.json, dims.log
-#   multisweep3 dims 4..128 under the width rule: SEGMENT_BUFFERS 16, 1 warp, block 16 -> multisweep3.json, .log
+#   multisweep3 dims 4..128 under the width rule: SEGMENT_BUFFERS 16 -> multisweep3.json, .log
 #   warprule  A/B of a one-warp rule (since removed: WARP_RULE) on mixed-dim models -> warprule.json, .log
-#   parity    test_backward compiled; A/B of runs.ALIGN_SEGMENTS (segments of one row parity) on five mixed models;
-#             bench_dims.py on the three mixed models -> bwdparity.log, parity.json, parity.log, dims-*.json
 #   (vectests, vecblock, x3tests, x3, x3cfg, dp1: the A/Bs of 2026-12-01 17:00-17:20, on switches since removed or adopted)
 #   ttfinal   the TT test files compiled; trace_tt.py with accuracy (precisions, group-kernel knobs); bench_tt.py
 #             forward and training steps at B 4096, 32768 -> tttests3.log, ttfinal.json, .log, tt-*.json, tttrain.log
 #   (keepc, packedc: the A/Bs of forward.KEEP_C, forward.PACKED_C and backward.PACKED_DP1, 2026-12-01; all three
 #             adopted and the switches removed: one path)
-#   fusedplan test_tt_plan.py and the TT test files compiled with forward.FUSED_PLAN on; trace_tt.py A/B (on, off);
-#             bench_tt.py forward at B 4096, 32768 off and on -> fusedplantests.log, fusedplan-*.json, .log, tt-*.json
-#   planblock trace_tt.py at B 4096 and 32768: forward.FUSED_PLAN off, on with plan.BLOCK 1024, 512, 256
+#   planblock trace_tt.py at B 4096 and 32768: plan.BLOCK 1024, 512, 256
 #             -> planblock-*.json, planblock.log
 #   ttcheck   the TT test files compiled; trace_tt.py (step with accuracy, forward alone) at B 4096, 32768; bench_tt.py
 #             forward and training steps -> ttchecktests.log, ttcheck-step.json, ttcheck-fwd.json, ttcheck.log, tttrain.log
 #   reorder   the TT test files compiled; trace_tt.py forward and step A/B of the (i2, i1, i3) sort order (default) against
 #             (i1, i2, i3) (prefix._REORDER_LIMIT=0); bench_tt.py -> reordertests.log, reorder-{fwd,step}-{1,2}.json,
 #             reorder.log, tt-*.json, tttrain.log
-#   scan      the whole suite compiled (8 workers); A/B of scan.exclusive_scan against XLA's cumsum (USE_XLA=1): trace_tt.py
-#             --forward, trace_backward.py on base, zipf -> scantests.log, scan-fwd-{1,2}.json, scan-backward.json, scan.log
 #   final17   session 17's final numbers: trace_tt.py step with accuracy, bench_tt.py, bench_backward.py --no-xla, bench_dims.py
 #             --single "" -> final17-step.json, final17.log, tt-*.json, tttrain.log, backward-*.json, backward.log, dims-*.json, dims.log
 #   meta17    the TT test files compiled; bench_tt.py on meta-240 (240 stacked tables) at B 4096, forward and Adagrad step, with
 #             the (i2, i1, i3) sort order and without it (_REORDER_LIMIT=0) -> meta17tests.log, tt-*.json, meta17.log
-#   split     the run-length encoding's mid/long lists from its write pass (rle.SPLIT_LISTS): test_backward / test_optimizers
-#             run tests compiled; trace_backward.py A/B on base, zipf -> splittests.log, split-backward.json, split.log
 #   ttfwd     trace_tt.py --forward at B 4096 and 32768 (the forward's kernels alone) -> ttfwd.json, ttfwd.log
 #   plancoal  test_tt_plan.py and test_tt_kernel.py compiled; trace_tt.py --forward and the step at B 32768 (the plan's
 #             table rows stored whole) -> plancoaltests.log, plancoal-fwd.json, plancoal-step.json, plancoal.log
-#   keys18    the backward's test files compiled; trace_backward.py A/B of the Pallas lookup-keys pass (runs.KEYS_KERNEL)
-#             and of the narrow segments' shared small-run launch (backward.MERGE_WIDTH) on base, zipf, dims 4..128 and
-#             8..192 -> keys18tests.log, keys18-backward.json, keys18.log
-#   keys18b   the two-level search of the lookup-keys pass: its tests compiled; trace_backward.py A/B against XLA's keys
-#             (KEYS_KERNEL=0) and of the narrow segments' block (NARROW_BLOCK 16, 32) -> keys18btests.log,
+#   keys18    the backward's test files compiled; trace_backward.py A/B of the narrow segments' shared small-run launch
+#             (backward.MERGE_WIDTH) on base, zipf, dims 4..128 and 8..192 -> keys18tests.log, keys18-backward.json,
+#             keys18.log
+#   keys18b   the two-level search of the lookup-keys pass: its tests compiled; trace_backward.py A/B of the narrow
+#             segments' block (NARROW_BLOCK 16, 32) -> keys18btests.log,
 #             keys18b-backward.json, keys18b.log
 #   final18a  the whole suite compiled (8 workers); trace_backward.py A/B of NARROW_BLOCK 64 against the default on the three
 #             mixed models -> final18tests.log, narrow64-backward.json, narrow64.log
@@ -108,9 +98,8 @@
 #   pad19     (session 19) the whole suite compiled with padded rows (StorageLayout.strides); trace_backward on
 #             dims 4..128, 8..192, 12..252 with and without padding (pad_rows=0), base; bench_dims on the mixed
 #             models, padded and not -> pad19tests.log, pad19-backward.json, pad19.log, dims-*.json, dims.log
-#   edges19   (session 19) the backward's tests compiled; trace_backward with the segments' task ranges from the
-#             run-length pass (rle.SEGMENT_EDGES) and without; the forward traced padded / unpadded
-#             -> edges19tests.log, edges19-backward.json, edges19.log, padfwd19.json, padfwd19.log
+#   edges19   (session 19) the backward's tests compiled; the forward traced padded / unpadded
+#             -> edges19tests.log, padfwd19.json, padfwd19.log
 #   final19   (session 19) the test files that run the backward, compiled, on the session's final tree (SIGINT at
 #             235 s: pytest then prints what ran) -> final19tests.log
 #   features  bench_features.py at 26/200/1000 features and the many-dims models -> features-*.json, features.log
@@ -216,30 +205,16 @@ for stage in "$@"; do
           2>&1 | grep -v Warning | tee -a "$OUT/trace.log" ;;
     fixcheck) timeout 200 python3 -m pytest -q -p no:benchmark "tests/test_histogram.py::test_backward_config_variants" \
           "tests/test_dlrm.py::test_tt_checkpoint_resume_is_bit_exact" 2>&1 | tail -15 | tee "$OUT/fixcheck.log" | tail -3 ;;
-    multisweep) timeout 420 python3 benchmarks/trace_backward.py --presets "" --dims "4-128/4;8-192/8;16-256/16" \
-          --variants "" MULTI_SMALL_BLOCK=16 MULTI_SMALL_PROGRAMS=8192 MULTI_SMALL_WARPS=4 \
-          MULTI_SMALL_BLOCK=16,MULTI_SMALL_WARPS=4 MULTI_SMALL_BLOCK=4 "" --out "$OUT/multisweep.json" 2>&1 \
-          | grep -E "^==|small_runs" | tee "$OUT/multisweep.log" ;;
-    multisweep2) timeout 300 python3 benchmarks/trace_backward.py --presets "" --dims "4-128/4;8-192/8;16-256/16" \
-          --variants WIDTH_BLOCK=0 WIDTH_BLOCK=1 WIDTH_BLOCK=1,MULTI_SMALL_PROGRAMS=8192 WIDTH_BLOCK=0 \
-          --out "$OUT/multisweep2.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/multisweep2.log" ;;
     bwdopt) timeout 280 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
           > "$OUT/bwdopt.log" 2>&1; tail -3 "$OUT/bwdopt.log" ;;
     dimsreadme) timeout 280 python3 benchmarks/bench_dims.py --single 64,128 --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/dims.log" ;;
     multisweep3) timeout 200 python3 benchmarks/trace_backward.py --presets "" --dims "4-128/4" \
-          --variants "" SEGMENT_BUFFERS=16 MULTI_SMALL_WARPS=1 MULTI_SMALL_BLOCK=16 "" \
+          --variants "" SEGMENT_BUFFERS=16 "" \
           --out "$OUT/multisweep3.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/multisweep3.log" ;;
     warprule) timeout 280 python3 benchmarks/trace_backward.py --presets "" --dims "12-252/8;6-96/6;40-160/8;4-128/4" \
           --variants WARP_RULE=0 WARP_RULE=1 --out "$OUT/warprule.json" 2>&1 | grep -E "^==|small_runs" \
           | tee "$OUT/warprule.log" ;;
-    parity) timeout 120 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py > "$OUT/bwdparity.log" 2>&1;
-          tail -2 "$OUT/bwdparity.log"
-          timeout 150 python3 benchmarks/trace_backward.py --presets "" \
-            --dims "4-128/4;8-192/8;16-256/16;12-252/8;6-96/6" --variants ALIGN_SEGMENTS=0 ALIGN_SEGMENTS=1 \
-            --out "$OUT/parity.json" 2>&1 | grep -E "^==|small_runs" | tee "$OUT/parity.log"
-          timeout 100 python3 benchmarks/bench_dims.py --single "" --out "$OUT" 2>&1 | grep -v Warning \
-            | tee "$OUT/dims.log" ;;
     ttfinal) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py \
           > "$OUT/tttests3.log" 2>&1; tail -2 "$OUT/tttests3.log"
         timeout 260 python3 benchmarks/trace_tt.py --batches 32768 --top 6 --accuracy \
@@ -248,15 +223,7 @@ for stage in "$@"; do
         timeout 200 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
           --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/tttrain.log" | tail -12 ;;
-    fusedplan) TBE_JAX_TEST_SWITCHES=tt_jax.kernels.forward.FUSED_PLAN=1 timeout 200 python3 -m pytest -q -n 8 \
-          -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py > "$OUT/fusedplantests.log" 2>&1
-        grep -E "passed|failed" "$OUT/fusedplantests.log" | tail -2
-        i=0; for v in FUSED_PLAN=1 ""; do i=$((i+1))
-          timeout 70 python3 benchmarks/trace_tt.py --batches 32768 --top 12 --private "$v" \
-            --out "$OUT/fusedplan-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/fusedplan.log" | grep -A1 "=="; done
-        for v in "" FUSED_PLAN=1; do timeout 90 python3 benchmarks/bench_tt.py --batches 4096,32768 --no-bwd \
-          --variants pallas --private "$v" --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/fusedplan.log" | tail -2; done ;;
-    planblock) i=0; for v in FUSED_PLAN=0 FUSED_PLAN=1,BLOCK=1024 FUSED_PLAN=1,BLOCK=512 FUSED_PLAN=1,BLOCK=256; do
+    planblock) i=0; for v in BLOCK=1024 BLOCK=512 BLOCK=256; do
           i=$((i+1)); timeout 80 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 8 --private "$v" \
             --out "$OUT/planblock-$i.json" 2>&1 | grep -v Warning | tee -a "$OUT/planblock.log" | grep -A2 "=="; done ;;
     ttcheck) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_plan.py tests/test_tt_grad.py tests/test_tt_kernel.py \
@@ -280,12 +247,6 @@ for stage in "$@"; do
         timeout 150 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
           --variants pallas,train_sgd,train_adagrad,train_rowwise --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/tttrain.log" | tail -3 ;;
-    scan) timeout 330 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/scantests.log" 2>&1; tail -2 "$OUT/scantests.log"
-        i=0; for v in "" USE_XLA=1; do i=$((i+1))
-          timeout 60 python3 benchmarks/trace_tt.py --forward --batches 4096,32768 --top 30 --private "$v" \
-            --out "$OUT/scan-fwd-$i.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee -a "$OUT/scan.log" | grep -A1 "=="; done
-        timeout 150 python3 benchmarks/trace_backward.py --presets base,zipf --variants "" USE_XLA=1 "" \
-          --out "$OUT/scan-backward.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee -a "$OUT/scan.log" | grep "==" ;;
     final17) timeout 80 python3 benchmarks/trace_tt.py --batches 4096,32768 --top 30 --accuracy \
           --out "$OUT/final17-step.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/final17.log" | grep -A1 "=="
         timeout 120 python3 benchmarks/bench_tt.py --batches 4096,32768 --bwd \
@@ -299,22 +260,17 @@ for stage in "$@"; do
         for v in "" _REORDER_LIMIT=0; do timeout 130 python3 benchmarks/bench_tt.py --workload meta-240 --batches 4096 \
           --iters 3 --reps 2 --sets 1 --bwd --variants pallas,train_adagrad --private "$v" --out "$OUT" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" \
           | tee -a "$OUT/meta17.log" | grep "^  "; done ;;
-    split) timeout 75 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
-          -k "rle or runs or long or chunk or bitwise or scan" > "$OUT/splittests.log" 2>&1
-        tail -1 "$OUT/splittests.log"
-        timeout 90 python3 benchmarks/trace_backward.py --presets base,zipf --variants "" SPLIT_LISTS=0 \
-          --out "$OUT/split-backward.json" 2>&1 | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/split.log" | grep "==" ;;
     keys18) timeout 170 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
           tests/test_grad.py tests/test_vbe.py tests/test_structure.py > "$OUT/keys18tests.log" 2>&1
         tail -1 "$OUT/keys18tests.log"
         timeout 330 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;8-192/8" \
-          --variants "" KEYS_KERNEL=0 MERGE_WIDTH=0 --out "$OUT/keys18-backward.json" 2>&1 \
+          --variants "" MERGE_WIDTH=0 --out "$OUT/keys18-backward.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/keys18.log" | grep "==" ;;
     keys18b) timeout 100 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_structure.py \
           -k "lookup_keys or narrow or many_dims or grow or bitwise" > "$OUT/keys18btests.log" 2>&1
         tail -1 "$OUT/keys18btests.log"
         timeout 330 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;8-192/8" \
-          --variants "" KEYS_KERNEL=0 NARROW_BLOCK=16 NARROW_BLOCK=32 --out "$OUT/keys18b-backward.json" 2>&1 \
+          --variants "" NARROW_BLOCK=16 NARROW_BLOCK=32 --out "$OUT/keys18b-backward.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/keys18b.log" | grep "==" ;;
     final18a) timeout 400 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/final18tests.log" 2>&1
         tail -1 "$OUT/final18tests.log"
@@ -352,9 +308,6 @@ for stage in "$@"; do
     edges19) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_train_step.py \
           tests/test_optimizers.py tests/test_histogram.py tests/test_forward_kernel.py > "$OUT/edges19tests.log" 2>&1
         tail -1 "$OUT/edges19tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/edges19tests.log" | head -20
-        timeout 170 python3 benchmarks/trace_backward.py --presets base,zipf --dims "4-128/4;12-252/8" \
-          --variants "" "SEGMENT_EDGES=0" --out "$OUT/edges19-backward.json" 2>&1 \
-          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/edges19.log" | grep "=="
         timeout 120 python3 benchmarks/trace_backward.py --forward --presets base --dims "4-128/4;12-252/8" \
           --variants "" "pad_rows=0" --out "$OUT/padfwd19.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/padfwd19.log" | grep -A3 "==" ;;
@@ -383,7 +336,7 @@ for stage in "$@"; do
             | tee "$OUT/dlrm.log" | tail -4 ;;
     ncubwd) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
         SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats --section SchedulerStats"
-        for spec in "base 1 " "dims4-128/4 7 " "dims4-128/4 32 SEGMENT_BUFFERS=1" "large 1 " "large 1 ALIGN_ROWS=0"; do
+        for spec in "base 1 " "dims4-128/4 7 " "dims4-128/4 32 SEGMENT_BUFFERS=1" "large 1 "; do
           set -- $spec ""; tag=$(echo "$1-$3" | tr '/=' '__')
           XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 150 "$NCU" --clock-control none -k regex:tbe_backward_small_runs -c "$2" $SECS \
             python3 benchmarks/ncu_backward.py --workload "$1" --steps 1 --private "${3:-}" > "$OUT/ncu-$tag.txt" 2>&1
@@ -402,9 +355,6 @@ for stage in "$@"; do
           | tee "$OUT/ttprec.log" | grep "==" ;;
     bwdtests2) timeout 200 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py > "$OUT/bwdtests2.log" 2>&1;
           tail -3 "$OUT/bwdtests2.log" ;;
-    exact01) for v in 0 1; do
-          timeout 120 python3 benchmarks/trace_tt.py --batches 32768 --top 8 --private EXACT01_SPLIT=$v \
-            --out "$OUT/exact01-$v.json" 2>&1 | grep -v Warning | tee -a "$OUT/exact01.log" | grep -A3 "==" ; done ;;
     tttests2) timeout 240 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tt_grad.py tests/test_tt_kernel.py \
           > "$OUT/tttests2.log" 2>&1; tail -3 "$OUT/tttests2.log" ;;
     check20) timeout -s INT 360 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/check20tests.log" 2>&1
@@ -412,11 +362,6 @@ for stage in "$@"; do
         timeout -s INT 210 python3 benchmarks/trace_backward.py --presets base,zipf,dims4-128/4,dims8-192/8,many300x24 \
           --host --out "$OUT/check20-backward.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/check20.log" | grep -A14 "==" ;;
-    merge20) timeout -s INT 330 python3 -m pytest -q -n 8 -p no:benchmark tests > "$OUT/merge20tests.log" 2>&1
-        grep -E "^(FAILED|ERROR)|passed|failed|Interrupted" "$OUT/merge20tests.log" | tail -20
-        timeout -s INT 200 python3 benchmarks/trace_backward.py --presets base,zipf,dims4-128/4,many300x24 \
-          --variants "" "CHUNK_SEARCH=0,TILE=0,MERGE_MID_CHUNK=0" --out "$OUT/merge20-backward.json" 2>&1 \
-          | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/merge20.log" | grep -A10 "==" ;;
     final20) timeout -s INT 150 python3 benchmarks/trace_backward.py --presets many300x24z,many500x40@1,dims12-252/8,dims16-256/16 \
           --out "$OUT/final20-backward.json" 2>&1 \
           | grep -v "Warning\\|^E1201\\|^  %\\|^This isn\\|^If you\\|^Constant\\|^The op\\|^$" | tee "$OUT/final20.log" | grep "=="

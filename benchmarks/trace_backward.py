@@ -74,8 +74,8 @@ def profile(step, carry, sets, iters, host=False):
 
 
 def set_private(spec: str, modules) -> None:
-    """`--private K=V,...`: set each module constant K (an int or bool A/B switch) of the first of `modules` that
-    has it, before anything compiles."""
+    """`--private K=V,...`: set each module constant K (an int) of the first of `modules` that has it, before
+    anything compiles."""
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
         mod = next((m for m in modules if hasattr(m, k)), None)
@@ -132,7 +132,7 @@ def main():
                     help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
     ap.add_argument("--private", default="",
                     help="A/B of module constants of tbe_jax.kernels.backward, tbe_jax._pallas or tbe_jax.runs, "
-                         "e.g. SEGMENT_BUFFERS=16,ALIGN_ROWS=0")
+                         "e.g. SEGMENT_BUFFERS=16,NARROW_BLOCK=16")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="A/Bs in one process: each 'k=v,K=V' sets BackwardConfig fields (lower case) and module "
                          "constants (upper case) on top of --config/--private; every workload is traced once per "

@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--forward", action="store_true", help="trace the forward alone instead of the training step")
     ap.add_argument("--private", default="",
                     help="A/B of module constants of tt_jax.kernels.backward, .forward, .plan or tt_jax.prefix, "
-                         "e.g. EXACT01_SPLIT=0")
+                         "e.g. _REORDER_LIMIT=0")
     ap.add_argument("--accuracy", action="store_true",
                     help="also the forward's and the core gradients' relative error (max abs error / max abs value) "
                          "against impl='xla' at HIGHEST precision")

@@ -88,16 +88,11 @@ def pallas_call(kernel, out_shape, **kwargs):
     return call
 
 
-ALIGN_ROWS = True  # False: row_align returns 1 (benchmarks' A/B of the aligned row offsets only)
-
-
 def row_align(dims, itemsize: int) -> int:
     """Elements (a power of two, at most 16 bytes' worth) that every row offset of a `[B, sum D]` output (or
     output gradient) of features with dims `dims` is a multiple of: each offset is a sum of multiples of
     those dims (bag * sum D + a feature's first column; VBE and sequence layouts likewise), so the largest
     power of two dividing every dim divides them all."""
-    if not ALIGN_ROWS:
-        return 1
     g = 0
     for d in dims:
         g = math.gcd(g, int(d))

@@ -42,26 +42,19 @@ class Runs(NamedTuple):
     num_runs: jax.Array  # [] int32
     mid: jax.Array  # [N // (SMALL + 1) + 1] int32: runs of SMALL < length < LONG, in key order, padded with N
     long: jax.Array  # [N // LONG + 1] int32: runs of LONG or more, in key order, padded
-    # [2 * N // LONG + 1] int32 per chunk task: its index into `long` and its first sorted lookup; None with
-    # CHUNK_SEARCH (the chunk kernel finds both from `long_chunk0`), else `chunk_tasks(...)`
-    chunk_run: jax.Array | None
-    chunk_first: jax.Array | None
-    long_chunk0: jax.Array  # [N // LONG + 2] int32: first chunk task of each long run
+    # [N // LONG + 2] int32: first chunk task of each long run (the chunk kernel finds each task's long run and
+    # first sorted lookup from it: `backward._chunk_task`)
+    long_chunk0: jax.Array
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
     # [len(segment_bounds), 3] int32 or None: per bound, the runs, mid runs and long runs with keys below it
     seg_edges: jax.Array | None = None
 
 
-# The chunk tasks' long runs found by the chunk kernel (a binary search in `long_chunk0`, only for the tasks there
-# are) instead of XLA ops over all 2N/LONG task slots on every step (a scatter, a prefix sum, gathers:
-# `chunk_tasks`), which ran even with no long run. A/B switch.
-CHUNK_SEARCH = True
-
-
 def chunk_tasks(run_start, long, long_chunk0, n: int):
     """(chunk_run, chunk_first) `[2 * n // LONG + 1]`: per chunk task t (below the chunk count `long_chunk0[-1]`;
     the slots past it hold clamped values never read) its index into `long` (`searchsorted(long_chunk0, t,
-    "right") - 1`) and its first sorted lookup."""
+    "right") - 1`) and its first sorted lookup, in XLA ops. The kernels find both themselves
+    (`backward._chunk_task`); this serves `backward._task_ranges` without the run-length pass's edges."""
     max_chunks = 2 * n // LONG + 1
     n_long_max = long.shape[0]
     t = jnp.arange(max_chunks, dtype=jnp.int32)
@@ -77,15 +70,11 @@ def chunk_tasks(run_start, long, long_chunk0, n: int):
     return chunk_run, chunk_first
 
 
-# Order each width class's buffers by their rows' alignment (`row_parity`), so that the backward can serve
-# buffers of one alignment per launch. A/B switch (benchmarks/trace_backward.py --variants ALIGN_SEGMENTS=0).
-ALIGN_SEGMENTS = True
-
-
 def row_parity(dim: int) -> int:
     """The largest power of two dividing `dim`, capped at 8: rows of dims with equal parity are equally aligned
-    in any weights dtype (fp16 rows are 16-byte multiples at parity 8, fp32 rows at 4 and 8)."""
-    return min(dim & -dim, 8) if ALIGN_SEGMENTS else 1
+    in any weights dtype (fp16 rows are 16-byte multiples at parity 8, fp32 rows at 4 and 8). Each width class's
+    buffers are ordered by it (`width_classes`), so the backward serves buffers of one alignment per launch."""
+    return min(dim & -dim, 8)
 
 
 def width_classes(layout: StorageLayout) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -151,10 +140,6 @@ def without_features(plan: FeaturePlan, features) -> FeaturePlan:
         plan, num_rows=tuple(0 if f in drop else r for f, r in enumerate(plan.num_rows)))
 
 
-# The keys of `lookup_keys` from the Pallas pass `kernels.keys` where the kernels are compiled (A/B switch).
-KEYS_KERNEL = True
-
-
 def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
                 sequence: bool = False, kernel: bool = False, interpret: bool = False, want_scale: bool = True):
     """Per lookup: (linear key or `total` if invalid, flat offset of its output row, scale); jnp.
@@ -189,7 +174,7 @@ def build_runs(
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
-    `rle_kernel`: find the runs and the long-run list with the two Pallas passes of
+    `rle_kernel`: find the runs and the mid and long run lists with the two Pallas passes of
     `kernels.rle` instead of XLA ops (same result). `segment_bounds` (static keys, ascending): with
     the kernels, the runs' `seg_edges` counts the runs below each (`rle.encode(bounds=...)`). Batches of at most
     `rank_sort_max` lookups are sorted by the counting-rank kernels (`kernels.ranksort`, chunks of
@@ -204,7 +189,7 @@ def build_runs(
     # The Pallas pass where the kernels are compiled; in interpret mode XLA's ops (the same values): the interpreted
     # pass would add CPU compile time to every backward test, and `test_lookup_keys_kernel` runs it there.
     key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
-                                  sequence=sequence, kernel=rle_kernel and KEYS_KERNEL and not interpret,
+                                  sequence=sequence, kernel=rle_kernel and not interpret,
                                   interpret=interpret, want_scale=not unit)
     if 0 < n <= rank_sort_max:  # one launch, payloads scattered to their places (no gathers)
         from tbe_jax.kernels.ranksort import rank_sort
@@ -227,18 +212,14 @@ def build_runs(
     n_long_max = n // LONG + 1
     from tbe_jax.kernels import rle
 
-    mid = seg_edges = None
-    if rle_kernel and rle.SPLIT_LISTS:  # the mid and long lists straight from the kernel's write pass
-        bounds = tuple(segment_bounds) if rle.SEGMENT_EDGES else ()
+    seg_edges = None
+    if rle_kernel:  # the mid and long lists (and the segments' edges) straight from the kernel's write pass
+        bounds = tuple(segment_bounds)
         run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, *edges = rle.encode(
             skey, total=total, small=SMALL, n_big_max=n_big_max, long=LONG, n_long_max=n_long_max,
             bounds=bounds, interpret=interpret)
         n_big = n_mid + n_long
         seg_edges = edges[0].reshape(len(bounds), 3) if bounds else None
-    elif rle_kernel:
-        run_start, run_key, num_runs, n_valid, big, n_big = rle.encode(
-            skey, total=total, small=SMALL, n_big_max=n_big_max, interpret=interpret)
-        run_len = run_start[1:] - run_start[:-1]
     else:
         is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
         starts, num_runs = _compact(is_start, n, n)
@@ -249,7 +230,6 @@ def build_runs(
         run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
         live = jnp.arange(n) < num_runs
         big, n_big = _compact(live & (run_len > SMALL), n_big_max, n)
-    if mid is None:
         big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
         mid_at, n_mid = _compact((big_len > SMALL) & (big_len < LONG), n_big_max, n_big_max - 1)
         mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
@@ -260,9 +240,5 @@ def build_runs(
     long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_start[at + 1] - run_start[at], 0)
     n_chunks = (long_len + LONG - 1) // LONG
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
-    chunk_run = chunk_first = None
-    if not CHUNK_SEARCH:
-        chunk_run, chunk_first = chunk_tasks(run_start, long, long_chunk0, n)
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
-    return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, chunk_run,
-                chunk_first, long_chunk0, counts, seg_edges)
+    return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, long_chunk0, counts, seg_edges)

@@ -42,15 +42,6 @@ import tbe_jax
 
 ON_GPU = jax.default_backend() == "gpu"
 
-# A/B switches of the kernels for a whole test run (each pytest-xdist worker reads this too):
-# TBE_JAX_TEST_SWITCHES="tbe_jax.kernels.backward.WIDTH_BLOCK=0,tbe_jax.kernels.runs.ALIGN_SEGMENTS=0".
-for _item in filter(None, os.environ.get("TBE_JAX_TEST_SWITCHES", "").split(",")):
-    _path, _value = _item.split("=")
-    _module, _name = _path.rsplit(".", 1)
-    _mod = importlib.import_module(_module)
-    if not hasattr(_mod, _name):
-        raise ValueError(f"TBE_JAX_TEST_SWITCHES: {_module} has no {_name}")
-    setattr(_mod, _name, type(getattr(_mod, _name))(int(_value)))
 KERNEL_KW = dict(impl="pallas", interpret=not ON_GPU)
 
 

@@ -291,15 +291,9 @@ def test_low_precision_tables(rng, wdtype):
     _check_step(rng, tables, [0, 1], [5, 5], (0, 10), tbe_jax.RowwiseAdagrad(0.1, 0.1), wdtype=wdtype)
 
 
-@pytest.mark.parametrize("search", [True, False], ids=["search-merged", "xla-tasks-apart"])
-def test_long_runs_split_into_chunks(rng, search, monkeypatch):
+def test_long_runs_split_into_chunks(rng):
     # Rows hit hundreds of times (runs >= 256 lookups, up to 3 chunks) next to short runs and mid runs; the chunk
-    # tasks found by the kernel (runs.CHUNK_SEARCH) in the mid runs' launch (backward.MERGE_MID_CHUNK), or listed
-    # by XLA ops for a chunk kernel of their own.
-    from tbe_jax.kernels import backward as bwd
-
-    monkeypatch.setattr(runs_lib, "CHUNK_SEARCH", search)
-    monkeypatch.setattr(bwd, "MERGE_MID_CHUNK", search)
+    # tasks found by the kernel (backward._chunk_task) in the mid runs' launch.
     tables = specs([3, 500], [8, 8])
     _check_step(rng, tables, [0, 1], [3, 3], (200, 300), tbe_jax.RowwiseAdagrad(0.05, 1e-2), steps=1)
 
@@ -383,12 +377,12 @@ def test_chunk_tasks(rng):
     np.testing.assert_array_equal(np.asarray(r.long_chunk0)[: n_long + 1],
                                   np.concatenate([[0], np.cumsum(-(-lengths[want_long] // runs_lib.LONG))]))
     n = len(idx)
-    # The XLA ops (runs.CHUNK_SEARCH off) ...
+    # The XLA ops (runs.chunk_tasks: backward._task_ranges without the run-length pass's edges) ...
     chunk_run, chunk_first = jax.jit(functools.partial(runs_lib.chunk_tasks, n=n))(r.run_start, r.long,
                                                                                    r.long_chunk0)
     np.testing.assert_array_equal(np.asarray(chunk_run)[:total], want_run)
     np.testing.assert_array_equal(np.asarray(chunk_first)[:total], want_first)
-    # ... and the chunk kernel's binary search (backward._chunk_task, on), run over every task.
+    # ... and the chunk kernel's binary search (backward._chunk_task), run over every task.
     from tbe_jax._pallas import pallas_call, plgpu
     from tbe_jax.kernels import backward as bwd
 
@@ -461,26 +455,18 @@ def test_rle_kernel_matches_xla_ops(rng, case):
         skey = _sorted_keys(rng, lengths, int(rng.integers(0, 50)), total)
     n = len(skey)
     n_big_max = n // (s + 1) + 1
-    run_start, run_key, num_runs, n_valid, big, n_big = jax.jit(functools.partial(
-        rle.encode, total=total, small=s, n_big_max=n_big_max, interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
     # NumPy model
     valid = skey < total
     starts = np.flatnonzero(valid & np.concatenate([[True], skey[1:] != skey[:-1]]))
     nv = int(valid.sum())
     lens = np.diff(np.append(starts, nv))
-    assert int(num_runs) == len(starts) and int(n_valid) == nv and int(n_big) == int(np.sum(lens > s))
     want_start = np.full(n + 1, nv)
     want_start[: len(starts)] = starts
     want_key = np.full(n, total)
     want_key[: len(starts)] = skey[starts]
-    want_big = np.full(n_big_max, n)
-    want_big[: int(np.sum(lens > s))] = np.flatnonzero(lens > s)
-    np.testing.assert_array_equal(np.asarray(run_start), want_start)
-    np.testing.assert_array_equal(np.asarray(run_key), want_key)
-    np.testing.assert_array_equal(np.asarray(big), want_big)
-    # With `long`: the mid (SMALL < length < LONG) and long (>= LONG) lists straight from the write pass; with
-    # `bounds`, the runs of each kind below each bound: bounds below every key, at a run's key, inside the gap
-    # between two runs, at the run crossing the block boundary, past the last valid key, and `total`.
+    # The mid (SMALL < length < LONG) and long (>= LONG) lists straight from the write pass; with `bounds`, the runs
+    # of each kind below each bound: bounds below every key, at a run's key, inside the gap between two runs, at the
+    # run crossing the block boundary, past the last valid key, and `total`.
     n_long_max = n // lg + 1
     keys = skey[starts]
     cands = [1, total, int(rng.integers(1, total))]
@@ -489,15 +475,15 @@ def test_rle_kernel_matches_xla_ops(rng, case):
         cross = skey[min(rle.BLOCK, n - 1)]
         cands += [int(cross)] if cross < total else []
     bounds = tuple(sorted({b for b in cands if 0 < b <= total}))
-    rs2, rk2, nr2, nv2, mid, n_mid, long, n_long, edges = jax.jit(functools.partial(
+    run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, edges = jax.jit(functools.partial(
         rle.encode, total=total, small=s, n_big_max=n_big_max, long=lg, n_long_max=n_long_max, bounds=bounds,
         interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
     kinds = [np.ones(len(keys), bool), (lens > s) & (lens < lg), lens >= lg]
     want_edges = [[int(np.sum(kind & (keys < b))) for kind in kinds] for b in bounds]
     np.testing.assert_array_equal(np.asarray(edges).reshape(len(bounds), 3), want_edges)
-    np.testing.assert_array_equal(np.asarray(rs2), want_start)
-    np.testing.assert_array_equal(np.asarray(rk2), want_key)
-    assert int(nr2) == len(starts) and int(nv2) == nv
+    np.testing.assert_array_equal(np.asarray(run_start), want_start)
+    np.testing.assert_array_equal(np.asarray(run_key), want_key)
+    assert int(num_runs) == len(starts) and int(n_valid) == nv
     for got, count, want_runs, size in ((mid, n_mid, np.flatnonzero((lens > s) & (lens < lg)), n_big_max),
                                         (long, n_long, np.flatnonzero(lens >= lg), n_long_max)):
         want = np.full(size, n)
@@ -506,15 +492,12 @@ def test_rle_kernel_matches_xla_ops(rng, case):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("tile", [True, False], ids=["tile", "columns"])
 @pytest.mark.parametrize("rows,width", [(1, 1), (2500, 3), (1024, 2), (3000, 4)])
-def test_exclusive_scan(rng, rows, width, tile, monkeypatch):
+def test_exclusive_scan(rng, rows, width):
     """kernels.scan.exclusive_scan (the per-block prefix sums of the rle and TT plan passes): one chunk, several
-    chunks with a partial last one, exactly one chunk; a width padded to a power of two (3) and not; the tiled
-    kernel and the column-at-a-time one; against NumPy."""
+    chunks with a partial last one, exactly one chunk; a width padded to a power of two (3) and not; against
+    NumPy."""
     from tbe_jax.kernels import scan
-
-    monkeypatch.setattr(scan, "TILE", tile)
 
     counts = rng.integers(0, 1000, size=(rows, width)).astype(np.int32)
     base, tot = jax.jit(functools.partial(scan.exclusive_scan, width=width, interpret=KERNEL_KW["interpret"],

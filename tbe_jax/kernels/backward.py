@@ -6,8 +6,8 @@ small-run kernel is launched once per segment of a width class `next_pow2(D)` (a
 most SEGMENT_BUFFERS storage buffers of one row alignment, `runs.row_parity`;
 `runs.width_classes` orders the key space class by class and parity by parity, so
 each segment's keys, runs and tasks are contiguous; the narrow segments, of width
-MERGE_WIDTH or less, share one launch whose programs are split between them); the mid-run,
-chunk and long-run kernels are launched once each and branch per segment. Each
+MERGE_WIDTH or less, share one launch whose programs are split between them); the mid-run
+and chunk tasks share one launch and the long-run kernel is another, each branching per segment. Each
 segment's code is compiled for its tile width: the gradient gather-and-sum is one
 code path masked to each run's dim, and only the row update branches per storage
 buffer (its weights' row stride a compile-time constant). Per segment:
@@ -71,7 +71,7 @@ class BackwardConfig:
         `optimizers-20261130-1914*`). Models with several embedding dims per width
         class `next_pow2(D)` (SGD and row-wise state) take about 1024 gradient
         elements per task there instead: 16 runs at width 64, 8 at 128, 4 at 256
-        (`WIDTH_BLOCK` in this module says what it measured).
+        (the comment after `SEGMENT_BUFFERS` in this module says what it measured).
       lookups_per_step: output-gradient rows gathered together (K) by the mid-run
         and chunk kernels.
       programs: persistent programs of the mid-run, chunk and long-run kernels
@@ -192,7 +192,7 @@ def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, a
 def _cols_below(cols, dim, align):
     """The column mask `cols < dim` for runtime dims (multiples of `align`), computed on column blocks of
     `align` so the mask is visibly constant over each vector of the gather."""
-    if align == 1 or not _BLOCK_MASK:
+    if align == 1:
         return cols < dim
     a = jnp.int32(align)
     return jax.lax.div(cols, jnp.full(cols.shape, a)) < jax.lax.div(dim, jnp.full(dim.shape, a))
@@ -245,30 +245,19 @@ def _strided_tasks(lo, hi, programs, body, pid=None):
 # buffers): one 16-buffer segment 0.475 ms of small-run kernel, two of 8 0.378 ms, four of 4
 # 0.365 ms (benchmarks/results/dims-trace-20261201-*).
 SEGMENT_BUFFERS = 8
-_BLOCK_MASK = True  # A/B switch of the multi-dim segments' blocked column mask (_cols_below)
 # Segments with several buffers (row-wise state or SGD, `small_block` left at None) take blocks of about 1024
 # gradient elements, clamp(1024 // width, 4, 16) runs (w64: 16, w128: 8, w256: 4), and launch twice
-# `small_programs` programs. Measured on the H200 against block 8 and 4096 programs, in one process
+# `small_programs` programs (`_multi_block`). Measured on the H200 against block 8 and 4096 programs, in one process
 # (benchmarks/results/multisweep*-20261201-*): dims 4..128 / 8..192 / 16..256 0.918 / 0.884 / 1.054 ->
 # 0.868 / 0.815 / 0.998 ms of device time per step (w64 segments -7 to -25%, w256 -9 to -13%); on models not
 # used to pick it (widthrule-heldout-20261201-*): 12..252 1.305 -> 1.168, 40..160 0.926 -> 0.874, 6..96 (step 6,
 # rows 4-byte aligned) 0.894 -> 0.907 ms.
-WIDTH_BLOCK = True
 # Scaling that budget by the rows' vector width (1024 elements for 16-byte row vectors, 512 for 8-byte ones) cut
 # the unaligned segments' registers (72 -> 40 on dims 4..128's w128) but not their time: 4..128 +0.8%, 6..96 -1.5%,
 # 12..252 +1.4%, aligned models unchanged (vecblock-20261201-1700-*); removed.
 # One warp per program for these segments was tried and not adopted: on dims 4..128 it took w128 0.367 -> 0.327
 # ms, but cost up to +22% on other models, also under a rule for rows that are not 16-byte multiples
 # (multisweep4-, warprule-20261201-*).
-# A/B overrides of the multi-buffer segments' small-run launch (benchmarks/trace_backward.py --variants); 0 keeps
-# the rule above.
-MULTI_SMALL_BLOCK = 0
-MULTI_SMALL_WARPS = 0
-MULTI_SMALL_PROGRAMS = 0
-# The mid-run and chunk tasks in one launch (`_mid_chunk_kernel`: each persistent program takes its mid tasks, then
-# its chunk tasks) instead of two. Each launch cost ~6 us on every step even with no task (base, dims 4..128:
-# check20-backward-20261202-0135). A/B switch.
-MERGE_MID_CHUNK = True
 # Segments of this width or less (the narrow ones) share one small-run launch with the segments before them (each
 # keeps its own programs: the grid is split by program id). On mixed-dim models each narrow segment alone was a
 # launch of ~8-16 us (dims 4..128: w4, w8, w16 x2, w32 x2 took 66 us of 0.44 ms of small-run kernels,
@@ -344,7 +333,8 @@ def _small_launches(segs) -> list[tuple[_Segment, ...]]:
 
 
 def _multi_block(seg: _Segment) -> int:
-    """Runs per small-run block of a segment with several buffers: about 1024 gradient elements (WIDTH_BLOCK)."""
+    """Runs per small-run block of a segment with several buffers: about 1024 gradient elements (measured: the
+    comment after `SEGMENT_BUFFERS`)."""
     return min(16, max(4, 1024 // seg.width))
 
 
@@ -472,24 +462,16 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
     _strided_tasks(0, (hi - lo + block - 1) // block, programs, task, pid)
 
 
-def _mid_kernel(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                opt, segs, k, programs, scaled, prefetch, align):
-    """One mid run per task: its lookups gathered `k` at a time, one row update."""
-    _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
-               _segment_states(refs, opt, segs), opt=opt, segs=segs, k=k, programs=programs, scaled=scaled,
-               prefetch=prefetch, align=align)
-
-
-def _mid_chunk_kernel(rng_ref, hyper_ref, mid_ref, chunk_a_ref, chunk_b_ref, long_ref, run_start_ref, run_key_ref,
-                      src_ref, scale_ref, g_ref, *refs, opt, segs, k, programs, scaled, prefetch, align, search):
-    """The mid-run tasks, then the chunk tasks, on the same persistent programs (MERGE_MID_CHUNK): one launch.
-    `refs`: the buffers' state (inputs, aliased outputs), then the chunk partials' workspace."""
+def _mid_chunk_kernel(rng_ref, hyper_ref, mid_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_ref,
+                      src_ref, scale_ref, g_ref, *refs, opt, segs, k, programs, scaled, prefetch, align):
+    """The mid-run tasks, then the chunk tasks, on the same persistent programs: one launch (two cost ~6 us more
+    per step, even with no task). `refs`: the buffers' state (inputs, aliased outputs), then the chunk partials'
+    workspace."""
     _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
                _segment_states(refs[:-1], opt, segs), opt=opt, segs=segs, k=k, programs=programs, scaled=scaled,
                prefetch=prefetch, align=align)
-    _chunk_kernel(rng_ref, chunk_a_ref, chunk_b_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
-                  g_ref, refs[-1], segs=segs, k=k, programs=programs, scaled=scaled, prefetch=prefetch,
-                  align=align, search=search)
+    _chunk_partials(rng_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
+                    refs[-1], segs=segs, k=k, programs=programs, scaled=scaled, prefetch=prefetch, align=align)
 
 
 def _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, states, *,
@@ -536,19 +518,14 @@ def _chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, size: int):
     return r, plgpu.load(run_start_ref.at[r]) + (t - plgpu.load(long_chunk0_ref.at[li])) * LONG
 
 
-def _chunk_kernel(rng_ref, chunk_a_ref, chunk_b_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref,
-                  g_ref, part_ref, *, segs, k, programs, scaled, prefetch, align, search):
-    """One LONG-lookup chunk of a long run per task: its fp32 partial sum (zero past the run's dim)
-    to row `t` of the workspace (the first `width` columns of its segment). With `search`, `chunk_a_ref` is
-    `long_chunk0` (`_chunk_task`; `chunk_b_ref` unused), else `chunk_first` and `chunk_b_ref` `chunk_run`."""
+def _chunk_partials(rng_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
+                    part_ref, *, segs, k, programs, scaled, prefetch, align):
+    """One LONG-lookup chunk of a long run per task (found by `_chunk_task`): its fp32 partial sum (zero past the
+    run's dim) to row `t` of the workspace (the first `width` columns of its segment)."""
     def body(c, t):
         seg = segs[c]
         cols = jnp.arange(seg.width, dtype=jnp.int32)
-        if search:
-            r, first = _chunk_task(chunk_a_ref, long_ref, run_start_ref, t, chunk_a_ref.shape[0])
-        else:
-            first = plgpu.load(chunk_a_ref.at[t])
-            r = plgpu.load(long_ref.at[plgpu.load(chunk_b_ref.at[t])])
+        r, first = _chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, long_chunk0_ref.shape[0])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
         col_ok = (cols < seg.dims[0] if seg.single
                   else _cols_below(cols, seg.dim_of(plgpu.load(run_key_ref.at[r])), align))
@@ -644,8 +621,7 @@ def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
         return jnp.where(jnp.arange(lst.shape[0]) < count, key_of(lst), total)
 
     long_keys = keys(runs.long, n_long)
-    chunk_run = runs.chunk_run if runs.chunk_run is not None else chunk_tasks(
-        runs.run_start, runs.long, runs.long_chunk0, n)[0]
+    chunk_run = chunk_tasks(runs.run_start, runs.long, runs.long_chunk0, n)[0]
     chunk_keys = jnp.where(jnp.arange(chunk_run.shape[0]) < n_chunks, long_keys[chunk_run], total)
 
     def bounds(keys):  # searchsorted(keys, bases, "left") as one fused compare-and-count pass: no device
@@ -700,7 +676,6 @@ def fused_update(
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
     max_chunks = 2 * n // LONG + 1  # chunk task slots (`runs.chunk_tasks`)
-    search = runs.chunk_first is None
     # Every launch gets the full program count (scaling a class's programs by its share of the
     # tables measured slower: dims-20261130-164044).
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
@@ -712,7 +687,7 @@ def fused_update(
     rng = ranges.reshape(-1)
 
     # Segments: at most one width class per power of two, split every SEGMENT_BUFFERS buffers. The
-    # mid-run, chunk and long-run kernels are one launch each, branching per segment (their work is
+    # mid-run and chunk tasks (one launch) and the long runs (one) branch per segment (their work is
     # often small: a launch per segment cost ~6 us even when it found nothing to do, on the H200).
     # The small-run kernel does most of the work and is one launch per segment: one launch for all
     # segments measured slower (dims-trace-20261201-0907-onelaunch vs -0914-segments).
@@ -743,12 +718,9 @@ def fused_update(
     align = row_align(layout.dims, 4)
     def small_launch(seg):  # (block, warps, programs) of a segment's small runs
         s_blk, s_warps, s_programs = blk, small_warps, max_small
-        if not seg.single:  # several buffers: the width rule (WIDTH_BLOCK), then the A/B overrides
-            if WIDTH_BLOCK and not elementwise:
-                s_blk = config.small_block or _multi_block(seg)
-                s_programs = max_small if interpret else 2 * max_small
-            s_blk, s_warps = MULTI_SMALL_BLOCK or s_blk, MULTI_SMALL_WARPS or s_warps
-            s_programs = MULTI_SMALL_PROGRAMS or s_programs
+        if not seg.single and not elementwise:  # several buffers: the width rule (`_multi_block`)
+            s_blk = config.small_block or _multi_block(seg)
+            s_programs = max_small if interpret else 2 * max_small
         if NARROW_BLOCK and seg.width <= MERGE_WIDTH and not elementwise and config.small_block is None:
             s_blk = NARROW_BLOCK
         return s_blk, s_warps, max(1, min(s_programs, -(-n // s_blk)))
@@ -762,25 +734,13 @@ def fused_update(
                 sum(programs), [rng, hyper, runs.run_start, runs.run_key] + common,
                 [g for seg in group for g in seg.buffers],
                 plgpu.CompilerParams(num_warps=max(warps), num_stages=1))
-    chunk_args = [*((runs.long_chunk0, runs.long) if search else (runs.chunk_first, runs.chunk_run)), runs.long]
     part_shape = jax.ShapeDtypeStruct((max_chunks, width), jnp.float32)
-    if MERGE_MID_CHUNK:
-        p_mc = max(p_mid, p_long)
-        part, = aliased(functools.partial(_mid_chunk_kernel, opt=opt, segs=segs, k=k, programs=p_mc, scaled=scaled,
-                                          prefetch=prefetch, align=align, search=search),
-                        "tbe_backward_mid_runs_chunks", p_mc,
-                        [rng, hyper, runs.mid, *chunk_args, runs.run_start, runs.run_key] + common,
-                        extra=[part_shape])
-    else:
-        aliased(functools.partial(_mid_kernel, opt=opt, segs=segs, k=k, programs=p_mid, scaled=scaled,
-                                  prefetch=prefetch, align=align),
-                "tbe_backward_mid_runs", p_mid, [rng, hyper, runs.mid, runs.run_start, runs.run_key] + common)
-        part = pallas_call(
-            functools.partial(_chunk_kernel, segs=segs, k=k, programs=p_long, scaled=scaled, prefetch=prefetch,
-                              align=align, search=search),
-            out_shape=part_shape, grid=(p_long,),
-            compiler_params=params, interpret=interpret, name="tbe_backward_long_chunks",
-        )(rng, *chunk_args, runs.run_start, runs.run_key, *common)
+    p_mc = max(p_mid, p_long)
+    part, = aliased(functools.partial(_mid_chunk_kernel, opt=opt, segs=segs, k=k, programs=p_mc, scaled=scaled,
+                                      prefetch=prefetch, align=align),
+                    "tbe_backward_mid_runs_chunks", p_mc,
+                    [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
+                    extra=[part_shape])
     aliased(functools.partial(_long_kernel, opt=opt, segs=segs, programs=p_long),
             "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part])
     return new_w, new_s

@@ -1,17 +1,17 @@
 """Run-length encoding of the sorted lookup keys in two Pallas passes.
 
 `runs.build_runs` needs, from the sorted keys: the first sorted lookup of every
-run, each run's key, the number of runs and of valid lookups, and the list of
-runs longer than `SMALL`. In XLA ops that is a chain of ~15 small kernels (two
+run, each run's key, the number of runs and of valid lookups, and the lists of
+mid and long runs. In XLA ops that is a chain of ~15 small kernels (two
 prefix sums, two scatters, concatenations, gathers), each a pass over N lookups
 and a launch; on the H200 they took ~0.2 ms of a 0.7 ms backward
 (`benchmarks/results/trace-backward-*`). Here:
 
 1. `_count_kernel`: per block of `BLOCK` sorted lookups, count run starts
    (key differs from the previous one and is valid), starts of runs longer
-   than `SMALL` (the key `SMALL` places further is the same) and valid lookups;
-   with `SPLIT_LISTS`, the longer runs split into mid runs (shorter than
-   `LONG`) and long runs (the key `LONG - 1` places further is the same).
+   than `SMALL` (the key `SMALL` places further is the same), split
+   into mid runs (shorter than `LONG`) and long runs (the key `LONG - 1` places
+   further is the same), and valid lookups.
 2. An exclusive prefix sum over the block counts (N / BLOCK values; `scan.exclusive_scan`, one program).
 3. `_write_kernel`: per block, the in-block exclusive prefix sums give each start
    its run slot and each listed start its slot in its list; scatter the
@@ -40,18 +40,9 @@ from tbe_jax.kernels.scan import exclusive_scan
 BLOCK = 1024
 
 
-# The run lists split by length in the write pass (runs longer than `small` into those shorter than `long` and the
-# rest), instead of one list of long runs that XLA ops split afterwards (`runs.build_runs`). A/B switch.
-SPLIT_LISTS = True
-
-# The per-segment run and list counts from the write pass (`encode(bounds=...)`), instead of a compare-and-count
-# over all runs per segment in XLA (`backward._task_ranges`). A/B switch.
-SEGMENT_EDGES = True
-
-
 def _flags(skey_ref, pid, *, n, total, small, long):
     """Per sorted lookup of the block: (position, key, valid, run start, per list whether it starts a run of it).
-    Lists: runs longer than `small`; with `long`, those shorter than `long` and those of `long` or more."""
+    Lists: the runs longer than `small` and shorter than `long`, and those of `long` or more."""
     j = pid * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
     live = j < n
     k = plgpu.load(skey_ref.at[j], mask=live, other=total)
@@ -60,11 +51,8 @@ def _flags(skey_ref, pid, *, n, total, small, long):
     valid = k < total
     start = valid & (k != prev)
     big = start & (far == k)
-    if long is None:
-        lists = (big,)
-    else:
-        is_long = start & (plgpu.load(skey_ref.at[j + long - 1], mask=j + long - 1 < n, other=-1) == k)
-        lists = (big & ~is_long, is_long)
+    is_long = start & (plgpu.load(skey_ref.at[j + long - 1], mask=j + long - 1 < n, other=-1) == k)
+    lists = (big & ~is_long, is_long)
     i32 = jnp.int32
     return j, k, valid.astype(i32), start.astype(i32), tuple(x.astype(i32) for x in lists)
 
@@ -128,22 +116,21 @@ def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds):
         pl.when((first_prev < b) & (last_key >= b))(write)
 
 
-def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int | None = None,
-           n_long_max: int = 0, bounds: tuple[int, ...] = (), interpret: bool = False):
+def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int, n_long_max: int,
+           bounds: tuple[int, ...] = (), interpret: bool = False):
     """Runs of the sorted keys `skey` ([N] int32, invalid keys == `total`, sorted last).
 
-    Returns (run_start [N + 1], run_key [N], num_runs, n_valid, big [n_big_max], n_big):
+    Returns (run_start [N + 1], run_key [N], num_runs, n_valid, mid [n_big_max], n_mid, long [n_long_max], n_long):
     run r spans sorted lookups [run_start[r], run_start[r + 1]); run_start past
-    the last run is n_valid, run_key is `total`; `big` lists, in key order, the
-    runs longer than `small` lookups, padded with N. With `long`, `big, n_big` become
-    (mid [n_big_max], n_mid, long [n_long_max], n_long): the runs longer than `small` and shorter than `long`, and
-    those of `long` lookups or more. Matches the XLA ops of `runs.build_runs` exactly (tested).
+    the last run is n_valid, run_key is `total`; `mid` lists, in key order, the runs longer than `small` lookups
+    and shorter than `long`, `long` those of `long` lookups or more, each padded with N. Matches the XLA ops of
+    `runs.build_runs` exactly (tested).
 
-    `bounds` (static keys in (0, total], ascending; only with `long`): one more result, `edges`
+    `bounds` (static keys in (0, total], ascending): one more result, `edges`
     `[len(bounds) * 3]`: per bound, the numbers of runs, mid runs and long runs whose keys are below it.
     """
     n = skey.shape[0]
-    sizes = (n_big_max,) if long is None else (n_big_max, n_long_max)
+    sizes = (n_big_max, n_long_max)
     if max(sizes) > n:
         raise ValueError(f"list sizes {sizes} must be <= N={n}")
     grid = n // BLOCK + 1  # the last block also covers run_start[N]
@@ -151,8 +138,8 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     kw = dict(n=n, total=total, small=small, long=long)
     width = len(sizes) + 2
     bounds = tuple(int(b) for b in bounds)
-    if bounds and (long is None or list(bounds) != sorted(bounds) or bounds[0] <= 0 or bounds[-1] > total):
-        raise ValueError(f"bounds {bounds} must ascend within (0, {total}], with `long`")
+    if bounds and (list(bounds) != sorted(bounds) or bounds[0] <= 0 or bounds[-1] > total):
+        raise ValueError(f"bounds {bounds} must ascend within (0, {total}]")
     counts = pallas_call(
         functools.partial(_count_kernel, **kw),
         out_shape=jax.ShapeDtypeStruct((grid * width,), jnp.int32), grid=(grid,),

@@ -18,33 +18,11 @@ import jax.numpy as jnp
 from tbe_jax._pallas import pallas_call, plgpu
 
 CHUNK = 1024
-# One [CHUNK, width] tile per step (contiguous in memory, one scan along its rows), instead of the `width` columns
-# one at a time with strided loads (a scan, a reduction and a carry per column). A/B switch (`--private TILE=0`).
-TILE = True
-# A/B switch (benchmarks' `--private USE_XLA=1`): the same sums as XLA's cumsum and sum.
-USE_XLA = False
-
-
-def _scan_kernel(counts_ref, base_ref, *tot_refs, rows: int, width: int):
-    r = jnp.arange(CHUNK, dtype=jnp.int32)
-
-    def body(i, carry):
-        j = i * CHUNK + r
-        ok = j < rows
-        out = []
-        for k in range(width):
-            x = plgpu.load(counts_ref.at[j * width + k], mask=ok, other=0)
-            plgpu.store(base_ref.at[j * width + k], carry[k] + jnp.cumsum(x) - x, mask=ok)
-            out.append(carry[k] + jnp.sum(x))
-        return tuple(out)
-
-    zero = jnp.int32(0)
-    tot = jax.lax.fori_loop(0, -(-rows // CHUNK), body, (zero,) * width)
-    for ref, v in zip(tot_refs, tot):
-        plgpu.store(ref.at[zero], v)
 
 
 def _tile_kernel(counts_ref, base_ref, *tot_refs, rows: int, width: int):
+    """One [CHUNK, width] tile per step (contiguous in memory, one scan along its rows) with a running carry of the
+    column sums."""
     cols = 1 << (width - 1).bit_length()  # a power of two: Triton's block shapes
     r = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
     c = jnp.arange(cols, dtype=jnp.int32)[None, :]
@@ -72,12 +50,12 @@ def exclusive_scan(counts: jax.Array, width: int, *, interpret: bool = False, ke
     rows = counts.shape[0] // width
     if kernel is None:
         kernel = not interpret
-    if USE_XLA or not kernel:
+    if not kernel:
         c = counts.reshape(rows, width)
         tot = jnp.sum(c, axis=0)
         return (jnp.cumsum(c, axis=0) - c).reshape(-1), tuple(tot[k : k + 1] for k in range(width))
     outs = pallas_call(
-        functools.partial(_tile_kernel if TILE else _scan_kernel, rows=rows, width=width),
+        functools.partial(_tile_kernel, rows=rows, width=width),
         out_shape=[jax.ShapeDtypeStruct(counts.shape, jnp.int32)] + [jax.ShapeDtypeStruct((1,), jnp.int32)] * width,
         grid=(1,), compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="prefix_scan",

@@ -65,8 +65,6 @@ def _dot(a, b, ca, cb, precision, *, manual: bool = True):
     as three explicit passes unless `manual=False`: fewer registers in the group kernel, see there)."""
     return dot_general(a, b, (((ca,), (cb,)), ((), ())), precision, manual=manual)
 
-EXACT01_SPLIT = True  # A/B switch of `_dot_exact01`'s two-pass form
-
 
 def _dot_exact01(a, b, ca, cb, precision, *, exact: str):
     """`_dot` where one operand (`exact`: "a" or "b") holds only 0s and 1s (a selection or fold matrix).
@@ -76,7 +74,7 @@ def _dot_exact01(a, b, ca, cb, precision, *, exact: str):
     its TF32 bits, x_lo = x - x_hi, exact in fp32) and take two one-pass TF32 dots, with x_lo and with
     x_hi. Same accuracy (x_lo's own TF32 rounding is ~2^-21 of x), one pass fewer, one split fewer.
     """
-    if not EXACT01_SPLIT or precision != jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
+    if precision != jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
         return _dot(a, b, ca, cb, precision)
     hi, x_lo = tf32_split(b if exact == "a" else a)
     one = jax.lax.DotAlgorithmPreset.TF32_TF32_F32

@@ -658,13 +658,6 @@ def tt_pool(
         return call(*args)
 
 
-# The Pallas forward's plans do their bookkeeping after the sort in Pallas passes (`tt_jax.kernels.plan`)
-# instead of ~15 XLA ops (off: `prefix.build_flow`'s XLA ops, the definition they are tested against). Measured on
-# the H200, workload a, training step (planblock-20261201-1912-*): B 32768 1.031 -> 0.983 ms of kernels, B 4096
-# 0.602 -> 0.524; plan.BLOCK 512 or 256 instead of 1024 made no difference.
-FUSED_PLAN = True
-
-
 def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, batch: int, config: TTKernelConfig,
                fused: bool = False, interpret: bool = False):
     """Per table group of `prefix.stack_tables` (in order), the batch's `FlowPlan` (`fused`: see
@@ -706,8 +699,10 @@ def pooled_forward(
     total = sum(dims)
     col0 = tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
     out, stats = None, []
+    # The plans' bookkeeping after the sort in Pallas passes (`tt_jax.kernels.plan`), not `prefix.build_flow`'s
+    # ~15 XLA ops (the definition they are tested against).
     plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config,
-                            fused=FUSED_PLAN, interpret=interpret))
+                            fused=True, interpret=interpret))
     c_budget = PREFIX_C_MAX_BYTES
     keep = return_plans and keep_c
     for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
