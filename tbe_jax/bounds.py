@@ -3,27 +3,31 @@
 In every mode the kernels read only ids inside `indices` (each bag's extent is
 clamped to `[0, len(indices))` where it is loaded), whatever `offsets` holds.
 
-- `"ignore"` (the default): `offsets` is repaired on the device (first entry 0,
-  every entry clamped to `[0, len(indices)]`, then its running maximum: the
-  bags are those of a valid partition; valid offsets are unchanged) and ids
-  outside `[0, E_t)` contribute nothing to the forward and update nothing in
-  the backward, silently, with identical results on every `impl` and device.
-  Both are counted in the call's report (`forward_with_report`,
-  `bounds_report`, `train_step`'s `StepReport`), read when you want them.
+- `"ignore"` (the default): ids outside `[0, E_t)` contribute nothing to the
+  forward and update nothing in the backward, silently, with identical results
+  on every `impl` and device. `offsets` is not repaired: offsets that never
+  decrease but start past 0 or end past `len(indices)` give the same clamped
+  bags on every impl, lookup and update (ids outside `[offsets[0],
+  min(offsets[-1], N))` belong to no bag); offsets that decrease give
+  undefined bags (memory-safe). Both kinds are counted in the call's report
+  (`forward_with_report`, `bounds_report`, `train_step`'s `StepReport`): the
+  pooled kernels count them as they load them, at no extra pass.
 - `"none"`: no upper-bound check in the forward kernels: an id >= E_t reads
-  another table's row or past the buffer (undefined behaviour, fastest), and
-  `offsets` is not repaired (malformed offsets give undefined bags, though no
-  read leaves `indices`). Negative ids, the pruned-row marker -1 included, are
-  still skipped; the backward and the XLA path skip every id outside
-  `[0, E_t)` as in `"ignore"`. Ids outside their table are still counted.
-- `"warning"`: `"ignore"`'s repairs, and when something was repaired a
+  another table's row or past the buffer (undefined behaviour, fastest).
+  Negative ids, the pruned-row marker -1 included, are still skipped; the
+  backward and the XLA path skip every id outside `[0, E_t)` as in
+  `"ignore"`. Offsets and ids are counted as in `"ignore"`.
+- `"warning"`: a small XLA pass repairs `offsets` (first entry 0, clamped to
+  `[0, len(indices)]`, then its running maximum: a valid partition; valid
+  offsets are unchanged) and ids outside `[0, E_t)` contribute nothing. The
+  counts of invalid ids and of repaired offsets entries are reported through
   `warnings.warn` from a `jax.debug.callback` (works under `jit`, no host sync
-  in the step: the callback sits behind a device-side `lax.cond`).
+  in the step: it sits behind a device-side `lax.cond`) and in the report.
 - `"fatal"`: a `ValueError` naming the feature, the bag and the bad value. With
   concrete inputs it is raised at once; under `jit` the check is a
   `jax.experimental.checkify.check`, so wrap the jitted function with
-  `checkify.checkify` and call `err.throw()` (a plain `jit` refuses to trace it
-  and says so).
+  `checkify.checkify` and call `err.throw()` (a plain `jit` fails with a
+  message saying so).
 
 `-1` (a pruned row) is skipped silently in every mode and never counted.
 """
@@ -49,14 +53,16 @@ class BoundsReport(NamedTuple):
     """What one call skipped and repaired (device scalars; zeros in "fatal" mode, which raises instead)."""
 
     invalid_indices: jax.Array  # int32 []: ids outside [0, E) other than -1 (skipped, except in "none" mode)
-    repaired_offsets: jax.Array  # int32 []: entries of offsets changed by the repair (0 in "none" mode)
+    # int32 []: "warning": entries of offsets changed by its repair; "ignore"/"none": malformed entries (the first
+    # if not 0, any other that decreases or leaves [0, N]), counted, not repaired
+    repaired_offsets: jax.Array
 
 
 def repair_offsets(offsets: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """Clamp offsets to a valid partition of `[0, n)`: returns (repaired, count of changed entries).
 
-    First entry 0, every entry clamped to `[0, n]`, then the running maximum (`lax.cummax`: on the GPU XLA
-    lowers it to a reduce-window tree, `benchmarks/results/probe-repair-*` for its cost).
+    First entry 0, every entry clamped to `[0, n]`, then the running maximum (`lax.cummax`: on the H200
+    0.005-0.04 ms for 513-2M entries, `benchmarks/results/probe-repair-*`: why only "warning" pays for it).
     """
     if offsets.shape[0] == 0:
         return offsets, jnp.int32(0)
@@ -72,6 +78,13 @@ def _invalid_ids(plan: FeaturePlan, indices, offsets):
     num_rows = jnp.asarray(np.asarray(plan.num_rows), dtype=indices.dtype)[feat]
     in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
     return in_bag & (indices != PRUNED) & ((indices < 0) | (indices >= num_rows))
+
+
+def count_malformed(offsets: jax.Array, n: int) -> jax.Array:
+    """Entries of `offsets` that are malformed: the first if not 0, any other that decreases or leaves `[0, n]`
+    (what the pooled kernels count per bag, `kernels.programs.bag_extent`): an int32 scalar."""
+    bad = (offsets[1:] < offsets[:-1]) | (offsets[1:] < 0) | (offsets[1:] > n)
+    return (jnp.sum(bad) + (offsets[0] != 0)).astype(jnp.int32)
 
 
 def count_invalid(plan: FeaturePlan, indices, offsets) -> jax.Array:
@@ -181,7 +194,11 @@ def _make_guard():
     mlir.register_lowering(prim, lowering)
     batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), dims[0])
     ad.primitive_jvps[prim] = lambda primals, tangents: (prim.bind(*primals), tangents[0])
-    checkify_internal.error_checks[prim] = lambda error, enabled_errors, x: (error, x)
+    def check_rule(*args, **params):  # (error, enabled_errors, x) in jax 0.10; 0.11 passes one more argument
+        error = next(a for a in args if isinstance(a, checkify_internal.Error))
+        return error, args[-1]
+
+    checkify_internal.error_checks[prim] = check_rule
     return prim
 
 

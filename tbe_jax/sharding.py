@@ -520,7 +520,7 @@ def _route(s: ShardedTableBatchedEmbedding, idx, off, psw, scale_mean: bool):
     b = (off.shape[0] - 1) // nf
     plan = _local_plan(s, off.shape[0])
     repaired = jnp.int32(0)
-    if emb.bounds_check != "none":  # "ignore" and "warning" (the sharded forms refuse "fatal")
+    if emb.bounds_check == "warning":
         off, repaired = bounds.repair_offsets(off, num)
     bag, feat = reference.position_features(plan, off, num)
     pos = jnp.arange(num, dtype=jnp.int32)

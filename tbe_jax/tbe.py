@@ -446,25 +446,29 @@ class TableBatchedEmbedding:
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
         n = indices.shape[0]
 
-        # The pooled kernels count the ids they skip themselves (a slot per program, summed only where the report
-        # is used: XLA drops the sum otherwise); the other paths count with an XLA pass (dropped likewise).
+        # The pooled kernels count the ids they skip and the malformed offsets entries themselves (two slots per
+        # program, summed only where the report is used: XLA drops the sum otherwise); the other paths count with
+        # XLA passes (dropped likewise). "warning" repairs the offsets first (its count: the entries changed).
         count = self.pooling != "none" and self._use_kernel()
-        n_fixed = jnp.int32(0)
-        if self.bounds_check == "fatal":
+        mode = self.bounds_check
+        n_fixed = None
+        if mode == "fatal":
             offsets = self._check_fatal(plan, indices, offsets)
-        elif self.bounds_check != "none":
+        elif mode == "warning":
             offsets, n_fixed = bounds.repair_offsets(offsets, n)
-        n_bad = None
-        if not count and self.bounds_check != "fatal":
-            n_bad = bounds.count_invalid(plan, indices, offsets)
+        counts = None
+        if not count and mode != "fatal":
+            counts = (bounds.count_invalid(plan, indices, offsets),
+                      n_fixed if n_fixed is not None else bounds.count_malformed(offsets, n))
         indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
 
-        out, kernel_bad = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
-        if self.bounds_check == "fatal":  # checked: nothing to report
+        out, kernel_counts = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
+        if mode == "fatal":  # checked: nothing to report
             return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
-        report = bounds.BoundsReport(kernel_bad if count else n_bad, n_fixed)
-        report = _add_size_fix(report, size_fix)
-        if warn and self.bounds_check == "warning":
+        if count:
+            counts = (kernel_counts[0], n_fixed if n_fixed is not None else kernel_counts[1])
+        report = _add_size_fix(bounds.BoundsReport(*counts), size_fix)
+        if warn and mode == "warning":
             bounds.warn_if_repaired(report)
         return out, report
 
@@ -472,7 +476,7 @@ class TableBatchedEmbedding:
         """The differentiable core on validated int32 inputs: `(out, skipped ids)`."""
         check_upper = self.bounds_check != "none"
         n = indices.shape[0]
-        n_bad = jnp.int32(0)
+        n_bad = jnp.zeros((2,), jnp.int32)  # the kernels' counts: bad ids, malformed offsets entries
         if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
             return jnp.zeros(self._out_shape(plan, n), self.output_dtype), n_bad
         if self.pooling == "none":
@@ -615,7 +619,7 @@ class TableBatchedEmbedding:
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
         if self.bounds_check == "fatal":
             offsets = self._check_fatal(plan, indices, offsets)
-        elif self.bounds_check != "none":
+        elif self.bounds_check == "warning":
             offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
         return (plan,) + self._narrow(indices, offsets, per_sample_weights)
 

@@ -174,17 +174,18 @@ def test_warning_repairs_offsets():
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_default_mode_repairs_offsets(impl):
-    # The same repair in the default mode, silently, on both impls; the pooling kernel reads no id past the end.
+def test_default_mode_clamps_offsets(impl):
+    # Non-decreasing offsets that start below 0 and end past len(indices): the same clamped bags on both impls,
+    # silently; the pooling kernel reads no id past the end.
     idx = np.array([1, 2, 3, 4, 5, 0, 1, 2, 3, 4], np.int32)
-    off = np.array([2, 4, 3, 12, 9], np.int32)
-    fixed = np.array([0, 4, 4, 10, 10], np.int32)
+    off = np.array([-2, 4, 4, 9, 14], np.int32)
+    clamped = np.array([0, 4, 4, 9, 10], np.int32)
     emb = _emb(impl)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         out = jax.jit(lambda c, i, o: emb({"cores": c}, i, o))(_params()["cores"], idx, off)
         jax.effects_barrier()
-    assert_close(out, _model(idx, fixed), 2e-6)
+    assert_close(out, _model(idx, clamped), 2e-6)
 
 
 # -- "fatal" ---------------------------------------------------------------------------------------------------

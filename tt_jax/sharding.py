@@ -490,7 +490,7 @@ def _update(s: ShardedTTEmbeddingBag, params, opt_state, opt, idx, off, psw, g):
     def body(params, opt_state, opt, idx, off, psw, g):
         idx, off = idx[0], off[0]
         psw = None if psw is None else psw[0]
-        if s.emb.bounds_check != "none":  # repaired per device, silently (as emb.apply_gradients does)
+        if s.emb.bounds_check == "warning":  # repaired per device, silently (as emb.apply_gradients does)
             off, _ = bounds.repair_offsets(off, idx.shape[0])
         ids, offs, w, gg = _gather(s, idx, off, psw, g)
         gids, goff, gw = _global_batch(ids, offs, w, nf)

@@ -52,17 +52,19 @@ class TTEmbeddingBag:
     never another row. Per `bounds_check`:
 
     - "ignore": bad ids contribute nothing to the output and get no gradient
-      and no optimizer update, on both impls, and malformed offsets are
-      repaired on the device (`tbe_jax.bounds.repair_offsets`: first entry 0,
-      clamped to `[0, len(indices)]`, non-decreasing; valid offsets are
-      unchanged), identically on both impls, lookup and update. Silent,
-      jittable, no host synchronisation.
+      and no optimizer update, on both impls. Silent, jittable, no host
+      synchronisation. Offsets are not repaired; the pooling kernel reads no
+      id outside `indices` whatever they hold, and non-decreasing offsets
+      whose ends leave `[0, len(indices)]` give the same clamped bags on both
+      impls, lookup and update; offsets that decrease give undefined bags.
     - "none": nothing is checked. Negative ids (-1 included) contribute
       nothing; ids >= N_t are undefined behaviour (today the TT planner drops
       them, as "ignore": the sort needs the check anyway, so "none" saves
       nothing here); malformed offsets give undefined bags (the pooling
       kernel still reads no id outside `indices`).
-    - "warning": "ignore"'s skips and repairs; the counts of bad ids (other
+    - "warning": bad ids are skipped as in "ignore", and offsets are repaired
+      (`tbe_jax.bounds.repair_offsets`: first entry 0, clamped to
+      `[0, len(indices)]`, running maximum); the counts of bad ids (other
       than -1) and of repaired offsets entries are reported by `warnings.warn`
       (RuntimeWarning) from a `jax.debug.callback` behind a `lax.cond` (works
       under `jit`; a clean batch issues no callback). Lookups warn (`emb(...)`,
@@ -266,8 +268,7 @@ class TTEmbeddingBag:
         """`bounds_check` on the raw inputs: int32 (indices, offsets) with bad ids never wrapped into valid ones.
 
         Every mode narrows: an id outside the int32 range becomes -2 (bad, skipped by the planner and the
-        reference as every id outside `[0, N_t)`: no further masking is needed). "ignore" and "warning" repair
-        the offsets (`tbe_jax.bounds.repair_offsets`).
+        reference as every id outside `[0, N_t)`: no further masking is needed). "warning" repairs the offsets.
         """
         mode = self.bounds_check
         plan = self._feature_plan(batch) if mode in ("warning", "fatal") else None
@@ -285,8 +286,6 @@ class TTEmbeddingBag:
             offsets, rep = bounds.report(plan, indices, offsets)
             if warn:
                 bounds.warn_if_repaired(rep, package="tt_jax")
-        elif mode == "ignore":  # the same repair, silently (valid offsets are unchanged)
-            offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
         return indices, offsets
 
     def __call__(self, params, indices, offsets, per_sample_weights=None):

@@ -136,7 +136,7 @@ def _pool_branch(
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     bag_ok = g < nbags
-    start, length = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
+    start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
 
     def feat_meta(col):
         return plgpu.load(feat_ref.at[META_COLS * f + col])
@@ -222,8 +222,9 @@ def _pool_branch(
             return s, c, nbad + count_bad(ids)
 
         s, c, nbad = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros, jnp.zeros((br.bags,), jnp.int32)))
-    if bad_ref is not None:  # one slot per program: no atomics, summed by the caller
-        plgpu.store(bad_ref.at[pid], jnp.sum(nbad, dtype=jnp.int32))
+    if bad_ref is not None:  # two slots per program (bad ids, malformed offsets): no atomics, summed by the caller
+        plgpu.store(bad_ref.at[2 * pid], jnp.sum(nbad, dtype=jnp.int32))
+        plgpu.store(bad_ref.at[2 * pid + 1], jnp.sum(malformed, dtype=jnp.int32))
     acc = s + c if accumulation == "twosum" else s
     if pooling == "mean":
         acc = acc / jnp.maximum(length, 1).astype(acc.dtype)[:, None]
@@ -274,8 +275,9 @@ def pooled_forward(
     `live` (a traced `[F]` 0/1 array, see `programs.operands`) drops more of them
     at run time: a feature of `features` with `live == 0` is left unwritten too.
 
-    With `count_invalid`, also returns how many ids outside `[0, E)` (other than
-    -1) were skipped, counted by the kernel itself (int32 scalar).
+    With `count_invalid`, also returns `[2]` int32 counts made by the kernel itself:
+    ids outside `[0, E)` (other than -1) inside the bags, and malformed entries of
+    `offsets` (see `programs.bag_extent`).
 
     `out_flat`: an output whose other columns are already written (aliased and
     filled in place, no copy). Models with more than SEGMENT_BUFFERS storage
@@ -286,7 +288,7 @@ def pooled_forward(
     features = tuple(features)
     used = sorted({plan.group[f] for f in features})
     if len(used) > SEGMENT_BUFFERS:
-        out, n_bad = out_flat, jnp.int32(0)
+        out, n_bad = out_flat, jnp.zeros((2,), jnp.int32)
         for i in range(0, len(used), SEGMENT_BUFFERS):
             part = set(used[i : i + SEGMENT_BUFFERS])
             res = pooled_forward(
@@ -299,7 +301,7 @@ def pooled_forward(
     used, branches, pm, feat_meta = _schedule(layout, plan, config, features)
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
-        return (out, jnp.int32(0)) if count_invalid else out
+        return (out, jnp.zeros((2,), jnp.int32)) if count_invalid else out
     all_fp32 = all(buffers[layout.key(g)].dtype == jnp.float32 for g in used)
     accumulation = config.fp32_accumulation if all_fp32 else "fp32"
 
@@ -326,7 +328,7 @@ def pooled_forward(
         args.append(out_flat)
     out_shape = jax.ShapeDtypeStruct((plan.out_size,), output_dtype)
     if count_invalid:
-        out_shape = (out_shape, jax.ShapeDtypeStruct((pm.num_programs,), jnp.int32))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((2 * pm.num_programs,), jnp.int32))
     call = pallas_call(
         kernel,
         out_shape=out_shape,
@@ -345,7 +347,7 @@ def pooled_forward(
         with jax.enable_x64(True):
             res = call(*args)
     if count_invalid:
-        return res[0], jnp.sum(res[1])
+        return res[0], jnp.sum(res[1].reshape(-1, 2), axis=0, dtype=jnp.int32)
     return res
 
 

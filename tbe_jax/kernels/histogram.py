@@ -275,7 +275,7 @@ def _hist_branch(
     def body():
         g = jnp.arange(bags, dtype=jnp.int32)
         bag_ok = g < nbags
-        start, length = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
+        start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
         num_rows = meta(feat_ref, META_COLS, f, NUM_ROWS)
         row_offset = meta(feat_ref, META_COLS, f, ROW_OFFSET)
         out_base = meta(feat_ref, META_COLS, f, OUT_BASE)
@@ -329,8 +329,9 @@ def _hist_branch(
         bag = b0 + g
         ptr = (out_base + bag * out_stride)[:, None] + cols[None, :]
         plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
-        if bad_ref is not None:
-            plgpu.store(bad_ref.at[pid], bad)
+        if bad_ref is not None:  # two slots per program: bad ids, malformed offsets entries
+            plgpu.store(bad_ref.at[2 * pid], bad)
+            plgpu.store(bad_ref.at[2 * pid + 1], jnp.sum(malformed, dtype=jnp.int32))
         if counts_ref is not None:
             rows = pid * bags + g
             for r0, cnt in chunks:
@@ -346,7 +347,8 @@ def _hist_branch(
     if bad_ref is not None:
         @pl.when(nbags <= 0)
         def _():
-            plgpu.store(bad_ref.at[pid], jnp.int32(0))
+            plgpu.store(bad_ref.at[2 * pid], jnp.int32(0))
+            plgpu.store(bad_ref.at[2 * pid + 1], jnp.int32(0))
 
 
 def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid, save_counts, cfg, aliased):
@@ -391,7 +393,7 @@ def histogram_forward(
     `live` (traced `[F]` 0/1, see `programs.operands`): features of `features`
     with `live == 0` are left as they are (the generic kernel wrote them).
 
-    Returns `out_flat`, plus the number of skipped bad ids (`count_invalid`) and
+    Returns `out_flat`, plus `[2]` counts (`count_invalid`: bad ids skipped, malformed offsets entries) and
     the per-bag counts `[programs * bags, E_padded]` int32 (`save_counts`; row
     `p * bags + b` is bag b of program p, in `histogram_programs` order), each when asked.
     """
@@ -400,7 +402,7 @@ def histogram_forward(
     n_prog = pm.num_programs
     out_shape = [jax.ShapeDtypeStruct((plan.out_size,), jnp.float32)]
     if count_invalid:
-        out_shape.append(jax.ShapeDtypeStruct((n_prog,), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct((2 * n_prog,), jnp.int32))
     if save_counts:
         rows = max(b.rows_padded for b in branches)
         out_shape.append(jax.ShapeDtypeStruct((n_prog * cfg.bags, rows), jnp.int32))
@@ -423,7 +425,7 @@ def histogram_forward(
     )(*args)
     out = [res[0]]
     if count_invalid:
-        out.append(jnp.sum(res[1]))
+        out.append(jnp.sum(res[1].reshape(-1, 2), axis=0, dtype=jnp.int32))
     if save_counts:
         out.append(res[-1])
     return out[0] if len(out) == 1 else tuple(out)

@@ -79,7 +79,7 @@ def _tile_positions(offsets_ref, first, nbags, n, *, bags: int, c: int):
     p = jnp.arange(bags * c, dtype=jnp.int32)
     pb, pc = p // c, p % c
     ok = pb < nbags
-    p_start, p_len = programs.bag_extent(offsets_ref, first + pb, ok, n)
+    p_start, p_len, _ = programs.bag_extent(offsets_ref, first + pb, ok, n)
     return pb, pc, p_start, jnp.where(ok, p_len, 0)
 
 

@@ -111,15 +111,21 @@ def locate(seg: Segment, q, flist_ref, prefix_ref):
 
 
 def bag_extent(offsets_ref, bag, ok, n: int):
-    """(start, length) of bags `bag` (where `ok`; 0 elsewhere), clamped to `[0, n)` of `indices`.
+    """(start, length, malformed) of bags `bag` (where `ok`; 0 elsewhere), clamped to `[0, n)` of `indices`.
 
-    The callers validate or repair `offsets` first (every `bounds_check` mode but "none"); the clamp keeps
-    even malformed offsets from reading ids outside `indices` (memory safety in every mode; two min/max
-    per bag).
+    The clamp keeps any offsets from reading ids outside `indices` (memory safety in every `bounds_check`
+    mode; two min/max per bag). For offsets that never decrease it is the partition the XLA path and the
+    backward use too (ids before `offsets[0]` or past `n` belong to no bag). `malformed`: per bag, 1 where
+    its end entry `offsets[bag + 1]` decreases or leaves `[0, n]`, plus 1 at the global bag 0 if
+    `offsets[0] != 0`: summed over every bag, the malformed entries of `offsets`, each counted once.
     """
-    start = jnp.clip(plgpu.load(offsets_ref.at[bag], mask=ok, other=0), 0, n)
-    end = jnp.clip(plgpu.load(offsets_ref.at[bag + 1], mask=ok, other=0), start, n)
-    return start, end - start
+    raw_start = plgpu.load(offsets_ref.at[bag], mask=ok, other=0)
+    raw_end = plgpu.load(offsets_ref.at[bag + 1], mask=ok, other=0)
+    start = jnp.clip(raw_start, 0, n)
+    end = jnp.clip(raw_end, start, n)
+    bad = (raw_end < raw_start) | (raw_end < 0) | (raw_end > n)
+    bad = bad.astype(jnp.int32) + ((bag == 0) & (raw_start != 0)).astype(jnp.int32)
+    return start, end - start, jnp.where(ok, bad, 0)
 
 
 def rows(pm: ProgramMap) -> np.ndarray:

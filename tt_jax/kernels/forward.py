@@ -589,7 +589,7 @@ def _pool_kernel(feat_ref, offsets_ref, inverse_ref, *refs, weighted, bags, prog
     first = f * batch + b0
     g = jnp.arange(bags, dtype=jnp.int32)
     bag_ok = b0 + g < batch
-    start, length = bag_extent(offsets_ref, first + g, bag_ok, inverse_ref.shape[0])
+    start, length, _ = bag_extent(offsets_ref, first + g, bag_ok, inverse_ref.shape[0])
     cols = jnp.arange(block_dim, dtype=jnp.int32)
     col_ok = cols < dim
 
