@@ -446,24 +446,28 @@ class TableBatchedEmbedding:
             params, indices, offsets, per_sample_weights, batch_size_per_feature)
         n = indices.shape[0]
 
-        # The pooled kernels count the ids they skip and the malformed offsets entries themselves (two slots per
-        # program, summed only where the report is used: XLA drops the sum otherwise); the other paths count with
-        # XLA passes (dropped likewise). "warning" repairs the offsets first (its count: the entries changed).
-        count = self.pooling != "none" and self._use_kernel()
+        # The report: wanted by `forward_with_report` (and the training step, through it) in every mode, by a plain
+        # call (`warn`) in "warning" mode only. The pooled kernels count the ids they skip and the malformed offsets
+        # entries themselves (two slots per program; with the counting on, the forward kernel ran 1.14x its time of
+        # the session before on 81 sweep shards, median, up to 1.87x: `benchmarks/NOTES.md`, session 24; so a plain
+        # call's kernels do not count); the other paths count with XLA passes. "warning" repairs the offsets first
+        # (its count: the entries changed).
         mode = self.bounds_check
+        wanted = not warn or mode == "warning"
+        count = wanted and self.pooling != "none" and self._use_kernel()
         n_fixed = None
         if mode == "fatal":
             offsets = self._check_fatal(plan, indices, offsets)
         elif mode == "warning":
             offsets, n_fixed = bounds.repair_offsets(offsets, n)
         counts = None
-        if not count and mode != "fatal":
+        if wanted and not count and mode != "fatal":
             counts = (bounds.count_invalid(plan, indices, offsets),
                       n_fixed if n_fixed is not None else bounds.count_malformed(offsets, n))
         indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
 
         out, kernel_counts = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
-        if mode == "fatal":  # checked: nothing to report
+        if mode == "fatal" or not wanted:  # checked, or not asked for: nothing to report
             return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
         if count:
             counts = (kernel_counts[0], n_fixed if n_fixed is not None else kernel_counts[1])
