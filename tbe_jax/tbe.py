@@ -316,7 +316,8 @@ class TableBatchedEmbedding:
 
     def bounds_report(self, indices, offsets, *, batch_size_per_feature=None,
                       max_batch_size=None) -> bounds.BoundsReport:
-        """Counts of what `bounds_check="warning"` would repair (jittable, device values)."""
+        """Counts of bad ids and of the offsets entries `bounds_check="warning"` would repair (jittable, device
+        values; XLA passes, no lookup)."""
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
         indices = id_array("indices", as_array("indices", indices))
         offsets = id_array("offsets", as_array("offsets", offsets))
@@ -358,11 +359,13 @@ class TableBatchedEmbedding:
 
     def forward_with_report(self, params, indices, offsets, per_sample_weights=None, *,
                             batch_size_per_feature=None, max_batch_size=None):
-        """`(out, BoundsReport)`: the lookup and what `bounds_check="warning"` repaired.
+        """`(out, BoundsReport)`: the lookup, and the ids it skipped and the malformed offsets entries it met.
 
-        Unlike `emb(...)` in warning mode, this issues no host callback (no
-        synchronisation inside a jitted step): the counts stay on the device until
-        you read them. With `bounds_check="none"` or `"fatal"` the report is zeros.
+        Counted in every mode but "fatal" (which raises instead: zeros); in "warning" mode
+        `repaired_offsets` counts the entries its repair changed. Unlike `emb(...)` in warning
+        mode, this issues no host callback (no synchronisation inside a jitted step): the counts
+        stay on the device until you read them. The pooled kernels count as they load: a plain
+        `emb(...)` does not, and is the faster call when the counts are not wanted.
         """
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
         if self._eager(params, indices, offsets, per_sample_weights, bpf):

@@ -73,7 +73,7 @@ class SparseLookup(NamedTuple):
 class StepReport(NamedTuple):
     """Device-side counts of one lookup's step (int32 scalars; no host sync)."""
 
-    invalid_indices: jax.Array  # ids skipped as outside their table (counted with bounds_check="warning")
+    invalid_indices: jax.Array  # ids skipped as outside their table (counted in every bounds_check mode but "fatal")
     nonfinite_grads: jax.Array  # NaN/inf values in the output gradient (their rows were skipped by default)
 
 
