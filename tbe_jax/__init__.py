@@ -6,8 +6,8 @@ from tbe_jax.kernels.backward import BackwardConfig
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import (
-    SGD, Adagrad, AdagradState, Adam, AdamState, FusedOptimizer, Lamb, Optimizer, PartialRowwiseAdam,
-    PartialRowwiseLamb, RowwiseAdagrad, RowwiseAdagradState, SGDState, adagrad, rowwise_adagrad, sgd,
+    SGD, Adagrad, AdagradState, Adam, AdamState, Lamb, Optimizer, PartialRowwiseAdam,
+    PartialRowwiseLamb, RowwiseAdagrad, RowwiseAdagradState, SGDState,
 )
 from tbe_jax.sharding import ShardedTableBatchedEmbedding, ShardingPlan, plan_sharding, shard
 from tbe_jax.specs import TableSpec
@@ -16,9 +16,9 @@ from tbe_jax.train import SparseLookup, StepReport, TrainStepResult, train_step
 from tbe_jax.vbe import VariableBatchSizes
 
 __all__ = [
-    "Adagrad", "AdagradState", "Adam", "AdamState", "BackwardConfig", "BoundsReport", "ForwardConfig", "FusedOptimizer",
+    "Adagrad", "AdagradState", "Adam", "AdamState", "BackwardConfig", "BoundsReport", "ForwardConfig",
     "HistogramConfig", "Lamb", "Optimizer", "PartialRowwiseAdam", "PartialRowwiseLamb", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "ShardedTableBatchedEmbedding", "ShardingPlan", "SparseLookup",
-    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "adagrad", "plan_sharding", "rowwise_adagrad", "sgd",
+    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "plan_sharding",
     "shard", "train_step",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -134,14 +134,7 @@ __all__ = [
     "is_fused", "module_params", "module_state", "train_step",
 ]
 
-_REMOVED = {"drop_fused"}
 
-
-def __getattr__(name):
-    if name in _REMOVED:
-        raise AttributeError(f"tbe_jax.haiku.{name} was removed with the fused-gradient training path: "
-                             "train with tbe_jax.haiku.train_step, which returns the updated state")
-    raise AttributeError(f"module 'tbe_jax.haiku' has no attribute {name!r}")
 
 
 class StepResult(NamedTuple):

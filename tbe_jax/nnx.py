@@ -109,16 +109,6 @@ from tbe_jax.tbe import TableBatchedEmbedding
 
 __all__ = ["Fused", "TableBatchedEmbed", "train_step"]
 
-_REMOVED = {"apply_fused", "DIFF_FILTER"}
-
-
-def __getattr__(name):
-    if name in _REMOVED:
-        raise AttributeError(f"tbe_jax.nnx.{name} was removed with the fused-gradient training path (its "
-                             "gradient-as-update corrupted tables): train with tbe_jax.nnx.train_step")
-    raise AttributeError(f"module 'tbe_jax.nnx' has no attribute {name!r}")
-
-
 class Fused(nnx.Variable):
     """Tables and optimizer state of a sparse-mode layer (not an `nnx.Param`: not differentiated;
     `train_step` updates them)."""

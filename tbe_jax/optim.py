@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "Adagrad", "AdagradState", "Adam", "AdamState", "FusedOptimizer", "Lamb", "Optimizer", "PartialRowwiseAdam",
+    "Adagrad", "AdagradState", "Adam", "AdamState", "Lamb", "Optimizer", "PartialRowwiseAdam",
     "PartialRowwiseLamb", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "adagrad", "rowwise_adagrad",
     "sgd", "stochastic_round",
 ]
@@ -295,8 +295,6 @@ class Optimizer:
         return self.state_type(*tuple(slots or ()), count)
 
 
-# Kept for code written against the earlier API: every optimizer is a FusedOptimizer.
-FusedOptimizer = Optimizer
 
 
 @jax.tree_util.register_pytree_node_class
@@ -498,23 +496,6 @@ class PartialRowwiseLamb(_AdamFamily):
 """ + _ADAM_ARGS
 
     _KIND = "partial_rowwise_lamb"
-
-
-def sgd(learning_rate: ScalarOrSchedule = 0.01, stochastic_rounding: bool = False, **kwargs) -> SGD:
-    """`SGD(learning_rate, ...)` (the factory spelling of the same optimizer)."""
-    return SGD(learning_rate, stochastic_rounding, **kwargs)
-
-
-def rowwise_adagrad(learning_rate: ScalarOrSchedule = 0.01, eps=1e-8, initial_accumulator_value=0.0,
-                    stochastic_rounding: bool = False, **kwargs) -> RowwiseAdagrad:
-    """`RowwiseAdagrad(learning_rate, ...)` (the factory spelling of the same optimizer)."""
-    return RowwiseAdagrad(learning_rate, eps, initial_accumulator_value, stochastic_rounding, **kwargs)
-
-
-def adagrad(learning_rate: ScalarOrSchedule = 0.01, eps=1e-8, initial_accumulator_value=0.0,
-            stochastic_rounding: bool = False, **kwargs) -> Adagrad:
-    """`Adagrad(learning_rate, ...)` (the factory spelling of the same optimizer)."""
-    return Adagrad(learning_rate, eps, initial_accumulator_value, stochastic_rounding, **kwargs)
 
 
 def apply_rule(rule: KernelRule, w32, slots, g, hyper, *, dim=None, row_axes=(1,)):

@@ -57,7 +57,7 @@ from tbe_jax.inputs import widen_ids
 from tbe_jax import tbe as tbe_module
 from tbe_jax.tbe import TableBatchedEmbedding, blocked_draw, init_rows
 
-__all__ = ["STRATEGIES", "ShardReport", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
+__all__ = ["STRATEGIES", "ShardedTableBatchedEmbedding", "ShardingPlan", "plan_sharding", "shard"]
 
 
 def shard(emb: TableBatchedEmbedding, mesh: jax.sharding.Mesh, axis_name: str = "data", plan=None, *,
@@ -438,7 +438,7 @@ class ShardedTableBatchedEmbedding:
         return out
 
     def forward_with_report(self, params, indices, offsets, per_sample_weights=None):
-        """`(out, ShardReport)`: the lookup, and the ids dropped past a capacity / repaired (device values)."""
+        """`(out, BoundsReport)`: the lookup, and the ids dropped past a capacity / repaired (device values)."""
         out, report, _ = _forward(self, params, *self._args(indices, offsets, per_sample_weights), False)
         return out, report
 
@@ -496,7 +496,6 @@ class ShardedTableBatchedEmbedding:
         return params, opt_state, report.invalid_indices
 
 
-ShardReport = bounds.BoundsReport  # (invalid_indices, repaired_offsets): ids dropped past capacity count as invalid
 
 
 def _warn_report(report, enabled):

@@ -710,23 +710,6 @@ class TableBatchedEmbedding:
             grad_output, opt, hyper, pooling=self.pooling,
         )
 
-    def fused_lookup(self, params, opt_state, tx, indices, offsets, per_sample_weights=None, *,
-                     batch_size_per_feature=None, max_batch_size=None):
-        """Removed as a training path; the forward remains (`emb(params, ...)`).
-
-        It used to return the *updated* tables as the gradient under `jax.grad`,
-        which silently destroyed tables whenever that gradient was not taken as is
-        (an output that did not reach the loss, two lookups of one table, gradient
-        clipping, a data-parallel mean, accumulation). Differentiating it now raises
-        a `TypeError` at trace time; train with `tbe_jax.train_step` (or the
-        lookup, `jax.grad` with respect to its output, and `apply_gradients`).
-        """
-        self._check_opt(tx)
-        bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
-        if isinstance(bpf, vbe.VariableBatchSizes):  # the sizes are an array: a primal argument
-            return _no_grad_lookup(self, bpf.max_batch_size, params, indices, offsets, per_sample_weights, bpf.sizes)
-        return _no_grad_lookup(self, bpf, params, indices, offsets, per_sample_weights, None)
-
     # -- the training step's halves (tbe_jax.train_step) ---------------------------
     def _step_forward(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
                       max_batch_size=None):
@@ -893,25 +876,3 @@ def _lookup_bwd(emb, plan, count, res, cotangents):
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
-
-
-# `fused_lookup`: a forward whose differentiation fails loudly, at trace time.
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _no_grad_lookup(emb, static_bpf, params, indices, offsets, per_sample_weights, sizes):
-    # `static_bpf`: None, a static tuple, or (with array `sizes`) the max batch size.
-    bpf = static_bpf if sizes is None else vbe.VariableBatchSizes(sizes, static_bpf)
-    return emb(params, indices, offsets, per_sample_weights, batch_size_per_feature=bpf)
-
-
-def _no_grad_fwd(emb, static_bpf, params, indices, offsets, per_sample_weights, sizes):
-    raise TypeError(
-        "TableBatchedEmbedding.fused_lookup can no longer be differentiated: its gradient was the updated "
-        "tables, which any transform of the gradients (a disconnected output, two lookups of one table, "
-        "clipping, a data-parallel mean) silently corrupted. Train with tbe_jax.train_step(loss_fn, "
-        "dense_params, tbe_jax.SparseLookup(emb, opt, params, opt_state, indices, offsets)), or take "
-        "jax.grad with respect to the lookup's output and call emb.apply_gradients with it.")
-
-
-_no_grad_lookup.defvjp(_no_grad_fwd, lambda *a: None)

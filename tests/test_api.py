@@ -156,20 +156,14 @@ def _tbe(impl, rows=(30, 12), dims=(8, 8), **kw):
     return tbe_jax.TableBatchedEmbedding(specs(list(rows), list(dims)), **_TBE_KW[impl], **kw)
 
 
-def test_fused_lookup_cannot_be_differentiated(rng):
-    # The removed training path: its forward still works, differentiating it is a TypeError at trace time.
-    idx, off = np.array([1, 2, 3, 5], np.int32), np.array([0, 2, 4], np.int32)
-    emb = tbe_jax.TableBatchedEmbedding(specs([10, 20], [4, 8]), feature_table_map=[0, 0], impl="xla")
-    tt = tt_jax.TTEmbeddingBag(T2, feature_table_map=(0, 0), impl="xla")
-    for e, params, opt in [(emb, emb.init(jax.random.key(0)), tbe_jax.rowwise_adagrad(0.1)),
-                           (tt, make_params(tt, rng), tt_jax.rowwise_adagrad(0.1))]:
-        state = e.init_opt_state(params, opt)
-        np.testing.assert_array_equal(e.fused_lookup(params, state, opt, idx, off), e(params, idx, off))
-        loss = lambda p, s: jnp.sum(e.fused_lookup(p, s, opt, idx, off) ** 2)  # noqa: B023,E731
-        with pytest.raises(TypeError, match="can no longer be differentiated.*train_step"):
-            jax.grad(loss)(params, state)
-        with pytest.raises(TypeError, match="train_step"):
-            jax.jit(jax.grad(loss)).lower(params, state)  # at trace time: nothing ran
+def test_removed_api_is_gone():
+    # 0.2.0 (CHANGELOG.md): the raising stubs and aliases of the removed fused-gradient path are gone.
+    for owner, name in [(tbe_jax.TableBatchedEmbedding, "fused_lookup"), (tt_jax.TTEmbeddingBag, "fused_lookup"),
+                        (tbe_jax, "FusedOptimizer"), (tt_jax, "FusedOptimizer"), (tbe_jax, "rowwise_adagrad"),
+                        (tbe_jax, "sgd"), (tbe_jax, "adagrad"), (tt_jax, "rowwise_adagrad"),
+                        (tbe_jax.sharding, "ShardReport")]:
+        assert not hasattr(owner, name), name
+    assert tbe_jax.__version__ == "0.2.0"
 
 
 @pytest.mark.parametrize("kind", ["tbe-xla", "tbe-kernel", "tt-xla"])

@@ -337,7 +337,7 @@ def test_dense_grad_and_train_step(rng):
         assert_close(a, m, 1e-3)  # the gradient is stored in fp16 (the table's dtype)
         assert_close(a, b, 1e-3)
 
-    opt = tbe_jax.rowwise_adagrad(0.1, 1e-3)
+    opt = tbe_jax.RowwiseAdagrad(0.1, 1e-3)
     state = emb.init_opt_state(params, opt)
     step = jax.jit(lambda p, s, opt: tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None,
                                                         tbe_jax.SparseLookup(emb, opt, p, s, idx, off)))

@@ -19,16 +19,12 @@ from tt_jax.optim import (
     AdagradState,
     Adam,
     AdamState,
-    FusedOptimizer,
     Lamb,
     PartialRowwiseAdam,
     PartialRowwiseLamb,
     RowwiseAdagrad,
     RowwiseAdagradState,
     SGDState,
-    adagrad,
-    rowwise_adagrad,
-    sgd,
 )
 from tt_jax.sharding import ShardedTTEmbeddingBag, shard
 from tt_jax.specs import TTSpec, suggested_tt_shapes
@@ -39,7 +35,6 @@ __all__ = [
     "AdagradState",
     "Adam",
     "AdamState",
-    "FusedOptimizer",
     "Lamb",
     "PartialRowwiseAdam",
     "PartialRowwiseLamb",
@@ -50,9 +45,6 @@ __all__ = [
     "ShardedTTEmbeddingBag",
     "TTEmbeddingBag",
     "TTSpec",
-    "adagrad",
-    "rowwise_adagrad",
-    "sgd",
     "shard",
     "suggested_tt_shapes",
 ]

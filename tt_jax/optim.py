@@ -61,8 +61,8 @@ import jax
 import jax.numpy as jnp
 
 from tbe_jax.optim import (  # noqa: F401  (the shared family, re-exported)
-    SGD, Adagrad, AdagradState, Adam, AdamState, FusedOptimizer, KernelRule, Lamb, Optimizer, PartialRowwiseAdam,
-    PartialRowwiseLamb, RowwiseAdagrad, RowwiseAdagradState, SGDState, adagrad, apply_rule, rowwise_adagrad, sgd,
+    SGD, Adagrad, AdagradState, Adam, AdamState, KernelRule, Lamb, Optimizer, PartialRowwiseAdam,
+    PartialRowwiseLamb, RowwiseAdagrad, RowwiseAdagradState, SGDState, apply_rule,
 )
 
 

@@ -398,16 +398,6 @@ class TTEmbeddingBag:
         if not jnp.issubdtype(grad_output.dtype, jnp.floating):
             raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
 
-    def fused_lookup(self, params, opt_state, tx, indices, offsets, per_sample_weights=None):
-        """Removed as a training path; the forward remains (`emb(params, ...)`).
-
-        Its gradient used to be the updated cores, which any transform of the gradients silently
-        corrupted. Differentiating it now raises a `TypeError` at trace time: train with
-        `tbe_jax.train_step` (or `jax.grad` with respect to the lookup's output and `apply_gradients`).
-        """
-        optim.check_opt(tx)
-        return _no_grad_lookup(self, params, indices, offsets, per_sample_weights)
-
     # -- the training step's halves (tbe_jax.train_step) ---------------------------
     def _step_forward(self, params, indices, offsets, per_sample_weights=None):
         """The lookup, and what `_step_update` needs of it (the forward's plans: one sort per step)."""
@@ -546,21 +536,6 @@ def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weight
     return new_params, opt.next_state(opt_state, new_slots)
 
 
-# `fused_lookup`: a forward whose differentiation fails loudly, at trace time.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _no_grad_lookup(emb, params, indices, offsets, per_sample_weights):
-    return emb(params, indices, offsets, per_sample_weights)
-
-
-def _no_grad_fwd(emb, params, indices, offsets, per_sample_weights):
-    raise TypeError(
-        "TTEmbeddingBag.fused_lookup can no longer be differentiated: its gradient was the updated cores, "
-        "which any transform of the gradients silently corrupted. Train with tbe_jax.train_step(loss_fn, "
-        "dense_params, tbe_jax.SparseLookup(emb, opt, params, opt_state, indices, offsets)), or take "
-        "jax.grad with respect to the lookup's output and call emb.apply_gradients with it.")
-
-
-_no_grad_lookup.defvjp(_no_grad_fwd, lambda *a: None)
 
 
 def _is_concrete(*trees) -> bool:
