@@ -194,6 +194,7 @@ def _make_guard():
     mlir.register_lowering(prim, lowering)
     batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), dims[0])
     ad.primitive_jvps[prim] = lambda primals, tangents: (prim.bind(*primals), tangents[0])
+
     def check_rule(*args, **params):  # (error, enabled_errors, x) in jax 0.10; 0.11 passes one more argument
         error = next(a for a in args if isinstance(a, checkify_internal.Error))
         return error, args[-1]
