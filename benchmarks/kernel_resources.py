@@ -8,7 +8,7 @@ register traffic into local-memory traffic. The Triton here is the PyPI one, not
 counts can differ a little from what runs on the GPU; use it to compare variants, not as ground truth.
 
   pip install --target /tmp/tsite triton==3.6.0          (not a project dependency; the tool reads PYTHONPATH)
-  PYTHONPATH=/tmp/tsite python benchmarks/kernel_resources.py --dims "4-128/4" --variants MERGE_WIDTH=0 ""
+  PYTHONPATH=/tmp/tsite python benchmarks/kernel_resources.py --dims "4-128/4" --variants merge_width=0 ""
 
 The dims / variants syntax is `trace_backward.py`'s.
 """

@@ -132,7 +132,7 @@ def main():
                     help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
     ap.add_argument("--private", default="",
                     help="A/B of module constants of tbe_jax.kernels.backward, tbe_jax._pallas or tbe_jax.runs, "
-                         "e.g. SEGMENT_BUFFERS=16,NARROW_BLOCK=16")
+                         "e.g. SEGMENT_BUFFERS=16 (BackwardConfig fields, e.g. narrow_block=16: --config)")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="A/Bs in one process: each 'k=v,K=V' sets BackwardConfig fields (lower case) and module "
                          "constants (upper case) on top of --config/--private; every workload is traced once per "

@@ -159,7 +159,7 @@ def test_width_class_split_by_row_parity(rng):
 
 def test_narrow_segments_share_a_launch(rng):
     # Seven dims of widths 8, 16 and 32 in five segments (w16 and w32 each split by row parity, the w32 ones holding
-    # two buffers each), next to a w64 table: the narrow five are one small-run launch (backward.MERGE_WIDTH), its
+    # two buffers each), next to a w64 table: the narrow five are one small-run launch (BackwardConfig.merge_width), its
     # programs split between them by program id, and small E gives runs of every kind in each.
     from tbe_jax.kernels import backward as bwd
 
@@ -167,7 +167,7 @@ def test_narrow_segments_share_a_launch(rng):
     tables = specs([3, 4, 3, 4, 3, 1, 4, 3], dims)
     segs = bwd._segments(tbe_jax.TableBatchedEmbedding(tables).layout)
     assert [seg.dims for seg in segs] == [(6,), (16,), (12,), (24, 32), (20, 28), (40,)]
-    assert [len(g) for g in bwd._small_launches(segs)] == [5, 1]
+    assert [len(g) for g in bwd._small_launches(segs, tbe_jax.BackwardConfig().merge_width)] == [5, 1]
     _check_step(rng, tables, list(range(len(dims))), [2] * len(dims), (0, 12), tbe_jax.RowwiseAdagrad(0.05, 1e-3),
                 steps=1, empty_bag=True)
 

@@ -145,14 +145,12 @@ def test_under_jit_with_static_module(rng):
 
 
 def test_more_buffers_than_one_launch(rng):
-    # Ten distinct dims: the pooled forward is two launches (kernels.forward.SEGMENT_BUFFERS = 8 buffers each),
+    # Ten distinct dims: the pooled forward is two launches (ForwardConfig.segment_buffers = 8 buffers each),
     # the second filling its features' columns of the first's output in place; weighted mean, a shared table.
     import re
 
-    from tbe_jax.kernels import forward as fwd
-
     dims = [4, 8, 12, 16, 20, 24, 28, 32, 5, 3]
-    assert len(set(dims)) > fwd.SEGMENT_BUFFERS
+    assert len(set(dims)) > tbe_jax.ForwardConfig().segment_buffers
     tables = specs([7, 9, 5, 8, 6, 7, 9, 5, 8, 6], dims)
     fmap = list(range(10)) + [2]
     _run(rng, tables, fmap, [3] * len(fmap), (0, 6), pooling="mean", weighted=True)

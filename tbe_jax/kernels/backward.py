@@ -6,7 +6,7 @@ small-run kernel is launched once per segment of a width class `next_pow2(D)` (a
 most SEGMENT_BUFFERS storage buffers of one row alignment, `runs.row_parity`;
 `runs.width_classes` orders the key space class by class and parity by parity, so
 each segment's keys, runs and tasks are contiguous; the narrow segments, of width
-MERGE_WIDTH or less, share one launch whose programs are split between them); the mid-run
+`BackwardConfig.merge_width` or less, share one launch whose programs are split between them); the mid-run
 and chunk tasks share one launch and the long-run kernel is another, each branching per segment. Each
 segment's code is compiled for its tile width: the gradient gather-and-sum is one
 code path masked to each run's dim, and only the row update branches per storage
@@ -98,6 +98,10 @@ class BackwardConfig:
         in interpret mode, where the interpreted kernel only adds CPU compile time; 0: never.
       rank_sort_chunk: positions the counting-rank sort ranks by direct comparison; larger batches take its merge
         pass (binary searches in the other chunks). A multiple of 256.
+      merge_width: segments of this tile width or less (the narrow ones) share one small-run launch with the
+        segment before them (each keeps its own programs). 0: one launch per segment.
+      narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
+        None). 0: the rules of `small_block`.
     """
 
     small_block: int | None = None
@@ -111,6 +115,8 @@ class BackwardConfig:
     rle_kernel: bool = True
     rank_sort_max: int | None = None
     rank_sort_chunk: int = 2048
+    merge_width: int = 32
+    narrow_block: int = 32
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
@@ -123,6 +129,10 @@ class BackwardConfig:
             raise ValueError(f"BackwardConfig.rank_sort_max={self.rank_sort_max!r} must be None or an int >= 0")
         if not isinstance(self.rank_sort_chunk, int) or self.rank_sort_chunk < 256 or self.rank_sort_chunk % 256:
             raise ValueError(f"BackwardConfig.rank_sort_chunk={self.rank_sort_chunk!r} must be a multiple of 256")
+        for name in ("merge_width", "narrow_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"BackwardConfig.{name}={v!r} must be an int >= 0")
         for name in ("small_block", "lookups_per_step"):
             v = getattr(self, name)
             if v is None and name == "small_block":
@@ -258,18 +268,16 @@ SEGMENT_BUFFERS = 8
 # One warp per program for these segments was tried and not adopted: on dims 4..128 it took w128 0.367 -> 0.327
 # ms, but cost up to +22% on other models, also under a rule for rows that are not 16-byte multiples
 # (multisweep4-, warprule-20261201-*).
-# Segments of this width or less (the narrow ones) share one small-run launch with the segments before them (each
-# keeps its own programs: the grid is split by program id). On mixed-dim models each narrow segment alone was a
+# `BackwardConfig.merge_width` (32): segments of this width or less (the narrow ones) share one small-run launch with
+# the segments before them (each keeps its own programs: the grid is split by program id). On mixed-dim models each narrow segment alone was a
 # launch of ~8-16 us (dims 4..128: w4, w8, w16 x2, w32 x2 took 66 us of 0.44 ms of small-run kernels,
 # vecblock-20261201-1700-*). Measured in one process against 0 (one launch per segment; keys18-backward-20261201-2303):
 # dims 4..128 0.753 -> 0.746 ms per step, 8..192 0.776 -> 0.772, one-dim presets unchanged.
-MERGE_WIDTH = 32
-# Runs per small-run block of the narrow segments (width MERGE_WIDTH or less; SGD or row-wise state, `small_block`
-# left at None): a [32, width] tile is at most 1024 elements, as the width rule's. Against the rules above (block 8,
+# `BackwardConfig.narrow_block` (32): runs per small-run block of the narrow segments (SGD or row-wise state,
+# `small_block` left at None): a [32, width] tile is at most 1024 elements, as the width rule's. Against the rules above (block 8,
 # or 16 for several buffers), in one process on the H200 (benchmarks/results/keys18b-backward-20261201-2321):
 # the narrow launch of dims 4..128 0.0596 -> 0.0472 ms (step 0.722 -> 0.708), of 8..192 0.0534 -> 0.0395 ms (step
 # 0.744 -> 0.731); block 16 took 0.0497 / 0.0457. 0: the rules above.
-NARROW_BLOCK = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,12 +328,12 @@ class _Segment:
             pl.when(self.holds(i, key))(functools.partial(body, i))
 
 
-def _small_launches(segs) -> list[tuple[_Segment, ...]]:
-    """The segments (ascending width) grouped by small-run launch: each segment of width MERGE_WIDTH or less joins
-    the launch of the segment before it."""
+def _small_launches(segs, merge_width: int) -> list[tuple[_Segment, ...]]:
+    """The segments (ascending width) grouped by small-run launch: each segment of width `merge_width` or less
+    joins the launch of the segment before it."""
     groups = []
     for seg in segs:
-        if groups and seg.width <= MERGE_WIDTH:
+        if groups and seg.width <= merge_width:
             groups[-1] += (seg,)
         else:
             groups.append((seg,))
@@ -384,7 +392,7 @@ def _list_kernel_tasks(rng_ref, segs, col, programs, body):
 def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
                   opt, segs, blocks, programs, scaled, align):
     """The small-run kernel of one launch: segment `segs[c]` (blocks of `blocks[c]` runs) on `programs[c]`
-    programs of its own; with several segments (`MERGE_WIDTH`) the grid is split between them by program
+    programs of its own; with several segments (`BackwardConfig.merge_width`) the grid is split between them by program
     id, so each program runs one segment's code."""
     states = _segment_states(refs, opt, segs)
     kw = dict(rng_ref=rng_ref, hyper_ref=hyper_ref, run_start_ref=run_start_ref, run_key_ref=run_key_ref,
@@ -721,11 +729,12 @@ def fused_update(
         if not seg.single and not elementwise:  # several buffers: the width rule (`_multi_block`)
             s_blk = config.small_block or _multi_block(seg)
             s_programs = max_small if interpret else 2 * max_small
-        if NARROW_BLOCK and seg.width <= MERGE_WIDTH and not elementwise and config.small_block is None:
-            s_blk = NARROW_BLOCK
+        if (config.narrow_block and seg.width <= config.merge_width and not elementwise
+                and config.small_block is None):
+            s_blk = config.narrow_block
         return s_blk, s_warps, max(1, min(s_programs, -(-n // s_blk)))
 
-    for group in _small_launches(segs):
+    for group in _small_launches(segs, config.merge_width):
         blocks, warps, programs = zip(*map(small_launch, group))
         widths = sorted({seg.width for seg in group})
         aliased(functools.partial(_small_kernel, opt=opt, segs=group, blocks=blocks, programs=programs,

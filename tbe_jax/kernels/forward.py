@@ -42,6 +42,11 @@ class ForwardConfig:
       num_warps: warps per program.
       prefetch: load the next step's ids while this step's rows are in flight.
       num_stages: Triton software-pipelining depth.
+      segment_buffers: storage buffers (distinct dims) per launch: the kernel has one code branch per
+        buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24
+        dims: 20.7 s for one launch, benchmarks/results/features-20261201-091723-*), so models with more
+        buffers get one launch per `segment_buffers` of them, writing their features' columns of one output
+        in place.
       fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
         FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
         "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
@@ -56,10 +61,11 @@ class ForwardConfig:
     num_warps: int = 1
     num_stages: int = 1
     prefetch: bool = True
+    segment_buffers: int = 8
     fp32_accumulation: str = "fp32"
 
     def __post_init__(self):
-        for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages"):
+        for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
@@ -81,11 +87,6 @@ class ForwardConfig:
         return 1 << (g.bit_length() - 1)  # a power of 2
 
 
-# Storage buffers (distinct dims) per launch of the pooled forward: its kernel has one code branch per
-# buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24 dims:
-# 20.7 s for one launch, benchmarks/results/features-20261201-091723-*), so models with more buffers get
-# one launch per SEGMENT_BUFFERS of them, writing their features' columns of one output in place.
-SEGMENT_BUFFERS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,17 +281,18 @@ def pooled_forward(
     `offsets` (see `programs.bag_extent`).
 
     `out_flat`: an output whose other columns are already written (aliased and
-    filled in place, no copy). Models with more than SEGMENT_BUFFERS storage
-    buffers among `features` get one launch per SEGMENT_BUFFERS buffers, chained so.
+    filled in place, no copy). Models with more than `config.segment_buffers`
+    storage buffers among `features` get one launch per that many, chained so.
     """
     if features is None:
         features = range(plan.num_features)
     features = tuple(features)
     used = sorted({plan.group[f] for f in features})
-    if len(used) > SEGMENT_BUFFERS:
+    seg = config.segment_buffers
+    if len(used) > seg:
         out, n_bad = out_flat, jnp.zeros((2,), jnp.int32)
-        for i in range(0, len(used), SEGMENT_BUFFERS):
-            part = set(used[i : i + SEGMENT_BUFFERS])
+        for i in range(0, len(used), seg):
+            part = set(used[i : i + seg])
             res = pooled_forward(
                 buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                 output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
