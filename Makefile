@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 # Adagrad; optax Adam for the MLPs) on synthetic click logs; AUC before/after.
 # Small by default (a few minutes on 2 CPU cores); ARGS="--size gpu" on a GPU.
 demo: venv
-	$(PY) -m tbe_jax.dlrm.train $(ARGS)
+	$(PY) -m examples.dlrm.train $(ARGS)
 
 # A multi-table TBE forward on a synthetic batch, checked against a float64 model and timed.
 check-demo: venv

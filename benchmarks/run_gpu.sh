@@ -332,7 +332,7 @@ for stage in "$@"; do
           tests/test_histogram.py > "$OUT/opttests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$OUT/opttests.log" | tail -12 ;;
     features) timeout 280 python3 benchmarks/bench_features.py --out "$OUT" 2>&1 | grep -v Warning \
           | tee "$OUT/features.log" | tail -12 ;;
-    dlrm) timeout 150 python3 -m tbe_jax.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
+    dlrm) timeout 150 python3 -m examples.dlrm.train --size gpu --steps 300 --no-progress 2>&1 \
             | tee "$OUT/dlrm.log" | tail -4 ;;
     ncubwd) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
         SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section InstructionStats --section SchedulerStats"

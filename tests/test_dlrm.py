@@ -11,9 +11,9 @@ import pytest
 
 import tbe_jax
 import tt_jax
-from tbe_jax.dlrm import data as data_lib
-from tbe_jax.dlrm import model as model_lib
-from tbe_jax.dlrm import checkpoint, train
+from examples.dlrm import data as data_lib
+from examples.dlrm import model as model_lib
+from examples.dlrm import checkpoint, train
 
 # --time-steps 0: no device-step timing after training (20 more steps per run otherwise).
 TINY = ["--size", "tiny", "--impl", "xla", "--no-progress", "--time-steps", "0"]

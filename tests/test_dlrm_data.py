@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from tbe_jax.dlrm import data as data_lib
-from tbe_jax.dlrm import model as model_lib
-from tbe_jax.dlrm import train
+from examples.dlrm import data as data_lib
+from examples.dlrm import model as model_lib
+from examples.dlrm import train
 
 TINY = ["--size", "tiny", "--impl", "xla", "--no-progress"]
 CFG = data_lib.DataConfig.preset("tiny")

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from tbe_jax.dlrm import data as data_lib
-from tbe_jax.dlrm import model as model_lib
-from tbe_jax.dlrm import train
+from examples.dlrm import data as data_lib
+from examples.dlrm import model as model_lib
+from examples.dlrm import train
 
 
 def _env(n):
@@ -30,7 +30,7 @@ def _env(n):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="fake CPU devices")
 def test_demo_on_two_cpu_devices():
-    cmd = [sys.executable, "-m", "tbe_jax.dlrm.train", "--size", "tiny", "--impl", "xla", "--no-progress",
+    cmd = [sys.executable, "-m", "examples.dlrm.train", "--size", "tiny", "--impl", "xla", "--no-progress",
            "--devices", "2", "--steps", "30", "--eval-batches", "2"]
     p = subprocess.run(cmd, env=_env(2), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

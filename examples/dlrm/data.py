@@ -346,7 +346,7 @@ def gather_segments(values, starts, counts, cap: int):
 
 
 def select_features(indices, offsets, batch_size: int, features, cap: int):
-    """On the device, `tbe_jax.dlrm.model.split_features`: the ids and offsets of `features` alone (in
+    """On the device, `examples.dlrm.model.split_features`: the ids and offsets of `features` alone (in
     that order), the ids zero-padded to `cap` (bags past `cap` ids are cut, which the host version
     instead gives a larger shape). Returns (indices `[cap]` int32, offsets `[len(features)*B + 1]`)."""
     feats = np.asarray(features, np.int64)

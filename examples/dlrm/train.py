@@ -1,6 +1,6 @@
 """Train the DLRM demo on synthetic click logs: one jitted `tbe_jax.train_step` per batch.
 
-    python -m tbe_jax.dlrm.train [--size tiny|small|gpu] [--steps N] [--batch-size B] [--seed S]
+    python -m examples.dlrm.train [--size tiny|small|gpu] [--steps N] [--batch-size B] [--seed S]
                                  [--lr LR] [--emb-lr LR] [--eval-batches K]
                                  [--tt-tables K [--tt-rank R] [--tt-lr LR] [--tt-opt rowwise_adagrad|adagrad]]
                                  [--ckpt-dir DIR [--ckpt-every N] [--resume]] [--emb-share] [--no-progress]
@@ -111,9 +111,9 @@ import optax
 
 import tbe_jax
 import tt_jax
-from tbe_jax.dlrm import data as data_lib
-from tbe_jax.dlrm.checkpoint import TrainState, latest_checkpoint, restore_checkpoint, save_checkpoint
-from tbe_jax.dlrm.model import DLRM, DLRMConfig
+from examples.dlrm import data as data_lib
+from examples.dlrm.checkpoint import TrainState, latest_checkpoint, restore_checkpoint, save_checkpoint
+from examples.dlrm.model import DLRM, DLRMConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,7 +456,7 @@ def _state_bytes(tree) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tbe_jax.dlrm.train", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m examples.dlrm.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small",
                     help="tiny: tests; small (default): a few minutes on a 2-core CPU; gpu: tables of 10 to 1e6 rows")
@@ -496,7 +496,7 @@ def parse_args(argv=None):
                          "(the dense MLPs data parallel); default 1. On a CPU, set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=N before starting Python (before jax "
                          "is imported), e.g. XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m "
-                         "tbe_jax.dlrm.train --devices 2; the batch size must be a multiple of N")
+                         "examples.dlrm.train --devices 2; the batch size must be a multiple of N")
     args = ap.parse_args(argv)
     d = SIZES[args.size]
     for name in ("steps", "batch_size", "lr", "emb_lr", "eval_batches", "tt_lr", "tt_rank"):

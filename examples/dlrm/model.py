@@ -11,7 +11,7 @@ The dense parameters are a plain pytree (`{"bottom": [...], "top": [...]}` of
 trained by exact row-wise Adagrad on the looked-up rows: `DLRM.train_step` is one
 `tbe_jax.train_step` (the lookups, the gradient of the loss with respect to the dense
 parameters and to the pooled outputs, then each embedding's `apply_gradients`; the
-tables never pass through `jax.grad`). See `tbe_jax.dlrm.train`.
+tables never pass through `jax.grad`). See `examples.dlrm.train`.
 
 With `DLRMConfig(tt_tables=K)` the K largest tables are tensor-train tables instead
 (`tt_jax.TTEmbeddingBag`, ranks `tt_ranks`, shapes from `TTSpec`'s defaults) and the

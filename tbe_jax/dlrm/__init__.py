@@ -1,7 +1,0 @@
-"""A DLRM-style demo on synthetic click logs, trained with tbe_jax's fused embedding optimizer.
-
-- `tbe_jax.dlrm.data`: the synthetic click-log generator (planted signal, FBGEMM input format), on the
-  host (NumPy, `ClickLogGenerator`) or drawn on the device in jitted code (`DeviceClickLog`).
-- `tbe_jax.dlrm.model`: the model (bottom MLP, one TableBatchedEmbedding, dot interaction, top MLP).
-- `tbe_jax.dlrm.train`: the training CLI, `python -m tbe_jax.dlrm.train`.
-"""
