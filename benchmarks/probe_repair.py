@@ -3,8 +3,8 @@
 `bounds_check="ignore"` repairs `offsets` on the device (`tbe_jax.bounds.repair_offsets`: clamp, running maximum)
 before the kernels, and the pooled kernels count the ids they skip; `"none"` does neither. This probe times a jitted
 forward and a jitted `apply_gradients` of both modes, interleaved, on the named `base` and `smalltable` shards and the
-first sweep shards, and the repair alone at several offsets lengths in two forms: `lax.cummax` (the library's) and
-the `lax.associative_scan` of `jnp.maximum` it replaced.
+first sweep shards, and the repair alone (`lax.cummax`) at several offsets lengths. (The `lax.associative_scan` form
+it replaced, 2.2-6.8x slower, was measured by this probe once: `results/probe-repair-20261203-cummax-*`, NOTES.)
 
     python -m benchmarks probe_repair --first 24 --out results.json
 """
@@ -15,15 +15,6 @@ import argparse
 import json
 import statistics
 import time
-
-
-def _repair_scan(offsets, n):
-    import jax
-    import jax.numpy as jnp
-
-    first = jnp.zeros((1,), offsets.dtype)
-    fixed = jnp.concatenate([first, jnp.maximum(offsets[1:], 0)])
-    return jnp.minimum(jax.lax.associative_scan(jnp.maximum, fixed), n).astype(offsets.dtype)
 
 
 def main(argv=None):
@@ -50,8 +41,7 @@ def main(argv=None):
     # The repair alone.
     for n in (513, 4097, 65537, 524289, 2097153):
         off = jnp.asarray(np.arange(n, dtype=np.int32) * 3)
-        fns = {"cummax": jax.jit(lambda o: tbe_jax.bounds.repair_offsets(o, 3 * n)[0]),
-               "assoc_scan": jax.jit(lambda o: _repair_scan(o, 3 * n))}
+        fns = {"cummax": jax.jit(lambda o: tbe_jax.bounds.repair_offsets(o, 3 * n)[0])}
         row = {"n": n}
         for name, f in fns.items():
             jax.block_until_ready(f(off))

@@ -97,8 +97,7 @@ def count_invalid(plan: FeaturePlan, indices, offsets) -> jax.Array:
 def report(plan: FeaturePlan, indices, offsets) -> tuple[jax.Array, BoundsReport]:
     """Repair offsets and count what is invalid; returns (offsets, report)."""
     fixed, n_fixed = repair_offsets(offsets, indices.shape[0])
-    bad = _invalid_ids(plan, indices, fixed)
-    return fixed, BoundsReport(jnp.sum(bad).astype(jnp.int32), n_fixed)
+    return fixed, BoundsReport(count_invalid(plan, indices, fixed), n_fixed)
 
 
 def _warn(invalid_indices, repaired_offsets, *, package="tbe_jax"):
