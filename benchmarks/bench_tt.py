@@ -272,13 +272,14 @@ def main():
                     help="tiny shapes in interpret mode (default: on without a GPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tt_jax.kernels.forward, .backward, .plan or tt_jax.prefix, e.g. BLOCK=512 "
+                    help="A/B of module constants of tt_jax.kernels (rows, prefix_c, pool, segsum, groups, plan) or "
+                         "tt_jax.prefix, e.g. BLOCK=512 "
                          "(saved in the result's args)")
     args = ap.parse_args()
     from trace_backward import set_private
-    from tt_jax.kernels import backward as tt_bwd, plan as tt_plan
+    from tt_jax.kernels import groups, plan as tt_plan, pool, prefix_c, rows, segsum
     from tbe_jax.kernels import scan
-    set_private(args.private, (tt_kernels, tt_bwd, tt_plan, prefix, scan))
+    set_private(args.private, (rows, prefix_c, pool, segsum, groups, tt_plan, prefix, scan))
 
     on_gpu = jax.default_backend() == "gpu"
     smoke = (not on_gpu) if args.smoke is None else args.smoke
@@ -335,9 +336,9 @@ def main():
         row = {"B": batch, "lookups": int(len(sets[0][0])), "variants": {}}
         # Plan statistics of the first input set (device scalars of the default config).
         try:
-            _, stats = jax.jit(lambda c, i, o: tt_kernels.pooled_forward(
+            stats = jax.jit(lambda c, i, o: tt_kernels.plan_stats(tt_kernels.pooled_forward(
                 c, specs, tuple(range(len(specs))), i, o, None, batch=batch, pooling="sum", config=base,
-                interpret=interpret, return_stats=True))(*arg_sets[0])
+                interpret=interpret).plans))(*arg_sets[0])
             row["plan"] = [{k: int(v) for k, v in s.items()} for s in stats]
         except Exception as e:  # noqa: BLE001
             row["plan"] = {"error": repr(e)[:300]}

@@ -122,12 +122,13 @@ def tt_kernels(workload: str, config: str, opt: str, batch: int):
     wl = workloads.PRESETS[workload]()
     specs = list(wl.specs)
     from trace_backward import set_private
-    from tt_jax.kernels import backward as tt_bwd
+    from tt_jax.kernels import groups, pool, prefix_c, rows, segsum
+    tt_modules = (rows, prefix_c, pool, segsum, groups)
     items = [p for p in config.split(",") if p]
-    for m in (tt_bwd, kf):  # restore, then this run's upper-case constants
+    for m in tt_modules:  # restore, then this run's upper-case constants
         for k in [k for k in dir(m) if k.isupper()]:
             setattr(m, k, _TT_DEFAULTS.setdefault((m.__name__, k), getattr(m, k)))
-    set_private(",".join(p for p in items if p.split("=")[0].isupper()), (tt_bwd, kf))
+    set_private(",".join(p for p in items if p.split("=")[0].isupper()), tt_modules)
     config = ",".join(p for p in items if not p.split("=")[0].isupper())
     cfg = kf.TTKernelConfig(**config_fields(config)) if config else kf.TTKernelConfig()
     real_backend = jax.default_backend
@@ -153,7 +154,7 @@ def main():
     ap.add_argument("--match", default="small_runs")
     ap.add_argument("--tt", default="", help="a tt_jax workload (e.g. 'a'): report its training step's kernels instead")
     ap.add_argument("--tt-configs", nargs="*", default=[""],
-                    help="TTKernelConfig overrides 'k=v,k=v' (upper case: constants of tt_jax.kernels.backward / .forward), one run each")
+                    help="TTKernelConfig overrides 'k=v,k=v' (upper case: constants of the tt_jax.kernels modules), one run each")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.tt:

@@ -5,7 +5,7 @@
 
 `--workload` is a preset name or a mixed-dim model `dimsLO-HI/STEP` (base's tables with those
 dims cycled, as `trace_backward.py --dims`). `--private K=V,...` sets module constants of
-`tbe_jax.kernels.backward` or `tbe_jax._pallas` (A/B switches) before anything compiles.
+`tbe_jax.kernels.backward*` or `tbe_jax._pallas` (A/B switches) before anything compiles.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from tt_jax import optim, prefix, workloads  # noqa: E402
 from tt_jax.backward import feature_col0  # noqa: E402
 from tt_jax.kernels import backward as kb  # noqa: E402
 from tt_jax.kernels import forward as kf  # noqa: E402
+from tt_jax.kernels import groups, segsum  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_forward import time_calls  # noqa: E402
@@ -74,7 +75,9 @@ def main():
             emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)
             t("forward_total", lambda c, i, o: emb({"cores": c}, i, o), all_cores, idx, off)
             stacked = jax.jit(lambda c: prefix.stack_cores(layout, c))(all_cores)
-            t("fwd_rows_kernel", lambda s, p: kf.tt_rows(s, p, layout, config=cfg, interpret=interpret), stacked, plan)
+            t("fwd_rows_kernel", lambda s, p: kf.tt_rows(s, p, layout, config=cfg.forward_config,
+                                                         interpret=interpret), stacked, plan)
+            bcfg = cfg.backward_config
             col0 = feature_col0(specs, ftm)
             t("bwd_total_dense_grads", lambda c, p, o, g: kb.dense_core_grads(
                 c, specs, ftm, [p], o, None, g, batch=batch, pooling="sum", want_psw=False, config=cfg,
@@ -87,25 +90,25 @@ def main():
             dim = layout.dim
 
             def drows(p, s, g):
-                return kb._segment_sum("lookups", p.sorted_row, p.row_start, data={"src": s, "g": g.reshape(-1)},
-                                       out_slots=cap, e_a=1, e_b=dim, tile=cfg.bwd_lookup_tile, config=cfg,
-                                       interpret=interpret)
+                return segsum.segment_sum("lookups", p.sorted_row, p.row_start, data={"src": s, "g": g.reshape(-1)},
+                                          out_slots=cap, e_a=1, e_b=dim, tile=bcfg.lookup_tile, config=bcfg,
+                                          interpret=interpret)
             t("bwd_d_rows", drows, plan, src, g_out)
             d_rows = jax.jit(drows)(plan, src, g_out)
             n_groups = max(1, min(cap, layout.prefix_base[-1]))
-            gp = lambda s, p, d: kb._group_pass(layout, s, p, d, n_groups, config=cfg,  # noqa: E731
-                                                interpret=interpret)
+            gp = lambda s, p, d: groups.group_pass(layout, s, p, d, n_groups, p.group_meta,  # noqa: E731
+                                                   p.num_groups, None, config=bcfg, interpret=interpret)
             t("bwd_group_pass", gp, stacked, plan, d_rows)
             nc = layout.num_cores
             p_stacked = [layout.core_base[k][-1] for k in range(nc)]
             meta = plan.group_meta[: n_groups * (nc + 1)].reshape(n_groups, nc + 1)
             live_g = jnp.arange(n_groups, dtype=jnp.int32) < plan.num_groups
             for k in range(nc - 1):
-                t(f"bwd_sort_core{k}", lambda m, lv, k=k: kb._runs(m[:, 1 + k], lv, min(n_groups, p_stacked[k])),
-                  meta, live_g)
+                t(f"bwd_sort_core{k}",
+                  lambda m, lv, k=k: segsum.sorted_runs(m[:, 1 + k], lv, min(n_groups, p_stacked[k])), meta, live_g)
             live_u = jnp.arange(cap, dtype=jnp.int32) < plan.num_rows
             bufs = jax.jit(gp)(stacked, plan, d_rows)
-            t(f"bwd_sort_core{nc - 1}", lambda rs, lv: kb._runs(rs, lv, min(cap, p_stacked[-1])),
+            t(f"bwd_sort_core{nc - 1}", lambda rs, lv: segsum.sorted_runs(rs, lv, min(cap, p_stacked[-1])),
               bufs["row_slice"], live_u)
             grads, _ = jax.jit(lambda c, p, o, g: kb.dense_core_grads(
                 c, specs, ftm, [p], o, None, g, batch=batch, pooling="sum", want_psw=False, config=cfg,

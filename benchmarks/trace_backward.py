@@ -90,8 +90,9 @@ workload = testing.workload
 def backward_modules():
     """The modules whose upper-case constants `--private` and `--variants` may set."""
     from tbe_jax import _pallas, runs
-    from tbe_jax.kernels import backward as bwd_kernels, rle, scan
-    return (bwd_kernels, _pallas, runs, scan, rle)
+    from tbe_jax.kernels import backward as bwd_kernels, backward_config, backward_long, backward_plan, rle, scan
+    # The defining modules before `backward`, which re-exports some of their constants (SEGMENT_BUFFERS, ...).
+    return (backward_plan, backward_config, backward_long, bwd_kernels, _pallas, runs, scan, rle)
 
 
 class Variants:
@@ -131,7 +132,7 @@ def main():
     ap.add_argument("--dims", default="",
                     help="';'-separated mixed-dim models (lo-hi/step, cycled over base's 32 tables), traced after the presets")
     ap.add_argument("--private", default="",
-                    help="A/B of module constants of tbe_jax.kernels.backward, tbe_jax._pallas or tbe_jax.runs, "
+                    help="A/B of module constants of tbe_jax.kernels.backward*, tbe_jax._pallas or tbe_jax.runs, "
                          "e.g. SEGMENT_BUFFERS=16 (BackwardConfig fields, e.g. narrow_block=16: --config)")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="A/Bs in one process: each 'k=v,K=V' sets BackwardConfig fields (lower case) and module "

@@ -104,10 +104,10 @@ def main():
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
-    from tt_jax.kernels import backward as tt_bwd, plan as tt_plan
+    from tt_jax.kernels import groups, plan as tt_plan, pool, prefix_c, rows, segsum
     from tbe_jax.kernels import scan
     from tt_jax import prefix
-    set_private(args.private, (tt_bwd, kf, tt_plan, prefix, scan))
+    set_private(args.private, (rows, prefix_c, pool, segsum, groups, tt_plan, prefix, scan))
     wl = workloads.PRESETS[args.workload]()
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -2,7 +2,7 @@
 
 from tbe_jax import _pallas  # noqa: F401  (installs the Triton deprecation filter once)
 from tbe_jax.bounds import BoundsReport
-from tbe_jax.kernels.backward import BackwardConfig
+from tbe_jax.kernels.backward_config import BackwardConfig
 from tbe_jax.kernels.forward import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import (

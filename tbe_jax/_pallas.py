@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["aligned", "pallas_call", "pl", "plgpu", "row_align"]
+__all__ = ["aligned", "pallas_call", "pl", "plgpu", "row_align", "sm_count"]
 
 _TRITON_DEPRECATION = r"(?s).*Pallas Triton backend is deprecated"
 
@@ -86,6 +86,23 @@ def pallas_call(kernel, out_shape, **kwargs):
         return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
 
     return call
+
+
+# SMs assumed for a GPU whose device does not report `core_count` (an H200 has 132).
+_FALLBACK_GPU_SMS = 132
+# "SMs" on a device without them (CPU: interpret mode, where programs run one after another): keeps derived
+# program counts small.
+_FALLBACK_OTHER_SMS = 2
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the first device (`Device.core_count`), for the program counts derived from
+    it; a GPU that does not report it counts as 132 (an H200), any other device (CPU) as 2."""
+    dev = jax.devices()[0]
+    n = getattr(dev, "core_count", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    return _FALLBACK_GPU_SMS if dev.platform == "gpu" else _FALLBACK_OTHER_SMS
 
 
 def row_align(dims, itemsize: int) -> int:

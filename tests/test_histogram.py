@@ -206,6 +206,15 @@ def test_config_errors():
     assert histogram.HistogramConfig(ids_per_step=32).resolved_ids_per_step() == 32
     with pytest.raises(ValueError, match="lookahead=-1"):
         histogram.HistogramConfig(lookahead=-1)
+    # grad_programs: a value the caller set is kept; None derives it from the device's SMs (CPU: 2 "SMs").
+    from tbe_jax._pallas import sm_count
+    assert histogram.HistogramConfig(grad_programs=7).resolved_grad_programs() == 7
+    assert histogram.HistogramConfig().resolved_grad_programs() == 2 * sm_count()
+    assert histogram.HistogramConfig(grad_programs_per_sm=3).resolved_grad_programs() == 3 * sm_count()
+    if jax.default_backend() == "cpu":
+        assert sm_count() == 2
+    with pytest.raises(ValueError, match="grad_programs=0"):
+        histogram.HistogramConfig(grad_programs=0)
     for removed in ("counting", "half_compare", "align"):  # experiments measured slower, removed
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{removed}'"):
             histogram.HistogramConfig(**{removed: 1})

@@ -331,16 +331,15 @@ def test_train_step_through_pallas_forward(rng, extra):
         assert_close(a, b, 2e-6)
 
 
-def test_kept_and_packed_prefix_products(rng, monkeypatch):
+def test_kept_and_packed_prefix_products(rng):
     # For T = 3 with prefix reuse the forward computes each work item's prefix product C in the packed kernel (items
     # sharing G2[i2] in one dot; here windows of 8 hold several i2 runs), and a forward run for differentiation keeps
     # it for the backward's group kernel, which then runs per work item (never for T = 2 or 4, nor without prefix
-    # reuse, nor past PREFIX_C_MAX_BYTES; there the kernels compute C item by item, and dP1's packed pass takes
+    # reuse, nor past `prefix_c_max_bytes`; there the kernels compute C item by item, and dP1's packed pass takes
     # groups instead of items). C against float64 item by item and the items' order by i2 (the plan's sort order)
     # on T = 2, 3 with two stacked tables, 4, groups cut into items of 3 rows: the model whose gradients, with C
     # kept, test_grads_match_float64_and_reference[sum-weighted-pallas] checks against float64.
     from tt_jax import prefix
-    from tt_jax.kernels import forward as kf
 
     specs, ftm = (T2, T3, T3B, T4), (0, 1, 2, 3, 1)
     emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
@@ -362,8 +361,9 @@ def test_kept_and_packed_prefix_products(rng, monkeypatch):
 
     # Past the budget: nothing kept, the rows kernel computes C itself (the same output). The backward without C
     # (groups as the packed dP1's members) runs in every `apply_gradients` test.
-    monkeypatch.setattr(kf, "PREFIX_C_MAX_BYTES", 4 * want.size - 1)
-    out2, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+    small = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum",
+                     config=dict(chunk=3, prefix_c_max_bytes=4 * want.size - 1))
+    out2, (_, _, plans, _, _) = small._step_forward(params, idx, off, psw)
     assert plans[1].prefix_c is None
     assert_close(out2, out, 1e-6)
     unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
@@ -422,14 +422,14 @@ def test_training_doctests():
 def test_two_pass_dot_with_a_01_operand(rng, exact):
     # The group kernel's selection and fold dots (one operand 0/1) take two TF32 passes instead of TF32x3's
     # three: as accurate as TF32x3 against float64.
-    from tt_jax.kernels.backward import _dot_exact01
+    from tt_jax.kernels.tiles import dot_exact01
 
     sel = (rng.random((16, 128)) < 0.3).astype(np.float32)
     x = rng.standard_normal((128, 32)).astype(np.float32) * np.float32(1e3)
     a, b = (sel, x) if exact == "a" else (x.T.copy(), sel.T.copy())
     want = a.astype(np.float64) @ b.astype(np.float64)
     x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    got = jax.jit(lambda p, q: _dot_exact01(p, q, 1, 0, x3, exact=exact))(a, b)
+    got = jax.jit(lambda p, q: dot_exact01(p, q, 1, 0, x3, exact=exact))(a, b)
     ref = jax.jit(lambda p, q: jax.lax.dot(p, q, precision=x3, preferred_element_type=jnp.float32))(a, b)
     scale = np.abs(want).max()
     assert np.abs(np.asarray(got) - want).max() <= max(2 * np.abs(np.asarray(ref) - want).max(), 1e-6 * scale)
@@ -439,7 +439,7 @@ def test_two_pass_dot_with_a_01_operand(rng, exact):
 def test_manual_tf32x3_dot_matches_the_algorithm(rng):
     # dot_general(manual=True) (the backward kernels' dots): TF32x3 as three explicit one-pass TF32 dots, as
     # accurate as the dot algorithm against float64; an infinite operand gives inf, not NaN.
-    from tt_jax.kernels import forward as kf
+    from tt_jax.kernels import tiles as kf
 
     a = rng.standard_normal((16, 128)).astype(np.float32) * np.float32(1e3)
     b = rng.standard_normal((128, 32)).astype(np.float32)

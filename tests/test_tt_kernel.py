@@ -16,8 +16,16 @@ import tt_jax
 from conftest import KERNEL_KW, ON_GPU, assert_close
 from tbe_jax import testing
 from tt_jax import prefix, reference
-from tt_jax.kernels import forward as kernel_forward
+from tt_jax.kernels import pool, prefix_c, rows
 from tt_jax.kernels.forward import TTKernelConfig
+
+
+
+def force_wide_addresses(monkeypatch):
+    """Lower the 64-bit address threshold of every forward kernel module, so the wide paths run."""
+    for module in (rows, prefix_c, pool):
+        monkeypatch.setattr(module, "_INT32_MAX", 100)
+
 
 # The default GPU dot is TF32x3: a NumPy emulation of it on these shapes gave 1-2e-7 relative to max |ref|, as
 # fp32 does; interpret mode and "ieee" are fp32. The GPU bound leaves room for Triton's split (truncation).
@@ -140,7 +148,7 @@ def test_huge_table_paths(rng, monkeypatch):
     # Stacked tables with 2**31 rows or more sort two int32 keys (table, id) instead of one, and buffers of 2**31
     # elements or more need 64-bit addresses in the kernels: both forced here by lowering the limits.
     monkeypatch.setattr(prefix, "_PACKED_LIMIT", 0)
-    monkeypatch.setattr(kernel_forward, "_INT32_MAX", 100)
+    force_wide_addresses(monkeypatch)
     specs = [T3, T3]  # two tables of one group: stacked cores, per-item table decode
     emb = tt_jax.TTEmbeddingBag(specs, config=cfg(chunk=4), **KERNEL_KW)
     params = make_params(emb, rng)
@@ -319,14 +327,14 @@ def test_triton_lowering_for_gpu(case, monkeypatch):
         "T2-grid": ([T2], "grid", False),
     }[case]
     if case.endswith("wide"):
-        monkeypatch.setattr(kernel_forward, "_INT32_MAX", 100)
+        force_wide_addresses(monkeypatch)
     config = TTKernelConfig(schedule=schedule)
     batch, n = 32, 640
     ftm = tuple(range(len(specs)))
 
     def fwd(cores, idx, off, w):
         return pooled_forward(cores, specs, ftm, idx, off, w, batch=batch, pooling="mean", config=config,
-                              interpret=False)
+                              interpret=False).out
 
     cores = tuple(tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in spec.core_shapes()) for spec in specs)
     args = (cores, jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((len(specs) * batch + 1,), jnp.int32),

@@ -235,7 +235,7 @@ class FlowPlan(NamedTuple):
     sorted_row: jax.Array  # [N] int32: distinct row of each sorted position (N for the dropped tail)
     row_start: jax.Array  # [cap + 1] int32: first sorted position of each distinct row (valid lookups past U)
     group_meta: jax.Array  # [(cap + 1) * item_cols] int32: as item_meta, one item per whole prefix group
-    # Set by a forward run for differentiation (`tt_jax.kernels.forward.pooled_forward(return_plans=True)`, T = 3):
+    # Set by a forward run for differentiation (`tt_jax.kernels.forward.pooled_forward(keep_c=True)`, T = 3):
     # per work item its prefix product `[q1 q2, r2]`, so the backward's group kernel need not recompute it.
     prefix_c: jax.Array | None = None  # [item_bound * q1 q2 * r2] fp32
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax._pallas import pallas_call, pl, plgpu, sm_count
 from tbe_jax.kernels import programs  # the program map and feature table are shared with the generic kernel
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2
@@ -81,7 +81,10 @@ class HistogramConfig:
     Backward attributes (`histogram_backward`: `apply_gradients`, `jax.grad`,
     `tbe_jax.train_step`):
       grad_programs: programs of the gradient kernel; each sums `counts^T @ dout`
-        over a contiguous range of tiles and writes one fp32 `[E, D]` partial.
+        over a contiguous range of tiles and writes one fp32 `[E, D]` partial. None
+        (default): `grad_programs_per_sm` per SM of the device (264 on an H200's 132;
+        a device without SMs, CPU, counts 2). Interpret mode caps it at 3.
+      grad_programs_per_sm: see `grad_programs` (default 2).
       grad_bags, grad_ids_per_step, grad_lookahead, grad_num_warps: its tile,
         id lookahead and warps. The one-hot of a step is `grad_bags * grad_ids_per_step`
         x E; 32 x 64 asks about 274 KB of shared memory on an H200 (limit 227 KB) and
@@ -96,7 +99,8 @@ class HistogramConfig:
     tail_unroll: int = 4
     num_warps: int = 1
     num_stages: int = 1
-    grad_programs: int = 264  # 2 per SM on an H200 (132 SMs)
+    grad_programs: int | None = None
+    grad_programs_per_sm: int = 2
     grad_bags: int = BAGS
     grad_ids_per_step: int = 16
     grad_lookahead: int = 2
@@ -121,11 +125,19 @@ class HistogramConfig:
         for name in ("num_warps", "grad_num_warps", "update_partials", "update_num_warps"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"HistogramConfig.{name}={getattr(self, name)!r} must be a power of 2")
-        for name, low in (("tail_unroll", 1), ("num_stages", 1), ("grad_programs", 1), ("lookahead", 0),
-                          ("grad_lookahead", 0)):
+        for name, low in (("tail_unroll", 1), ("num_stages", 1), ("grad_programs", 1), ("grad_programs_per_sm", 1),
+                          ("lookahead", 0), ("grad_lookahead", 0)):
             v = getattr(self, name)
+            if v is None and name == "grad_programs":
+                continue
             if not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"HistogramConfig.{name}={v!r} must be an int >= {low}")
+
+    def resolved_grad_programs(self) -> int:
+        """Programs of the gradient kernel (resolves `grad_programs=None` from the device's SM count)."""
+        if self.grad_programs is not None:
+            return self.grad_programs
+        return self.grad_programs_per_sm * sm_count()
 
     def resolved_ids_per_step(self) -> int:
         """C of the forward (resolves `ids_per_step=0`): the `[bags, C, 16]` packed tile at 2048 elements

@@ -45,7 +45,7 @@ reproducible run to run (for one `HistogramConfig`).
 
 Bytes for the smalltable preset (B=65536, L=128, E=64, D=128): ids 33.5 MB and
 the output gradient 33.5 MB read once, offsets 0.26 MB; partials 264 x 64 x 128
-x 4 B = 8.7 MB at the default 264 programs, written and read once. With many
+x 4 B = 8.7 MB at 264 programs (the default on an H200), written and read once. With many
 tables there are fewer than `grad_programs + tables` slots in all.
 """
 
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax._pallas import pallas_call, pl, plgpu
-from tbe_jax.kernels.backward import row_update, state_refs, state_width
+from tbe_jax.kernels.row_update import row_update, state_refs, state_width
 from tbe_jax.optim import NUM_HYPER
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, OUT_BASE, OUT_STRIDE, feature_table
@@ -166,7 +166,8 @@ def _plan(layout: StorageLayout, plan: FeaturePlan, features, cfg: HistogramConf
     total = sum(e[1] for e in entries)
     # Interpret mode runs programs one after another: few programs keep CPU tests fast and
     # make each program walk several tiles (the loop is tested).
-    budget = min(cfg.grad_programs, 3 if interpret else cfg.grad_programs, total)
+    grad_programs = cfg.resolved_grad_programs()
+    budget = min(grad_programs, 3 if interpret else grad_programs, total)
     per_program = -(-total // budget)  # one table alone: the per-table split of the earlier version
     tabs = []
     slot0 = tile0 = row0 = 0

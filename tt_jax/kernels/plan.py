@@ -29,7 +29,7 @@ import numpy as np
 from tbe_jax._pallas import pallas_call, pl, plgpu
 from tbe_jax.kernels.scan import exclusive_scan
 from tbe_jax.specs import next_pow2
-from tt_jax.kernels.forward import masked_store
+from tt_jax.kernels.tiles import masked_store
 
 BLOCK = 1024
 _SENTINEL = 2**31 - 1  # `prefix._SENTINEL`: the sort key of lookups that produce no row
