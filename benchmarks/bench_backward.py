@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
+from tbe_jax import dispatch, testing  # noqa: E402
 from bench_forward import FBGEMM_FWD_KERNEL_MS, time_calls, xla_baseline  # noqa: E402  (same timing, same baseline)
 
 # benchmarks/ANCHORS.md (H200, 2026-11-29): FBGEMM CUDA TBE backward "kernels" times (ms).
@@ -221,7 +221,7 @@ def run_workload(wl, args, bcfgs):
 
     # Preprocessing alone (linearise, sort, run-length encode, task lists).
     plan = emb.plan_for(off0.shape[0])
-    runs_fn = jax.jit(lambda i, o, s: emb._runs(plan, i, o, s))
+    runs_fn = jax.jit(lambda i, o, s: dispatch.sorted_runs(emb, plan, i, o, s))
     row["runs_ms"] = time_calls(runs_fn, [s[:3] for s in sets], args.iters, args.reps)
 
     # Backward alone: apply_gradients on donated tables/state, per kernel config.

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import tbe_jax  # noqa: E402
 from tbe_jax import testing  # noqa: E402
-from tbe_jax.sharding import _a2a  # noqa: E402
+from tbe_jax.shard_route import all_to_all as _a2a  # noqa: E402
 from bench_backward import time_chain  # noqa: E402
 
 LR, EPS = 0.01, 1e-8

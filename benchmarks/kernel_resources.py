@@ -177,7 +177,7 @@ def main():
             tables = [tbe_jax.TableSpec(e, d) for e, d, _ in wl.features()]
             emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", weights_dtype=wl.weights_dtype,
                                                 output_dtype=wl.output_dtype, backward_config=cfg)
-            emb._use_kernel = lambda: True  # lowered for CUDA here: the kernel path, not run
+            emb.uses_kernel = lambda: True  # lowered for CUDA here: the kernel path, not run
             opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
             params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), wl.weights_dtype)
                       for g, d in enumerate(emb.layout.dims)}

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import tbe_jax  # noqa: E402
-from tbe_jax import reference, runs as runs_lib, testing  # noqa: E402
+from tbe_jax import dispatch, reference, runs as runs_lib, testing  # noqa: E402
 from tbe_jax.kernels import backward as bwd  # noqa: E402
 from bench_backward import make_sets, time_calls  # noqa: E402
 
@@ -54,8 +54,8 @@ def main():
                                                       is_stable=True), idx)
         res["sort_unstable"] = t(lambda k: jax.lax.sort((k, jnp.arange(n, dtype=jnp.int32)), num_keys=1), idx)
         res["compact_n"] = t(lambda k: runs_lib._compact(k % 3 == 0, n, n), idx)
-        res["build_runs"] = t(lambda i, o: emb._runs(plan, i, o, None), idx, off)
-        runs = jax.jit(lambda i, o: emb._runs(plan, i, o, None))(idx, off)
+        res["build_runs"] = t(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None), idx, off)
+        runs = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(idx, off)
         res["task_ranges"] = t(lambda r: bwd._task_ranges(r, emb.layout, n), runs)
         params = emb.init(jax.random.key(0))
         opt = tbe_jax.RowwiseAdagrad(0.1, 0.1)

@@ -78,7 +78,7 @@ def main(argv=None):
     print(f"output {tuple(out.shape)} {out.dtype}; max error vs float64 model {_rel_err(out, model):.2e}, "
           f"vs jnp reference {_rel_err(out, ref_fwd(params, *dev)):.2e}")
 
-    path = "Pallas kernel" if emb._use_kernel() else "XLA path (impl='auto' on CPU)"
+    path = "Pallas kernel" if emb.uses_kernel() else "XLA path (impl='auto' on CPU)"
     ms = _time(fwd, (params, *dev), args.iters)
     ref_ms = _time(ref_fwd, (params, *dev), args.iters)
     ids_per_feature = np.diff(off[:: args.batch])
@@ -86,7 +86,7 @@ def main(argv=None):
     gb = 4 * args.batch * sum(emb.feature_dims) + wbytes * float(ids_per_feature @ np.asarray(emb.feature_dims))
     print(f"{path}: {ms:.3f} ms/call ({gb / ms / 1e6:.1f} GB/s) | jnp reference: {ref_ms:.3f} ms/call")
 
-    if not emb._use_kernel():
+    if not emb.uses_kernel():
         # Show the kernel itself on this machine: interpret mode, first 8 bags of each feature.
         small = [8] * len(fmap)
         sidx, soff, spsw = testing.make_batch(rng, rows, small, (0, 2 * args.bag), alpha=1.1, weighted=True)

@@ -113,7 +113,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tbe_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
-from tbe_jax._layers import (
+from tbe_jax.layers_common import (
     build_core, check_ids, check_optimizer, check_options, layer_name, leaf_names, opt_init, param_spec, shard_core,
     sparse_lookup,
     sparse_value_and_grad,

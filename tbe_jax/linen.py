@@ -115,8 +115,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import (
-    cached_core, check_ids, check_optimizer, check_options, layer_name, opt_init, shard_core, sparse_lookup,
+from tbe_jax.layers_common import (
+    as_tuple, cached_core, check_ids, check_optimizer, check_options, layer_name, opt_init, shard_core, sparse_lookup,
     sparse_value_and_grad,
 )
 from tbe_jax.kernels.forward import ForwardConfig
@@ -190,15 +190,6 @@ def train_step(loss_fn: Callable, variables, *args, has_aux: bool = False, optim
     return (result, {layer_name(u.key): u.report for u in updates}) if with_report else result
 
 
-def _as_tuple(x):
-    """A layer field that is a sequence (tables, feature_table_map: a list, an array) as a tuple of its items as
-    given, for the core's memo cache; anything else (None, one spec, a string) as is. The core checks the
-    items: an entry 1.7 or True is refused there, not truncated to an int here."""
-    if x is None or isinstance(x, (str, bytes)) or not hasattr(x, "__iter__") or hasattr(x, "items"):
-        return x
-    return tuple(x)
-
-
 def _copy_tree(tree):
     """Nested dicts copied (leaves shared), so writing into the copy leaves the caller's variables alone."""
     if isinstance(tree, (dict, FrozenDict)):
@@ -211,7 +202,7 @@ class SparseEmbedBase(nn.Module):
     `tt_jax.linen.TTEmbeddingBag`).
 
     A subclass declares the fields (its core's options and `optimizer`) and defines
-    `_build_core()` (the core, cached; a sharded one, `_layers.shard_core`, for a layer
+    `_build_core()` (the core, cached; a sharded one, `layers_common.shard_core`, for a layer
     built with a mesh), `_init_params(key)` and `__call__` (decorated
     with `nn.compact`), which calls `self._embed(indices, offsets, per_sample_weights,
     options)`. Variables: `"params"/"embedding"` (true-gradient mode) or
@@ -328,8 +319,8 @@ class TableBatchedEmbed(SparseEmbedBase):
     capacity: int | tuple[int, ...] | None = None  # an int, or per-feature id counts (tbe_jax.shard)
 
     def _build_core(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
-        core = cached_core(TableBatchedEmbedding, _as_tuple(self.tables), dict(
-            feature_table_map=_as_tuple(self.feature_table_map), pooling=self.pooling, weights_dtype=self.weights_dtype,
+        core = cached_core(TableBatchedEmbedding, as_tuple(self.tables), dict(
+            feature_table_map=as_tuple(self.feature_table_map), pooling=self.pooling, weights_dtype=self.weights_dtype,
             output_dtype=self.output_dtype, bounds_check=self.bounds_check, impl=self.impl,
             interpret=bool(self.interpret), kernel_config=self.kernel_config, use_histogram=bool(self.use_histogram),
             histogram_config=self.histogram_config, backward_config=self.backward_config,

@@ -96,7 +96,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import (
+from tbe_jax.layers_common import (
     SparseStep, build_core, check_ids, check_optimizer, check_options, layer_name, leaf_names, opt_init, shard_core,
     sparse_lookup,
 )

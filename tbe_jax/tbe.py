@@ -1,4 +1,10 @@
-"""`TableBatchedEmbedding`: many tables, one lookup-and-pool call."""
+"""`TableBatchedEmbedding`: many tables, one lookup-and-pool call.
+
+The class holds the configuration, the storage layout and the public API (a `tbe_jax.core.SparseCore`); its
+calls run the input pipeline of `tbe_jax.inputs` (checks, bounds mode, int32 narrowing) and the kernel / XLA
+dispatch of `tbe_jax.dispatch` (the differentiable lookup and the fused optimizer step). `init`'s blocked draw
+(`blocked_draw`, `init_rows`) is shared with `tbe_jax.sharding`.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +16,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
-from tbe_jax import bounds, reference, runs as runs_lib, sparse_update, vbe
+from tbe_jax import bounds, dispatch, inputs, optim, vbe
 from tbe_jax.kernels import backward as bwd_kernels
-from tbe_jax import optim
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
-from tbe_jax.kernels import histogram_backward as hist_bwd
 from tbe_jax.inputs import as_array, id_array, static_sizes
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, checked_tables
 
@@ -35,10 +38,6 @@ def _float_dtype(name: str, value) -> jnp.dtype:
     if dt not in _FLOAT_DTYPES:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {value!r}")
     return dt
-
-
-def _is_concrete(*xs) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 class TableBatchedEmbedding:
@@ -242,7 +241,7 @@ class TableBatchedEmbedding:
 
     def get_tables(self, params: dict) -> list[jax.Array]:
         """Per table, its `[E_t, D_t]` array in `weights_dtype`."""
-        self._check_params(params, check_dtype=False)  # also used on gradients / casts of the params
+        self.check_params(params, check_dtype=False)  # also used on gradients / casts of the params
         out = []
         for t, spec in enumerate(self.tables):
             g = self.layout.table_group[t]
@@ -252,11 +251,12 @@ class TableBatchedEmbedding:
 
     def set_tables(self, params: dict | None, tables: Sequence[jax.Array]) -> dict:
         """Params holding `tables` (one `[E_t, D_t]` array per table), cast to weights_dtype."""
-        return self._pack([jnp.asarray(arr, self.weights_dtype) for arr in checked_tables(self.tables, tables)])
+        return self.pack([jnp.asarray(arr, self.weights_dtype) for arr in checked_tables(self.tables, tables)])
 
-    def _pack(self, per_table: Sequence[jax.Array]) -> dict:
+    def pack(self, per_table: Sequence[jax.Array]) -> dict:
         """Storage buffers from one array per table (`[E_t, D_t]`, or `[E_t]` for a row-wise state field):
-        stacked per buffer, element-wise ones zero-padded to the buffer's stride."""
+        stacked per buffer, element-wise ones zero-padded to the buffer's stride. `set_tables` without the
+        checks and the cast; also packs an optimizer state's field (`get_state`'s per-table arrays)."""
         groups: list[list] = [[] for _ in self.layout.dims]
         for t, arr in enumerate(per_table):
             groups[self.layout.table_group[t]].append(arr)
@@ -290,7 +290,9 @@ class TableBatchedEmbedding:
             vbe = True
         return FeaturePlan.build(self.tables, self.layout, self.feature_table_map, batch, vbe)
 
-    def _use_kernel(self) -> bool:
+    def uses_kernel(self) -> bool:
+        """Whether lookups and updates run the Pallas kernels (False: the XLA reference path); see `impl`.
+        Raises for `impl="pallas"` without a GPU or `interpret=True`."""
         on_gpu = jax.default_backend() == "gpu"
         if self.impl == "auto":
             return self.interpret or on_gpu
@@ -301,19 +303,6 @@ class TableBatchedEmbedding:
             )
         return self.impl == "pallas"
 
-    def _check_inputs(self, params, indices, offsets, per_sample_weights):
-        """Checks the arguments; returns `(indices, offsets)`, narrow integer types widened to int32."""
-        indices, offsets = id_array("indices", indices), id_array("offsets", offsets)
-        if per_sample_weights is not None:
-            if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
-                raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
-            if per_sample_weights.shape != indices.shape:
-                raise ValueError(
-                    f"per_sample_weights has shape {per_sample_weights.shape}; it must match indices {indices.shape}"
-                )
-        self._check_params(params)
-        return indices, offsets
-
     def bounds_report(self, indices, offsets, *, batch_size_per_feature=None,
                       max_batch_size=None) -> bounds.BoundsReport:
         """Counts of bad ids and of the offsets entries `bounds_check="warning"` would repair (jittable, device
@@ -321,10 +310,10 @@ class TableBatchedEmbedding:
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
         indices = id_array("indices", as_array("indices", indices))
         offsets = id_array("offsets", as_array("offsets", offsets))
-        offsets, size_fix = self._expand(offsets, bpf)
+        offsets, size_fix = inputs.expand(self, offsets, bpf)
         plan = self.plan_for(offsets.shape[0], None if size_fix is not None else bpf)
         rep = bounds.report(plan, indices, offsets)[1]
-        return _add_size_fix(rep, size_fix)
+        return inputs.add_size_fix(rep, size_fix)
 
     def __call__(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
                  max_batch_size=None):
@@ -353,9 +342,9 @@ class TableBatchedEmbedding:
         """
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
         if self._eager(params, indices, offsets, per_sample_weights, bpf):
-            return _jit_forward(*_eager_args(indices, offsets, per_sample_weights, bpf), params,
-                                emb=self, static_bpf=_static_bpf(bpf), warn=True)[0]
-        return self._forward(params, indices, offsets, per_sample_weights, bpf, warn=True)[0]
+            return dispatch.jit_forward(*dispatch.eager_args(indices, offsets, per_sample_weights, bpf), params,
+                                        emb=self, static_bpf=dispatch.static_bpf(bpf), warn=True)[0]
+        return dispatch.forward(self, params, indices, offsets, per_sample_weights, bpf, warn=True)[0]
 
     def forward_with_report(self, params, indices, offsets, per_sample_weights=None, *,
                             batch_size_per_feature=None, max_batch_size=None):
@@ -369,161 +358,14 @@ class TableBatchedEmbedding:
         """
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
         if self._eager(params, indices, offsets, per_sample_weights, bpf):
-            return _jit_forward(*_eager_args(indices, offsets, per_sample_weights, bpf), params,
-                                emb=self, static_bpf=_static_bpf(bpf), warn=False)
-        return self._forward(params, indices, offsets, per_sample_weights, bpf, warn=False)
+            return dispatch.jit_forward(*dispatch.eager_args(indices, offsets, per_sample_weights, bpf), params,
+                                        emb=self, static_bpf=dispatch.static_bpf(bpf), warn=False)
+        return dispatch.forward(self, params, indices, offsets, per_sample_weights, bpf, warn=False)
 
     def _eager(self, *args) -> bool:
         """Called outside any trace: run the call as one jitted program (compiled once per shape) instead of
         op by op. Not in "fatal" mode, whose concrete-input checks raise at once from the host."""
-        return self.bounds_check != "fatal" and _is_concrete(*jax.tree_util.tree_leaves(args))
-
-    def _expand(self, offsets, batch_size_per_feature):
-        """Array batch sizes: `(offsets in the fixed-batch form, clamped-size count)`; else `(offsets, None)`."""
-        if not isinstance(batch_size_per_feature, vbe.VariableBatchSizes):
-            return offsets, None
-        if self.pooling == "none":
-            raise ValueError("batch_size_per_feature only applies to pooled lookups (pooling='none' has no bags "
-                             "to pad)")
-        if offsets.ndim != 1 or offsets.shape[0] < 1:
-            raise ValueError(f"offsets must be a 1-D array of at least one entry, got shape {offsets.shape}")
-        sizes = vbe.check_sizes(batch_size_per_feature, self.num_features)
-        return vbe.expand_offsets(offsets, sizes, batch_size_per_feature.max_batch_size)
-
-    def _prepare(self, params, indices, offsets, per_sample_weights, batch_size_per_feature):
-        """Shared argument checks: returns (plan, indices, offsets, per_sample_weights, size_fix) as arrays.
-
-        Array batch sizes are applied here (`offsets` comes back in the fixed-batch
-        form); `size_fix` counts the sizes clamped then (None without array sizes).
-        """
-        indices = as_array("indices", indices)
-        offsets = as_array("offsets", offsets)
-        if per_sample_weights is not None:
-            per_sample_weights = jnp.asarray(per_sample_weights)
-        indices, offsets = self._check_inputs(params, indices, offsets, per_sample_weights)
-        offsets, size_fix = self._expand(offsets, batch_size_per_feature)
-        if size_fix is not None:
-            if self.bounds_check == "fatal":
-                self._check_sizes_fatal(size_fix)
-            batch_size_per_feature = None
-        plan = self.plan_for(offsets.shape[0], batch_size_per_feature)
-        if indices.shape[0] >= 2**31:
-            raise ValueError(f"len(indices)={indices.shape[0]} must stay below 2**31")
-        return plan, indices, offsets, per_sample_weights, size_fix
-
-    def _check_sizes_fatal(self, size_fix):
-        msg = ("bounds_check='fatal': batch_size_per_feature holds {n} size(s) outside [0, max_batch_size] or "
-               "past the end of offsets")
-        if _is_concrete(size_fix):
-            if int(size_fix):
-                raise ValueError(msg.format(n=int(size_fix)))
-        else:
-            checkify.check(size_fix == 0, msg, n=size_fix)
-
-    def _check_fatal(self, plan, indices, offsets):
-        """Raises for bad inputs (concrete) or adds checkify checks (traced); returns `offsets` to use."""
-        if _is_concrete(indices, offsets):
-            bounds.check_concrete(plan, np.asarray(indices), np.asarray(offsets),
-                                  [t.label(i) for i, t in enumerate(self.tables)])
-            return offsets
-        return bounds.check_traced(plan, indices, offsets)
-
-    def _narrow(self, indices, offsets, per_sample_weights):
-        """int32 ids and offsets, fp32 weights (the kernels' types)."""
-        if indices.dtype != jnp.int32:
-            # Narrow int64 ids without letting an out-of-range id wrap into a valid one
-            # (-2: skipped, and counted as bad where counts are kept).
-            indices = jnp.where((indices < -1) | (indices >= 2**31), -2, indices).astype(jnp.int32)
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.astype(jnp.float32)
-        return indices, offsets.astype(jnp.int32), per_sample_weights
-
-    def _out_shape(self, plan, n):
-        if self.pooling == "none":
-            return (n, self.feature_dims[0])
-        return (plan.out_size,) if plan.vbe else (plan.batch[0], sum(self.feature_dims))
-
-    def _forward(self, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
-        """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
-        plan, indices, offsets, per_sample_weights, size_fix = self._prepare(
-            params, indices, offsets, per_sample_weights, batch_size_per_feature)
-        n = indices.shape[0]
-
-        # The report: wanted by `forward_with_report` (and the training step, through it) in every mode, by a plain
-        # call (`warn`) in "warning" mode only. The pooled kernels count the ids they skip and the malformed offsets
-        # entries themselves (two slots per program; with the counting on, the forward kernel ran 1.14x its time of
-        # the session before on 81 sweep shards, median, up to 1.87x: `benchmarks/NOTES.md`, session 24; so a plain
-        # call's kernels do not count); the other paths count with XLA passes. "warning" repairs the offsets first
-        # (its count: the entries changed).
-        mode = self.bounds_check
-        wanted = not warn or mode == "warning"
-        count = wanted and self.pooling != "none" and self._use_kernel()
-        n_fixed = None
-        if mode == "fatal":
-            offsets = self._check_fatal(plan, indices, offsets)
-        elif mode == "warning":
-            offsets, n_fixed = bounds.repair_offsets(offsets, n)
-        counts = None
-        if wanted and not count and mode != "fatal":
-            counts = (bounds.count_invalid(plan, indices, offsets),
-                      n_fixed if n_fixed is not None else bounds.count_malformed(offsets, n))
-        indices, offsets, per_sample_weights = self._narrow(indices, offsets, per_sample_weights)
-
-        out, kernel_counts = _lookup(self, plan, count, params, per_sample_weights, indices, offsets)
-        if mode == "fatal" or not wanted:  # checked, or not asked for: nothing to report
-            return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
-        if count:
-            counts = (kernel_counts[0], n_fixed if n_fixed is not None else kernel_counts[1])
-        report = _add_size_fix(bounds.BoundsReport(*counts), size_fix)
-        if warn and mode == "warning":
-            bounds.warn_if_repaired(report)
-        return out, report
-
-    def _lookup_impl(self, plan, count, params, per_sample_weights, indices, offsets):
-        """The differentiable core on validated int32 inputs: `(out, skipped ids)`."""
-        check_upper = self.bounds_check != "none"
-        n = indices.shape[0]
-        n_bad = jnp.zeros((2,), jnp.int32)  # the kernels' counts: bad ids, malformed offsets entries
-        if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
-            return jnp.zeros(self._out_shape(plan, n), self.output_dtype), n_bad
-        if self.pooling == "none":
-            return self._sequence(params, plan, indices, offsets, per_sample_weights), n_bad
-        if not self._use_kernel():
-            return reference.pooled_forward(
-                params, self.layout, plan, indices, offsets, per_sample_weights,
-                pooling=self.pooling, output_dtype=self.output_dtype,
-            ), n_bad
-        paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
-        generic = [f for f, p in enumerate(paths) if p != "histogram"]
-        hist = [f for f, p in enumerate(paths) if p != "generic"]
-        auto = [f for f, p in enumerate(paths) if p == "auto"]
-        live_generic = live_hist = None
-        if auto:  # chosen on the device from this batch's bag lengths: each kernel skips the other's features
-            fixed = np.asarray([p == "histogram" for p in paths], np.int32)
-            live_hist = jnp.asarray(fixed) + hist_kernels.long_bags(plan, offsets, auto)
-            live_generic = 1 - live_hist
-        flat = None
-        if generic:
-            flat = fwd_kernels.pooled_forward(
-                params, self.layout, plan, indices, offsets, per_sample_weights,
-                pooling=self.pooling, output_dtype=self.output_dtype, check_upper=check_upper,
-                config=self.kernel_config, interpret=self.interpret,
-                count_invalid=count, features=generic, live=live_generic,
-            )
-            if count:
-                flat, n_bad = flat
-        if hist:  # a second launch fills the histogram features' columns in place
-            flat = hist_kernels.histogram_forward(
-                flat, params, self.layout, plan, hist, indices, offsets,
-                pooling=self.pooling, check_upper=check_upper, interpret=self.interpret,
-                config=self.histogram_config, count_invalid=count, live=live_hist,
-            )
-            if count:
-                flat, hist_bad = flat
-                n_bad = n_bad + hist_bad
-        if not plan.vbe:
-            flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(self.feature_dims))
-        return flat, n_bad
+        return self.bounds_check != "fatal" and inputs.is_concrete(*jax.tree_util.tree_leaves(args))
 
     # -- optimizer step ---------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):
@@ -531,8 +373,8 @@ class TableBatchedEmbedding:
         `RowwiseAdagradState(momentum, count)` (one fp32 value per row), `AdagradState(momentum, count)`
         (one per element) or `AdamState(momentum1, momentum2, count)` (Adam, LAMB and their partial
         row-wise forms); see `tbe_jax.optim`."""
-        self._check_opt(opt)
-        self._check_params(params)
+        self.check_optimizer(opt)
+        self.check_params(params)
         return opt.init(params)
 
     def get_state(self, opt_state, name: str) -> list[jax.Array]:
@@ -562,13 +404,16 @@ class TableBatchedEmbedding:
                    if isinstance(opt_state, optim.AdamState) else ""))
         return self.get_state(opt_state, "momentum")
 
-    def _check_opt(self, opt):
+    def check_optimizer(self, opt) -> None:
+        """Raises TypeError unless `opt` is an optimizer of `tbe_jax.optim` (every one of them applies here)."""
         if not isinstance(opt, optim.Optimizer):
             raise TypeError(
                 f"opt must be a tbe_jax optimizer (tbe_jax.RowwiseAdagrad(...), SGD, Adagrad, Adam, "
                 f"PartialRowwiseAdam, Lamb or PartialRowwiseLamb), got {type(opt).__name__}")
 
-    def _check_params(self, params, check_dtype: bool = True):
+    def check_params(self, params, check_dtype: bool = True) -> None:
+        """Raises unless `params` are this embedding's storage buffers (`init`'s / `set_tables`' dict: its keys,
+        shapes and, with `check_dtype`, `weights_dtype`). Static (shapes and dtypes): free under `jit`."""
         if not isinstance(params, dict if check_dtype else Mapping):
             raise TypeError(f"params must be the dict emb.init/set_tables return, got {type(params).__name__}")
         want = {self.layout.key(g) for g in range(len(self.layout.dims))}
@@ -613,175 +458,44 @@ class TableBatchedEmbedding:
             raise TypeError("grad_output must be an array shaped like this batch's output, got None")
         bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
         if self._eager(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights, bpf):
-            self._check_opt(opt)
-            idx, off, psw, dyn = _eager_args(indices, offsets, per_sample_weights, bpf)
-            return _jit_apply(idx, off, psw, dyn, params, opt_state, opt, jnp.asarray(grad_output), emb=self,
-                              static_bpf=_static_bpf(bpf), backward_config=backward_config)
-        return self._apply_gradients(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
-                                     bpf, backward_config)
+            self.check_optimizer(opt)
+            idx, off, psw, dyn = dispatch.eager_args(indices, offsets, per_sample_weights, bpf)
+            return dispatch.jit_apply(idx, off, psw, dyn, params, opt_state, opt, jnp.asarray(grad_output),
+                                      emb=self, static_bpf=dispatch.static_bpf(bpf), backward_config=backward_config)
+        return dispatch.apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output,
+                                        per_sample_weights, bpf, backward_config)
 
-    def _validated(self, params, indices, offsets, per_sample_weights, batch_size_per_feature):
-        """(plan, int32 indices, offsets, fp32 weights) after the bounds mode's checks and repairs."""
-        plan, indices, offsets, per_sample_weights, _ = self._prepare(
-            params, indices, offsets, per_sample_weights, batch_size_per_feature)
-        if self.bounds_check == "fatal":
-            offsets = self._check_fatal(plan, indices, offsets)
-        elif self.bounds_check == "warning":
-            offsets, _ = bounds.repair_offsets(offsets, indices.shape[0])
-        return (plan,) + self._narrow(indices, offsets, per_sample_weights)
+    # -- the training step's halves (tbe_jax.train_step; `tbe_jax.core.SparseCore`) -----------------
+    def shard(self, mesh, axis_name: str = "data", plan=None, *, capacity=None, warn_overflow: bool = True,
+              comm_dtype=None):
+        """These tables spread over `mesh`'s axis `axis_name`: `tbe_jax.shard(self, mesh, axis_name, plan, ...)`
+        (a `ShardedTableBatchedEmbedding`)."""
+        from tbe_jax.sharding import shard  # tbe_jax.sharding builds on this module
 
-    def _apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
-                         batch_size_per_feature, backward_config, runs=None):
-        self._check_opt(opt)
-        self._check_params(params)
-        opt.check_state(opt_state, params)
-        plan, indices, offsets, per_sample_weights = self._validated(
-            params, indices, offsets, per_sample_weights, batch_size_per_feature)
-        grad_output = jnp.asarray(grad_output)
-        want = self._out_shape(plan, indices.shape[0])
-        if tuple(grad_output.shape) != want:
-            raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
-        if not jnp.issubdtype(grad_output.dtype, jnp.floating):
-            raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
-        rule = opt.rule()
-        new_w, new_s = self._update_impl(plan, rule, opt.hyperparameters(opt_state.count), params,
-                                         opt.slots(opt_state), indices, offsets, per_sample_weights, grad_output,
-                                         backward_config, runs=runs)
-        return new_w, opt.next_state(opt_state, new_s)
+        return shard(self, mesh, axis_name, plan, capacity=capacity, warn_overflow=warn_overflow,
+                     comm_dtype=comm_dtype)
 
-    def _histogram_features(self, plan, per_sample_weights) -> list[int]:
-        """Features whose backward takes the histogram kernels in this call (`plan(backward=True)`)."""
-        if self.pooling == "none" or not self._use_kernel():
-            return []
-        paths = self.plan(weighted=per_sample_weights is not None, vbe=plan.vbe, backward=True)
-        return [f for f, p in enumerate(paths) if p == "histogram"]
-
-    def _runs(self, plan, indices, offsets, per_sample_weights, backward_config=None):
-        """The sorted runs of the generic features' lookups; None when every feature is a histogram one.
-
-        The histogram features' lookups get the sentinel key (no runs): their
-        tables are updated by the histogram backward.
-        """
-        hist = self._histogram_features(plan, per_sample_weights)
-        if len(hist) == plan.num_features:
-            return None
-        plan = runs_lib.without_features(plan, hist)
-        cfg = backward_config or self.backward_config
-        return runs_lib.build_runs(self.layout, plan, indices, offsets, per_sample_weights,
-                                   pooling=self.pooling, sequence=self.pooling == "none",
-                                   rle_kernel=cfg.rle_kernel, interpret=self.interpret,
-                                   segment_bounds=bwd_kernels.segment_bounds(self.layout),
-                                   rank_sort_max=cfg.rank_sort_limit(self.interpret),
-                                   rank_sort_chunk=cfg.rank_sort_chunk)
-
-    def _update_impl(self, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,
-                     backward_config=None, runs=None):
-        """The fused update on validated int32 inputs: (tables, state slots).
-
-        `opt`: a `tbe_jax.optim.KernelRule` (None: store the true gradient); `hyper`:
-        the step's `Optimizer.hyperparameters`; `slots`: the state's slots (a tuple of
-        dicts like `params`, empty for SGD).
-
-        `runs`: the batch's sorted runs when the forward already built them.
-        Histogram features (see `plan()`) are left out of the runs: their tables
-        get `counts^T @ grad_output` from the histogram backward kernels.
-        """
-        slots = tuple(slots or ())
-        if indices.shape[0] == 0:
-            return params, slots
-        if self._use_kernel():
-            hist = self._histogram_features(plan, per_sample_weights)
-            g32 = grad_output.astype(jnp.float32)
-            if len(hist) < plan.num_features:
-                if runs is None:
-                    runs = self._runs(plan, indices, offsets, per_sample_weights, backward_config)
-                params, slots = bwd_kernels.fused_update(
-                    params, slots, self.layout, runs, g32, opt, hyper,
-                    config=backward_config or self.backward_config, interpret=self.interpret,
-                )
-            if hist:  # their tables: counts^T x dout, then the optimizer (no sort)
-                params, slots = hist_bwd.histogram_update(
-                    params, slots, self.layout, plan, hist, indices, offsets, g32, opt, hyper,
-                    pooling=self.pooling, config=self.histogram_config, interpret=self.interpret,
-                )
-            return params, slots
-        return sparse_update.apply_gradients(
-            params, slots, self.layout, plan, indices, offsets, per_sample_weights,
-            grad_output, opt, hyper, pooling=self.pooling,
-        )
-
-    # -- the training step's halves (tbe_jax.train_step) ---------------------------
-    def _step_forward(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
-                      max_batch_size=None):
-        """The lookup, and what `_step_update` needs of it: `(out, residuals)`."""
+    def step_forward(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                     max_batch_size=None):
+        """The lookup, and what `step_update` needs of it: `(out, residuals)` (the forward's report and, with
+        `BackwardConfig.sort_in_forward` on the kernel path, the batch's sorted runs)."""
         batch_size_per_feature = vbe.resolve(batch_size_per_feature, max_batch_size)
         out, report = self.forward_with_report(params, indices, offsets, per_sample_weights,
                                                batch_size_per_feature=batch_size_per_feature)
         runs = None
-        if self.backward_config.sort_in_forward and self._use_kernel() and self.pooling != "none":
-            plan, idx, off, psw = self._validated(params, indices, offsets, per_sample_weights,
-                                                  batch_size_per_feature)
+        if self.backward_config.sort_in_forward and self.uses_kernel() and self.pooling != "none":
+            plan, idx, off, psw = inputs.validated(self, params, indices, offsets, per_sample_weights,
+                                                   batch_size_per_feature)
             if idx.shape[0]:
-                runs = self._runs(plan, idx, off, psw)
+                runs = dispatch.sorted_runs(self, plan, idx, off, psw)
         return out, (indices, offsets, per_sample_weights, batch_size_per_feature, report, runs)
 
-    def _step_update(self, params, opt_state, opt, residuals, grad_output):
+    def step_update(self, params, opt_state, opt, residuals, grad_output):
+        """`apply_gradients` on `step_forward`'s batch: `(params, opt_state, invalid_indices)`."""
         indices, offsets, per_sample_weights, batch_size_per_feature, report, runs = residuals
-        params, opt_state = self._apply_gradients(params, opt_state, opt, indices, offsets, grad_output,
-                                                  per_sample_weights, batch_size_per_feature, None, runs=runs)
+        params, opt_state = dispatch.apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output,
+                                                     per_sample_weights, batch_size_per_feature, None, runs=runs)
         return params, opt_state, report.invalid_indices
-
-    def _sequence(self, params, plan, indices, offsets, per_sample_weights):
-        if not self._use_kernel():
-            return reference.sequence_forward(
-                params, self.layout, plan, indices, offsets, per_sample_weights,
-                output_dtype=self.output_dtype,
-            )
-        n = indices.shape[0]
-        _, feat = reference.position_features(plan, offsets, n)
-        pos = jnp.arange(n, dtype=jnp.int32)
-        row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
-        ok = (pos >= offsets[0]) & (pos < offsets[-1]) & (indices >= 0)
-        if self.bounds_check != "none":
-            ok = ok & (indices < jnp.asarray(np.asarray(plan.num_rows, np.int32))[feat])
-        rows = jnp.where(ok, row_offset[feat] + indices, -1)
-        return fwd_kernels.sequence_forward(
-            params[self.layout.key(0)], rows, per_sample_weights, dim=self.layout.dims[0],
-            output_dtype=self.output_dtype, config=self.kernel_config, interpret=self.interpret,
-        )
-
-
-def _static_bpf(bpf):
-    return None if isinstance(bpf, vbe.VariableBatchSizes) else (None if bpf is None else static_sizes(bpf))
-
-
-def _eager_args(indices, offsets, per_sample_weights, bpf):
-    """The array arguments of an eager call, as arrays (lists and NumPy arrays converted as the traced path does)."""
-    psw = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
-    dyn = bpf if isinstance(bpf, vbe.VariableBatchSizes) else None
-    return as_array("indices", indices), as_array("offsets", offsets), psw, dyn
-
-
-# Eager calls (outside jit) run as one jitted program each: one compilation per shape instead of one per
-# operation (tens of small XLA programs on the reference path and around the kernels).
-@functools.partial(jax.jit, static_argnames=("emb", "static_bpf", "warn"))
-def _jit_forward(indices, offsets, per_sample_weights, dyn_bpf, params, *, emb, static_bpf, warn):
-    bpf = dyn_bpf if dyn_bpf is not None else static_bpf
-    return emb._forward(params, indices, offsets, per_sample_weights, bpf, warn)
-
-
-@functools.partial(jax.jit, static_argnames=("emb", "static_bpf", "backward_config"))
-def _jit_apply(indices, offsets, per_sample_weights, dyn_bpf, params, opt_state, opt, grad_output, *, emb,
-               static_bpf, backward_config):
-    bpf = dyn_bpf if dyn_bpf is not None else static_bpf
-    return emb._apply_gradients(params, opt_state, opt, indices, offsets, grad_output, per_sample_weights, bpf,
-                                backward_config)
-
-
-def _add_size_fix(rep, size_fix):
-    if size_fix is None:
-        return rep
-    return bounds.BoundsReport(rep.invalid_indices, rep.repaired_offsets + size_fix)
 
 
 # Elements drawn at a time by `init`: a buffer larger than this is drawn block by block into its place (a loop on
@@ -834,45 +548,3 @@ def init_rows(key, starts, bounds, r0, n: int, dim: int, stride: int, dtype):
     u = jax.random.uniform(key, (n, dim), jnp.float32, -1.0, 1.0)
     w = (u * bounds[table][:, None]).astype(dtype)
     return w if stride == dim else jnp.pad(w, ((0, 0), (0, stride - dim)))
-
-
-# -- differentiation -------------------------------------------------------------
-# `jax.grad` through a lookup gives the true (dense) gradient of the tables and of
-# the per-sample weights. On the kernel path the table gradient comes from the
-# sorted-run kernels (each looked-up row's gradient summed once, in a fixed order,
-# and stored into a zero gradient: the dense result is table-sized by definition);
-# on the XLA path from the jnp reference VJP. `apply_gradients` and `train_step` run
-# the same backward with the optimizer applied instead of the store.
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _lookup(emb, plan, count, params, per_sample_weights, indices, offsets):
-    return emb._lookup_impl(plan, count, params, per_sample_weights, indices, offsets)
-
-
-def _lookup_fwd(emb, plan, count, params, per_sample_weights, indices, offsets):
-    out = emb._lookup_impl(plan, count, params, per_sample_weights, indices, offsets)
-    return out, (params, per_sample_weights, indices, offsets)
-
-
-def _lookup_bwd(emb, plan, count, res, cotangents):
-    params, per_sample_weights, indices, offsets = res
-    g_out, _ = cotangents
-    if indices.shape[0] == 0:
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, (params, per_sample_weights))
-        return zeros + (None, None)
-    if not emb._use_kernel():
-        d_params, d_psw = reference.pooled_backward(
-            params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling
-        )
-        return d_params, d_psw, None, None
-    zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in params.items()}
-    d_params, _ = emb._update_impl(plan, None, None, zeros, (), indices, offsets, per_sample_weights, g_out)
-    d_psw = None
-    if per_sample_weights is not None:
-        d_psw = reference.per_sample_weight_grad(
-            params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling)
-    return d_params, d_psw, None, None
-
-
-_lookup.defvjp(_lookup_fwd, _lookup_bwd)

@@ -10,8 +10,8 @@ and hands each output gradient to its embedding's `apply_gradients`. So:
   accumulation) see only `grads`, the dense parameters' gradient;
 - the tables never pass through `jax.grad`, so nothing can be double-counted.
 
-Works for `tbe_jax.TableBatchedEmbedding` and `tt_jax.TTEmbeddingBag` alike (any
-object with `_step_forward` / `_step_update`), with any number of lookups.
+Works for `tbe_jax.TableBatchedEmbedding` and `tt_jax.TTEmbeddingBag` alike, sharded or not (any
+`tbe_jax.core.SparseCore`: its `step_forward` / `step_update`), with any number of lookups.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, tbe_jax
@@ -46,6 +46,8 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from tbe_jax.core import SparseCore
 
 __all__ = ["SparseLookup", "StepReport", "TrainStepResult", "train_step"]
 
@@ -113,7 +115,7 @@ def train_step(loss_fn: Callable, dense_params, lookups, *, has_aux: bool = Fals
     for k, lk in items.items():
         if not isinstance(lk, SparseLookup):
             raise TypeError(f"lookups[{k!r}] must be a tbe_jax.SparseLookup, got {type(lk).__name__}")
-        if not hasattr(lk.emb, "_step_forward"):
+        if not isinstance(lk.emb, SparseCore):
             raise TypeError(f"SparseLookup.emb must be a TableBatchedEmbedding or TTEmbeddingBag, "
                             f"got {type(lk.emb).__name__}")
     seen = {}
@@ -126,7 +128,7 @@ def train_step(loss_fn: Callable, dense_params, lookups, *, has_aux: bool = Fals
             seen[id(leaf)] = k
     outputs, residuals = {}, {}
     for k, lk in items.items():
-        outputs[k], residuals[k] = lk.emb._step_forward(lk.params, lk.indices, lk.offsets, lk.per_sample_weights,
+        outputs[k], residuals[k] = lk.emb.step_forward(lk.params, lk.indices, lk.offsets, lk.per_sample_weights,
                                                         **(lk.options or {}))
     arg = outputs[None] if single else outputs
     value, (grads, g_out) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux)(dense_params, arg)
@@ -135,7 +137,7 @@ def train_step(loss_fn: Callable, dense_params, lookups, *, has_aux: bool = Fals
     params, states, reports = {}, {}, {}
     for k, lk in items.items():
         g = g_out[k]
-        params[k], states[k], invalid = lk.emb._step_update(lk.params, lk.opt_state, lk.opt, residuals[k], g)
+        params[k], states[k], invalid = lk.emb.step_update(lk.params, lk.opt_state, lk.opt, residuals[k], g)
         nonfinite = jnp.sum(~jnp.isfinite(g), dtype=jnp.int32)
         reports[k] = StepReport(jnp.asarray(invalid, jnp.int32), nonfinite)
     if single:

@@ -13,7 +13,7 @@ import pytest
 
 import tbe_jax
 from tbe_jax import runs as runs_lib
-from tbe_jax import testing
+from tbe_jax import dispatch, testing
 from conftest import KERNEL_KW, ON_GPU, assert_close, model_step_f64, specs, tables_f64
 
 
@@ -415,7 +415,7 @@ def test_task_ranges_from_rle_edges(rng):
     assert len(bwd._segments(emb.layout)) == 7
     idx, off, _ = testing.make_batch(rng, [2, 3, 2, 40, 3, 2, 5], [4] * 7, (100, 300))
     plan = emb.plan_for(len(off))
-    r = jax.jit(lambda i, o: emb._runs(plan, i, o, None))(jnp.asarray(idx), jnp.asarray(off))
+    r = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(jnp.asarray(idx), jnp.asarray(off))
     assert r.seg_edges is not None and r.seg_edges.shape == (6, 3) and int(r.counts[2]) > 0
     n = len(idx)
     got = np.asarray(bwd._task_ranges(r, emb.layout, n))

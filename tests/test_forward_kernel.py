@@ -155,7 +155,7 @@ def test_more_buffers_than_one_launch(rng):
     fmap = list(range(10)) + [2]
     _run(rng, tables, fmap, [3] * len(fmap), (0, 6), pooling="mean", weighted=True)
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, weights_dtype="float16", impl="pallas")
-    emb._use_kernel = lambda: True  # lowered for CUDA on this CPU machine: the kernel path, not run
+    emb.uses_kernel = lambda: True  # lowered for CUDA on this CPU machine: the kernel path, not run
     params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), jnp.float16)
               for g, d in enumerate(emb.layout.dims)}
     idx = jax.ShapeDtypeStruct((len(fmap) * 4 * 6,), jnp.int32)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
-from tbe_jax import testing
+from tbe_jax import dispatch, testing
 from tbe_jax.kernels import histogram
 from conftest import KERNEL_KW, assert_close, model_step_f64, tables_f64, tolerance
 
@@ -365,12 +365,12 @@ def test_histogram_lookups_form_no_runs(rng):
     emb = _emb(tables)
     idx, off, _ = testing.make_batch(rng, [16, 100], [6, 6], (1, 40))
     plan = emb.plan_for(len(off))
-    runs = emb._runs(plan, jnp.asarray(idx), jnp.asarray(off), None)
+    runs = dispatch.sorted_runs(emb, plan, jnp.asarray(idx), jnp.asarray(off), None)
     n = int(runs.num_runs)
     keys = np.asarray(runs.run_key)[:n]
     assert np.all(keys >= 16) and n == len(np.unique(idx[off[6]:]))
     solo = _emb(tables[:1])
-    assert solo._runs(solo.plan_for(7), jnp.asarray(idx[: off[6]]), jnp.asarray(off[:7]), None) is None
+    assert dispatch.sorted_runs(solo, solo.plan_for(7), jnp.asarray(idx[: off[6]]), jnp.asarray(off[:7]), None) is None
 
 
 # -- the backward over many tables: one grad and one update launch in all ---------------
@@ -415,7 +415,7 @@ def _step_custom_calls(num_tables: int) -> dict:
     tables = [tbe_jax.TableSpec(1 + (7 * i) % 64, (64, 128)[i % 2], bag_size_hint=64) for i in range(num_tables)]
     tables.append(tbe_jax.TableSpec(500, 64))
     emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, impl="pallas")
-    emb._use_kernel = lambda: True  # the kernel path, lowered for CUDA (not compiled, not run)
+    emb.uses_kernel = lambda: True  # the kernel path, lowered for CUDA (not compiled, not run)
     assert emb.plan() == ("histogram",) * num_tables + ("generic",)
     batch, n = 64, emb.num_features
     params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), jnp.float16)

@@ -145,7 +145,7 @@ def test_auto_lowers_to_both_forward_kernels_and_no_sort_for_small_tables():
     """Lowered for CUDA: the auto forward has the generic and the histogram kernel (no conditional),
     and a model of small tables only trains without a sort."""
     emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(64, 128)], weights_dtype="float16")
-    emb._use_kernel = lambda: True  # lowered for CUDA on any machine: the kernel path, not run
+    emb.uses_kernel = lambda: True  # lowered for CUDA on any machine: the kernel path, not run
     params = jax.eval_shape(emb.init, jax.random.key(0))
     i = jax.ShapeDtypeStruct((4096,), jnp.int32)
     o = jax.ShapeDtypeStruct((33,), jnp.int32)

@@ -380,9 +380,9 @@ def test_program_does_not_grow_with_batch(bcfg):
     sizes (XLA's sort; the counting-rank sort with its merge pass): the default picks by size."""
     emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="pallas",
                                         backward_config=tbe_jax.BackwardConfig(**bcfg))
-    emb._use_kernel = lambda: True  # lower the kernels without a GPU
+    emb.uses_kernel = lambda: True  # lower the kernels without a GPU
     sharded = tbe_jax.shard(emb, mesh(auto=True), "data", MIXED)
-    sharded.local._use_kernel = lambda: True
+    sharded.local.uses_kernel = lambda: True
     params = jax.eval_shape(sharded.init, jax.random.key(0))
     opt = tbe_jax.Adagrad(0.1)  # element-wise: allowed with the column-wise table
     state = jax.eval_shape(lambda p: opt.init(p), params)

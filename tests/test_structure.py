@@ -25,7 +25,7 @@ def _model(num_features: int) -> tbe_jax.TableBatchedEmbedding:
     rows = np.exp(rng.uniform(np.log(100), np.log(200_000), num_features)).astype(int)
     tables = [tbe_jax.TableSpec(int(e), DIMS[i % len(DIMS)]) for i, e in enumerate(rows)]
     emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, impl="pallas")
-    emb._use_kernel = lambda: True  # lowered for CUDA on this CPU machine: the kernel path, not run
+    emb.uses_kernel = lambda: True  # lowered for CUDA on this CPU machine: the kernel path, not run
     return emb
 
 

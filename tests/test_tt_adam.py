@@ -211,7 +211,7 @@ def test_touched_slices_from_plans(rng):
     off[2] = off[1]
     _, touched = numpy_core_grads(emb, make_params(emb, rng), idx, off, psw, g, BATCH)
     masks = jax.jit(lambda i, o: backward.touched_slices(emb.specs, emb.feature_table_map,
-                                                         emb._plans(BATCH, i, o)))(idx, off)
+                                                         emb.flow_plans(BATCH, i, o)))(idx, off)
     for tab, spec in enumerate(emb.specs):
         for k, p in enumerate(spec.p_shapes):
             if tab == 2:

@@ -345,7 +345,7 @@ def test_kept_and_packed_prefix_products(rng):
     emb = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum", config=dict(chunk=3))
     params = make_params(emb, rng)
     idx, off, psw, _ = make_inputs(rng, emb, 4, weighted=True)
-    out, (_, _, plans, _, _) = emb._step_forward(params, idx, off, psw)
+    out, (_, _, plans, _, _) = emb.step_forward(params, idx, off, psw)
     assert [p.prefix_c is not None for p in plans] == [False, True, False]  # T = 2, 3 (stacked), 4
     layout = prefix.stack_tables(emb.specs, emb.feature_table_map)[1][0]
     q, r = layout.q_shapes, layout.full_ranks
@@ -363,11 +363,11 @@ def test_kept_and_packed_prefix_products(rng):
     # (groups as the packed dP1's members) runs in every `apply_gradients` test.
     small = make_emb(specs, "pallas", feature_table_map=ftm, pooling="sum",
                      config=dict(chunk=3, prefix_c_max_bytes=4 * want.size - 1))
-    out2, (_, _, plans, _, _) = small._step_forward(params, idx, off, psw)
+    out2, (_, _, plans, _, _) = small.step_forward(params, idx, off, psw)
     assert plans[1].prefix_c is None
     assert_close(out2, out, 1e-6)
     unique = make_emb([T3], "pallas", config=dict(prefix_reuse=False))
-    _, (_, _, plans, _, _) = unique._step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))
+    _, (_, _, plans, _, _) = unique.step_forward(make_params(unique, rng), idx[:20], np.array([0, 20], np.int32))
     assert plans[0].prefix_c is None
 
 

@@ -375,7 +375,7 @@ def test_errors():
     with pytest.raises(ValueError, match="grad_output"):
         sh.apply_gradients(params, state, opt, idx, off, np.zeros((B, DIM), np.float32))
     with pytest.raises(ValueError, match="no lookup options"):
-        sh._step_forward(params, idx, off, batch_size_per_feature=(1, 1, 1))
+        sh.step_forward(params, idx, off, batch_size_per_feature=(1, 1, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert repr(sh).startswith("ShardedTTEmbeddingBag(")

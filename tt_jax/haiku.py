@@ -129,7 +129,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tt_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
-from tbe_jax._layers import build_core, shard_core
+from tbe_jax.layers_common import build_core, shard_core
 from tbe_jax.haiku import (
     FUSED_PREFIX, SparseEmbedBase, StepResult, core_params, fused_opt_state, fused_params, is_fused, module_params,
     module_state, train_step,

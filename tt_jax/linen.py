@@ -126,8 +126,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import cached_core, shard_core
-from tbe_jax.linen import FUSED_COLLECTION, SparseEmbedBase, StepResult, _as_tuple, train_step
+from tbe_jax.layers_common import as_tuple, cached_core, shard_core
+from tbe_jax.linen import FUSED_COLLECTION, SparseEmbedBase, StepResult, train_step
 from tbe_jax.optim import Optimizer
 from tt_jax.kernels.forward import TTKernelConfig
 from tt_jax.sharding import ShardedTTEmbeddingBag
@@ -217,7 +217,7 @@ class TTEmbeddingBag(SparseEmbedBase):
 
     def _build_core(self) -> _TTCore | ShardedTTEmbeddingBag:
         specs = (self.specs,) if isinstance(self.specs, TTSpec) else tuple(self.specs)
-        fmap = _as_tuple(self.feature_table_map)
+        fmap = as_tuple(self.feature_table_map)
         core = cached_core(_TTCore, specs, dict(feature_table_map=fmap, pooling=self.pooling, impl=self.impl,
                                                 interpret=bool(self.interpret), config=self.config,
                                                 bounds_check=self.bounds_check))

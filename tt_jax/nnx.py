@@ -107,7 +107,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax._layers import build_core, check_optimizer, shard_core
+from tbe_jax.layers_common import build_core, check_optimizer, shard_core
 from tbe_jax.nnx import Fused, SparseEmbedBase, train_step
 from tbe_jax.optim import Optimizer
 from tt_jax.kernels.forward import TTKernelConfig

@@ -58,7 +58,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tbe_jax import bounds
 from tbe_jax.sharding import ShardingPlan
 from tt_jax import optim
-from tt_jax.tt import TTEmbeddingBag, narrow_ids, narrow_offsets
+from tbe_jax.inputs import check_weights, narrow_ids
+from tt_jax.tt import TTEmbeddingBag, narrow_offsets
 
 __all__ = ["STRATEGIES", "ShardedTTEmbeddingBag", "ShardingPlan", "plan_sharding", "shard"]
 
@@ -190,6 +191,14 @@ class ShardedTTEmbeddingBag:
             return self.sync_replicas
         return self.num_devices > 1 and jax.default_backend() == "gpu" and not self.emb.pallas_backward
 
+    def uses_kernel(self) -> bool:
+        """Whether the per-device lookups run the Pallas kernels (`emb.uses_kernel()`)."""
+        return self.emb.uses_kernel()
+
+    def check_optimizer(self, opt) -> None:
+        """As `emb.check_optimizer`: every optimizer the TT cores support runs data parallel."""
+        self.emb.check_optimizer(opt)
+
     # -- placement ---------------------------------------------------------------
     def _smap(self, f, in_specs, out_specs):
         # As tbe_jax.shard: the Pallas kernels in interpret mode trip the interpreter on shard_map's
@@ -243,7 +252,7 @@ class ShardedTTEmbeddingBag:
 
     def init_opt_state(self, params, opt):
         """`emb.init_opt_state(params, opt)`, replicated on the mesh."""
-        self._check_params(params)
+        self.check_params(params)
         return self._replicate(self.emb.init_opt_state(params, opt))
 
     def get_state(self, opt_state, name: str):
@@ -258,13 +267,14 @@ class ShardedTTEmbeddingBag:
 
     def from_unsharded(self, emb_params, emb_opt_state=None):
         """`emb`'s params (and optimizer state) replicated on this mesh."""
-        self._check_params(emb_params)
+        self.check_params(emb_params)
         if emb_opt_state is not None and "count" not in getattr(emb_opt_state, "_fields", ()):
             raise TypeError(f"emb_opt_state must be an optimizer state of emb (emb.init_opt_state's), got "
                             f"{type(emb_opt_state).__name__}")
         return self._replicate(emb_params), (None if emb_opt_state is None else self._replicate(emb_opt_state))
 
-    def _check_params(self, params):
+    def check_params(self, params) -> None:
+        """Raises unless `params` are `emb`'s (`{"cores": per table, per core}` of its specs' shapes)."""
         if not isinstance(params, dict) or "cores" not in params or not isinstance(params["cores"], Sequence) or len(
                 params["cores"]) != len(self.emb.specs):
             raise ValueError(f"params must be {{'cores': per table, per core}} for {len(self.emb.specs)} tables "
@@ -298,12 +308,8 @@ class ShardedTTEmbeddingBag:
                 per_sample_weights = jnp.asarray(per_sample_weights)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"per_sample_weights must be a float array: {e}") from None
-            if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):  # as emb: no int / bool / complex
-                raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+            check_weights(per_sample_weights, indices)  # as emb: no int / bool / complex
             per_sample_weights = per_sample_weights.astype(jnp.float32)
-            if per_sample_weights.shape != indices.shape:
-                raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}; it must match "
-                                 f"indices {tuple(indices.shape)}")
         spec = P(self.axis_name)
         indices = self._place(jnp.asarray(narrow_ids(indices)), spec)
         offsets = self._place(jnp.asarray(narrow_offsets(offsets)), spec)
@@ -339,7 +345,7 @@ class ShardedTTEmbeddingBag:
         return self._lookup(params, *self._args(indices, offsets, per_sample_weights))
 
     def _lookup(self, params, idx, off, psw):
-        self._check_params(params)
+        self.check_params(params)
         out, rep = _forward(self, self._replicate(params), idx, off, psw)
         if self.emb.bounds_check == "warning":
             bounds.warn_if_repaired(rep, package="tt_jax.shard")
@@ -348,24 +354,26 @@ class ShardedTTEmbeddingBag:
     # -- optimizer step ------------------------------------------------------------
     def apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights=None):
         """One optimizer step: `(params, opt_state)`, equal to `emb.apply_gradients` on the global batch."""
-        optim.check_opt(opt)
-        self._check_params(params)
+        self.check_optimizer(opt)
+        self.check_params(params)
         optim.check_state(opt, opt_state, params)
         idx, off, psw = self._args(indices, offsets, per_sample_weights)
         g = self._grad(grad_output, self._batch(off))
         return _update(self, self._replicate(params), self._replicate(opt_state), opt, idx, off, psw, g)
 
     # -- tbe_jax.train_step ----------------------------------------------------------
-    def _step_forward(self, params, indices, offsets, per_sample_weights=None, **options):
+    def step_forward(self, params, indices, offsets, per_sample_weights=None, **options):
+        """The lookup of the global batch, and what `step_update` needs of it (the placed inputs, the report)."""
         if options:
             raise ValueError(f"a sharded TT embedding takes no lookup options, got {sorted(options)}")
         idx, off, psw = self._args(indices, offsets, per_sample_weights)
         out, rep = self._lookup(params, idx, off, psw)
         return out, (idx, off, psw, rep)
 
-    def _step_update(self, params, opt_state, opt, residuals, grad_output):
+    def step_update(self, params, opt_state, opt, residuals, grad_output):
+        """`apply_gradients` on `step_forward`'s batch: `(params, opt_state, invalid_indices)`."""
         idx, off, psw, rep = residuals
-        optim.check_opt(opt)
+        self.check_optimizer(opt)
         optim.check_state(opt, opt_state, params)
         g = self._grad(grad_output, self._batch(off))
         params, opt_state = _update(self, self._replicate(params), self._replicate(opt_state), opt, idx, off, psw, g)
@@ -410,7 +418,7 @@ def _forward(s: ShardedTTEmbeddingBag, params, idx, off, psw):
             params = _varying(params, ax)
         rep = _zero_report()
         if warn:
-            off, rep = bounds.report(s.emb._feature_plan((off.shape[0] - 1) // len(s.emb.feature_table_map)),
+            off, rep = bounds.report(s.emb.feature_plan((off.shape[0] - 1) // len(s.emb.feature_table_map)),
                                      idx, off)
             rep = jax.lax.psum(rep, ax)
         return s.local(params, idx, off, psw), rep

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax import bounds
+from tbe_jax.inputs import check_weights, narrow_ids
 from tbe_jax.specs import FeaturePlan
 from tt_jax import backward, optim, reference
 from tt_jax.kernels import backward as kernel_backward
@@ -171,7 +172,7 @@ class TTEmbeddingBag:
 
     def get_cores(self, params: dict) -> list[list[jax.Array]]:
         """Per table, its cores in the logical layout `[p_t, r_{t-1}, q_t, r_t]` (float32)."""
-        self._check_params(params)
+        self.check_params(params)
         return [list(c) for c in params["cores"]]
 
     def set_cores(self, params: dict | None, cores: Sequence[Sequence[jax.Array]]) -> dict:
@@ -193,10 +194,10 @@ class TTEmbeddingBag:
 
     def full_table(self, params: dict) -> list[jax.Array]:
         """Per table, the materialised `[N, D]` table."""
-        self._check_params(params)
+        self.check_params(params)
         return [reference.full_table(c, s) for c, s in zip(params["cores"], self.specs)]
 
-    def _check_params(self, params):
+    def check_params(self, params) -> None:
         """Raise unless `params` are `{"cores": per table, per core}` of this embedding's specs (static: shapes and
         dtypes only, so free under `jit`): cores of another spec would otherwise be read with this spec's digits."""
         try:
@@ -239,18 +240,14 @@ class TTEmbeddingBag:
                 per_sample_weights = _as_array(per_sample_weights)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"per_sample_weights must be a float array: {e}") from None
-            if not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
-                raise TypeError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+            check_weights(per_sample_weights, indices)
             per_sample_weights = jnp.asarray(per_sample_weights, jnp.float32)
-            if per_sample_weights.shape != indices.shape:
-                raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}; it must match "
-                                 f"indices {tuple(indices.shape)}")
         batch = (offsets.shape[0] - 1) // nf
         total_dim = sum(self.specs[t].embedding_dim for t in self.feature_table_map)
         indices, offsets = self._check_bounds(indices, offsets, batch, warn)
         return indices, offsets, per_sample_weights, batch, total_dim
 
-    def _feature_plan(self, batch: int) -> FeaturePlan:
+    def feature_plan(self, batch: int) -> FeaturePlan:
         """The `tbe_jax.specs.FeaturePlan` facts `tbe_jax.bounds` reads (tables, rows, bags), for this batch."""
         ftm = self.feature_table_map
         nf = len(ftm)
@@ -271,7 +268,7 @@ class TTEmbeddingBag:
         reference as every id outside `[0, N_t)`: no further masking is needed). "warning" repairs the offsets.
         """
         mode = self.bounds_check
-        plan = self._feature_plan(batch) if mode in ("warning", "fatal") else None
+        plan = self.feature_plan(batch) if mode in ("warning", "fatal") else None
         if mode == "fatal":
             if not isinstance(indices, jax.core.Tracer) and not isinstance(offsets, jax.core.Tracer):
                 bounds.check_concrete(plan, np.asarray(indices), np.asarray(offsets),
@@ -294,7 +291,7 @@ class TTEmbeddingBag:
         Differentiable with respect to `params` and `per_sample_weights` (exact gradients from the
         prefix-sharing backward `tt_jax.backward`, which reuses this forward's sort).
         """
-        self._check_params(params)
+        self.check_params(params)
         indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
         if indices.shape[0] == 0 or batch == 0:
             return jnp.zeros((batch, total_dim), jnp.float32)
@@ -308,6 +305,14 @@ class TTEmbeddingBag:
         """Whether the backward (gradients and optimizer steps) runs the Pallas kernels."""
         return self.resolved_impl == "pallas" and self.config.backward == "pallas"
 
+    def uses_kernel(self) -> bool:
+        """Whether lookups run the Pallas kernels (False: the XLA path); see `resolved_impl`."""
+        return self.resolved_impl == "pallas"
+
+    def check_optimizer(self, opt) -> None:
+        """Raises TypeError unless `opt` is an optimizer of `tbe_jax.optim` whose rule the TT cores support."""
+        optim.check_opt(opt)
+
     def _check_backend(self):
         if self.resolved_impl == "pallas" and not self.interpret and jax.default_backend() != "gpu":
             raise NotImplementedError(
@@ -315,21 +320,10 @@ class TTEmbeddingBag:
                 f"{jax.default_backend()} pass interpret=True or use impl='xla' (or 'auto')"
             )
 
-    def _plans(self, batch, indices, offsets):
-        """Per table group of `prefix.stack_tables`, the `FlowPlan` of this batch."""
+    def flow_plans(self, batch, indices, offsets):
+        """Per table group of `prefix.stack_tables`, the `FlowPlan` of this batch (validated int32 inputs of
+        `batch` samples per feature): the sort the forward and the backward share."""
         return flow_plans(self.specs, self.feature_table_map, indices, offsets, batch=batch, config=self.config)
-
-    def _forward(self, batch, all_cores, indices, offsets, per_sample_weights, *, with_plans):
-        """(output, plans or None). Pallas: the fused kernels on the plans (kept for the backward); XLA: the
-        per-index chain, plus the plans when the backward will need them."""
-        if self.resolved_impl == "xla":
-            ftm = self.feature_table_map
-            out = reference.pooled([all_cores[t] for t in ftm], [self.specs[t] for t in ftm], indices, offsets,
-                                   per_sample_weights, pooling=self.pooling, batch=batch)
-            return out, (self._plans(batch, indices, offsets) if with_plans else None)
-        return pooled_forward(all_cores, self.specs, self.feature_table_map, indices, offsets, per_sample_weights,
-                              batch=batch, pooling=self.pooling, config=self.config, interpret=self.interpret,
-                              return_plans=True, keep_c=with_plans)
 
     # -- training ----------------------------------------------------------------
     def init_opt_state(self, params: dict, opt):
@@ -339,7 +333,7 @@ class TTEmbeddingBag:
         `AdamState(momentum1, momentum2, count)`, each field but the count shaped like `params`
         (`{"cores": per table, per core}`: `[p_t, r, q, r']` element-wise, `[p_t]` per slice; fp32, or
         the Adam family's `state_dtype` for its element-wise moments). Read them with `get_state`."""
-        self._check_params(params)
+        self.check_params(params)
         return optim.init_state(opt, params)
 
     def get_state(self, opt_state, name: str) -> list[list[jax.Array]]:
@@ -374,8 +368,8 @@ class TTEmbeddingBag:
         `per_sample_weights` are constants here. `tbe_jax.train_step` wraps the lookup, the loss
         gradient and this step in one call (and reuses the forward's plan).
         """
-        optim.check_opt(opt)
-        self._check_params(params)
+        self.check_optimizer(opt)
+        self.check_params(params)
         optim.check_state(opt, opt_state, params)
         indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights,
                                                                                warn=False)
@@ -386,7 +380,7 @@ class TTEmbeddingBag:
         if _is_concrete(params, opt_state, opt, indices, offsets, per_sample_weights, grad_output):
             return _jit_apply(opt, params, opt_state, indices, offsets, per_sample_weights, jnp.asarray(grad_output),
                               emb=self, batch=batch)
-        plans = self._plans(batch, indices, offsets)
+        plans = self.flow_plans(batch, indices, offsets)
         return _apply(self, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output)
 
     @staticmethod
@@ -398,21 +392,33 @@ class TTEmbeddingBag:
         if not jnp.issubdtype(grad_output.dtype, jnp.floating):
             raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
 
-    # -- the training step's halves (tbe_jax.train_step) ---------------------------
-    def _step_forward(self, params, indices, offsets, per_sample_weights=None):
-        """The lookup, and what `_step_update` needs of it (the forward's plans: one sort per step)."""
-        self._check_params(params)
+    # -- the training step's halves (tbe_jax.train_step; `tbe_jax.core.SparseCore`) -----------------
+    def shard(self, mesh, axis_name: str = "data", plan=None, *, capacity=None, sync_replicas=None):
+        """These tables run data parallel over `mesh`'s axis `axis_name`: `tt_jax.shard(self, mesh, axis_name,
+        plan, sync_replicas=...)`. `capacity` (`tbe_jax.shard`'s budget of routed ids) must stay None."""
+        from tt_jax.sharding import shard  # tt_jax.sharding builds on this module
+
+        if capacity is not None:
+            raise ValueError("capacity applies to tbe_jax.shard's routed ids; a TT core is data parallel "
+                             "(leave capacity None)")
+        return shard(self, mesh, axis_name, plan, sync_replicas=sync_replicas)
+
+    def step_forward(self, params, indices, offsets, per_sample_weights=None):
+        """The lookup, and what `step_update` needs of it (the forward's plans: one sort per step)."""
+        self.check_params(params)
         indices, offsets, per_sample_weights, batch, total_dim = self._prepare(indices, offsets, per_sample_weights)
         if indices.shape[0] == 0 or batch == 0:
             return jnp.zeros((batch, total_dim), jnp.float32), (batch, total_dim, None, offsets, per_sample_weights)
         self._check_backend()
-        out, plans = self._forward(batch, params["cores"], indices, offsets, per_sample_weights, with_plans=True)
+        out, plans = _forward(self, batch, params["cores"], indices, offsets, per_sample_weights, with_plans=True)
         return out, (batch, total_dim, plans, offsets, per_sample_weights)
 
-    def _step_update(self, params, opt_state, opt, residuals, grad_output):
+    def step_update(self, params, opt_state, opt, residuals, grad_output):
+        """`apply_gradients` on `step_forward`'s batch, from its plans: `(params, opt_state, 0)` (the TT
+        planner skips bad ids without counting them here)."""
         batch, total_dim, plans, offsets, per_sample_weights = residuals
-        optim.check_opt(opt)
-        self._check_params(params)
+        self.check_optimizer(opt)
+        self.check_params(params)
         optim.check_state(opt, opt_state, params)
         self._check_grad_output(grad_output, batch, total_dim)
         if plans is None:
@@ -442,18 +448,6 @@ def _as_array(x):
     return x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
 
 
-def narrow_ids(x):
-    """int32 ids: an id outside the int32 range becomes -2 (a bad id), never another row (as `tbe_jax`)."""
-    dt = np.dtype(x.dtype)
-    if dt == np.int32 or dt.itemsize < 4:
-        return x.astype(np.int32)
-    xp = np if isinstance(x, np.ndarray) else jnp
-    bad = x > _INT32_MAX
-    if np.issubdtype(dt, np.signedinteger):
-        bad = bad | (x < -1)
-    return xp.where(bad, np.int32(-2), x.astype(np.int32))
-
-
 def narrow_offsets(x):
     """int32 offsets, clamped into the int32 range (a malformed entry stays malformed)."""
     dt = np.dtype(x.dtype)
@@ -461,6 +455,19 @@ def narrow_offsets(x):
         return x.astype(np.int32)
     xp = np if isinstance(x, np.ndarray) else jnp
     return xp.clip(x, -1 if np.issubdtype(dt, np.signedinteger) else 0, _INT32_MAX).astype(np.int32)
+
+
+def _forward(emb, batch, all_cores, indices, offsets, per_sample_weights, *, with_plans):
+    """(output, plans or None). Pallas: the fused kernels on the plans (kept for the backward); XLA: the
+    per-index chain, plus the plans when the backward will need them."""
+    if emb.resolved_impl == "xla":
+        ftm = emb.feature_table_map
+        out = reference.pooled([all_cores[t] for t in ftm], [emb.specs[t] for t in ftm], indices, offsets,
+                               per_sample_weights, pooling=emb.pooling, batch=batch)
+        return out, (emb.flow_plans(batch, indices, offsets) if with_plans else None)
+    return pooled_forward(all_cores, emb.specs, emb.feature_table_map, indices, offsets, per_sample_weights,
+                          batch=batch, pooling=emb.pooling, config=emb.config, interpret=emb.interpret,
+                          return_plans=True, keep_c=with_plans)
 
 
 # -- differentiation ------------------------------------------------------------------
@@ -471,11 +478,11 @@ def narrow_offsets(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _pooled(emb, batch, all_cores, indices, offsets, per_sample_weights):
-    return emb._forward(batch, all_cores, indices, offsets, per_sample_weights, with_plans=False)[0]
+    return _forward(emb, batch, all_cores, indices, offsets, per_sample_weights, with_plans=False)[0]
 
 
 def _pooled_fwd(emb, batch, all_cores, indices, offsets, per_sample_weights):
-    out, plans = emb._forward(batch, all_cores, indices, offsets, per_sample_weights, with_plans=True)
+    out, plans = _forward(emb, batch, all_cores, indices, offsets, per_sample_weights, with_plans=True)
     return out, (all_cores, plans, offsets, per_sample_weights)
 
 
@@ -550,5 +557,5 @@ def _jit_pooled(all_cores, indices, offsets, per_sample_weights, *, emb, batch):
 
 @functools.partial(jax.jit, static_argnames=("emb", "batch"))
 def _jit_apply(opt, params, opt_state, indices, offsets, per_sample_weights, grad_output, *, emb, batch):
-    plans = emb._plans(batch, indices, offsets)
+    plans = emb.flow_plans(batch, indices, offsets)
     return _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output)

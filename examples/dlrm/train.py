@@ -603,7 +603,7 @@ def main(argv=None) -> dict:
         restore_init = build(DLRM(config), args.lr, args.emb_lr, *tt_args).init
 
     emb = model.emb_unsharded
-    path = "Pallas kernels" if emb._use_kernel() else "XLA path"
+    path = "Pallas kernels" if emb.uses_kernel() else "XLA path"
     rows = np.asarray(data_cfg.table_rows)
     log(f"DLRM demo | jax {jax.__version__} | backend {backend} ({jax.devices()[0].device_kind}) | TBE: {path}")
     log(f"size={args.size}: {data_cfg.num_dense} dense + {data_cfg.num_sparse} sparse features, tables of "
@@ -796,7 +796,7 @@ def main(argv=None) -> dict:
         log("  method: both are jitted, warmed up, run on copies of the trained state threaded through "
             f"{reps} back-to-back calls, blocked once; median of 3 repetitions. The share is an estimate: "
             "inside the full step XLA may overlap or fuse the two parts.")
-        if not emb._use_kernel():
+        if not emb.uses_kernel():
             log("  (XLA path: its sparse update is the dense reference, work proportional to the tables, "
                 "so this share is not what the GPU kernels give)")
 

@@ -1,9 +1,10 @@
 """What the framework layers (tbe_jax and tt_jax; Linen, NNX, Haiku) share.
 
 - Input and option checks (`check_ids`, `check_optimizer`, `check_options`), core
-  construction (`build_core`, `cached_core`, `shard_core`: the core spread over a
-  mesh, `tbe_jax.shard` / `tt_jax.shard`), the optimizer state's creation
-  (`opt_init`: placed on the mesh for a sharded core) and leaf naming (`leaf_names`).
+  construction (`build_core`, `cached_core`, `as_tuple`; `shard_core`: the core spread
+  over a mesh by its own `shard`, `tbe_jax.shard` / `tt_jax.shard`), the optimizer
+  state's creation (`opt_init`: placed on the mesh for a sharded core) and leaf naming
+  (`leaf_names`). A core is used only through `tbe_jax.core.SparseCore`'s methods.
 - The sparse-mode training step, framework-independent. A layer built with an
   `optimizer` keeps its tables and optimizer state out of the differentiated
   parameters and looks up through `sparse_lookup`. Outside a training step that
@@ -15,7 +16,7 @@
   loss twice: under `jax.eval_shape` to discover the entries' output shapes, then
   under `value_and_grad` with respect to the dense parameters and the taps; a
   tap's gradient is exactly its lookup's output gradient, which goes to the
-  core's sparse update (`_step_update`, i.e. `apply_gradients`). Entries are
+  core's sparse update (`step_update`, i.e. `apply_gradients`). Entries are
   matched by call order, which is the same in both traces of one function.
 
 Rules the recorder enforces: each sparse layer is called at most once per step
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tbe_jax.core import is_sharded
 from tbe_jax.optim import Optimizer
 from tbe_jax.train import StepReport
 
@@ -67,9 +69,16 @@ def check_optimizer(optimizer, core, makers: str) -> None:
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a sparse optimizer of tbe_jax.optim ({makers}), "
                         f"got {type(optimizer).__name__}")
-    check = getattr(core, "_check_opt", None)  # e.g. TTEmbeddingBag: the optimizers its cores support
-    if check is not None:
-        check(optimizer)
+    core.check_optimizer(optimizer)  # e.g. TTEmbeddingBag: the optimizers its cores support
+
+
+def as_tuple(x):
+    """A layer field that is a sequence (tables, feature_table_map: a list, an array) as a tuple of its items as
+    given, for the core's memo cache; anything else (None, one spec, a string) as is. The core checks the
+    items: an entry 1.7 or True is refused there, not truncated to an int here."""
+    if x is None or isinstance(x, (str, bytes)) or not hasattr(x, "__iter__") or hasattr(x, "items"):
+        return x
+    return tuple(x)
 
 
 def build_core(core_cls, first, options: dict):
@@ -92,11 +101,6 @@ def _check_true_gradient(core) -> None:
             f"tables {rep} are replicated (strategy \"data\"): a sharded layer in true-gradient mode "
             "(optimizer=None) cannot keep their copies equal under jax.grad. Shard them by tables, rows or "
             "columns (sharding_plan), or give the layer a sparse optimizer")
-
-
-def is_sharded(core) -> bool:
-    """A core spread over a mesh (`tbe_jax.shard`'s or `tt_jax.shard`'s object): per-device inputs."""
-    return getattr(core, "mesh", None) is not None and hasattr(core, "num_devices")
 
 
 def check_options(core, options: dict) -> None:
@@ -143,18 +147,7 @@ def _cached_shard(core, mesh, axis_name, plan_tag, capacity_tag):
 
 
 def _shard(core, mesh, axis_name, plan, capacity):
-    from tbe_jax.tbe import TableBatchedEmbedding
-
-    if isinstance(core, TableBatchedEmbedding):
-        from tbe_jax.sharding import shard
-
-        return shard(core, mesh, axis_name, plan, capacity=capacity)
-    from tt_jax.sharding import shard  # a TT core: data parallel over the mesh axis
-
-    if capacity is not None:
-        raise ValueError("capacity applies to tbe_jax.shard's routed ids; a TT core is data parallel "
-                         "(leave capacity None)")
-    return shard(core, mesh, axis_name, plan)
+    return core.shard(mesh, axis_name, plan, capacity=capacity)  # `tbe_jax.core.ShardableCore`
 
 
 def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity=None):
@@ -272,7 +265,7 @@ class _Entry(NamedTuple):
     opt: Any
     tables: Any
     opt_state: Any
-    residuals: Any  # the core's _step_forward residuals
+    residuals: Any  # the core's step_forward residuals
     out: jax.ShapeDtypeStruct
 
 
@@ -302,7 +295,7 @@ class _Recorder:
         if self.keys is not None and (i >= len(self.keys) or self.keys[i] != key):
             raise RuntimeError("the loss function called its sparse-mode layers differently on its two traces "
                                "(it must be a pure function of its arguments)")
-        out, residuals = core._step_forward(tables, indices, offsets, per_sample_weights, **(options or {}))
+        out, residuals = core.step_forward(tables, indices, offsets, per_sample_weights, **(options or {}))
         self.entries.append(_Entry(key, core, opt, tables, opt_state, residuals,
                                    jax.ShapeDtypeStruct(out.shape, out.dtype)))
         if self.taps is None:
@@ -419,7 +412,7 @@ class SparseStep:
             leaves = [next(it) if x is None else x for x in leaves]
             tables, opt_state, opt, residuals = jax.tree_util.tree_unflatten(treedef, leaves)
             opt = step_optimizer(self.optimizer, key, opt)
-            params, opt_state, invalid = core._step_update(tables, opt_state, opt, residuals, g)
+            params, opt_state, invalid = core.step_update(tables, opt_state, opt, residuals, g)
             report = StepReport(jnp.asarray(invalid, jnp.int32), jnp.sum(~jnp.isfinite(g), dtype=jnp.int32))
             updates.append(SparseUpdate(key, params, opt_state, report))
         return ((loss, aux) if self.has_aux else loss), updates

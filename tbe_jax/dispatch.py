@@ -1,0 +1,294 @@
+"""The lookup and the optimizer step of a `TableBatchedEmbedding`: the kernels or the XLA reference, behind one API.
+
+- `forward`: the checked lookup and its bounds report (`emb(...)`, `emb.forward_with_report`);
+- `apply_gradients`: the checked fused optimizer step (`emb.apply_gradients`, `emb.step_update`);
+- `sorted_runs`: the sorted runs of a batch's lookups, which the backward kernels read (`emb.step_forward` builds
+  them in the forward when `BackwardConfig.sort_in_forward`);
+- `jit_forward`, `jit_apply`: eager calls (outside `jit`) as one jitted program each, and `eager_args`,
+  `static_bpf`, their arguments;
+- `out_shape`: a batch's output shape.
+
+The differentiable core is `_lookup`, a `custom_vjp` on validated int32 inputs: the forward kernels (generic and
+histogram), the sequence kernel, or the jnp reference; its VJP is the sorted-run backward storing the true
+gradient, the same kernels `apply_gradients` runs with an optimizer instead. Every function takes the embedding
+first and reads only its public attributes and methods (`uses_kernel`, `plan`, `plan_for`, `layout`, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax import bounds, inputs, reference, runs as runs_lib, sparse_update, vbe
+from tbe_jax.kernels import backward as bwd_kernels
+from tbe_jax.kernels import forward as fwd_kernels
+from tbe_jax.kernels import histogram as hist_kernels
+from tbe_jax.kernels import histogram_backward as hist_bwd
+
+
+def forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
+    """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
+    plan, indices, offsets, per_sample_weights, size_fix = inputs.prepare(
+        emb, params, indices, offsets, per_sample_weights, batch_size_per_feature)
+    n = indices.shape[0]
+
+    # The report: wanted by `forward_with_report` (and the training step, through it) in every mode, by a plain
+    # call (`warn`) in "warning" mode only. The pooled kernels count the ids they skip and the malformed offsets
+    # entries themselves (two slots per program; with the counting on, the forward kernel ran 1.14x its time of
+    # the session before on 81 sweep shards, median, up to 1.87x: `benchmarks/NOTES.md`, session 24; so a plain
+    # call's kernels do not count); the other paths count with XLA passes. "warning" repairs the offsets first
+    # (its count: the entries changed).
+    mode = emb.bounds_check
+    wanted = not warn or mode == "warning"
+    count = wanted and emb.pooling != "none" and emb.uses_kernel()
+    n_fixed = None
+    if mode == "fatal":
+        offsets = inputs.check_fatal(emb, plan, indices, offsets)
+    elif mode == "warning":
+        offsets, n_fixed = bounds.repair_offsets(offsets, n)
+    counts = None
+    if wanted and not count and mode != "fatal":
+        counts = (bounds.count_invalid(plan, indices, offsets),
+                  n_fixed if n_fixed is not None else bounds.count_malformed(offsets, n))
+    indices, offsets, per_sample_weights = inputs.narrow(indices, offsets, per_sample_weights)
+
+    out, kernel_counts = _lookup(emb, plan, count, params, per_sample_weights, indices, offsets)
+    if mode == "fatal" or not wanted:  # checked, or not asked for: nothing to report
+        return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
+    if count:
+        counts = (kernel_counts[0], n_fixed if n_fixed is not None else kernel_counts[1])
+    report = inputs.add_size_fix(bounds.BoundsReport(*counts), size_fix)
+    if warn and mode == "warning":
+        bounds.warn_if_repaired(report)
+    return out, report
+
+
+def apply_gradients(emb, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
+                    batch_size_per_feature, backward_config, runs=None):
+    """The optimizer step: `(params, opt_state)`. `runs`: the batch's sorted runs when the forward built them."""
+    emb.check_optimizer(opt)
+    emb.check_params(params)
+    opt.check_state(opt_state, params)
+    plan, indices, offsets, per_sample_weights = inputs.validated(
+        emb, params, indices, offsets, per_sample_weights, batch_size_per_feature)
+    grad_output = jnp.asarray(grad_output)
+    want = out_shape(emb, plan, indices.shape[0])
+    if tuple(grad_output.shape) != want:
+        raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}; this batch's output is {want}")
+    if not jnp.issubdtype(grad_output.dtype, jnp.floating):
+        raise TypeError(f"grad_output must be floating point, got {grad_output.dtype}")
+    rule = opt.rule()
+    new_w, new_s = _update(emb, plan, rule, opt.hyperparameters(opt_state.count), params,
+                           opt.slots(opt_state), indices, offsets, per_sample_weights, grad_output,
+                           backward_config, runs=runs)
+    return new_w, opt.next_state(opt_state, new_s)
+
+
+def out_shape(emb, plan, n):
+    """The output shape of a batch of `n` ids with feature plan `plan`."""
+    if emb.pooling == "none":
+        return (n, emb.feature_dims[0])
+    return (plan.out_size,) if plan.vbe else (plan.batch[0], sum(emb.feature_dims))
+
+
+def _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets):
+    """The differentiable core on validated int32 inputs: `(out, skipped ids)`."""
+    check_upper = emb.bounds_check != "none"
+    n = indices.shape[0]
+    n_bad = jnp.zeros((2,), jnp.int32)  # the kernels' counts: bad ids, malformed offsets entries
+    if n == 0:  # every bag is empty: the result is all zeros, no kernel needed
+        return jnp.zeros(out_shape(emb, plan, n), emb.output_dtype), n_bad
+    if emb.pooling == "none":
+        return _sequence(emb, params, plan, indices, offsets, per_sample_weights), n_bad
+    if not emb.uses_kernel():
+        return reference.pooled_forward(
+            params, emb.layout, plan, indices, offsets, per_sample_weights,
+            pooling=emb.pooling, output_dtype=emb.output_dtype,
+        ), n_bad
+    paths = emb.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
+    generic = [f for f, p in enumerate(paths) if p != "histogram"]
+    hist = [f for f, p in enumerate(paths) if p != "generic"]
+    auto = [f for f, p in enumerate(paths) if p == "auto"]
+    live_generic = live_hist = None
+    if auto:  # chosen on the device from this batch's bag lengths: each kernel skips the other's features
+        fixed = np.asarray([p == "histogram" for p in paths], np.int32)
+        live_hist = jnp.asarray(fixed) + hist_kernels.long_bags(plan, offsets, auto)
+        live_generic = 1 - live_hist
+    flat = None
+    if generic:
+        flat = fwd_kernels.pooled_forward(
+            params, emb.layout, plan, indices, offsets, per_sample_weights,
+            pooling=emb.pooling, output_dtype=emb.output_dtype, check_upper=check_upper,
+            config=emb.kernel_config, interpret=emb.interpret,
+            count_invalid=count, features=generic, live=live_generic,
+        )
+        if count:
+            flat, n_bad = flat
+    if hist:  # a second launch fills the histogram features' columns in place
+        flat = hist_kernels.histogram_forward(
+            flat, params, emb.layout, plan, hist, indices, offsets,
+            pooling=emb.pooling, check_upper=check_upper, interpret=emb.interpret,
+            config=emb.histogram_config, count_invalid=count, live=live_hist,
+        )
+        if count:
+            flat, hist_bad = flat
+            n_bad = n_bad + hist_bad
+    if not plan.vbe:
+        flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(emb.feature_dims))
+    return flat, n_bad
+
+
+def _sequence(emb, params, plan, indices, offsets, per_sample_weights):
+    if not emb.uses_kernel():
+        return reference.sequence_forward(
+            params, emb.layout, plan, indices, offsets, per_sample_weights,
+            output_dtype=emb.output_dtype,
+        )
+    n = indices.shape[0]
+    _, feat = reference.position_features(plan, offsets, n)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
+    ok = (pos >= offsets[0]) & (pos < offsets[-1]) & (indices >= 0)
+    if emb.bounds_check != "none":
+        ok = ok & (indices < jnp.asarray(np.asarray(plan.num_rows, np.int32))[feat])
+    rows = jnp.where(ok, row_offset[feat] + indices, -1)
+    return fwd_kernels.sequence_forward(
+        params[emb.layout.key(0)], rows, per_sample_weights, dim=emb.layout.dims[0],
+        output_dtype=emb.output_dtype, config=emb.kernel_config, interpret=emb.interpret,
+    )
+
+
+def _histogram_features(emb, plan, per_sample_weights) -> list[int]:
+    """Features whose backward takes the histogram kernels in this call (`plan(backward=True)`)."""
+    if emb.pooling == "none" or not emb.uses_kernel():
+        return []
+    paths = emb.plan(weighted=per_sample_weights is not None, vbe=plan.vbe, backward=True)
+    return [f for f, p in enumerate(paths) if p == "histogram"]
+
+
+def sorted_runs(emb, plan, indices, offsets, per_sample_weights, backward_config=None):
+    """The sorted runs of the generic features' lookups; None when every feature is a histogram one.
+
+    The histogram features' lookups get the sentinel key (no runs): their
+    tables are updated by the histogram backward.
+    """
+    hist = _histogram_features(emb, plan, per_sample_weights)
+    if len(hist) == plan.num_features:
+        return None
+    plan = runs_lib.without_features(plan, hist)
+    cfg = backward_config or emb.backward_config
+    return runs_lib.build_runs(emb.layout, plan, indices, offsets, per_sample_weights,
+                               pooling=emb.pooling, sequence=emb.pooling == "none",
+                               rle_kernel=cfg.rle_kernel, interpret=emb.interpret,
+                               segment_bounds=bwd_kernels.segment_bounds(emb.layout),
+                               rank_sort_max=cfg.rank_sort_limit(emb.interpret),
+                               rank_sort_chunk=cfg.rank_sort_chunk)
+
+
+def _update(emb, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,
+            backward_config=None, runs=None):
+    """The fused update on validated int32 inputs: (tables, state slots).
+
+    `opt`: a `tbe_jax.optim.KernelRule` (None: store the true gradient); `hyper`:
+    the step's `Optimizer.hyperparameters`; `slots`: the state's slots (a tuple of
+    dicts like `params`, empty for SGD).
+
+    `runs`: the batch's sorted runs when the forward already built them.
+    Histogram features (see `plan()`) are left out of the runs: their tables
+    get `counts^T @ grad_output` from the histogram backward kernels.
+    """
+    slots = tuple(slots or ())
+    if indices.shape[0] == 0:
+        return params, slots
+    if emb.uses_kernel():
+        hist = _histogram_features(emb, plan, per_sample_weights)
+        g32 = grad_output.astype(jnp.float32)
+        if len(hist) < plan.num_features:
+            if runs is None:
+                runs = sorted_runs(emb, plan, indices, offsets, per_sample_weights, backward_config)
+            params, slots = bwd_kernels.fused_update(
+                params, slots, emb.layout, runs, g32, opt, hyper,
+                config=backward_config or emb.backward_config, interpret=emb.interpret,
+            )
+        if hist:  # their tables: counts^T x dout, then the optimizer (no sort)
+            params, slots = hist_bwd.histogram_update(
+                params, slots, emb.layout, plan, hist, indices, offsets, g32, opt, hyper,
+                pooling=emb.pooling, config=emb.histogram_config, interpret=emb.interpret,
+            )
+        return params, slots
+    return sparse_update.apply_gradients(
+        params, slots, emb.layout, plan, indices, offsets, per_sample_weights,
+        grad_output, opt, hyper, pooling=emb.pooling,
+    )
+
+
+def static_bpf(bpf):
+    return None if isinstance(bpf, vbe.VariableBatchSizes) else (None if bpf is None else inputs.static_sizes(bpf))
+
+
+def eager_args(indices, offsets, per_sample_weights, bpf):
+    """The array arguments of an eager call, as arrays (lists and NumPy arrays converted as the traced path does)."""
+    psw = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
+    dyn = bpf if isinstance(bpf, vbe.VariableBatchSizes) else None
+    return inputs.as_array("indices", indices), inputs.as_array("offsets", offsets), psw, dyn
+
+
+# Eager calls (outside jit) run as one jitted program each: one compilation per shape instead of one per
+# operation (tens of small XLA programs on the reference path and around the kernels).
+@functools.partial(jax.jit, static_argnames=("emb", "static_bpf", "warn"))
+def jit_forward(indices, offsets, per_sample_weights, dyn_bpf, params, *, emb, static_bpf, warn):
+    bpf = dyn_bpf if dyn_bpf is not None else static_bpf
+    return forward(emb, params, indices, offsets, per_sample_weights, bpf, warn)
+
+
+@functools.partial(jax.jit, static_argnames=("emb", "static_bpf", "backward_config"))
+def jit_apply(indices, offsets, per_sample_weights, dyn_bpf, params, opt_state, opt, grad_output, *, emb,
+              static_bpf, backward_config):
+    bpf = dyn_bpf if dyn_bpf is not None else static_bpf
+    return apply_gradients(emb, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights, bpf,
+                           backward_config)
+
+
+# -- differentiation -------------------------------------------------------------
+# `jax.grad` through a lookup gives the true (dense) gradient of the tables and of
+# the per-sample weights. On the kernel path the table gradient comes from the
+# sorted-run kernels (each looked-up row's gradient summed once, in a fixed order,
+# and stored into a zero gradient: the dense result is table-sized by definition);
+# on the XLA path from the jnp reference VJP. `apply_gradients` and `train_step` run
+# the same backward with the optimizer applied instead of the store.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _lookup(emb, plan, count, params, per_sample_weights, indices, offsets):
+    return _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
+
+
+def _lookup_fwd(emb, plan, count, params, per_sample_weights, indices, offsets):
+    out = _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
+    return out, (params, per_sample_weights, indices, offsets)
+
+
+def _lookup_bwd(emb, plan, count, res, cotangents):
+    params, per_sample_weights, indices, offsets = res
+    g_out, _ = cotangents
+    if indices.shape[0] == 0:
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, (params, per_sample_weights))
+        return zeros + (None, None)
+    if not emb.uses_kernel():
+        d_params, d_psw = reference.pooled_backward(
+            params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling
+        )
+        return d_params, d_psw, None, None
+    zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in params.items()}
+    d_params, _ = _update(emb, plan, None, None, zeros, (), indices, offsets, per_sample_weights, g_out)
+    d_psw = None
+    if per_sample_weights is not None:
+        d_psw = reference.per_sample_weight_grad(
+            params, emb.layout, plan, indices, offsets, per_sample_weights, g_out, pooling=emb.pooling)
+    return d_params, d_psw, None, None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)

@@ -1,0 +1,144 @@
+"""A sharded embedding's arrays to and from per-table form, on the host: `tbe_jax.shard`'s checkpoints.
+
+Sharded buffers depend on the mesh (its size and the plan); `to_unsharded` gives the embedding's own format
+(`emb`'s storage buffers and optimizer state: the same on every mesh, what to save) and `from_unsharded` places
+it on a mesh. `scatter_tables` / `gather_tables` (the sharded `set_tables` / `get_tables`) and `fill_state` (a
+state field) build and read the shards from per-table arrays. Every table passes through the host whole.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tbe_jax.specs import checked_tables
+
+
+def to_unsharded(s, params, opt_state=None):
+    """`(emb_params, emb_opt_state)` in `emb`'s own format (its storage buffers), gathered from the
+    shards: what to save (e.g. with orbax), since it does not depend on the mesh. `opt_state` None gives
+    None. The tables pass through the host (every table is materialised whole, as `get_tables` does)."""
+    emb = s.emb
+    emb_params = emb.set_tables(None, s.get_tables(params))
+    if opt_state is None:
+        return emb_params, None
+    fields = {}
+    for name in (f for f in opt_state._fields if f != "count"):
+        fields[name] = emb.pack(s.get_state(opt_state, name))
+    return emb_params, opt_state._replace(count=jnp.asarray(jax.device_get(opt_state.count)), **fields)
+
+
+def from_unsharded(s, emb_params, emb_opt_state=None):
+    """`(params, opt_state)` on this mesh from `emb`'s format (`to_unsharded`'s output, possibly saved on
+    a mesh of another size)."""
+    emb = s.emb
+    emb.check_params(emb_params)
+    params = s.set_tables(None, emb.get_tables(emb_params))
+    if emb_opt_state is None:
+        return params, None
+    if not hasattr(emb_opt_state, "_fields") or "count" not in emb_opt_state._fields:
+        raise TypeError(f"emb_opt_state must be an optimizer state of emb (emb.init_opt_state's, or "
+                        f"to_unsharded's), got {type(emb_opt_state).__name__}")
+    for name in (f for f in emb_opt_state._fields if f != "count"):
+        tree = getattr(emb_opt_state, name)
+        ok = isinstance(tree, Mapping) and set(tree) == set(emb_params)
+        for key in (tree if ok else ()):
+            shape, (rows, d) = tuple(getattr(tree[key], "shape", ())), emb_params[key].shape
+            ok = ok and shape in ((rows,), (rows, d))
+        if not ok:
+            raise ValueError(f"emb_opt_state.{name} does not match emb's params (one [rows] or [rows, D] array "
+                             f"per buffer {sorted(emb_params)}): pass emb's state (emb.init_opt_state's, or "
+                             "to_unsharded's), not a sharded one")
+    new = {}
+    for name in (f for f in emb_opt_state._fields if f != "count"):
+        new[name] = fill_state(s, getattr(emb_opt_state, name),
+                                     [a for a in emb.get_state(emb_opt_state, name)])
+    count = _replicated(s, jnp.asarray(jax.device_get(emb_opt_state.count)))
+    return params, emb_opt_state._replace(count=count, **new)
+
+
+def scatter_tables(s, tables: Sequence) -> dict:
+    """Sharded params holding `tables` (one `[E_t, D_t]` array per table, as `emb.set_tables` takes), each
+    device given only its shards (built on the host, then placed)."""
+    emb, lay = s.emb, s.layout
+    host = []
+    for arr in checked_tables(emb.tables, tables):
+        host.append(np.asarray(jax.device_get(arr)).astype(emb.weights_dtype))
+    out = {}
+    for c, w in enumerate(lay.widths):
+        blocks = np.zeros((s.num_devices, lay.pool_rows[c], w), emb.weights_dtype)
+        for p in lay.pieces:
+            if p.cols == w:
+                r = lay.pool_row[p]
+                blocks[p.device, r : r + p.rows] = host[p.table][p.row0 : p.row0 + p.rows,
+                                                                  p.col0 : p.col0 + p.cols]
+        out[s.local.layout.key(c)] = _from_blocks(s, blocks.reshape(-1, w))
+    return out
+
+
+def fill_state(s, emb_field, per_table):
+    """A sharded optimizer state field from one array per table (`[E_t]` row-wise, or `[E_t, D_t]`)."""
+    lay = s.layout
+    host = [np.asarray(jax.device_get(v)) for v in per_table]
+    rowwise = host[0].ndim == 1
+    dtype = host[0].dtype
+    out = {}
+    for c, w in enumerate(lay.widths):
+        shape = (s.num_devices, lay.pool_rows[c]) + (() if rowwise else (w,))
+        blocks = np.zeros(shape, dtype)
+        for p in lay.pieces:
+            if p.cols == w:
+                r = lay.pool_row[p]
+                v = host[p.table][p.row0 : p.row0 + p.rows]
+                blocks[p.device, r : r + p.rows] = v if rowwise else v[:, p.col0 : p.col0 + p.cols]
+        out[s.local.layout.key(c)] = _from_blocks(s, blocks.reshape((-1,) + shape[2:]))
+    return out
+
+
+def _from_blocks(s, arr: np.ndarray) -> jax.Array:
+    """A host array of every device's rows (`[n * rows, ...]`, device-major) as an array sharded over the axis."""
+    sh = NamedSharding(s.mesh, P(s.axis_name))
+    return jax.make_array_from_callback(arr.shape, sh, lambda idx: arr[idx])
+
+
+def _replicated(s, x):
+    arr = np.asarray(x)
+    return jax.make_array_from_callback(arr.shape, NamedSharding(s.mesh, P()), lambda idx: arr[idx])
+
+
+def _host(x) -> np.ndarray:
+    """A global array's value on the host (every process gets all of it)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def gather_tables(s, tree, name):
+    """Per table, its full array assembled on the host from the shards in `tree` (params, or a state
+    field), returned as a jax array on the default device."""
+    lay, emb = s.layout, s.emb
+    host = {k: _host(v) for k, v in tree.items()}
+    out = []
+    for t, spec in enumerate(emb.tables):
+        mine = [p for p in lay.pieces if p.table == t]
+        if s.plan.strategies[t] == "data":
+            mine = [p for p in mine if p.device == 0]
+        parts = []
+        for p in mine:
+            c = lay.widths.index(p.cols)
+            buf = host[s.local.layout.key(c)]
+            r = p.device * lay.pool_rows[c] + lay.pool_row[p]
+            parts.append(buf[r : r + p.rows])
+        if s.plan.strategies[t] == "column" and parts[0].ndim == 2:
+            full = np.concatenate(parts, axis=1)
+        elif s.plan.strategies[t] == "column":  # a row-wise state field of a column-wise table: one copy
+            full = parts[0]
+        else:
+            full = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        out.append(jnp.asarray(full))
+    return tuple(out)

@@ -1,0 +1,189 @@
+"""The `shard_map` programs of a sharded embedding (`tbe_jax.shard`): each a jitted function of the sharded
+embedding `s` (static) and its arrays.
+
+- `forward`: route, look up on the owners (`s.local`), send back (and, for training, the routed batch the
+  update reuses);
+- `route_for_update`, `update`: the optimizer step (`apply_gradients`, `step_update`) on the owners;
+- `sharded_init`, `sharded_opt_init`: each device draws its own shards, and their optimizer state;
+- `smap`, `state_specs`: the `shard_map` over `s`'s mesh, and the specs of a sharded optimizer state.
+
+The per-device routing lives in `tbe_jax.shard_route`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from tbe_jax import bounds, shard_route
+from tbe_jax.tbe import blocked_draw, init_rows
+
+
+def smap(s, f, in_specs, out_specs):
+    """`f` as a `jax.shard_map` over `s`'s mesh."""
+    # Kernels in interpret mode trip an interpreter limitation on varying-axes types inside shard_map
+    # (jax evaluates the kernel body with mixed varying / non-varying values); compiled kernels and the
+    # XLA path run under shard_map's default checks.
+    check = not (s.local.interpret and s.uses_kernel())
+    return jax.shard_map(f, mesh=s.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+
+
+def state_specs(s, opt_state):
+    """The partition specs of a sharded optimizer state: every array split over the axis, the count replicated."""
+    ax = s.axis_name
+    return jax.tree_util.tree_map(lambda x: P(ax) if getattr(x, "ndim", 0) >= 1 else P(), opt_state)
+
+
+def _psum(x, s):
+    return jax.lax.psum(x, s.axis_name)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def forward(s, params, idx, off, psw, want_routed: bool):
+    """The global batch's lookup: `(out, BoundsReport, routed)`; `routed` (with `want_routed`) is the owners'
+    batch, which `update` reuses (None otherwise)."""
+    s.check_params(params)
+    ax = s.axis_name
+    emb, n = s.emb, s.num_devices
+    nf = emb.num_features
+    b = (off.shape[1] - 1) // nf
+    sequence = emb.pooling == "none"
+
+    def body(params, idx, off, psw):
+        idx, off = idx[0], off[0]
+        psw = None if psw is None else psw[0]
+        if n == 1:  # nothing to route: emb itself on the one device's batch (bitwise emb)
+            out, rep = emb.forward_with_report(params, idx, off, psw)
+            rep = bounds.BoundsReport(_psum(rep.invalid_indices, s), _psum(rep.repaired_offsets, s))
+            return out, rep, ({"ids": idx, "off": off, "w": psw} if want_routed else None)
+        # Training (want_routed) with mean pooling: the ids travel once, with weights scaled by 1/len(bag) at the
+        # source; the owners' sums are then the means (no division on the way back), and the same routed batch
+        # serves the update. A forward alone keeps the weightless ids and divides at the source.
+        scaled = want_routed and emb.pooling == "mean"
+        routed = shard_route.routed_local(s, idx, off, psw, scaled)
+        (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired) = routed
+        out_l = s.local(params, m_ids, m_off, m_w)
+        if sequence:
+            out = shard_route.sequence_back(s, out_l, back, sent, idx.shape[0])
+        else:
+            out = shard_route.assemble(s, out_l, off, b, divide=not scaled)
+        rep = bounds.BoundsReport(_psum(invalid + dropped, s), _psum(repaired, s))
+        return out, rep, (_pack_routed(routed) if want_routed else None)
+
+    spec = P(ax)
+    routed_spec = None if not want_routed else _routed_specs(s, psw is not None)
+    f = smap(s, body, (jax.tree_util.tree_map(lambda _: spec, params), spec, spec, None if psw is None else spec),
+                (spec, P(), routed_spec))
+    return f(params, idx, off, psw)
+
+
+def _pack_routed(routed):
+    (m_ids, m_off, m_w), back, sent, _ = routed
+    k, src, live = back
+    keep_cap, dst = sent
+    return {"ids": m_ids, "off": m_off, "w": m_w, "k": k, "src": src, "live": live, "keep": keep_cap, "dst": dst}
+
+
+def _routed_specs(s, weighted):
+    spec = P(s.axis_name)
+    if s.num_devices == 1:
+        return {"ids": spec, "off": spec, "w": spec if weighted else None}
+    w = spec if (weighted or s.emb.pooling == "mean") else None
+    return {"ids": spec, "off": spec, "w": w, "k": spec, "src": spec, "live": spec, "keep": spec, "dst": spec}
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def route_for_update(s, idx, off, psw):
+    """The owners' batch for `update` when no forward routed it (`apply_gradients`)."""
+    spec = P(s.axis_name)
+
+    def body(idx, off, psw):
+        if s.num_devices == 1:
+            return {"ids": idx[0], "off": off[0], "w": None if psw is None else psw[0]}
+        routed = shard_route.routed_local(s, idx[0], off[0], None if psw is None else psw[0], True)
+        return _pack_routed(routed)
+
+    f = smap(s, body, (spec, spec, None if psw is None else spec), _routed_specs(s, psw is not None))
+    return f(idx, off, psw)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def update(s, params, opt_state, opt, routed, grad_output):
+    """The optimizer step on the owners, from the routed batch and the output gradient: `(params, opt_state)`."""
+    ax = s.axis_name
+    emb, n = s.emb, s.num_devices
+    sequence = emb.pooling == "none"
+    pspec = jax.tree_util.tree_map(lambda _: P(ax), params)
+    sspec = state_specs(s, opt_state)
+    rspec = jax.tree_util.tree_map(lambda _: P(ax), routed)
+
+    def body(params, opt_state, opt, routed, g):
+        r = routed
+        if n == 1:
+            return emb.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g, r["w"])
+        if sequence:
+            g_l = shard_route.sequence_grads(s, g, r)
+        else:
+            g_l = shard_route.route_grads(s, g)
+        return s.local.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g_l, r["w"])
+
+    f = smap(s, body, (pspec, sspec, P(), rspec, P(ax)), (pspec, sspec))
+    return f(params, opt_state, opt, routed, grad_output)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def sharded_init(s, key, init_block: int):
+    """Every device's shards drawn in place (as `emb.init` draws a table), in blocks of `init_block` elements."""
+    lay, emb, n, ax = s.layout, s.emb, s.num_devices, s.axis_name
+    specs = {}
+    tables = {}
+    for c, w in enumerate(lay.widths):
+        mp = max([sum(1 for p in lay.pieces if p.cols == w and p.device == j) for j in range(n)] + [1])
+        starts = np.full((n, mp + 1), lay.pool_rows[c], np.int32)
+        bnd = np.zeros((n, mp + 1), np.float32)
+        for j in range(n):
+            mine = sorted((p for p in lay.pieces if p.cols == w and p.device == j), key=lambda p: lay.pool_row[p])
+            for i, p in enumerate(mine):
+                starts[j, i] = lay.pool_row[p]
+                bnd[j, i] = 1.0 / math.sqrt(emb.tables[p.table].num_embeddings)
+            starts[j, len(mine)] = sum(p.rows for p in mine)  # padding rows from here: bound 0
+            starts[j, len(mine) + 1 :] = lay.pool_rows[c] + 1
+        tables[s.local.layout.key(c)] = (jnp.asarray(starts), jnp.asarray(bnd), c, w)
+        specs[s.local.layout.key(c)] = P(ax)
+
+    def body(key):
+        j = jax.lax.axis_index(ax) if n > 1 else 0
+        out = {}
+        for name, (starts, bnd, c, w) in tables.items():
+            st, bd = starts[j], bnd[j]  # this device's pieces (then its padding rows: bound 0)
+
+            def draw(k, r0, count, st=st, bd=bd, w=w):  # rows [r0, r0 + count) of this device's pool
+                return init_rows(k, st, bd, r0, count, w, w, emb.weights_dtype)
+
+            k = jax.random.fold_in(jax.random.fold_in(key, j), c)
+            # a large pool block by block: init's scratch memory that of a block (tbe.INIT_BLOCK), per device
+            block = max(1, init_block // w)
+            out[name] = blocked_draw(k, lay.pool_rows[c], w, emb.weights_dtype, block, draw)
+        return out
+
+    return smap(s, body, P(), specs)(key)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def sharded_opt_init(s, opt, params):
+    """`opt`'s state for the shards, each device initialising its own."""
+    ax = s.axis_name
+    pspec = jax.tree_util.tree_map(lambda _: P(ax), params)
+    local_shapes = {k: jax.ShapeDtypeStruct((v.shape[0] // s.num_devices,) + v.shape[1:], v.dtype)
+                    for k, v in params.items()}
+    sspec = state_specs(s, jax.eval_shape(lambda p: opt.init(p), local_shapes))
+
+    def body(params, opt):
+        return s.local.init_opt_state(params, opt)
+
+    return smap(s, body, (pspec, P()), sspec)(params, opt)
