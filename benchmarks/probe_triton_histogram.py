@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import tempfile
 
 import jax
@@ -24,7 +23,6 @@ import numpy as np
 
 import tbe_jax
 from tbe_jax import testing
-from benchmarks import common
 from benchmarks.common import device_events, time_calls
 
 import jax_triton as jt
