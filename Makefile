@@ -28,9 +28,9 @@ check-demo: venv
 test: venv
 	$(PY) -m pytest -q -n 2
 
-# Forward benchmark on the anchors' presets (meant for the GPU).
+# Forward and backward benchmarks on the anchors' presets (meant for the GPU; results in benchmarks/results/).
 bench: venv
-	$(PY) benchmarks/bench_forward.py
+	$(PY) -m benchmarks presets $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

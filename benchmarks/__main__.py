@@ -1,8 +1,34 @@
-"""`python -m benchmarks <suite> [args]`: run one benchmark suite.
+"""`python -m benchmarks <suite> [args]`: run one benchmark suite (`python -m benchmarks <suite> --help` for its
+options). Results go to `benchmarks/results/` unless `--out` says otherwise; shared timing, workloads and result
+saving are in `benchmarks/common.py`. A/B runs pass config objects as JSON (`--configs '{}' '{"unroll": 8}'`).
 
-Suites: `sweep` (many drawn shard shapes against FBGEMM, `benchmarks/sweep.py`), `dispatch` (host time of jitted
-calls, `benchmarks/dispatch.py`), `cpu_update` (the XLA path's update on the CPU as tables grow), `probe_repair`
-(the default mode's offsets repair and id counts on the device, `benchmarks/probe_repair.py`). The older scripts (`bench_*.py`, `trace_*.py`) still run as files.
+Measurements (meant for an H200; on a CPU most run as smoke tests in interpret mode, with `--presets tiny` or
+`--impl xla`):
+  presets      forward then backward on the anchors' presets (`make bench`)
+  forward      the forward on the presets: ours, the XLA baseline, torch, FBGEMM's anchors (bench_forward.py)
+  backward     apply_gradients and train_step on the presets, the XLA baseline (bench_backward.py)
+  optimizers   each fused optimizer's backward step on base and zipf against FBGEMM (bench_optimizers.py)
+  dims         the backward and forward against the embedding dim, mixed-dim models (bench_dims.py)
+  features     init, compile and step cost against the feature count (bench_features.py)
+  paths        the histogram path against the generic one; dispatch on default TableSpecs (bench_paths.py)
+  tt           TT embedding-bag forward and training steps against XLA baselines (bench_tt.py)
+  sharding     sharded training steps over the GPUs of one host (bench_sharding.py)
+  sweep        hundreds of drawn shard shapes against FBGEMM (sweep.py)
+  dispatch     host time of jitted calls (dispatch.py)
+  cpu_update   the XLA path's update on the CPU as tables grow (cpu_update.py)
+Traces and probes (per-kernel time, one question each):
+  trace_backward  per-kernel GPU time of the backward / training step (trace_backward.py)
+  trace_tt        per-kernel GPU time of a TT training step (trace_tt.py)
+  profile_backward, profile_tt  the steps' pieces timed alone
+  probe_forward   ForwardConfig variants on chosen sweep shards, device time
+  probe_repair    the default mode's offsets repair and id counts
+  probe_ranksort  the counting-rank sort against XLA's sort
+  enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
+  kernel_resources  registers, spills and SASS size of the backward's kernels (no GPU needed; needs triton)
+  ncu_backward    a few backward steps to run under Nsight Compute
+  triton_hist     Triton's tl.histogram against our histogram kernel (needs jax_triton)
+Reports:
+  table        the README's performance table from the saved sweep summary (`--write README.md`)
 """
 
 from __future__ import annotations
@@ -10,16 +36,41 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUITES = {"sweep": "benchmarks.sweep", "dispatch": "benchmarks.dispatch", "cpu_update": "benchmarks.cpu_update",
-          "probe_repair": "benchmarks.probe_repair"}
+SUITES = {
+    "presets": "benchmarks.presets",
+    "forward": "benchmarks.bench_forward",
+    "backward": "benchmarks.bench_backward",
+    "optimizers": "benchmarks.bench_optimizers",
+    "dims": "benchmarks.bench_dims",
+    "features": "benchmarks.bench_features",
+    "paths": "benchmarks.bench_paths",
+    "tt": "benchmarks.bench_tt",
+    "sharding": "benchmarks.bench_sharding",
+    "sweep": "benchmarks.sweep",
+    "dispatch": "benchmarks.dispatch",
+    "cpu_update": "benchmarks.cpu_update",
+    "trace_backward": "benchmarks.trace_backward",
+    "trace_tt": "benchmarks.trace_tt",
+    "profile_backward": "benchmarks.profile_backward",
+    "profile_tt": "benchmarks.profile_tt",
+    "probe_forward": "benchmarks.probe_forward",
+    "probe_repair": "benchmarks.probe_repair",
+    "probe_ranksort": "benchmarks.probe_ranksort",
+    "enqueue_gap": "benchmarks.enqueue_gap",
+    "kernel_resources": "benchmarks.kernel_resources",
+    "ncu_backward": "benchmarks.ncu_backward",
+    "triton_hist": "benchmarks.probe_triton_histogram",
+    "table": "benchmarks.table",
+}
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in SUITES:
         print(__doc__)
-        print("suites:", ", ".join(SUITES))
-        raise SystemExit(2)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"unknown suite {argv[0]!r}")
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     module = importlib.import_module(SUITES[argv[0]])
     module.main(argv[1:])
 

@@ -27,34 +27,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import os
-import platform
-import statistics
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import tbe_jax  # noqa: E402
-from tbe_jax import dispatch, testing  # noqa: E402
-from bench_forward import FBGEMM_FWD_KERNEL_MS, time_calls, xla_baseline  # noqa: E402  (same timing, same baseline)
-
-# benchmarks/ANCHORS.md (H200, 2026-11-29): FBGEMM CUDA TBE backward "kernels" times (ms).
-FBGEMM_BWD_KERNEL_MS = {
-    "base": 1.538, "zipf": 0.986, "weighted": 1.423, "large": 7.497, "fp32": 0.902, "smalltable": 0.820,
-}
-ANCHOR_XLA_BWD_MS = {
-    "base": 2.286, "zipf": 3.634, "weighted": 3.728, "large": 19.155, "fp32": 4.027, "smalltable": 2.431,
-}
-LR, EPS = 0.1, 0.1
-TINY = testing.Workload("tiny", 2, 300, 16, 16, 4, 1.15, weighted=True)  # CPU smoke test (interpret mode)
+import tbe_jax
+from benchmarks import common
+from benchmarks.bench_forward import xla_baseline  # the same baseline
+from benchmarks.common import (EPS, FBGEMM_BWD_KERNEL_MS, FBGEMM_FWD_KERNEL_MS, LR, make_sets, time_calls,
+                               time_chain, with_opt)
+from tbe_jax import dispatch, testing
 
 
 def _loss(out, g):
@@ -81,28 +66,6 @@ def sparse_train_step(emb):
     return step
 
 
-def with_opt(opt, sets):
-    """The input sets with the optimizer first (the arguments of a `sparse_train_step` after the carry)."""
-    return [(opt,) + tuple(s) for s in sets]
-
-
-def time_chain(step, carry, arg_sets, iters, reps, warmups=1):
-    """Median ms per step; `step(carry, *args) -> carry` with the carry donated. `warmups` rounds over the
-    argument sets first (2 when the first call's carry is placed differently from the step's output)."""
-    for _ in range(warmups):  # compile + warm-up
-        for a in arg_sets:
-            carry = step(carry, *a)
-    jax.block_until_ready(carry)
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            carry = step(carry, *arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(carry)
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples), carry
-
-
 def xla_step(carry, indices, offsets, psw, g, *, fwd):
     """XLA baseline training step: forward, vjp to a dense gradient, dense row-wise Adagrad."""
     w, m = carry
@@ -112,21 +75,6 @@ def xla_step(carry, indices, offsets, psw, g, *, fwd):
     m = m + jnp.mean(dw * dw, axis=1)
     w = (w.astype(jnp.float32) - LR * dw / (jnp.sqrt(m)[:, None] + EPS)).astype(w.dtype)
     return w, m
-
-
-def make_sets(wl, n_sets, seed=0):
-    rng = np.random.default_rng(seed)
-    feats = wl.features()
-    nf = len(feats)
-    perms = [np.random.default_rng(1000 + t).permutation(e) for t, (e, _, _) in enumerate(feats)] \
-        if wl.alpha > 1 else None
-    sets = []
-    for _ in range(n_sets):
-        idx, off, psw = testing.make_batch(rng, [e for e, _, _ in feats], [wl.B] * nf, [l for _, _, l in feats],
-                                           alpha=wl.alpha, weighted=wl.weighted, perms=perms)
-        g = rng.standard_normal((wl.B, sum(d for _, d, _ in feats)), dtype=np.float32)
-        sets.append(tuple(None if x is None else jnp.asarray(x) for x in (idx, off, psw, g)))
-    return sets
 
 
 def unique_rows(wl, sets):
@@ -175,9 +123,9 @@ def run_workload(wl, args, bcfgs):
     feats = wl.features()
     nf = len(feats)
     sets = make_sets(wl, args.sets)
-    tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
+    tables = common.tables(wl)
     kw = dict(weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype)
-    interpret = jax.default_backend() != "gpu"
+    interpret = common.interpret()
     emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", interpret=interpret, **kw)
     ref_emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla", **kw)
     opt = tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS)
@@ -206,8 +154,7 @@ def run_workload(wl, args, bcfgs):
                                                                         backward_config=bcfg))(
         params0, state0, idx0, off0, g0, psw0)
     # On the device: the large preset's tables are 8 GB.
-    rel = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                  / jnp.maximum(jnp.max(jnp.abs(b.astype(jnp.float32))), 1e-30))
+    rel = common.rel_err
     errs = []
     for k in ref_w:
         errs.append(float(rel(out_w[k], ref_w[k])))
@@ -333,13 +280,14 @@ def scaling_run(args):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks backward", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="base,zipf,weighted,large,fp32,smalltable",
                     help="comma-separated workloads: presets, dims<lo>-<hi>/<step>, many<T>x<dims>[z] "
                          "(tbe_jax.testing.workload); non-anchors get a byte-scaled FBGEMM estimate")
-    ap.add_argument("--configs", default="default",
-                    help="';'-separated BackwardConfig overrides, e.g. 'default;small_block=64,small_num_warps=8'")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="BackwardConfig variants as JSON objects, e.g. '{}' '{\"small_block\": 64}' (default: the "
+                         "defaults); the fastest one's apply_gradients is the row's bwd_ms")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sets", type=int, default=4)
@@ -351,35 +299,20 @@ def main():
     ap.add_argument("--bwd-only", action="store_true",
                     help="time apply_gradients (and the forward, the runs) only: no training-step timings")
     ap.add_argument("--hlo-dir", default="", help="write each train step's compiled HLO here")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
-    bcfgs = {}
-    for item in args.configs.split(";"):
-        kv = {} if item == "default" else dict(p.split("=") for p in item.split(",") if p)
-        bcfgs[item] = tbe_jax.BackwardConfig(**{k: int(v) for k, v in kv.items()})
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
+    bcfgs = common.configs(args.configs, tbe_jax.BackwardConfig)
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
-    dev = jax.devices()[0]
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
-        "jax": jax.__version__, "python": platform.python_version(),
-        "timing": "iters donated steps enqueued back to back over --sets input sets, block once, median of reps",
-        "iters": args.iters, "reps": args.reps, "sets": args.sets, "optimizer": {"lr": LR, "eps": EPS},
-        "device_opt": args.device_opt,
-    }
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta = common.meta(
+        timing="iters donated steps enqueued back to back over --sets input sets, block once, median of reps",
+        iters=args.iters, reps=args.reps, sets=args.sets, optimizer={"lr": LR, "eps": EPS},
+        device_opt=args.device_opt)
     rows = []
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"backward-{stamp}-{meta['device'].replace(' ', '_')}.json")
     out = {"meta": meta, "results": rows}
+    path = args.out if args.out.endswith(".json") else None
     for name in args.presets.split(","):
-        wl = TINY if name == "tiny" else testing.workload(name)
+        wl = common.workload(name)
         r = run_workload(wl, args, bcfgs)
         rows.append(r)
         nan = float("nan")
@@ -390,12 +323,10 @@ def main():
               f"(est {r.get('fbgemm_bwd_est_ms', nan):.3f}: {r.get('vs_fbgemm_bwd_est', nan):.2f}x)  "
               f"err {r['max_rel_err']:.2e}  uniq {r['unique_rows']:.0f}  hlo {r.get('hlo', {}).get('counts')}",
               flush=True)
-        with open(path, "w") as fh:  # after every preset: a run cut short keeps what it measured
-            json.dump(out, fh, indent=1)
+        path = common.save("backward", out, path or args.out)  # after every preset: a run cut short keeps it
     if args.scaling:
         out["scaling"] = scaling_run(args)
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+    path = common.save("backward", out, path or args.out)
     nan = float("nan")
     print("\n| preset | bwd ms | FBGEMM bwd | vs FBGEMM | fwd+bwd ms | FBGEMM fwd+bwd | vs FBGEMM | XLA bwd | vs XLA |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -16,28 +16,24 @@ Results go to benchmarks/results/dims-<date>-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tbe_jax  # noqa: E402
-from bench_forward import time_calls  # noqa: E402
+import tbe_jax
+from benchmarks import common
+from benchmarks.common import time_calls
 
-FBGEMM_BASE_BWD_MS = 1.538
+FBGEMM_BASE_BWD_MS = common.FBGEMM_BWD_KERNEL_MS["base"]
 
 
 def run(dims, args, seed=0):
-    t, e, b, l = 32, 100_000, args.batch, 20
+    t, e, b, l = args.tables, args.rows, args.batch, 20
     tables = [tbe_jax.TableSpec(e, int(dims[i % len(dims)])) for i in range(t)]
-    cfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in args.config.split(",") if p)})
+    cfg = common.config(args.config, tbe_jax.BackwardConfig)
     emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, backward_config=cfg,
-                                        pad_rows=not args.no_pad)
+                                        pad_rows=not args.no_pad, interpret=common.interpret())
     params = emb.init(jax.random.key(seed))
     opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
     if args.device_opt:  # its hyperparameters on the device once, not three host-to-device copies per step
@@ -65,23 +61,26 @@ def run(dims, args, seed=0):
             "fbgemm_est_ms": est, "ratio_vs_fbgemm_est": est / step_ms}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks dims", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--single", default="64,72,96,128,136,192,256")
     ap.add_argument("--mixed", default="8-192/8;4-128/4;16-256/16",
                     help="';'-separated lo-hi/step ranges of D, cycled over the 32 tables")
     ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--tables", type=int, default=32, help="(a CPU smoke run: few tables, rows, a small batch)")
+    ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_block=4,small_num_warps=1")
+    ap.add_argument("--config", default="", help='BackwardConfig fields as JSON, e.g. \'{"small_block": 4}\'')
+    ap.add_argument("--tag", default="", help="appended to the result's file name")
     ap.add_argument("--device-opt", action="store_true",
                     help="pass the optimizer with its hyperparameters as device arrays (jax.device_put) instead of "
                          "Python floats, which each step copies to the device")
     ap.add_argument("--no-pad", action="store_true",
                     help="store the tables unpadded (TableBatchedEmbedding(pad_rows=False)): fp16 rows of dims 4 mod 8 "
                          "then move in 8-byte vectors")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
     res = []
     configs = [[int(d)] for d in args.single.split(",") if d]
     for spec in filter(None, args.mixed.split(";")):
@@ -94,18 +93,10 @@ def main():
         print(f"dims {r['dims'][0]}..{r['dims'][-1]} ({len(r['dims'])}) fwd {r['forward_ms']:.3f} ms "
               f"step {r['step_ms']:.3f} ms  per-lookup-per-128 {r['step_ns_per_lookup_per_128']:.3f} ns  "
               f"vs FBGEMM est {r['ratio_vs_fbgemm_est']:.2f}x", flush=True)
-    dev = jax.devices()[0].device_kind
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": dev,
-            "jax": jax.__version__, "timing": "enqueue --iters calls, block once, median of --reps",
-            "config": args.config, "device_opt": args.device_opt, "pad_rows": not args.no_pad}
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    tag = ("-" + args.config.replace("=", "").replace(",", "-")) if args.config else ""
-    tag += "-nopad" if args.no_pad else ""
-    path = os.path.join(args.out, f"dims-{stamp}{tag}-{dev.replace(' ', '_')}.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": res}, f, indent=1)
-    print("saved", path)
+    meta = common.meta(timing="enqueue --iters calls, block once, median of --reps", config=args.config,
+                       device_opt=args.device_opt, pad_rows=not args.no_pad, tables=args.tables, rows=args.rows)
+    tag = "-".join(filter(None, [args.tag, "nopad" if args.no_pad else ""]))
+    print("saved", common.save("dims", {"meta": meta, "results": res}, args.out, tag))
 
 
 if __name__ == "__main__":

@@ -14,20 +14,15 @@ Results go to benchmarks/results/features-<date>-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tbe_jax  # noqa: E402
-from bench_forward import time_calls  # noqa: E402  (the same timing)
-from tbe_jax import testing  # noqa: E402
+import tbe_jax
+from benchmarks import common
+from benchmarks.common import time_calls  # the same timing
 
 DIMS = (16, 32, 48, 64, 96, 128)
 
@@ -50,7 +45,7 @@ def make_batch(tables, batch: int, seed: int, max_len: int = 30):
 def measure(tables, batch, args, seed=0):
     row = {"features": len(tables), "batch": batch, "dims": sorted({t.embedding_dim for t in tables})}
     t0 = time.perf_counter()
-    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16)
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, interpret=common.interpret())
     params = emb.init(jax.random.key(seed))
     jax.block_until_ready(params)
     row["construct_init_s"] = time.perf_counter() - t0
@@ -108,13 +103,13 @@ def train_step_fn(emb):
 
 
 def base_preset(args):
-    wl = testing.PRESETS["base"]
+    wl = common.workload(args.base)
     tables = [tbe_jax.TableSpec(wl.E, wl.D) for _ in range(wl.T)]
     rng = np.random.default_rng(0)
     lens = np.full(wl.T * wl.B, wl.L)
     offsets = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     indices = jnp.asarray(rng.integers(0, wl.E, int(lens.sum())).astype(np.int32))
-    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16)
+    emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype=jnp.float16, interpret=common.interpret())
     params = emb.init(jax.random.key(0))
     opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
     state = emb.init_opt_state(params, opt)
@@ -139,20 +134,18 @@ def base_preset(args):
             "train_ns_per_lookup": tms * 1e6 / n}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks features", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--features", default="26,200,1000")
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--many-dims", default="32:24,256:24",
                     help="extra models 'features:distinct dims' (dims 8, 16, ... step 8), '' for none")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
-    dev = jax.devices()[0]
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
-            "timing": "enqueue --iters calls, block once, median of --reps; compile = trace + lower + compile"}
+    ap.add_argument("--base", default="base", help="the reference preset (a CPU smoke run: tiny)")
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
+    meta = common.meta(timing="enqueue --iters calls, block once, median of --reps; compile = trace + lower + compile")
     base = base_preset(args)
     print(f"base preset: apply_gradients {base['step_ms']:.3f} ms, {base['step_ns_per_lookup']:.3f} ns/lookup; "
           f"train_step {base['train_ms']:.3f} ms, {base['train_ns_per_lookup']:.3f} ns/lookup", flush=True)
@@ -173,11 +166,7 @@ def main():
               f"compile {r['train_compile_s']:.2f} s, {r['train_ms']:.3f} ms, {r['train_ns_per_lookup']:.3f} ns/lookup "
               f"({r['train_cost_vs_base']:.2f}x base) | "
               f"{r['lookups']} lookups", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"features-{stamp}-{meta['device'].replace(' ', '_')}.json")
-    with open(path, "w") as fh:
-        json.dump({"meta": meta, "base": base, "results": rows}, fh, indent=1)
+    path = common.save("features", {"meta": meta, "base": base, "results": rows}, args.out)
     print(f"saved {path}")
 
 

@@ -16,45 +16,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import os
-import platform
 import statistics
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
-
-# From benchmarks/ANCHORS.md (H200, 2026-11-29): FBGEMM CUDA TBE forward
-# kernel time and the anchors' own XLA baseline (ms).
-ANCHOR_XLA_FWD_MS = {
-    "base": 0.449, "zipf": 0.316, "weighted": 0.371, "large": 1.327, "fp32": 0.436, "smalltable": 0.639,
-}
-FBGEMM_FWD_KERNEL_MS = {
-    "base": 0.187, "zipf": 0.125, "weighted": 0.157, "large": 0.849, "fp32": 0.146, "smalltable": 0.218,
-}
-
-
-def time_calls(fn, arg_sets, iters, reps):
-    """Median ms per call with `iters` calls enqueued back to back, blocked once."""
-    for a in arg_sets:  # warm-up / compile
-        jax.block_until_ready(fn(*a))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(samples)
+import tbe_jax
+from benchmarks import common
+from benchmarks.common import ANCHOR_XLA_FWD_MS, FBGEMM_FWD_KERNEL_MS, time_calls
+from tbe_jax import testing
 
 
 def xla_baseline(w, table_offsets, indices, offsets, psw, num_features, batch):
@@ -110,18 +81,11 @@ def torch_time(wl, sets, iters, reps):
 
 
 def run_workload(wl, args, configs, hist_configs):
-    rng = np.random.default_rng(0)
     feats = wl.features()
     nf = len(feats)
-    perms = [np.random.default_rng(1000 + t).permutation(e) for t, (e, _, _) in enumerate(feats)] \
-        if wl.alpha > 1 else None
-    sets = [
-        testing.make_batch(rng, [e for e, _, _ in feats], [wl.B] * nf, [l for _, _, l in feats],
-                           alpha=wl.alpha, weighted=wl.weighted, perms=perms)
-        for _ in range(args.sets)
-    ]
+    sets = common.make_sets(wl, args.sets, grad=False, device=False)
     # The bag-size hint is the workload's L: it lets small tables take the histogram path.
-    tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in feats]
+    tables = common.tables(wl)
     dev_sets = [tuple(None if x is None else jnp.asarray(x) for x in s) for s in sets]
     row = {"workload": dataclasses.asdict(wl), "bytes": wl.bytes_moved(), "variants": {}}
 
@@ -160,7 +124,7 @@ def run_workload(wl, args, configs, hist_configs):
         emb = tbe_jax.TableBatchedEmbedding(
             tables, weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype, impl="pallas",
             bounds_check=bounds_check, kernel_config=cfg, use_histogram=use_hist, histogram_config=hcfg,
-            interpret=jax.default_backend() != "gpu")  # CPU: smoke test only
+            interpret=common.interpret())  # CPU: smoke test only
         if args.with_report:  # warning mode without the host callback: counts returned on device
             fn = jax.jit(lambda p, i, o, s, emb=emb: emb.forward_with_report(p, i, o, s))
         else:
@@ -192,20 +156,8 @@ def run_workload(wl, args, configs, hist_configs):
     return row
 
 
-def parse_configs(spec: str | None, cls=tbe_jax.ForwardConfig):
-    """'k=v,k=v;k=v' -> {item: cls(...)}; 'default' is cls()."""
-    if not spec:
-        return {} if cls is not tbe_jax.ForwardConfig else {"default": cls()}
-    out = {}
-    for item in spec.split(";"):
-        kv = {} if item == "default" else dict(p.split("=") for p in item.split(",") if p)
-        conv = {"prefetch": lambda v: bool(int(v)), "fp32_accumulation": str}
-        out[item] = cls(**{k: conv.get(k, int)(v) for k, v in kv.items()})
-    return out
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks forward", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default=",".join(testing.PRESETS), help="comma-separated preset names, or 'custom'")
     ap.add_argument("-T", type=int, default=32)
     ap.add_argument("-E", type=int, default=100_000)
@@ -217,10 +169,10 @@ def main():
     ap.add_argument("--weighted", action="store_true")
     ap.add_argument("--weights-dtype", default="float16")
     ap.add_argument("--output-dtype", default="float32")
-    ap.add_argument("--configs", default=None,
-                    help="';'-separated ForwardConfig overrides, e.g. 'unroll=2;unroll=4,tile_elems=4096'")
-    ap.add_argument("--hist-configs", default=None,
-                    help="extra ';'-separated HistogramConfig variants for presets with histogram features")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="ForwardConfig variants as JSON objects, e.g. '{}' '{\"unroll\": 8}' (default: the defaults)")
+    ap.add_argument("--hist-configs", nargs="*", default=[],
+                    help="extra HistogramConfig variants (JSON objects) for presets with histogram features")
     ap.add_argument("--bounds-check", default="ignore", choices=["ignore", "none", "warning", "fatal"])
     ap.add_argument("--compare-bounds", action="store_true",
                     help="also time the default config with bounds_check 'none' and 'ignore' (interleaved, twice)")
@@ -230,50 +182,30 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sets", type=int, default=4)
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
 
     if args.presets == "custom":
         dims = tuple(int(d) for d in args.dims.split(",") if d)
         wls = [testing.Workload("custom", args.T, args.E, args.D, args.B, args.L, args.alpha, args.weighted,
                                 args.weights_dtype, args.output_dtype, dims=dims)]
     else:
-        wls = [testing.PRESETS[p] for p in args.presets.split(",")]
-    configs = parse_configs(args.configs)
-    dev = jax.devices()[0]
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": getattr(dev, "device_kind", str(dev)), "backend": jax.default_backend(),
-        "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
-        "python": platform.python_version(),
-        "timing": "enqueue --iters calls rotating over --sets input sets, block once, median of --reps",
-        "iters": args.iters, "reps": args.reps, "sets": args.sets, "bounds_check": args.bounds_check,
-        "with_report": args.with_report,
-    }
-    try:
-        import torch
-        meta["torch"] = torch.__version__
-    except ImportError:
-        pass
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+        wls = [common.workload(p) for p in args.presets.split(",")]
+    configs = common.configs(args.configs, tbe_jax.ForwardConfig)
+    hist_configs = common.configs(args.hist_configs, tbe_jax.HistogramConfig) if args.hist_configs else {}
+    meta = common.meta(
+        timing="enqueue --iters calls rotating over --sets input sets, block once, median of --reps",
+        iters=args.iters, reps=args.reps, sets=args.sets, bounds_check=args.bounds_check,
+        with_report=args.with_report)
     rows = []
     for wl in wls:
-        rows.append(run_workload(wl, args, configs, parse_configs(args.hist_configs, tbe_jax.HistogramConfig)))
+        rows.append(run_workload(wl, args, configs, hist_configs))
         r = rows[-1]
         print(f"{wl.name:11s} ours {r['ms']:.4f} ms ({r['GBps']:.0f} GB/s, {r['best']}) "
               f"xla {r['xla_ms']:.4f} torch {r.get('torch_ms') or float('nan'):.4f} "
               f"fbgemm {r['fbgemm_kernel_ms'] or float('nan'):.3f} | "
               + " ".join(f"{k}:{v['ms']:.4f}" for k, v in r["variants"].items()), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    kind = meta["device"].replace(" ", "_")
-    path = os.path.join(args.out, f"forward-{stamp}-{kind}.json")
-    with open(path, "w") as fh:
-        json.dump({"meta": meta, "results": rows}, fh, indent=1)
+    path = common.save("forward", {"meta": meta, "results": rows}, args.out)
     nan = float("nan")
     print("\n| preset | path | ours ms | GB/s | XLA ms | torch ms | FBGEMM kernel ms | vs XLA | vs FBGEMM "
           "| generic-only ms |")

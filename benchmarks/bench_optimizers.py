@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
-import os
-import platform
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
-from bench_backward import EPS, LR, make_sets, time_chain, with_opt  # noqa: E402
+import tbe_jax
+from benchmarks import common
+from benchmarks.common import EPS, LR, make_sets, time_chain, with_opt
+
 
 # FBGEMM 1.6 backward kernel time per fused optimizer (profiler; fwd+bwd minus fwd), H200, 2026-11-30.
 FBGEMM_BWD_MS = {
@@ -53,15 +47,14 @@ OPTIMIZERS = {
 
 def run(wl, names, args):
     sets = make_sets(wl, args.sets)
-    tables = [tbe_jax.TableSpec(e, d, bag_size_hint=l) for e, d, l in wl.features()]
+    tables = common.tables(wl)
     kw = dict(weights_dtype=wl.weights_dtype, output_dtype=wl.output_dtype)
-    cfg = tbe_jax.BackwardConfig(**{k: int(v) for k, v in (p.split("=") for p in args.config.split(",") if p)})
-    emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", backward_config=cfg, **kw)
+    cfg = common.config(args.config, tbe_jax.BackwardConfig)
+    emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", backward_config=cfg, interpret=common.interpret(), **kw)
     ref = tbe_jax.TableBatchedEmbedding(tables, impl="xla", **kw)
     params0 = emb.init(jax.random.key(0))
     out = {}
-    rel = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                  / jnp.maximum(jnp.max(jnp.abs(b.astype(jnp.float32))), 1e-30))
+    rel = common.rel_err
     for name in names:
         opt = OPTIMIZERS[name]()
         state0 = emb.init_opt_state(params0, opt)
@@ -97,35 +90,27 @@ def run(wl, names, args):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks optimizers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="base,zipf")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sets", type=int, default=2)
-    ap.add_argument("--config", default="", help="BackwardConfig overrides, e.g. small_num_warps=4,small_block=16")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
-    dev = jax.devices()[0]
+    ap.add_argument("--config", default="", help='BackwardConfig fields as JSON, e.g. \'{"small_block": 16}\'')
+    ap.add_argument("--tag", default="", help="appended to the result's file name")
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
     res = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
-        "python": platform.python_version(),
+        "meta": common.meta(),
         "timing": "apply_gradients, iters donated steps enqueued back to back over --sets input sets, block once, "
                   "median of reps",
         "iters": args.iters, "reps": args.reps, "sets": args.sets, "config": args.config, "presets": {},
     }
     names = args.optimizers.split(",")
     for p in args.presets.split(","):
-        res["presets"][p] = run(testing.PRESETS[p], names, args)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    tag = ("-" + args.config.replace("=", "").replace(",", "-")) if args.config else ""
-    path = os.path.join(args.out, f"optimizers-{stamp}{tag}-{res['device'].replace(' ', '_')}.json")
-    with open(path, "w") as fh:
-        json.dump(res, fh, indent=1)
-    print("saved", path)
+        res["presets"][p] = run(common.workload(p), names, args)
+    print("saved", common.save("optimizers", res, args.out, args.tag))
 
 
 if __name__ == "__main__":

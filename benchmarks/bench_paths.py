@@ -19,12 +19,9 @@ Results go to benchmarks/results/paths-<date>-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -32,13 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
-from bench_backward import FBGEMM_BWD_KERNEL_MS, time_chain  # noqa: E402
-from bench_forward import FBGEMM_FWD_KERNEL_MS, time_calls  # noqa: E402
-from trace_backward import device_events  # noqa: E402
+import tbe_jax
+from benchmarks import common
+from benchmarks.common import FBGEMM_BWD_KERNEL_MS, FBGEMM_FWD_KERNEL_MS, device_events, time_calls, time_chain
+from tbe_jax import testing
 
 
 def _sets(num_rows, batch, bag_len, n_sets, dim, seed=0):
@@ -58,7 +52,8 @@ def sweep_one(num_rows, dim, batch, bag_len, args):
     ref = None
     for name, hint, use_hist in (("histogram", 1 << 20, True), ("generic", None, False)):
         emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(num_rows, dim, bag_size_hint=hint)],
-                                            weights_dtype=jnp.float16, use_histogram=use_hist)
+                                            weights_dtype=jnp.float16, use_histogram=use_hist,
+                                            interpret=common.interpret())
         assert emb.plan() == (name,), (name, emb.plan())
         params = emb.init(jax.random.key(0))
         fwd = jax.jit(lambda p, i, o, emb=emb: emb(p, i, o))
@@ -167,8 +162,8 @@ def dispatch_one(preset, args):
     return row
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks paths", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--dispatch", default="", help="comma-separated presets (default TableSpecs: no hints)")
     ap.add_argument("--no-backward", action="store_true", help="--dispatch: the forward only")
@@ -179,16 +174,10 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sets", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
-    res = {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "args": vars(args),
-           "sweep": [], "dispatch": []}
-    try:
-        import triton
-        res["triton"] = triton.__version__
-    except ImportError:
-        pass
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
+    res = {"meta": common.meta(), "gpu": jax.devices()[0].device_kind, "args": vars(args), "sweep": [],
+           "dispatch": []}
     if args.sweep:
         for e in map(int, args.rows.split(",")):
             for d in map(int, args.dims.split(",")):
@@ -197,12 +186,7 @@ def main():
                         res["sweep"].append(sweep_one(e, d, b, l, args))
     for p in filter(None, args.dispatch.split(",")):
         res["dispatch"].append(dispatch_one(p, args))
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"paths-{stamp}-{res['gpu'].replace(' ', '_')}.json")
-    with open(path, "w") as fh:
-        json.dump(res, fh, indent=1)
-    print("saved", path)
+    print("saved", common.save("paths", res, args.out))
 
 
 if __name__ == "__main__":

@@ -22,23 +22,18 @@ Results: benchmarks/results/sharding-<date>-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
-from tbe_jax.shard_route import all_to_all as _a2a  # noqa: E402
-from bench_backward import time_chain  # noqa: E402
+import tbe_jax
+from benchmarks import common
+from benchmarks.common import profile, time_chain
+from tbe_jax import testing
+from tbe_jax.shard_route import all_to_all as _a2a
 
 LR, EPS = 0.01, 1e-8
 
@@ -121,8 +116,6 @@ def weak(args, n, rng, results):
         dropped = int(fwd(params, *dev_sets[0][:2]))
         ms, carry = timed(train_fn(sharded, opt), (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
         if args.profile:  # GPU time per kernel name, summed over the devices, per step
-            sys.path.insert(0, os.path.dirname(__file__))
-            from trace_backward import profile
             prof = profile(train_fn(sharded, opt), carry, dev_sets, args.iters)
             out[case + "_profile_top"] = dict(list(prof.items())[:25])
             print(case, "profile", json.dumps(out[case + "_profile_top"])[:3000], flush=True)
@@ -167,7 +160,6 @@ def weak(args, n, rng, results):
         ms, carry = timed(train_fn(share, opt), (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
         out[f"one_gpu_{name}_ms"] = ms
         if args.profile and name == "share":
-            from trace_backward import profile
             prof = profile(train_fn(share, opt), carry, dev_sets, args.iters)
             out["share_profile_top"] = dict(list(prof.items())[:25])
         print(name, ms, flush=True)
@@ -207,7 +199,6 @@ def big(args, n, rng, results):
             continue
         ms, carry = timed(fn, (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
         if args.profile:
-            from trace_backward import profile
             prof = profile(fn, carry, dev_sets, 2)
             out[plan_name + "_profile_top"] = dict(list(prof.items())[:12])
             print(plan_name, "profile", {k[:60]: round(v["ms"], 3) for k, v in list(prof.items())[:12]}, flush=True)
@@ -231,8 +222,8 @@ def big(args, n, rng, results):
     results["big"] = out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks sharding", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weak", action="store_true")
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--plans", default="table,row")
@@ -253,18 +244,11 @@ def main():
     ap.add_argument("--tables-per-gpu", type=int, default=0, help="weak: tables per GPU (0: the preset's)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sets", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
     n = len(jax.devices())
     rng = np.random.default_rng(0)
-    res = {"device": jax.devices()[0].device_kind, "num_devices": n, "jax": jax.__version__,
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-           "args": vars(args)}
-    try:
-        import triton
-        res["triton"] = triton.__version__
-    except ImportError:
-        pass
+    res = {"meta": common.meta(), "device": jax.devices()[0].device_kind, "num_devices": n, "args": vars(args)}
     if args.weak:
         weak(args, n, rng, res)
     if args.big and args.big_rows_list:
@@ -275,12 +259,7 @@ def main():
             res[f"big_{r}"] = sub["big"]
     elif args.big:
         big(args, n, rng, res)
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"sharding-{stamp}-{n}x{res['device'].replace(' ', '_')}.json")
-    with open(path, "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
-    print("saved", path)
+    print("saved", common.save("sharding", res, args.out))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ Variants (`--variants`, comma-separated):
                       Adagrad) applied densely over each core (zero gradient on untouched slices); the
                       optimizer's state is a fresh one each call. "fwd_ms" of these is the whole step; with
                       pallas_plan and pallas the breakdown is plan / forward / backward+optimizer.
-- pallas{k=v,...}:    one per `--configs` entry: the base config with those fields replaced (a sweep)
+- pallas{...}:        one per `--configs` entry (JSON): the base config with those fields replaced (a sweep)
 
 Timing as bench_forward.py: `--iters` calls enqueued back to back over `--sets` rotating input
 sets, one block, median of `--reps` (launch overhead excluded). Forward for every variant;
@@ -42,36 +42,30 @@ Results: benchmarks/results/tt-<stamp>-<gpu>.json. Without a GPU the run is a sm
 shapes, interpret mode, one timed call (checks the script, not performance).
 
 Examples:
-  python benchmarks/bench_tt.py                                  # workload a, B = 4096, 32768
-  python benchmarks/bench_tt.py --batches 2048,8192,32768,131072 --variants per_index,pallas,pallas_static
-  python benchmarks/bench_tt.py --workload meta-240 --batches 1024,4096 --no-bwd
-  python benchmarks/bench_tt.py --batches 32768 --variants per_index,pallas --no-bwd \
-      --configs chunk=32,tile_rows=8 num_warps=2 programs_per_sm=8 schedule=static
+  python -m benchmarks tt                                        # workload a, B = 4096, 32768
+  python -m benchmarks tt --batches 2048,8192,32768,131072 --variants per_index,pallas,pallas_static
+  python -m benchmarks tt --workload meta-240 --batches 1024,4096 --no-bwd
+  python -m benchmarks tt --batches 32768 --variants per_index,pallas --no-bwd \
+      --configs '{"chunk": 32, "tile_rows": 8}' '{"num_warps": 2}' '{"programs_per_sm": 8}'
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
-import platform
-import sys
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tbe_jax  # noqa: E402
-import tt_jax  # noqa: E402
-from tt_jax import prefix, reference, workloads  # noqa: E402
-from tt_jax.kernels import forward as tt_kernels  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_forward import time_calls  # noqa: E402
+import tbe_jax
+import tt_jax
+from benchmarks import common
+from benchmarks.common import time_calls
+from tt_jax import prefix, reference, workloads
+from tt_jax.kernels import forward as tt_kernels
 
 XLA_VARIANTS = ("per_index", "unique_only", "prefix_reuse", "dense")
 PALLAS_VARIANTS = ("pallas", "pallas_static", "pallas_queue", "pallas_grid", "pallas_unique_only",
@@ -168,14 +162,10 @@ def numpy_cores(specs, seed: int = 0):
 
 
 def config_fields(entry: str) -> dict:
-    """'k=v,k=v' -> TTKernelConfig fields, each value parsed by its field's default type (str, bool, int)."""
-    defaults = tt_kernels.TTKernelConfig()
-    fields = {}
-    for kv in entry.split(","):
-        k, v = kv.split("=")
-        kind = type(getattr(defaults, k)) if getattr(defaults, k) is not None else int
-        fields[k] = v in ("True", "true", "1") if kind is bool else (v if kind is str else int(v))
-    return fields
+    """A TTKernelConfig variant's fields from a JSON object (`'{"chunk": 32, "precision": "tf32"}'`), the names
+    checked against the config's."""
+    common.config(entry, tt_kernels.TTKernelConfig)
+    return {} if entry.strip() in ("", "default") else json.loads(entry)
 
 
 def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpret):
@@ -239,8 +229,8 @@ def device_peak():
         return None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks tt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="a", choices=sorted(workloads.PRESETS))
     ap.add_argument("--batches", default=None, help="comma-separated B (default 4096,32768; smoke: 64)")
     ap.add_argument("--p", default="200,200,250", help="workload a: row factorisation")
@@ -264,22 +254,14 @@ def main():
     ap.add_argument("--pool-unroll", type=int, default=None)
     ap.add_argument("--pool-warps", type=int, default=None)
     ap.add_argument("--configs", nargs="*", default=[],
-                    help="extra fused-kernel variants, each 'field=value,field=value' over the base config")
+                    help="extra fused-kernel variants, each a JSON object of TTKernelConfig fields over the base config")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sets", type=int, default=2)
     ap.add_argument("--smoke", action=argparse.BooleanOptionalAction, default=None,
                     help="tiny shapes in interpret mode (default: on without a GPU)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--private", default="",
-                    help="A/B of module constants of tt_jax.kernels (rows, prefix_c, pool, segsum, groups, plan) or "
-                         "tt_jax.prefix, e.g. BLOCK=512 "
-                         "(saved in the result's args)")
-    args = ap.parse_args()
-    from trace_backward import set_private
-    from tt_jax.kernels import groups, plan as tt_plan, pool, prefix_c, rows, segsum
-    from tbe_jax.kernels import scan
-    set_private(args.private, (rows, prefix_c, pool, segsum, groups, tt_plan, prefix, scan))
+    ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
+    args = ap.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
     smoke = (not on_gpu) if args.smoke is None else args.smoke
@@ -318,7 +300,7 @@ def main():
     base = tt_kernels.TTKernelConfig(schedule=args.schedule, **overrides)
     sweep = {}
     for entry in args.configs:
-        sweep["pallas{" + entry + "}"] = dataclasses.replace(base, **config_fields(entry))
+        sweep["pallas" + entry] = dataclasses.replace(base, **config_fields(entry))
     names += list(sweep)
 
     emb = tt_jax.TTEmbeddingBag(specs, impl="xla")
@@ -394,31 +376,12 @@ def main():
                                                                if "speedup_vs_per_index" in v else "")
                                for k, v in row["variants"].items() if "fwd_ms" in v), flush=True)
 
-    dev0 = jax.devices()[0]
-    gpu = dev0.device_kind if on_gpu else f"{dev0.platform}-smoke"
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": dev0.device_kind, "platform": dev0.platform, "smoke_interpret": bool(smoke and interpret),
-        "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-        "python": platform.python_version(), "workload": wl.summary(), "base_config": dataclasses.asdict(base),
-        "timing": f"{args.iters} enqueued calls over {args.sets} input sets, one block, median of {args.reps}",
-        "args": vars(args),
-    }
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(args.out, f"tt-{stamp}-{gpu.replace(' ', '_')}.json")
-    with open(path, "w") as fh:
-        json.dump({"meta": meta, "results": rows_out}, fh, indent=1)
-    print("saved", path)
+    meta = common.meta(
+        smoke_interpret=bool(smoke and interpret), workload=wl.summary(), base_config=dataclasses.asdict(base),
+        timing=f"{args.iters} enqueued calls over {args.sets} input sets, one block, median of {args.reps}",
+        args=vars(args))
+    print("saved", common.save("tt", {"meta": meta, "results": rows_out}, args.out, "" if on_gpu else "smoke"))
 
-
-def _jaxlib_version():
-    try:
-        import jaxlib
-
-        return jaxlib.__version__
-    except Exception:  # noqa: BLE001
-        return None
 
 
 if __name__ == "__main__":

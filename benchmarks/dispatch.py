@@ -52,7 +52,7 @@ def probe(args) -> dict:
     import jax.numpy as jnp
 
     import tbe_jax
-    from benchmarks.devtime import device_ms, enqueued_ms, host_us
+    from benchmarks.common import device_ms, enqueued_ms, host_us
 
     res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
            "device": jax.devices()[0].device_kind, "cases": {}}

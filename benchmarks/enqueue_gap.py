@@ -9,7 +9,7 @@ this process (nothing else compiling or running on the host):
 - `host_events`: the host-side events per call under the profiler (PjRt's execute, XLA's thunks, graph launches).
 `--xla-flags` repeats everything per XLA_FLAGS value in a fresh process.
 
-  python -m benchmarks.enqueue_gap --shards s099,s080,s184 --out benchmarks/results/enqueue-gap-....json
+  python -m benchmarks enqueue_gap --shards s099,s080,s184 --out benchmarks/results/enqueue-gap-....json
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def probe(names: list[str], iters: int) -> dict:
 
     import tbe_jax
     from benchmarks import sweep
-    from benchmarks.devtime import enqueued_ms, host_us
+    from benchmarks.common import enqueued_ms, host_us
 
     drawn = {s.name: s for s in sweep.draw_shards(240, 20261202)}
     drawn.update(sweep.named_shards())
@@ -124,7 +124,7 @@ def diagnose(names: list[str], trace_dir: str) -> dict:
 
     import tbe_jax
     from benchmarks import sweep
-    from benchmarks.devtime import host_us
+    from benchmarks.common import host_us
 
     drawn = {s.name: s for s in sweep.draw_shards(240, 20261202)}
     out = {}

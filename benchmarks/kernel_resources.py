@@ -8,9 +8,10 @@ register traffic into local-memory traffic. The Triton here is the PyPI one, not
 counts can differ a little from what runs on the GPU; use it to compare variants, not as ground truth.
 
   pip install --target /tmp/tsite triton==3.6.0          (not a project dependency; the tool reads PYTHONPATH)
-  PYTHONPATH=/tmp/tsite python benchmarks/kernel_resources.py --dims "4-128/4" --variants merge_width=0 ""
+  PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --dims "4-128/4" --variants '{"merge_width": 0}' '{}'
 
-The dims / variants syntax is `trace_backward.py`'s.
+The dims / variants syntax is `python -m benchmarks trace_backward`'s (variants: JSON objects of BackwardConfig
+fields).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import tbe_jax  # noqa: E402
-from trace_backward import Variants, backward_modules, workload  # noqa: E402
+import tbe_jax
+from benchmarks import common
+from benchmarks.trace_backward import variant as backward_variant
 
 
 def capture_triton_ir(fn, *args) -> list[tuple[str, str, int]]:
@@ -108,29 +108,17 @@ def report(kernels, match: str) -> dict:
     return out
 
 
-_TT_DEFAULTS: dict = {}
-
-
 def tt_kernels(workload: str, config: str, opt: str, batch: int):
     """The Pallas kernels of a TT training step (`trace_tt.py`'s step) on a tt_jax workload, lowered for CUDA."""
     import tt_jax
-    from bench_tt import config_fields, numpy_cores
-    from trace_tt import OPTS, make_step
+    from benchmarks.bench_tt import config_fields, numpy_cores
+    from benchmarks.trace_tt import OPTS, make_step
     from tt_jax import workloads
     from tt_jax.kernels import forward as kf
 
     wl = workloads.PRESETS[workload]()
     specs = list(wl.specs)
-    from trace_backward import set_private
-    from tt_jax.kernels import groups, pool, prefix_c, rows, segsum
-    tt_modules = (rows, prefix_c, pool, segsum, groups)
-    items = [p for p in config.split(",") if p]
-    for m in tt_modules:  # restore, then this run's upper-case constants
-        for k in [k for k in dir(m) if k.isupper()]:
-            setattr(m, k, _TT_DEFAULTS.setdefault((m.__name__, k), getattr(m, k)))
-    set_private(",".join(p for p in items if p.split("=")[0].isupper()), tt_modules)
-    config = ",".join(p for p in items if not p.split("=")[0].isupper())
-    cfg = kf.TTKernelConfig(**config_fields(config)) if config else kf.TTKernelConfig()
+    cfg = kf.TTKernelConfig(**config_fields(config))
     real_backend = jax.default_backend
     jax.default_backend = lambda: "gpu"  # the kernel path, lowered for CUDA here, not run
     try:
@@ -146,17 +134,17 @@ def tt_kernels(workload: str, config: str, opt: str, batch: int):
         jax.default_backend = real_backend
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks kernel_resources", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="")
     ap.add_argument("--dims", default="4-128/4")
-    ap.add_argument("--variants", nargs="*", default=[""])
+    ap.add_argument("--variants", nargs="*", default=[""], help="BackwardConfig variants as JSON objects")
     ap.add_argument("--match", default="small_runs")
     ap.add_argument("--tt", default="", help="a tt_jax workload (e.g. 'a'): report its training step's kernels instead")
     ap.add_argument("--tt-configs", nargs="*", default=[""],
-                    help="TTKernelConfig overrides 'k=v,k=v' (upper case: constants of the tt_jax.kernels modules), one run each")
+                    help="TTKernelConfig variants as JSON objects, one run each")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.tt:
         res = {}
         for config in args.tt_configs:
@@ -167,16 +155,15 @@ def main():
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=1)
         return
-    configs = Variants(backward_modules())
     specs = [p for p in args.presets.split(",") if p] + [f"dims{d}" for d in args.dims.split(";") if d]
     res = {}
     for spec in specs:
-        wl = workload(spec)
+        wl = common.workload(spec)
         for variant in args.variants:
-            cfg = configs.apply(variant)
+            cfg, pad_rows = backward_variant("", variant)
             tables = [tbe_jax.TableSpec(e, d) for e, d, _ in wl.features()]
             emb = tbe_jax.TableBatchedEmbedding(tables, impl="pallas", weights_dtype=wl.weights_dtype,
-                                                output_dtype=wl.output_dtype, backward_config=cfg)
+                                                output_dtype=wl.output_dtype, backward_config=cfg, pad_rows=pad_rows)
             emb.uses_kernel = lambda: True  # lowered for CUDA here: the kernel path, not run
             opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=0.1)
             params = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), wl.weights_dtype)

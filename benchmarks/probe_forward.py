@@ -1,6 +1,6 @@
 """Probe: forward kernel configs (`tbe_jax.ForwardConfig`) on chosen sweep shards, device time per call.
 
-  python -m benchmarks.probe_forward --shards s212,s161,fp32 --out results/probe-forward-....json
+  python -m benchmarks probe_forward --shards s212,s161,fp32 --out results/probe-forward-....json
 Shards are the sweep's (`benchmarks.sweep`, same seed) or its named ones; each variant is a ForwardConfig
 override given as JSON (`--variants '{"fp32_accumulation": "twosum"}' ...`).
 """
@@ -17,14 +17,14 @@ import jax.numpy as jnp
 
 import tbe_jax
 from benchmarks import sweep
-from benchmarks.devtime import device_ms
+from benchmarks.common import device_ms
 
 DEFAULT_VARIANTS = ['{}', '{"fp32_accumulation": "twosum"}', '{"fp32_accumulation": "fp64"}',
                     '{"tile_elems": 512}', '{"unroll": 8}', '{"num_warps": 2, "tile_elems": 512}',
                     '{"fp32_accumulation": "fp64", "unroll": 8}', '{"fp32_accumulation": "twosum", "unroll": 8}']
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shards", default="s212,s161,s207,s024,s038,s051,s075,s007,fp32")
     ap.add_argument("--seed", type=int, default=20261202)
@@ -34,7 +34,7 @@ def main():
                     help="comma list: as-drawn; sorted (tables by mean bag length, longest first); "
                          "hinted (each table's bag_size_hint = its mean bag length: static paths, no 'auto')")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     pool = {s.name: s for s in sweep.draw_shards(args.shapes, args.seed)}
     pool.update(sweep.named_shards())
     rows = []

@@ -1,7 +1,7 @@
 """Probe: the counting-rank sort (`kernels.ranksort`) against XLA's sort of (key, position) on small arrays.
 
 Device time per call (profiler) for N from 1k to 128k and several chunk sizes (1048576: one chunk, no merge pass), keys spread (0..1e6) or crowded (0..100); checks that both
-give the same arrays.   python -m benchmarks.probe_ranksort --out results/ranksort-....json
+give the same arrays.   python -m benchmarks probe_ranksort --out results/ranksort-....json
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.devtime import device_ms
+from benchmarks.common import device_ms
 from tbe_jax.kernels.ranksort import rank_sort
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--sizes", default="1024,4096,8192,16384,24576,32768,49152,65536,98304,131072")
     ap.add_argument("--ranges", default="1000000,100", help="keys drawn in [0, range)")
     ap.add_argument("--chunks", default="1024,2048,4096,1048576")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
     xla = jax.jit(lambda k, p: jax.lax.sort((k, p), num_keys=1, is_stable=True))

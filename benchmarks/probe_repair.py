@@ -32,7 +32,7 @@ def main(argv=None):
 
     import tbe_jax
     from benchmarks import sweep
-    from benchmarks.devtime import device_ms
+    from benchmarks.common import device_ms
 
     out = {"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                     "date": time.strftime("%Y-%m-%d %H:%M"), "iters": args.iters, "rounds": args.rounds},

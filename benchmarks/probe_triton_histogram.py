@@ -15,23 +15,19 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import tbe_jax  # noqa: E402
-from tbe_jax import testing  # noqa: E402
-from bench_forward import time_calls  # noqa: E402
-from trace_backward import device_events  # noqa: E402
+import tbe_jax
+from tbe_jax import testing
+from benchmarks.common import device_events, time_calls
 
-import jax_triton as jt  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import jax_triton as jt
+import triton
+import triton.language as tl
 
 
 @triton.jit
@@ -111,7 +107,7 @@ def device_ms(fn, args, iters):
     return sum(e["dur"] for e in ev) / 1e3 / iters
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("-E", type=int, default=64)
     ap.add_argument("-D", type=int, default=128)
@@ -120,7 +116,7 @@ def main():
     ap.add_argument("--variants", default="tl_group:16:8:1,tl_group:16:16:2,tl_bag:16:128:1,tl_bag:16:64:2,tl_bag:8:128:1")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     res = {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "triton": triton.__version__,
            "jax_triton": jt.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "args": vars(args), "rows": []}

@@ -9,31 +9,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tbe_jax  # noqa: E402
-from tbe_jax import dispatch, reference, runs as runs_lib, testing  # noqa: E402
-from tbe_jax.kernels import backward as bwd  # noqa: E402
-from bench_backward import make_sets, time_calls  # noqa: E402
+import tbe_jax
+from tbe_jax import dispatch, reference, runs as runs_lib
+from tbe_jax.kernels import backward as bwd
+from benchmarks import common
+from benchmarks.common import make_sets, time_calls
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks profile_backward", description=__doc__)
     ap.add_argument("--presets", default="base,zipf")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     allres = {}
     for name in args.presets.split(","):
-        wl = testing.PRESETS[name]
+        wl = common.workload(name)
         sets = make_sets(wl, 2)
         feats = wl.features()
         tables = [tbe_jax.TableSpec(e, d) for e, d, _ in feats]

@@ -6,44 +6,40 @@ the per-group kernel, per core the member sort (`_runs`) and the per-slice sums,
 update. Each is jitted on its own inputs (computed once), timed as bench_forward (enqueue many, block
 once, median). The sum of the parts can exceed the step: XLA fuses and overlaps inside one program.
 
-  python benchmarks/profile_tt.py --batches 32768 --out benchmarks/results/profile-tt-<stamp>.json
-  python benchmarks/profile_tt.py --workload meta-240 --batches 4096
+  python -m benchmarks profile_tt --batches 32768 --out benchmarks/results/profile-tt-<stamp>.json
+  python -m benchmarks profile_tt --workload meta-240 --batches 4096
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import tbe_jax  # noqa: E402
-import tt_jax  # noqa: E402
-from tt_jax import optim, prefix, workloads  # noqa: E402
-from tt_jax.backward import feature_col0  # noqa: E402
-from tt_jax.kernels import backward as kb  # noqa: E402
-from tt_jax.kernels import forward as kf  # noqa: E402
-from tt_jax.kernels import groups, segsum  # noqa: E402
+import tbe_jax
+import tt_jax
+from tt_jax import optim, prefix, workloads
+from tt_jax.backward import feature_col0
+from tt_jax.kernels import backward as kb
+from tt_jax.kernels import forward as kf
+from tt_jax.kernels import groups, segsum
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_forward import time_calls  # noqa: E402
-from bench_tt import config_fields, numpy_cores  # noqa: E402
+from benchmarks.common import time_calls
+from benchmarks.bench_tt import config_fields, numpy_cores
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks profile_tt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="a", choices=sorted(workloads.PRESETS))
     ap.add_argument("--batches", default="32768")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one profile each)")
+    ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig variants as JSON objects (one profile each)")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     interpret = not on_gpu
     wl = workloads.PRESETS[args.workload]()

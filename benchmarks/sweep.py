@@ -188,7 +188,7 @@ def _ours(shard: Shard, lock: GpuLock, iters: int, reps: int, sets: int = 2, imp
     import jax
     import jax.numpy as jnp
     import tbe_jax
-    from benchmarks.devtime import device_ms, enqueued_ms
+    from benchmarks.common import device_ms, enqueued_ms
 
     t_setup = time.perf_counter()
     emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(e, d) for e, d in zip(shard.rows, shard.dims)],
@@ -351,7 +351,6 @@ def worker(args) -> None:
     if args.worker == "ours":
         import jax
 
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         measure = functools.partial(_ours, impl=args.impl)
     else:
         measure = _fbgemm

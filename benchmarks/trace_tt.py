@@ -5,31 +5,27 @@ backward, optimizer in one jitted program, as a user runs it) and sums the devic
 the XLA fusions, the sorts and the Pallas kernels of one step are seen together. Also reports the step's
 enqueued time (many steps, one block) next to the sum of its kernel times.
 
-  python benchmarks/trace_tt.py --batches 32768 --out benchmarks/results/tt-trace-<stamp>.json
-  python benchmarks/trace_tt.py --configs bwd_rows=16 precision=tf32
+  python -m benchmarks trace_tt --batches 32768 --out benchmarks/results/tt-trace-<stamp>.json
+  python -m benchmarks trace_tt --configs '{"bwd_rows": 16}' '{"precision": "tf32"}'
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import tbe_jax  # noqa: E402
-import tt_jax  # noqa: E402
-from tt_jax import workloads  # noqa: E402
-from tt_jax.kernels import forward as kf  # noqa: E402
-from bench_tt import config_fields, numpy_cores  # noqa: E402
-from trace_backward import print_kernels, profile, set_private  # noqa: E402
+import tbe_jax
+import tt_jax
+from tt_jax import workloads
+from tt_jax.kernels import forward as kf
+from benchmarks.bench_tt import config_fields, numpy_cores
+from benchmarks import common
+from benchmarks.common import print_kernels, profile
 
 OPTS = {"sgd": lambda: tt_jax.SGD(0.01), "adagrad": lambda: tt_jax.Adagrad(0.01),
         "rowwise": lambda: tt_jax.RowwiseAdagrad(0.01)}
@@ -86,33 +82,26 @@ def enqueued_ms(step, carry, sets, iters):
     return best, carry
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks trace_tt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="a", choices=sorted(workloads.PRESETS))
     ap.add_argument("--batches", default="32768")
     ap.add_argument("--opt", default="adagrad", choices=sorted(OPTS))
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig overrides 'k=v,k=v' (one trace each)")
+    ap.add_argument("--configs", nargs="*", default=[], help="TTKernelConfig variants as JSON objects (one trace each)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--forward", action="store_true", help="trace the forward alone instead of the training step")
-    ap.add_argument("--private", default="",
-                    help="A/B of module constants of tt_jax.kernels.backward, .forward, .plan or tt_jax.prefix, "
-                         "e.g. _REORDER_LIMIT=0")
     ap.add_argument("--accuracy", action="store_true",
                     help="also the forward's and the core gradients' relative error (max abs error / max abs value) "
                          "against impl='xla' at HIGHEST precision")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    from tt_jax.kernels import groups, plan as tt_plan, pool, prefix_c, rows, segsum
-    from tbe_jax.kernels import scan
-    from tt_jax import prefix
-    set_private(args.private, (rows, prefix_c, pool, segsum, groups, tt_plan, prefix, scan))
     wl = workloads.PRESETS[args.workload]()
     specs = list(wl.specs)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "workload": args.workload, "opt": None if args.forward else args.opt, "private": args.private, "runs": []}
+           "workload": args.workload, "opt": None if args.forward else args.opt, "runs": []}
     cores = numpy_cores(specs)
     for batch in [int(b) for b in args.batches.split(",")]:
         rng = np.random.default_rng(batch)
@@ -135,8 +124,7 @@ def main():
                   + (f", rel. error forward {err['forward']:.2e} core grads {err['grads']:.2e}" if err else ""))
             print_kernels(kernels, args.top)
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(res, fh, indent=1)
+        print("saved", common.save("tt-trace", res, args.out))
 
 
 if __name__ == "__main__":
