@@ -47,3 +47,15 @@ def test_sharding_snippet_runs():
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102
     assert [t.shape for t in ns["tables"]] == [(1000, 16), (50, 16), (300, 8)]
     assert int(ns["opt_state"].count) == 1 and float(ns["loss"]) > 0
+
+
+def test_quickstart_and_tt_snippets_run():
+    """The quickstart and the TT example also run on their own (no variable from another block)."""
+    (code,) = _section_code("## Quickstart")
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+    assert ns["out"].shape == (2, 64 + 128 + 128)
+    (code,) = _section_code("### Tensor-train tables")
+    ns = {}
+    exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+    assert ns["out"].shape == (2, 32)
