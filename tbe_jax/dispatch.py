@@ -185,7 +185,7 @@ def sorted_runs(emb, plan, indices, offsets, per_sample_weights, backward_config
                                rle_kernel=cfg.rle_kernel, interpret=emb.interpret,
                                segment_bounds=bwd_kernels.segment_bounds(emb.layout),
                                rank_sort_max=cfg.rank_sort_limit(emb.interpret),
-                               rank_sort_chunk=cfg.rank_sort_chunk)
+                               rank_sort_chunk=cfg.rank_sort_chunk, narrow_keys=cfg.narrow_sort_keys)
 
 
 def _update(emb, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,

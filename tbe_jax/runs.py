@@ -141,11 +141,12 @@ def without_features(plan: FeaturePlan, features) -> FeaturePlan:
 
 
 def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
-                sequence: bool = False, kernel: bool = False, interpret: bool = False, want_scale: bool = True):
+                sequence: bool = False, kernel: bool = False, interpret: bool = False, want_scale: bool = True,
+                key_dtype=jnp.int32):
     """Per lookup: (linear key or `total` if invalid, flat offset of its output row, scale); jnp.
 
     `kernel`: computed by the one Pallas pass of `kernels.keys` (same values); its scale is None unless
-    `want_scale`."""
+    `want_scale`. `key_dtype`: the keys' dtype (`sort_key_dtype`)."""
     n = indices.shape[0]
     total = int(group_bases(layout)[-1])
     if kernel:
@@ -159,18 +160,29 @@ def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_
         return keys_kernel.lookup_keys(
             table, np.asarray(plan.bag_base), indices, offsets, per_sample_weights,
             batch=plan.batch[0] if one_batch else 0, total=total, sequence_stride=layout.dims[0] if sequence else 0,
-            mean=pooling == "mean", want_scale=want_scale, interpret=interpret)
+            mean=pooling == "mean", want_scale=want_scale, interpret=interpret, key_dtype=key_dtype)
     bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
     key = jnp.where(valid, jnp.asarray(feature_keys(layout, plan).astype(np.int32))[feat] + indices, total)
+    key = key.astype(key_dtype)
     src = jnp.arange(n, dtype=jnp.int32) * layout.dims[0] if sequence else output_rows(plan, bag, feat)
     return key, src, scale
+
+
+def sort_key_dtype(total: int):
+    """The narrowest unsigned dtype holding every key `0..total` (`total` marks invalid lookups), int32 past
+    uint16: XLA's radix sort makes one pass per key byte."""
+    if total <= np.iinfo(np.uint8).max:
+        return jnp.uint8
+    if total <= np.iinfo(np.uint16).max:
+        return jnp.uint16
+    return jnp.int32
 
 
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
     sequence: bool = False, rle_kernel: bool = False, interpret: bool = False, segment_bounds: tuple[int, ...] = (),
-    rank_sort_max: int = 0, rank_sort_chunk: int = 2048,
+    rank_sort_max: int = 0, rank_sort_chunk: int = 2048, narrow_keys: bool = False,
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
@@ -178,7 +190,8 @@ def build_runs(
     `kernels.rle` instead of XLA ops (same result). `segment_bounds` (static keys, ascending): with
     the kernels, the runs' `seg_edges` counts the runs below each (`rle.encode(bounds=...)`). Batches of at most
     `rank_sort_max` lookups are sorted by the counting-rank kernels (`kernels.ranksort`, chunks of
-    `rank_sort_chunk`), others by XLA's sort.
+    `rank_sort_chunk`), others by XLA's sort; with `narrow_keys` XLA's sort takes the keys in the narrowest
+    dtype that holds them (`sort_key_dtype`) and they are widened to int32 after it.
     """
     n = indices.shape[0]
     bases = group_bases(layout)
@@ -188,10 +201,12 @@ def build_runs(
     unit = per_sample_weights is None and (sequence or pooling == "sum")
     # The Pallas pass where the kernels are compiled; in interpret mode XLA's ops (the same values): the interpreted
     # pass would add CPU compile time to every backward test, and `test_lookup_keys_kernel` runs it there.
+    rank = 0 < n <= rank_sort_max
+    key_dtype = sort_key_dtype(total) if narrow_keys and not rank else jnp.int32
     key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                                   sequence=sequence, kernel=rle_kernel and not interpret,
-                                  interpret=interpret, want_scale=not unit)
-    if 0 < n <= rank_sort_max:  # one launch, payloads scattered to their places (no gathers)
+                                  interpret=interpret, want_scale=not unit, key_dtype=key_dtype)
+    if rank:  # one launch, payloads scattered to their places (no gathers)
         from tbe_jax.kernels.ranksort import rank_sort
 
         skey, ssrc, *rest = rank_sort(key, src, *(() if unit else (scale,)), chunk=rank_sort_chunk,
@@ -205,6 +220,7 @@ def build_runs(
     else:
         skey, spos = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
         ssrc, sscale = src[spos], scale[spos]
+    skey = skey.astype(jnp.int32)
     # Small runs need no list: the small-run kernel walks all runs in blocks and
     # skips the others. Only runs longer than SMALL (at most n / (SMALL + 1)) are
     # compacted over n; the mid/long split then works on that short list.

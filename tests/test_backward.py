@@ -605,6 +605,38 @@ def test_runs_rank_sort_equals_xla_sort(rng, weighted):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
+@pytest.mark.parametrize("rows,dtype", [([7, 248], "uint8"), ([7, 249], "uint16"), ([3, 700], "uint16"),
+                                        ([100, 65435], "uint16"), ([100, 65436], "int32")],
+                         ids=["u8-at-255", "u16-at-256", "u16", "u16-at-65535", "i32-at-65536"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unit", "weighted"])
+def test_narrow_sort_keys_equal_int32_keys(rng, rows, dtype, weighted):
+    """XLA's sort on the narrowest key dtype (`BackwardConfig.narrow_sort_keys`) gives every field of the runs
+    bitwise as int32 keys do, at both sides of each dtype's limit (the invalid ids' key `total` included)."""
+    emb = tbe_jax.TableBatchedEmbedding(specs(rows, [4, 4]))
+    total = sum(rows)
+    assert jnp.dtype(runs_lib.sort_key_dtype(total)) == jnp.dtype(dtype)
+    idx, off, psw = testing.make_batch(rng, rows, [5, 5], (0, 60), weighted=weighted)
+    idx[3], idx[-1] = -1, rows[1]  # a pruned id and one past the last table's end: both take the key `total`
+    idx[5] = rows[1] - 1  # the largest valid key
+    plan = emb.plan_for(len(off))
+    args = (jnp.asarray(idx), jnp.asarray(off), None if psw is None else jnp.asarray(psw))
+
+    def build(narrow):
+        fn = functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="mean" if weighted else "sum",
+                               rle_kernel=True, interpret=KERNEL_KW["interpret"], rank_sort_max=0,
+                               narrow_keys=narrow)
+        return jax.jit(fn)(*args), str(jax.make_jaxpr(fn)(*args))
+
+    (want, _), (got, got_jaxpr) = build(False), build(True)
+    if dtype != "int32":
+        assert f"{'u8' if dtype == 'uint8' else 'u16'}[" in got_jaxpr
+    for name, x, y in zip(runs_lib.Runs._fields, got, want):
+        if x is None or y is None:
+            assert x is None and y is None, name
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
 @pytest.mark.parametrize("opt,pooling,weighted", [
     (tbe_jax.RowwiseAdagrad(0.05, 1e-3), "sum", False), (tbe_jax.SGD(0.05), "mean", True)],
     ids=["adagrad-sum", "sgd-mean-w"])
@@ -840,8 +872,8 @@ def _apply_step_w(emb, opt, params, state, idx, off, g, psw):
 
 
 @pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2), dict(rank_sort_max=1 << 20),
-                                 dict(rank_sort_max=0)],
-                         ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort"])
+                                 dict(rank_sort_max=0), dict(rank_sort_max=0, narrow_sort_keys=False)],
+                         ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort", "xla_sort_int32_keys"])
 def test_backward_config_variants(rng, cfg):
     # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
     tables = specs([3, 300], [8, 16])

@@ -45,6 +45,9 @@ class BackwardConfig:
         segment before them, each keeping its own programs (default 32; 0: one launch per segment).
       narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
         None; default 32; 0: the rules of `small_block`).
+      narrow_sort_keys: XLA's sort (batches past `rank_sort_max`) sorts the lookups' row keys as uint8 when all
+        tables together have at most 255 rows, as uint16 up to 65535, else int32 (default True). Its radix sort
+        makes one pass per key byte, so small tables pay one or two passes instead of four.
     """
 
 
@@ -61,6 +64,7 @@ class BackwardConfig:
     rank_sort_chunk: int = 2048
     merge_width: int = 32
     narrow_block: int = 32
+    narrow_sort_keys: bool = True
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""

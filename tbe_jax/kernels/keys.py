@@ -80,7 +80,7 @@ def _keys_kernel(idx_ref, off_ref, feat_ref, first_bag_ref, *refs, n, num_bags, 
     first = plgpu.load(off_ref.at[jnp.int32(0)])
     last = plgpu.load(off_ref.at[jnp.int32(num_bags)])
     valid = live & (p >= first) & (p < last) & (idx >= 0) & (idx < per_feature(1))
-    plgpu.store(key_ref.at[p], jnp.where(valid, per_feature(0) + idx, total), mask=live)
+    plgpu.store(key_ref.at[p], jnp.where(valid, per_feature(0) + idx, total).astype(key_ref.dtype), mask=live)
     if sequence_stride:
         src = p * sequence_stride
     else:
@@ -98,18 +98,19 @@ def _keys_kernel(idx_ref, off_ref, feat_ref, first_bag_ref, *refs, n, num_bags, 
 
 
 def lookup_keys(feature_table: np.ndarray, first_bags: np.ndarray, indices, offsets, per_sample_weights, *,
-                batch: int, total: int, sequence_stride: int, mean: bool, want_scale: bool, interpret: bool):
+                batch: int, total: int, sequence_stride: int, mean: bool, want_scale: bool, interpret: bool,
+                key_dtype=jnp.int32):
     """(key, src, scale or None) per lookup, as `runs.lookup_keys` defines them.
 
     `feature_table`: [5, F] int32 per feature: key of its table's row 0, its rows (0: no valid lookup), its
     output base, its output stride, its first bag; `first_bags`: [F] its first bags (ascending), read when
     `batch` is 0 (several batch sizes); `sequence_stride`: for sequence lookups (`pooling="none"`) the output
-    row of position p is `p * sequence_stride`."""
+    row of position p is `p * sequence_stride`. `key_dtype`: the keys' dtype (an unsigned one holds `total`)."""
     n = indices.shape[0]
     num_bags = offsets.shape[0] - 1
     num_features = feature_table.shape[1]
     weighted = per_sample_weights is not None
-    outs = [jax.ShapeDtypeStruct((n,), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((n,), jnp.float32)] * want_scale
+    outs = [jax.ShapeDtypeStruct((n,), key_dtype), jax.ShapeDtypeStruct((n,), jnp.int32)] + [jax.ShapeDtypeStruct((n,), jnp.float32)] * want_scale
     args = [indices, offsets, const(feature_table), const(first_bags)]
     if weighted:
         args.append(per_sample_weights.astype(jnp.float32))
