@@ -538,6 +538,9 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="*", default=[],
                     help="shard results (.json of earlier runs; path:ours or path:fbgemm for one side) to merge in; "
                          "later rows of a (shard, side) replace earlier ones")
+    ap.add_argument("--max-total-rows", type=int, default=0,
+                    help="measure only the drawn shards with at most this many rows in all tables (0: all); the "
+                         "summary still covers every drawn shard (merge the others' rows with --merge)")
     ap.add_argument("--no-run", action="store_true", help="measure nothing: summarize the merged rows")
     ap.add_argument("--dispatch", default="", help="a dispatch-probe JSON whose dispatch_us goes in the summary")
     ap.add_argument("--out", default="")
@@ -564,7 +567,8 @@ def main(argv=None):
         path, _, side = spec.partition(":")
         rows += [r for r in json.load(open(path))["rows"] if not side or r["side"] == side]
     if not args.no_run:
-        rows += _measure(args, drawn, extra)
+        measured = [s for s in drawn if not args.max_total_rows or sum(s.rows) <= args.max_total_rows]
+        rows += _measure(args, measured, extra)
     # later rows of a (shard, side) replace earlier ones (a merge keeps the newest measurement)
     last = {}
     for r in rows:
