@@ -210,6 +210,13 @@ def test_config_errors():
     from tbe_jax._pallas import sm_count
     assert histogram.HistogramConfig(grad_programs=7).resolved_grad_programs() == 7
     assert histogram.HistogramConfig().resolved_grad_programs() == 2 * sm_count()
+    assert histogram.HistogramConfig().resolved_grad_programs(interpret=True) == 3
+    assert histogram.HistogramConfig(grad_programs=7).resolved_grad_programs(interpret=True) == 7
+    # The backward's persistent programs: the same rule (8192 / 4096 on a 132-SM GPU, scaled by SMs; 16 interpreted).
+    cfg = tbe_jax.BackwardConfig()
+    assert cfg.resolved_programs(True) == (16, 16)
+    assert cfg.resolved_programs(False) == (round(8192 * sm_count() / 132), round(4096 * sm_count() / 132))
+    assert tbe_jax.BackwardConfig(programs=5, small_programs=40).resolved_programs(True) == (5, 40)
     assert histogram.HistogramConfig(grad_programs_per_sm=3).resolved_grad_programs() == 3 * sm_count()
     if jax.default_backend() == "cpu":
         assert sm_count() == 2

@@ -96,10 +96,9 @@ def fused_update(
     small_warps = config.small_num_warps or (4 if elementwise else 2)
     k = config.lookups_per_step
     blk = config.small_block or (4 if elementwise else 8)
-    # Interpret mode runs programs one after another: few programs keep CPU tests
-    # fast and make each program walk several tasks (the strided loop is tested).
-    max_programs = min(config.programs, 16) if interpret else config.programs
-    max_small = min(config.small_programs, 16) if interpret else config.small_programs
+    # Interpret mode runs programs one after another: the default there is few programs, which keeps CPU tests
+    # fast and makes each program walk several tasks (the strided loop is tested).
+    max_programs, max_small = config.resolved_programs(interpret)
     # Unweighted sum pooling: every lookup in a run has scale 1 (invalid ones are in no
     # run), so the runs carry no scales and the kernels skip those loads.
     scaled = runs.scale is not None
@@ -149,7 +148,7 @@ def fused_update(
         s_blk, s_warps, s_programs = blk, small_warps, max_small
         if not seg.single and not elementwise:  # several buffers: the width rule (`_multi_block`)
             s_blk = config.small_block or _multi_block(seg)
-            s_programs = max_small if interpret else 2 * max_small
+            s_programs = max_small if interpret and config.small_programs is None else 2 * max_small
         if (config.narrow_block and seg.width <= config.merge_width and not elementwise
                 and config.small_block is None):
             s_blk = config.narrow_block

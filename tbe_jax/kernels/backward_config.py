@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from tbe_jax._pallas import sm_count
+
 # The counting-rank sort's default reach (`BackwardConfig.rank_sort_max`): where it stops beating XLA's sort of
 # (key, position) on the H200 (`benchmarks/results/ranksort-20261202*.json`).
 RANK_SORT_MAX = 24576
+# The SM count of the GPU the program-count defaults were tuned on (an H200).
+REFERENCE_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,10 +29,12 @@ class BackwardConfig:
         state, 4 with element-wise state.
       lookups_per_step: output-gradient rows (K) the mid-run and chunk kernels gather per step (default 8, a
         power of 2).
-      programs: persistent programs of the mid-run, chunk and long-run kernels (default 8192; capped by the
-        task count bound).
-      small_programs: persistent programs of the small-run kernel (default 4096; twice as many for the width
-        classes holding several dims, with SGD or row-wise state).
+      programs: persistent programs of the mid-run, chunk and long-run kernels, capped by the task count bound.
+        None (default): 8192 on a 132-SM GPU (an H200, where it was tuned), scaled by the device's SM count;
+        16 in interpret mode (programs run one after another there). A value set here is used as given.
+      small_programs: persistent programs of the small-run kernel (twice as many for the width classes holding
+        several dims, with SGD or row-wise state). None (default): 4096 on a 132-SM GPU, scaled by the SM
+        count; 16 in interpret mode. A value set here is used as given.
       num_warps: warps per program of the mid-run, chunk and long-run kernels (default 1).
       sort_in_forward: `tbe_jax.train_step` only: build the runs (sort, run-length encoding) in the step's
         forward half and keep them as residuals for the update (default False: build them in the update).
@@ -54,8 +60,8 @@ class BackwardConfig:
     small_block: int | None = None
     small_num_warps: int | None = None
     lookups_per_step: int = 8
-    programs: int = 8192
-    small_programs: int = 4096
+    programs: int | None = None
+    small_programs: int | None = None
     num_warps: int = 1
     sort_in_forward: bool = False
     prefetch: bool | None = None
@@ -65,6 +71,14 @@ class BackwardConfig:
     merge_width: int = 32
     narrow_block: int = 32
     narrow_sort_keys: bool = True
+
+    def resolved_programs(self, interpret: bool) -> tuple[int, int]:
+        """(`programs`, `small_programs`), the None ones derived from the device (see the fields)."""
+        def resolve(v, reference):
+            if v is not None:
+                return v
+            return 16 if interpret else max(1, round(reference * sm_count() / REFERENCE_SMS))
+        return resolve(self.programs, 8192), resolve(self.small_programs, 4096)
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
@@ -88,7 +102,7 @@ class BackwardConfig:
             if v < 1 or v & (v - 1):
                 raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
         for name in ("small_num_warps", "num_warps", "programs", "small_programs"):
-            if name == "small_num_warps" and self.small_num_warps is None:
+            if name != "num_warps" and getattr(self, name) is None:
                 continue
             if getattr(self, name) < 1:
                 raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")

@@ -83,7 +83,7 @@ class HistogramConfig:
       grad_programs: programs of the gradient kernel; each sums `counts^T @ dout`
         over a contiguous range of tiles and writes one fp32 `[E, D]` partial. None
         (default): `grad_programs_per_sm` per SM of the device (264 on an H200's 132;
-        a device without SMs, CPU, counts 2). Interpret mode caps it at 3.
+        a device without SMs, CPU, counts 2); 3 in interpret mode. A value set here is used as given.
       grad_programs_per_sm: see `grad_programs` (default 2).
       grad_bags, grad_ids_per_step, grad_lookahead, grad_num_warps: its tile,
         id lookahead and warps. The one-hot of a step is `grad_bags * grad_ids_per_step`
@@ -133,11 +133,12 @@ class HistogramConfig:
             if not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"HistogramConfig.{name}={v!r} must be an int >= {low}")
 
-    def resolved_grad_programs(self) -> int:
-        """Programs of the gradient kernel (resolves `grad_programs=None` from the device's SM count)."""
+    def resolved_grad_programs(self, interpret: bool = False) -> int:
+        """Programs of the gradient kernel (resolves `grad_programs=None` from the device's SM count; 3 in
+        interpret mode, where programs run one after another)."""
         if self.grad_programs is not None:
             return self.grad_programs
-        return self.grad_programs_per_sm * sm_count()
+        return 3 if interpret else self.grad_programs_per_sm * sm_count()
 
     def resolved_ids_per_step(self) -> int:
         """C of the forward (resolves `ids_per_step=0`): the `[bags, C, 16]` packed tile at 2048 elements

@@ -164,10 +164,9 @@ def _plan(layout: StorageLayout, plan: FeaturePlan, features, cfg: HistogramConf
     classes = tuple(sorted({e[2] for e in entries}))
     buffers = tuple(sorted({e[3] for e in entries}))
     total = sum(e[1] for e in entries)
-    # Interpret mode runs programs one after another: few programs keep CPU tests fast and
-    # make each program walk several tiles (the loop is tested).
-    grad_programs = cfg.resolved_grad_programs()
-    budget = min(grad_programs, 3 if interpret else grad_programs, total)
+    # Interpret mode's default is few programs (they run one after another): CPU tests stay fast and each
+    # program walks several tiles (the loop is tested).
+    budget = min(cfg.resolved_grad_programs(interpret), total)
     per_program = -(-total // budget)  # one table alone: the per-table split of the earlier version
     tabs = []
     slot0 = tile0 = row0 = 0
