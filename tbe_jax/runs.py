@@ -43,7 +43,7 @@ class Runs(NamedTuple):
     mid: jax.Array  # [N // (SMALL + 1) + 1] int32: runs of SMALL < length < LONG, in key order, padded with N
     long: jax.Array  # [N // LONG + 1] int32: runs of LONG or more, in key order, padded
     # [N // LONG + 2] int32: first chunk task of each long run (the chunk kernel finds each task's long run and
-    # first sorted lookup from it: `backward._chunk_task`)
+    # first sorted lookup from it: `backward.chunk_task`)
     long_chunk0: jax.Array
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
     # [len(segment_bounds), 3] int32 or None: per bound, the runs, mid runs and long runs with keys below it
@@ -54,7 +54,7 @@ def chunk_tasks(run_start, long, long_chunk0, n: int):
     """(chunk_run, chunk_first) `[2 * n // LONG + 1]`: per chunk task t (below the chunk count `long_chunk0[-1]`;
     the slots past it hold clamped values never read) its index into `long` (`searchsorted(long_chunk0, t,
     "right") - 1`) and its first sorted lookup, in XLA ops. The kernels find both themselves
-    (`backward._chunk_task`); this serves `backward._task_ranges` without the run-length pass's edges."""
+    (`backward.chunk_task`); this serves `backward.task_ranges` without the run-length pass's edges."""
     max_chunks = 2 * n // LONG + 1
     n_long_max = long.shape[0]
     t = jnp.arange(max_chunks, dtype=jnp.int32)

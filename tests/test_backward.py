@@ -129,11 +129,11 @@ def test_width_class_split_into_segments(rng):
     dims = list(range(33, 53, 2)) + [8]
     tables = specs([3, 4, 3, 4, 3, 4, 3, 4, 1, 3, 4], dims)
     layout = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False).layout
-    assert [len(s.buffers) for s in bwd._segments(layout)] == [1, bwd.SEGMENT_BUFFERS, 2]
+    assert [len(s.buffers) for s in bwd.run_segments(layout)] == [1, bwd.SEGMENT_BUFFERS, 2]
     # Padded (the default), the fp32 rows of 33..51 are stored 36..52 wide: parity 8 (40, 48) and 4.
     layout = tbe_jax.TableBatchedEmbedding(tables).layout
     assert layout.strides == (36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 8)
-    assert [len(s.buffers) for s in bwd._segments(layout)] == [1, 4, 6]
+    assert [len(s.buffers) for s in bwd.run_segments(layout)] == [1, 4, 6]
     fmap = list(range(len(dims)))
     _check_step(rng, tables, fmap, [2] * len(fmap), (0, 8), tbe_jax.RowwiseAdagrad(0.05, 1e-3), steps=1,
                 empty_bag=True, pad_rows=False)
@@ -149,7 +149,7 @@ def test_width_class_split_by_row_parity(rng):
     dims = [40, 36, 48, 44, 34, 64]
     tables = specs([4, 3, 4, 3, 4, 1], dims)
     layout = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False).layout
-    segs = bwd._segments(layout)
+    segs = bwd.run_segments(layout)
     assert [seg.dims for seg in segs] == [(40, 48, 64), (36, 44), (34,)]
     assert all(len({runs_mod.row_parity(d) for d in seg.dims}) == 1 for seg in segs)
     assert [seg.bases[0] for seg in segs] == sorted(seg.bases[0] for seg in segs)
@@ -165,9 +165,9 @@ def test_narrow_segments_share_a_launch(rng):
 
     dims = [6, 12, 16, 20, 24, 28, 32, 40]
     tables = specs([3, 4, 3, 4, 3, 1, 4, 3], dims)
-    segs = bwd._segments(tbe_jax.TableBatchedEmbedding(tables).layout)
+    segs = bwd.run_segments(tbe_jax.TableBatchedEmbedding(tables).layout)
     assert [seg.dims for seg in segs] == [(6,), (16,), (12,), (24, 32), (20, 28), (40,)]
-    assert [len(g) for g in bwd._small_launches(segs, tbe_jax.BackwardConfig().merge_width)] == [5, 1]
+    assert [len(g) for g in bwd.small_launches(segs, tbe_jax.BackwardConfig().merge_width)] == [5, 1]
     _check_step(rng, tables, list(range(len(dims))), [2] * len(dims), (0, 12), tbe_jax.RowwiseAdagrad(0.05, 1e-3),
                 steps=1, empty_bag=True)
 
@@ -185,7 +185,7 @@ def test_segments_cover_the_key_space_in_order():
         gen.shuffle(dims)
         layout = tbe_jax.TableBatchedEmbedding(specs([3] * len(dims), dims),
                                                weights_dtype=("float32", "float16")[gen.integers(2)]).layout
-        segs = bwd._segments(layout)
+        segs = bwd.run_segments(layout)
         assert sorted(g for seg in segs for g in seg.buffers) == list(range(len(dims)))
         key = 0
         for seg in segs:
@@ -293,7 +293,7 @@ def test_low_precision_tables(rng, wdtype):
 
 def test_long_runs_split_into_chunks(rng):
     # Rows hit hundreds of times (runs >= 256 lookups, up to 3 chunks) next to short runs and mid runs; the chunk
-    # tasks found by the kernel (backward._chunk_task) in the mid runs' launch.
+    # tasks found by the kernel (backward.chunk_task) in the mid runs' launch.
     tables = specs([3, 500], [8, 8])
     _check_step(rng, tables, [0, 1], [3, 3], (200, 300), tbe_jax.RowwiseAdagrad(0.05, 1e-2), steps=1)
 
@@ -377,18 +377,18 @@ def test_chunk_tasks(rng):
     np.testing.assert_array_equal(np.asarray(r.long_chunk0)[: n_long + 1],
                                   np.concatenate([[0], np.cumsum(-(-lengths[want_long] // runs_lib.LONG))]))
     n = len(idx)
-    # The XLA ops (runs.chunk_tasks: backward._task_ranges without the run-length pass's edges) ...
+    # The XLA ops (runs.chunk_tasks: backward.task_ranges without the run-length pass's edges) ...
     chunk_run, chunk_first = jax.jit(functools.partial(runs_lib.chunk_tasks, n=n))(r.run_start, r.long,
                                                                                    r.long_chunk0)
     np.testing.assert_array_equal(np.asarray(chunk_run)[:total], want_run)
     np.testing.assert_array_equal(np.asarray(chunk_first)[:total], want_first)
-    # ... and the chunk kernel's binary search (backward._chunk_task), run over every task.
+    # ... and the chunk kernel's binary search (backward.chunk_task), run over every task.
     from tbe_jax._pallas import pallas_call, plgpu
     from tbe_jax.kernels import backward as bwd
 
     def kernel(chunk0_ref, long_ref, start_ref, run_ref, first_ref):
         def one(t, c):
-            li, first = bwd._chunk_task(chunk0_ref, long_ref, start_ref, t, chunk0_ref.shape[0])
+            li, first = bwd.chunk_task(chunk0_ref, long_ref, start_ref, t, chunk0_ref.shape[0])
             plgpu.store(run_ref.at[t], li)
             plgpu.store(first_ref.at[t], first)
             return c
@@ -412,14 +412,14 @@ def test_task_ranges_from_rle_edges(rng):
     tables = specs([2, 3, 2, 40, 3, 2, 5, 9], dims)
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=[0, 1, 2, 3, 4, 5, 6], pad_rows=False,
                                         **KERNEL_KW)
-    assert len(bwd._segments(emb.layout)) == 7
+    assert len(bwd.run_segments(emb.layout)) == 7
     idx, off, _ = testing.make_batch(rng, [2, 3, 2, 40, 3, 2, 5], [4] * 7, (100, 300))
     plan = emb.plan_for(len(off))
     r = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(jnp.asarray(idx), jnp.asarray(off))
     assert r.seg_edges is not None and r.seg_edges.shape == (6, 3) and int(r.counts[2]) > 0
     n = len(idx)
-    got = np.asarray(bwd._task_ranges(r, emb.layout, n))
-    want = np.asarray(bwd._task_ranges(r._replace(seg_edges=None), emb.layout, n))
+    got = np.asarray(bwd.task_ranges(r, emb.layout, n))
+    want = np.asarray(bwd.task_ranges(r._replace(seg_edges=None), emb.layout, n))
     np.testing.assert_array_equal(got, want)
     assert got[:, 1].max() == int(r.num_runs) and (got[:, 4:6] > got[:, 4:6].min()).any()
 

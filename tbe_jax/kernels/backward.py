@@ -46,10 +46,10 @@ import jax.numpy as jnp
 
 from tbe_jax._pallas import pallas_call, plgpu, row_align
 from tbe_jax.kernels.backward_config import RANK_SORT_MAX, BackwardConfig
-from tbe_jax.kernels.backward_long import _chunk_task, _long_kernel, _mid_chunk_kernel
-from tbe_jax.kernels.backward_plan import (SEGMENT_BUFFERS, _multi_block, _Segment, _segments, _small_launches,
-                                           _task_ranges, segment_bounds)
-from tbe_jax.kernels.backward_small import _small_kernel
+from tbe_jax.kernels.backward_long import chunk_task, long_kernel, mid_chunk_kernel
+from tbe_jax.kernels.backward_plan import (SEGMENT_BUFFERS, multi_block, RunSegment, run_segments, small_launches,
+                                           task_ranges, segment_bounds)
+from tbe_jax.kernels.backward_small import small_kernel
 from tbe_jax.kernels.row_update import row_update, state_refs, state_width
 from tbe_jax.optim import NUM_HYPER
 from tbe_jax.runs import LONG, Runs
@@ -59,7 +59,7 @@ __all__ = [
     "fused_update",
     # re-exported from their modules (the names this module held before the split)
     "RANK_SORT_MAX", "SEGMENT_BUFFERS", "BackwardConfig", "row_update", "segment_bounds", "state_refs",
-    "state_width", "_Segment", "_chunk_task", "_segments", "_small_launches", "_task_ranges",
+    "state_width", "RunSegment", "chunk_task", "run_segments", "small_launches", "task_ranges",
 ]
 
 
@@ -85,7 +85,7 @@ def fused_update(
     if hyper is None:
         hyper = jnp.zeros((NUM_HYPER,), jnp.float32)
     n = runs.src.shape[0]
-    ranges = _task_ranges(runs, layout, n)
+    ranges = task_ranges(runs, layout, n)
     g_flat = g_out.reshape(-1)
     n_slots = opt.num_slots if opt is not None else 0
     new_w, new_s = dict(buffers), tuple(dict(x) for x in (slots or ())[:n_slots])
@@ -119,7 +119,7 @@ def fused_update(
     # often small: a launch per segment cost ~6 us even when it found nothing to do, on the H200).
     # The small-run kernel does most of the work and is one launch per segment: one launch for all
     # segments measured slower (dims-trace-20261201-0907-onelaunch vs -0914-segments).
-    segs = _segments(layout)
+    segs = run_segments(layout)
     buffers = [g for seg in segs for g in seg.buffers]
     width = max(seg.width for seg in segs)
 
@@ -146,18 +146,18 @@ def fused_update(
     align = row_align(layout.dims, 4)
     def small_launch(seg):  # (block, warps, programs) of a segment's small runs
         s_blk, s_warps, s_programs = blk, small_warps, max_small
-        if not seg.single and not elementwise:  # several buffers: the width rule (`_multi_block`)
-            s_blk = config.small_block or _multi_block(seg)
+        if not seg.single and not elementwise:  # several buffers: the width rule (`multi_block`)
+            s_blk = config.small_block or multi_block(seg)
             s_programs = max_small if interpret and config.small_programs is None else 2 * max_small
         if (config.narrow_block and seg.width <= config.merge_width and not elementwise
                 and config.small_block is None):
             s_blk = config.narrow_block
         return s_blk, s_warps, max(1, min(s_programs, -(-n // s_blk)))
 
-    for group in _small_launches(segs, config.merge_width):
+    for group in small_launches(segs, config.merge_width):
         blocks, warps, programs = zip(*map(small_launch, group))
         widths = sorted({seg.width for seg in group})
-        aliased(functools.partial(_small_kernel, opt=opt, segs=group, blocks=blocks, programs=programs,
+        aliased(functools.partial(small_kernel, opt=opt, segs=group, blocks=blocks, programs=programs,
                                   scaled=scaled, align=align),
                 f"tbe_backward_small_runs_w{widths[0]}" + (f"-{widths[-1]}" if len(widths) > 1 else ""),
                 sum(programs), [rng, hyper, runs.run_start, runs.run_key] + common,
@@ -165,11 +165,11 @@ def fused_update(
                 plgpu.CompilerParams(num_warps=max(warps), num_stages=1))
     part_shape = jax.ShapeDtypeStruct((max_chunks, width), jnp.float32)
     p_mc = max(p_mid, p_long)
-    part, = aliased(functools.partial(_mid_chunk_kernel, opt=opt, segs=segs, k=k, programs=p_mc, scaled=scaled,
+    part, = aliased(functools.partial(mid_chunk_kernel, opt=opt, segs=segs, k=k, programs=p_mc, scaled=scaled,
                                       prefetch=prefetch, align=align),
                     "tbe_backward_mid_runs_chunks", p_mc,
                     [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
                     extra=[part_shape])
-    aliased(functools.partial(_long_kernel, opt=opt, segs=segs, programs=p_long),
+    aliased(functools.partial(long_kernel, opt=opt, segs=segs, programs=p_long),
             "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part])
     return new_w, new_s

@@ -3,7 +3,7 @@
 - mid runs (`runs.SMALL` < length < `runs.LONG`): one task owns the run, gathers its lookups' output-gradient
   rows K at a time, accumulates them in fp32 registers and updates the row with a plain store.
 - long runs (>= LONG): a chunk task writes one fp32 partial sum per chunk of LONG lookups to a workspace (the
-  mid and chunk tasks share one launch, `_mid_chunk_kernel`); then `_long_kernel` sums each long run's
+  mid and chunk tasks share one launch, `mid_chunk_kernel`); then `long_kernel` sums each long run's
   partials in chunk order and updates its row. A row hit a million times becomes thousands of parallel
   chunk tasks instead of one serial program.
 """
@@ -14,18 +14,18 @@ import jax
 import jax.numpy as jnp
 
 from tbe_jax._pallas import plgpu
-from tbe_jax.kernels.backward_tasks import _cols_below, _gather_sum, _list_kernel_tasks
-from tbe_jax.kernels.row_update import _segment_states, row_update
+from tbe_jax.kernels.backward_tasks import cols_below, gather_sum, list_kernel_tasks
+from tbe_jax.kernels.row_update import segment_states, row_update
 from tbe_jax.runs import LONG
 
 
-def _mid_chunk_kernel(rng_ref, hyper_ref, mid_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_ref,
+def mid_chunk_kernel(rng_ref, hyper_ref, mid_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_ref,
                       src_ref, scale_ref, g_ref, *refs, opt, segs, k, programs, scaled, prefetch, align):
     """The mid-run tasks, then the chunk tasks, on the same persistent programs: one launch (two cost ~6 us more
     per step, even with no task). `refs`: the buffers' state (inputs, aliased outputs), then the chunk partials'
     workspace."""
     _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
-               _segment_states(refs[:-1], opt, segs), opt=opt, segs=segs, k=k, programs=programs, scaled=scaled,
+               segment_states(refs[:-1], opt, segs), opt=opt, segs=segs, k=k, programs=programs, scaled=scaled,
                prefetch=prefetch, align=align)
     _chunk_partials(rng_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
                     refs[-1], segs=segs, k=k, programs=programs, scaled=scaled, prefetch=prefetch, align=align)
@@ -40,12 +40,12 @@ def _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref,
         first = plgpu.load(run_start_ref.at[r])
         end = plgpu.load(run_start_ref.at[r + 1])
         key = plgpu.load(run_key_ref.at[r])
-        col_ok = cols < seg.dims[0] if seg.single else _cols_below(cols, seg.dim_of(key), align)
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+        col_ok = cols < seg.dims[0] if seg.single else cols_below(cols, seg.dim_of(key), align)
+        acc = gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
                           prefetch=prefetch, align=align)
         _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 
-    _list_kernel_tasks(rng_ref, segs, 2, programs, body)
+    list_kernel_tasks(rng_ref, segs, 2, programs, body)
 
 
 def _update_key_row(opt, hyper_ref, seg, state, key, acc, cols):
@@ -60,7 +60,7 @@ def _update_key_row(opt, hyper_ref, seg, state, key, acc, cols):
     seg.per_buffer(key, update)
 
 
-def _chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, size: int):
+def chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, size: int):
     """(long run, first sorted lookup) of chunk task `t` (below the chunk count): the last `li` with
     `long_chunk0[li] <= t`, by a binary search over its `size` entries (those past the long runs hold the chunk
     count, above t), then the run's first lookup plus `LONG` per chunk before t."""
@@ -77,25 +77,25 @@ def _chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, size: int):
 
 def _chunk_partials(rng_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
                     part_ref, *, segs, k, programs, scaled, prefetch, align):
-    """One LONG-lookup chunk of a long run per task (found by `_chunk_task`): its fp32 partial sum (zero past the
+    """One LONG-lookup chunk of a long run per task (found by `chunk_task`): its fp32 partial sum (zero past the
     run's dim) to row `t` of the workspace (the first `width` columns of its segment)."""
     def body(c, t):
         seg = segs[c]
         cols = jnp.arange(seg.width, dtype=jnp.int32)
-        r, first = _chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, long_chunk0_ref.shape[0])
+        r, first = chunk_task(long_chunk0_ref, long_ref, run_start_ref, t, long_chunk0_ref.shape[0])
         end = jnp.minimum(first + LONG, plgpu.load(run_start_ref.at[r + 1]))
         col_ok = (cols < seg.dims[0] if seg.single
-                  else _cols_below(cols, seg.dim_of(plgpu.load(run_key_ref.at[r])), align))
-        acc = _gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+                  else cols_below(cols, seg.dim_of(plgpu.load(run_key_ref.at[r])), align))
+        acc = gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
                           prefetch=prefetch, align=align)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
-    _list_kernel_tasks(rng_ref, segs, 4, programs, body)
+    list_kernel_tasks(rng_ref, segs, 4, programs, body)
 
 
-def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, segs, programs):
+def long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, segs, programs):
     """One long run per task: the sum of its chunk partials (in chunk order), one row update."""
-    states = _segment_states(refs, opt, segs)
+    states = segment_states(refs, opt, segs)
 
     def body(c, li):
         seg = segs[c]
@@ -110,4 +110,4 @@ def _long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, par
         key = plgpu.load(run_key_ref.at[plgpu.load(long_ref.at[li])])
         _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 
-    _list_kernel_tasks(rng_ref, segs, 6, programs, body)
+    list_kernel_tasks(rng_ref, segs, 6, programs, body)

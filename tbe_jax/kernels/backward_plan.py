@@ -2,8 +2,8 @@
 
 A width class `next_pow2(D)` (`runs.width_classes`) is split by row alignment (`runs.row_parity`) and into
 segments of at most SEGMENT_BUFFERS buffers; each segment is one branch of each backward kernel
-(`_Segment`). `_task_ranges` gives every segment its range of the run list and of the mid, chunk and long task
-lists; `_small_launches` groups the segments into small-run launches (`BackwardConfig.merge_width`).
+(`RunSegment`). `task_ranges` gives every segment its range of the run list and of the mid, chunk and long task
+lists; `small_launches` groups the segments into small-run launches (`BackwardConfig.merge_width`).
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ from tbe_jax.runs import Runs, chunk_tasks, group_bases, row_parity, width_class
 from tbe_jax.specs import StorageLayout
 
 # Buffers per segment: a width class with more buffers is split into segments (branches of the launches) of at
-# most this many. The measurements behind it, the several-buffer block rule (`_multi_block`), `merge_width` and
+# most this many. The measurements behind it, the several-buffer block rule (`multi_block`), `merge_width` and
 # `narrow_block`: benchmarks/NOTES.md, "Design notes moved from the kernel docstrings".
 SEGMENT_BUFFERS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class _Segment:
+class RunSegment:
     """Storage buffers of one width class `next_pow2(D)` (at most SEGMENT_BUFFERS of them) that one
     branch of each backward kernel serves.
 
     The buffers' rows are one contiguous key range (`runs.width_classes` orders the key space
     class by class), so the segment's runs and its mid/chunk/long tasks are contiguous too (row
-    `index` of `_task_ranges`), and segments follow each other in key order. The branch gathers
+    `index` of `task_ranges`), and segments follow each other in key order. The branch gathers
     every run's gradient with one code path, `width` columns wide and masked to the run's dim
     (a runtime value when the segment holds several dims), and branches per buffer only for the
     row update (its weights' row stride is a compile-time constant).
@@ -73,7 +73,7 @@ class _Segment:
             pl.when(self.holds(i, key))(functools.partial(body, i))
 
 
-def _small_launches(segs, merge_width: int) -> list[tuple[_Segment, ...]]:
+def small_launches(segs, merge_width: int) -> list[tuple[RunSegment, ...]]:
     """The segments (ascending width) grouped by small-run launch: each segment of width `merge_width` or less
     joins the launch of the segment before it."""
     groups = []
@@ -85,13 +85,13 @@ def _small_launches(segs, merge_width: int) -> list[tuple[_Segment, ...]]:
     return groups
 
 
-def _multi_block(seg: _Segment) -> int:
+def multi_block(seg: RunSegment) -> int:
     """Runs per small-run block of a segment with several buffers: about 1024 gradient elements (measured: the
     benchmarks/NOTES.md)."""
     return min(16, max(4, 1024 // seg.width))
 
 
-def _segments(layout: StorageLayout) -> list[_Segment]:
+def run_segments(layout: StorageLayout) -> list[RunSegment]:
     """The width classes (`runs.width_classes`, in key order), each split by `runs.row_parity` (buffers whose
     rows are equally aligned), then into segments of at most SEGMENT_BUFFERS buffers.
 
@@ -107,7 +107,7 @@ def _segments(layout: StorageLayout) -> list[_Segment]:
         for same in by_parity.values():
             for i in range(0, len(same), SEGMENT_BUFFERS):
                 part = tuple(same[i:i + SEGMENT_BUFFERS])
-                segs.append(_Segment(len(segs), w, part, tuple(layout.dims[g] for g in part),
+                segs.append(RunSegment(len(segs), w, part, tuple(layout.dims[g] for g in part),
                                      tuple(int(bases[g]) for g in part),
                                      tuple(int(bases[g]) + layout.group_rows[g] for g in part),
                                      tuple(layout.strides[g] for g in part)))
@@ -115,15 +115,15 @@ def _segments(layout: StorageLayout) -> list[_Segment]:
 
 
 def segment_bounds(layout: StorageLayout) -> tuple[int, ...]:
-    """The first keys of the segments after the first (`_segments` order, ascending): where `_task_ranges`
+    """The first keys of the segments after the first (`run_segments` order, ascending): where `task_ranges`
     splits the run and task lists (`runs.build_runs(segment_bounds=...)`)."""
-    return tuple(seg.bases[0] for seg in _segments(layout)[1:])
+    return tuple(seg.bases[0] for seg in run_segments(layout)[1:])
 
 
-def _task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
-    """[num_segments, 8] int32: per segment (`_segments` order) its [lo, hi) in the runs (small-run
+def task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
+    """[num_segments, 8] int32: per segment (`run_segments` order) its [lo, hi) in the runs (small-run
     kernel) and in the mid, chunk and long task lists."""
-    segs = _segments(layout)
+    segs = run_segments(layout)
     n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     one = len(segs) == 1
     if one or (runs.seg_edges is not None and runs.seg_edges.shape[0] == len(segs) - 1):

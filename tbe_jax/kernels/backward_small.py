@@ -13,17 +13,17 @@ import jax
 import jax.numpy as jnp
 
 from tbe_jax._pallas import aligned, pl, plgpu
-from tbe_jax.kernels.backward_tasks import _cols_below, _range, _strided_tasks
-from tbe_jax.kernels.row_update import _segment_states, row_update
+from tbe_jax.kernels.backward_tasks import cols_below, task_range, strided_tasks
+from tbe_jax.kernels.row_update import segment_states, row_update
 from tbe_jax.runs import SMALL
 
 
-def _small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
+def small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
                   opt, segs, blocks, programs, scaled, align):
     """The small-run kernel of one launch: segment `segs[c]` (blocks of `blocks[c]` runs) on `programs[c]`
     programs of its own; with several segments (`BackwardConfig.merge_width`) the grid is split between them by program
     id, so each program runs one segment's code."""
-    states = _segment_states(refs, opt, segs)
+    states = segment_states(refs, opt, segs)
     kw = dict(rng_ref=rng_ref, hyper_ref=hyper_ref, run_start_ref=run_start_ref, run_key_ref=run_key_ref,
               src_ref=src_ref, scale_ref=scale_ref, g_ref=g_ref, opt=opt, scaled=scaled, align=align)
     if len(segs) == 1:
@@ -46,7 +46,7 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
     lanes in its own branch. Each loop step takes one lookup of every run of the block.
     """
     lane = jnp.arange(block, dtype=jnp.int32)
-    lo, hi = _range(rng_ref, seg, 0)
+    lo, hi = task_range(rng_ref, seg, 0)
     cols = jnp.arange(seg.width, dtype=jnp.int32)
 
     def task(t):
@@ -67,7 +67,7 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
             k0 = plgpu.load(run_key_ref.at[r0])
             k1 = plgpu.load(run_key_ref.at[jnp.minimum(r0 + block, hi) - 1])
         dim = seg.dim_of(key)
-        col_ok = (cols < dim)[None, :] if seg.single else _cols_below(cols[None, :], dim[:, None], align)
+        col_ok = (cols < dim)[None, :] if seg.single else cols_below(cols[None, :], dim[:, None], align)
 
         def step(i, acc):
             live = i < length
@@ -96,4 +96,4 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
             pl.when((k0 < seg.ends[i]) & (k1 >= seg.bases[i]))(
                 functools.partial(update, i, ok & seg.holds(i, key)))
 
-    _strided_tasks(0, (hi - lo + block - 1) // block, programs, task, pid)
+    strided_tasks(0, (hi - lo + block - 1) // block, programs, task, pid)

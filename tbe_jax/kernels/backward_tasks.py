@@ -1,6 +1,6 @@
 """Kernel-side walking of the backward's task lists and the gradient gather (used by every backward kernel).
 
-Programs are persistent: a fixed grid walks a device-resident task list with a stride (`_strided_tasks`; trip
+Programs are persistent: a fixed grid walks a device-resident task list with a stride (`strided_tasks`; trip
 counts come from device counts, no host sync, no atomics). The lists of all segments follow each other, so one
 walk serves every segment, each task branching to its segment's code (`_by_segment`).
 """
@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from tbe_jax._pallas import aligned, pl, plgpu
 
 if TYPE_CHECKING:
-    from tbe_jax.kernels.backward_plan import _Segment
+    from tbe_jax.kernels.backward_plan import RunSegment
 
 
-def _cols_below(cols, dim, align):
+def cols_below(cols, dim, align):
     """The column mask `cols < dim` for runtime dims (multiples of `align`), computed on column blocks of
     `align` so the mask is visibly constant over each vector of the gather."""
     if align == 1:
@@ -28,7 +28,7 @@ def _cols_below(cols, dim, align):
     return jax.lax.div(cols, jnp.full(cols.shape, a)) < jax.lax.div(dim, jnp.full(dim.shape, a))
 
 
-def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scaled, prefetch, align):
+def gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scaled, prefetch, align):
     """sum over sorted lookups [first, end) of scale * g[src + cols], fp32 [1, Dp] (scale 1 unless `scaled`).
 
     With `prefetch`, software-pipelined: step i's gradient rows load while step
@@ -63,14 +63,14 @@ def _gather_sum(src_ref, scale_ref, g_ref, first, end, *, k, cols, col_ok, scale
     return jax.lax.fori_loop(0, n, step, (zeros,) + indices(0))[0]
 
 
-def _strided_tasks(lo, hi, programs, body, pid=None):
+def strided_tasks(lo, hi, programs, body, pid=None):
     """Program p (`pid`, by default the program id) handles tasks lo + p, lo + p + programs, ... below hi."""
     pid = pl.program_id(0) if pid is None else pid
     n = jnp.maximum(hi - lo - pid + programs - 1, 0) // programs
     jax.lax.fori_loop(0, n, lambda i, c: (body(lo + pid + i * programs), c)[1], jnp.int32(0))
 
 
-def _range(rng_ref, seg: _Segment, col: int):
+def task_range(rng_ref, seg: RunSegment, col: int):
     """(lo, hi) of column pair `col` of the segment's row of the task-range table (scalars)."""
     return (plgpu.load(rng_ref.at[jnp.int32(8 * seg.index + col)]),
             plgpu.load(rng_ref.at[jnp.int32(8 * seg.index + col + 1)]))
@@ -85,8 +85,8 @@ def _by_segment(segs, t, bounds, body):
         pl.when((t >= bounds[c]) & (t < bounds[c + 1]))(functools.partial(body, c, t))
 
 
-def _list_kernel_tasks(rng_ref, segs, col, programs, body):
+def list_kernel_tasks(rng_ref, segs, col, programs, body):
     """Walk one task list (column pair `col`: mid runs, chunks or long runs) over every segment: the
     segments' ranges of the list follow each other, so the tasks are one range."""
-    bounds = [_range(rng_ref, seg, col)[0] for seg in segs] + [_range(rng_ref, segs[-1], col)[1]]
-    _strided_tasks(bounds[0], bounds[-1], programs, lambda t: _by_segment(segs, t, bounds, body))
+    bounds = [task_range(rng_ref, seg, col)[0] for seg in segs] + [task_range(rng_ref, segs[-1], col)[1]]
+    strided_tasks(bounds[0], bounds[-1], programs, lambda t: _by_segment(segs, t, bounds, body))

@@ -24,7 +24,7 @@ With `bounds` (static keys, ascending: where the backward's segments of buffers
 begin), the write pass also gives, per bound b, how many runs, mid runs and long
 runs have keys below b: the slots of the first sorted lookup whose key is b or
 more (position N if none), written by the one program holding it. The backward's
-task ranges then need no pass over the runs per segment (`backward._task_ranges`).
+task ranges then need no pass over the runs per segment (`backward.task_ranges`).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def state_refs(refs, opt):
     return ins[0], tuple(ins[1:]), outs[0], tuple(outs[1:])
 
 
-def _segment_states(refs, opt, segs):
+def segment_states(refs, opt, segs):
     """Per segment, per buffer, its (w_in, slots_in, w_out, slots_out) refs; `refs` holds every
     buffer's inputs in segment order, then the aliased outputs in the same order."""
     n_state = state_width(opt)
