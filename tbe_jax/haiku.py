@@ -101,10 +101,10 @@ params (and optimizer state), and the layer takes each device's local batch
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 try:
     import haiku as hk
@@ -114,16 +114,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from tbe_jax.layers_common import (
-    build_core, check_ids, check_optimizer, check_options, layer_name, leaf_names, opt_init, param_spec, shard_core,
-    sparse_lookup,
-    sparse_value_and_grad,
+    TBE_OPTIONS, LayerOptions, check_ids, check_optimizer, check_options, layer_name, leaf_names, opt_init,
+    param_spec, sparse_lookup, sparse_value_and_grad,
 )
-from tbe_jax.kernels.forward import ForwardConfig
-from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import Optimizer
-from tbe_jax.sharding import ShardedTableBatchedEmbedding
-from tbe_jax.specs import TableSpec
-from tbe_jax.tbe import TableBatchedEmbedding
 
 # Sparse-mode state names: tables "fused_<leaf path>" ("fused_d8", "fused_cores_0_1"),
 # optimizer state leaves likewise ("fused_momentum_d8", "fused_count").
@@ -133,8 +127,6 @@ __all__ = [
     "FUSED_PREFIX", "StepResult", "TableBatchedEmbed", "core_params", "fused_opt_state", "fused_params",
     "is_fused", "module_params", "module_state", "train_step",
 ]
-
-
 
 
 class StepResult(NamedTuple):
@@ -227,29 +219,36 @@ def module_state(params, opt_state) -> dict:
 
 
 class SparseEmbedBase(hk.Module):
-    """The Haiku layer, generic over its functional core (subclassed by `TableBatchedEmbed` and
-    `tt_jax.haiku.TTEmbeddingBag`, which build the core, call `_setup`, and define `__call__`,
-    which calls `_embed`). Parameters (or, in sparse mode, `FUSED_PREFIX`-named state) are
-    named after the leaves of the core's params."""
+    """The Haiku layer, generic over its functional core: a subclass names the core's `LayerOptions`
+    (its class attribute `_OPTIONS = TBE_OPTIONS`), which give its `__init__` (the
+    options, then `name`) and the attribute holding its core (`tbe`, `tt`). Parameters (or, in sparse
+    mode, `FUSED_PREFIX`-named state) are named after the leaves of the core's params."""
 
-    _MAKERS = ("tbe_jax.RowwiseAdagrad(...), tbe_jax.SGD, tbe_jax.Adagrad, tbe_jax.Adam, tbe_jax.PartialRowwiseAdam, "
-               "tbe_jax.Lamb or tbe_jax.PartialRowwiseLamb")  # named in the error for a bad optimizer
+    def __init_subclass__(cls, **kwargs):
+        options: LayerOptions | None = cls.__dict__.get("_OPTIONS")  # the subclass's core's
+        super().__init_subclass__(**kwargs)
+        if options is not None:
+            cls.__init__ = options.constructor(cls._build, inspect.Parameter(
+                "name", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None))
+            cls.__doc__ = options.document(cls.__doc__)
+            setattr(cls, options.attr, options.core_property(lambda self: self._core))
 
-    def _setup(self, core, optimizer) -> None:
-        check_optimizer(optimizer, core, self._MAKERS)
-        self._core = core
-        self.optimizer = optimizer
+    @staticmethod  # not a method: Haiku wraps those, and they need the module constructed
+    def _build(self, values: dict) -> None:
+        hk.Module.__init__(self, name=values.pop("name"))
+        core = self._OPTIONS.build(values)
+        check_optimizer(values["optimizer"], core, self._OPTIONS.makers)
+        self._core, self._values = core, values
+        self.optimizer = values["optimizer"]
 
-    def _init_params(self, key):
-        return self._core.init(key)
-
-    def _embed(self, indices, offsets, per_sample_weights, options: dict):
+    def __call__(self, indices, offsets, per_sample_weights=None, **options):
+        options = self._OPTIONS.lookup_options(options)
         check_ids(indices, offsets)
         core = self._core
         check_options(core, options)
         spec = param_spec(core)
         # Draw every table from one key, as the core's init does, and only at init time.
-        init = self._init_params(hk.next_rng_key()) if hk.running_init() else None
+        init = self._OPTIONS.init_params(core, self._values, hk.next_rng_key()) if hk.running_init() else None
 
         def read(getter, tree, prefix, init_tree):
             names, leaf_specs, treedef = leaf_names(tree, prefix)
@@ -270,46 +269,15 @@ class SparseEmbedBase(hk.Module):
 
 
 class TableBatchedEmbed(SparseEmbedBase):
-    """Table-batched embedding bags as a Haiku module.
+    """Table-batched embedding bags as a Haiku module (over `tbe_jax.TableBatchedEmbedding`, `layer.tbe`).
 
-    Args (the options of `tbe_jax.TableBatchedEmbedding`, `tables` positional, the
-    rest keyword-only):
-      tables: the `TableSpec`s.
-      feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
-        interpret, kernel_config, use_histogram, histogram_config, backward_config, pad_rows:
-        forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
-        `bounds_check`'s is "ignore").
-      optimizer: None (true-gradient mode: the tables are parameters "d8", ...), or
-        any optimizer of `tbe_jax.optim` (`RowwiseAdagrad(...)`, `SGD`, `Adam`, ...; sparse mode: tables and
-        optimizer state are state entries "fused_d8", "fused_momentum_d8", ...,
-        trained by `tbe_jax.haiku.train_step`; see the module docstring).
-      mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of
-        `mesh`'s axis `axis_name` (default None: unsharded, the layer as before). The
-        layer's core is then `tbe_jax.shard(TableBatchedEmbedding(...), mesh,
-        axis_name, sharding_plan, capacity=capacity)` (see
-        `tbe_jax.ShardedTableBatchedEmbedding`; `sharding_plan` None is the planner, a
-        dict `{table: "table" | "row" | "column" | "data" | ("table", device)}` fixes
-        some tables, a `ShardingPlan` all); its parameters (or sparse state) are the
-        sharded core's params and optimizer state, named as above, drawn by its `init`
-        and placed on the mesh (each device draws its own shards: the values differ
-        from the unsharded layer's). Outside the transform, build the same sharded core
-        (`tbe_jax.shard(emb, mesh, axis_name, sharding_plan)`) for `core_params`,
-        `fused_params`, `fused_opt_state`, and to copy tables in
-        (`module_params(sharded.set_tables(None, tables))`, or `module_state(...)`).
-        Inputs are then per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k:
-        device k's local batch of b samples), per-sample weights `[n, N]`; the output
-        is the global batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`),
-        sharded over the axis. No lookup options (`batch_size_per_feature`,
-        `max_batch_size`). Train in sparse mode with `train_step` under `jax.jit`, on a
-        mesh whose axis is `jax.sharding.AxisType.Auto` (with an explicit axis, jax asks
-        the loss to state how its batch reductions are sharded). True-gradient mode
-        works too, except for replicated (`"data"`) tables, whose copies `jax.grad`
-        cannot keep equal (`ValueError`).
-      name: the module name (default "table_batched_embed").
-
-    Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
-    with the functional core's input format and output (with a mesh, the per-device
-    format above). Indices and offsets must be integer arrays (else `ValueError`).
+    Variables: with `optimizer=None` the tables are parameters "d8", ...; with a sparse optimizer tables and
+    optimizer state are state entries "fused_d8", "fused_momentum_d8", ..., trained by
+    `tbe_jax.haiku.train_step` (see the module docstring). `name`: the module name (default
+    "table_batched_embed"). With a mesh, outside the transform, build the same sharded core
+    (`tbe_jax.shard(emb, mesh, axis_name, sharding_plan)`) for `core_params`, `fused_params`,
+    `fused_opt_state`, and to copy tables in (`module_params(sharded.set_tables(None, tables))`, or
+    `module_state(...)`).
 
     Initialisation: the tables are `layer.tbe.init(hk.next_rng_key())` (uniform in
     `[-1/sqrt(E), 1/sqrt(E)]`), drawn once at init: the same values as the functional
@@ -331,45 +299,4 @@ class TableBatchedEmbed(SparseEmbedBase):
       [(100, 8), (50, 4)]
     """
 
-    def __init__(
-        self,
-        tables: Sequence[TableSpec],
-        *,
-        feature_table_map: Sequence[int] | None = None,
-        pooling: str = "sum",
-        weights_dtype=jnp.float32,
-        output_dtype=jnp.float32,
-        bounds_check: str | None = None,
-        impl: str = "auto",
-        interpret: bool = False,
-        kernel_config: ForwardConfig | None = None,
-        use_histogram: bool = True,
-        histogram_config: HistogramConfig | None = None,
-        backward_config=None,
-        pad_rows: bool = True,
-        optimizer: Optimizer | None = None,
-        mesh=None,
-        axis_name: str = "data",
-        sharding_plan=None,
-        capacity: int | tuple[int, ...] | None = None,
-        name: str | None = None,
-    ):
-        super().__init__(name=name)
-        core = build_core(TableBatchedEmbedding, tables, dict(
-            feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
-            output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
-            kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
-            backward_config=backward_config, pad_rows=pad_rows))
-        self._setup(shard_core(core, mesh, axis_name, sharding_plan, capacity), optimizer)
-
-    @property
-    def tbe(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
-        """The wrapped functional `TableBatchedEmbedding` (the `ShardedTableBatchedEmbedding` with a mesh)."""
-        return self._core
-
-    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
-                 max_batch_size=None):
-        options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
-        if max_batch_size is not None:
-            options["max_batch_size"] = max_batch_size
-        return self._embed(indices, offsets, per_sample_weights, options)
+    _OPTIONS = TBE_OPTIONS

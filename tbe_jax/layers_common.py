@@ -1,7 +1,10 @@
 """What the framework layers (tbe_jax and tt_jax; Linen, NNX, Haiku) share.
 
+- The layers' options (`LayerOptions`): read once from the core class's constructor (and its `init` and
+  `__call__`), so the six layers declare no core argument: each framework turns one `LayerOptions` into
+  its own constructor (Linen: dataclass fields; NNX and Haiku: `__init__`'s signature) and docstring.
 - Input and option checks (`check_ids`, `check_optimizer`, `check_options`), core
-  construction (`build_core`, `cached_core`, `as_tuple`; `shard_core`: the core spread
+  construction (`build_core`, `cached_core`; `shard_core`: the core spread
   over a mesh by its own `shard`, `tbe_jax.shard` / `tt_jax.shard`), the optimizer
   state's creation (`opt_init`: placed on the mesh for a sharded core) and leaf naming
   (`leaf_names`). A core is used only through `tbe_jax.core.SparseCore`'s methods.
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import textwrap
 import threading
 from typing import Any, Callable, NamedTuple
 
@@ -41,6 +46,7 @@ import numpy as np
 
 from tbe_jax.core import is_sharded
 from tbe_jax.optim import Optimizer
+from tbe_jax.tbe import TableBatchedEmbedding
 from tbe_jax.train import StepReport
 
 try:
@@ -70,15 +76,6 @@ def check_optimizer(optimizer, core, makers: str) -> None:
         raise TypeError(f"optimizer must be a sparse optimizer of tbe_jax.optim ({makers}), "
                         f"got {type(optimizer).__name__}")
     core.check_optimizer(optimizer)  # e.g. TTEmbeddingBag: the optimizers its cores support
-
-
-def as_tuple(x):
-    """A layer field that is a sequence (tables, feature_table_map: a list, an array) as a tuple of its items as
-    given, for the core's memo cache; anything else (None, one spec, a string) as is. The core checks the
-    items: an entry 1.7 or True is refused there, not truncated to an int here."""
-    if x is None or isinstance(x, (str, bytes)) or not hasattr(x, "__iter__") or hasattr(x, "items"):
-        return x
-    return tuple(x)
 
 
 def build_core(core_cls, first, options: dict):
@@ -113,11 +110,11 @@ def check_options(core, options: dict) -> None:
 def _tag(x):
     """A hashable, type-exact form of a layer's option (a sharding plan, a capacity, a core's arguments) for
     the memo caches: 1, 1.0, True and np.int64(1) stay apart (a cache hit must not pass a float or a bool off
-    as an int the core would have refused), a list becomes a tuple; `_untag` gives the value back (a list as
+    as an int the core would have refused), a list or a numpy array becomes a tuple (of its items as given); `_untag` gives the value back (a list as
     a tuple). Raises TypeError where a leaf is unhashable."""
     if x is not None and hasattr(x, "items") and not isinstance(x, type):
         return "dict", tuple(sorted(((_tag(k), _tag(v)) for k, v in x.items()), key=repr))
-    if isinstance(x, (list, tuple)):
+    if isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0):
         return "seq", tuple(_tag(v) for v in x)
     hash(x)
     return type(x), x
@@ -199,6 +196,139 @@ def cached_core(core_cls, first, options: dict):
     if tags is None:
         return build_core(core_cls, first, options)
     return _cached_core(core_cls, *tags)
+
+
+# -- the layers' options: their core's, read from its constructor ----------------------------------
+
+_KW = inspect.Parameter.KEYWORD_ONLY
+_DEFAULT_TO_CORE = ("bounds_check",)  # core options a layer leaves None by default: the core picks
+_OPTIMIZERS = ("RowwiseAdagrad(...)", "SGD", "Adagrad", "Adam", "PartialRowwiseAdam", "Lamb", "PartialRowwiseLamb")
+# The layers' own options, after their core's (`capacity` only where the core's `shard` routes ids).
+_LAYER_PARAMETERS = (
+    inspect.Parameter("optimizer", _KW, default=None, annotation=Optimizer | None),
+    inspect.Parameter("mesh", _KW, default=None, annotation=Any),
+    inspect.Parameter("axis_name", _KW, default="data", annotation=str),
+    inspect.Parameter("sharding_plan", _KW, default=None, annotation=Any),
+    inspect.Parameter("capacity", _KW, default=None, annotation=int | tuple[int, ...] | None),
+)
+
+
+def _parameters(fn) -> list[inspect.Parameter]:
+    """`fn`'s parameters but its first (`self`), with their annotations evaluated where they can be."""
+    try:
+        sig = inspect.signature(fn, eval_str=True)
+    except Exception:  # noqa: BLE001 - an annotation that does not evaluate stays a string
+        sig = inspect.signature(fn)
+    return list(sig.parameters.values())[1:]
+
+
+def _optional(annotation):
+    return f"{annotation} | None" if isinstance(annotation, str) else annotation | None
+
+
+class LayerOptions:
+    """The options of the layers over one functional core, read from the core class (one per core).
+
+    Args:
+      core_cls: the core (`tbe_jax.TableBatchedEmbedding`, `tt_jax.TTEmbeddingBag`).
+      attr: the layers' attribute that gives their core (`"tbe"`, `"tt"`).
+      package: the package whose optimizers the layers take (`"tbe_jax"`), named in their errors.
+      capacity: whether the layers take `capacity` (a sharded core's routed-id budget).
+      init: the layers' names for the arguments of `core_cls.init` after its key
+        (`{"initializer": "init"}`); their defaults are `init`'s.
+      doc: what the layer's own options do (sharding, init), written once for the three frameworks.
+
+    `parameters`: the core's first argument, positional (`tables`, `specs`); then keyword-only every
+    keyword-only argument of `core_cls.__init__`, with its annotation and default (except `bounds_check`,
+    whose default is None: the core's own), `optimizer`, `mesh`, `axis_name`, `sharding_plan` (`capacity`)
+    and the `init` arguments. A layer's call takes the keyword-only arguments of `core_cls.__call__`
+    (`lookup_names`). Each framework turns these into its constructor (Linen: the module's dataclass
+    fields; NNX, Haiku: `constructor`'s `__init__`) and its docstring (`document`).
+    """
+
+    def __init__(self, core_cls, *, attr: str, package: str, capacity: bool = False, init=None, doc: str = ""):
+        self.core_cls, self.attr, self.package = core_cls, attr, package
+        first, *rest = _parameters(core_cls.__init__)
+        self.first = first.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        core = [p for p in rest if p.kind is _KW]
+        self.core_defaults = {p.name: p.default for p in core if p.name in _DEFAULT_TO_CORE}
+        core = [p.replace(default=None, annotation=_optional(p.annotation)) if p.name in _DEFAULT_TO_CORE else p
+                for p in core]
+        self.core_names = tuple(p.name for p in core)
+        layer = [p for p in _LAYER_PARAMETERS if capacity or p.name != "capacity"]
+        init_params = {p.name: p for p in _parameters(core_cls.init)[1:]}
+        self.init = dict(init or {})  # layer name -> the core's init argument
+        layer += [init_params[c].replace(name=n, kind=_KW) for n, c in self.init.items()]
+        self.parameters = (self.first, *core, *layer)
+        self.names = tuple(p.name for p in self.parameters)
+        self.lookup_names = tuple(p.name for p in _parameters(core_cls.__call__) if p.kind is _KW)
+        self.makers = ", ".join(f"{package}.{o}" for o in _OPTIMIZERS[:-1]) + f" or {package}.{_OPTIMIZERS[-1]}"
+        self.doc = doc
+
+    def build(self, values: dict):
+        """The layer's core from its option `values` (every name of `parameters`): the core, memoised
+        (`cached_core`), sharded by `shard_core` when `values["mesh"]` is not None."""
+        core = cached_core(self.core_cls, values[self.first.name], {n: values[n] for n in self.core_names})
+        return shard_core(core, values["mesh"], values["axis_name"], values["sharding_plan"], values.get("capacity"))
+
+    def core_property(self, fget: Callable) -> property:
+        """The layers' attribute `attr` (`layer.tbe`, `layer.tt`): `fget(layer)`, the layer's core."""
+        return property(fget, doc=f"The wrapped functional `{self.core_cls.__name__}` (immutable, hashable); with "
+                        "a mesh, the sharded core over it (the same methods; `.emb` is the unsharded core).")
+
+    def init_params(self, core, values: dict, key):
+        """The layer's initial params: `core.init(key, ...)` with the layer's `init` options."""
+        return core.init(key, **{c: values[n] for n, c in self.init.items()})
+
+    def lookup_options(self, options: dict) -> dict:
+        """A call's keyword options: the core's lookup options (TypeError for another name), None ones left out."""
+        unknown = sorted(set(options) - set(self.lookup_names))
+        if unknown:
+            raise TypeError(f"the layer's call got unexpected keyword arguments {unknown}; it takes "
+                            f"{list(self.lookup_names) or 'none'}")
+        return {k: v for k, v in options.items() if v is not None}
+
+    def constructor(self, body: Callable, *extra: inspect.Parameter) -> Callable:
+        """An `__init__` whose signature is `parameters` then the framework's `extra` ones (`rngs`, `name`):
+        it binds its arguments as Python would (a TypeError for a missing, unknown or extra positional one)
+        and calls `body(self, values)` with every option's value (defaults filled in)."""
+        sig = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                                 *self.parameters, *extra])
+
+        def __init__(self, *args, **kwargs):
+            try:
+                bound = sig.bind(self, *args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{type(self).__name__}: {e}") from None
+            bound.apply_defaults()
+            body(self, {k: v for k, v in bound.arguments.items() if k != "self"})
+
+        __init__.__signature__ = sig
+        return __init__
+
+    def document(self, doc: str | None) -> str:
+        """A layer's docstring: its framework's text (`doc`), then the options' (written here, once)."""
+        core = f"{self.core_cls.__module__.split('.')[0]}.{self.core_cls.__name__}"
+        defaults = "; ".join(f"`{n}`'s layer default is None: the core's {d!r}" for n, d in self.core_defaults.items())
+        items = [
+            (self.first.name, "the core's first argument (positional)."),
+            (", ".join(self.core_names), "keyword-only, like every option below: the core's, with its defaults (see "
+             f"its docstring); None leaves an option to the core's default ({defaults})."),
+            ("optimizer", f"None (true-gradient mode: the tables are parameters, differentiated), or an optimizer of "
+             f"`{self.package}.optim` ({self.makers}; sparse mode: the tables and the optimizer state are variables "
+             "that are not differentiated, updated by the framework's `train_step`; the module docstring says "
+             "where each lives)."),
+        ]
+        call = ", ".join(["indices", "offsets", "per_sample_weights=None"]
+                         + (["*"] + [f"{n}=None" for n in self.lookup_names] if self.lookup_names else []))
+        return "\n".join([
+            inspect.cleandoc(doc or ""), "",
+            f"Options (read from `{core}`'s constructor; the same for the Linen, NNX and Haiku layers):",
+            *(textwrap.fill(f"{h}: {b}", 110, initial_indent="  ", subsequent_indent="    ") for h, b in items),
+            textwrap.indent(textwrap.dedent(self.doc).strip("\n"), "  "), "",
+            textwrap.fill(f"Call: `layer({call})`, with the core's input format and output (with a mesh, the "
+                          "per-device format above). Indices and offsets must be integer arrays (else `TypeError`).",
+                          110)])
 
 
 def leaf_names(tree, prefix: str = "") -> tuple[list[str], list, Any]:
@@ -455,3 +585,21 @@ def sparse_value_and_grad(fn: Callable, dense, *, has_aux: bool = False, optimiz
         dense, taps)
     value, updates = step.finish(loss, packed, tap_grads)
     return value, grads, updates
+
+
+TBE_OPTIONS = LayerOptions(TableBatchedEmbedding, attr="tbe", package="tbe_jax", capacity=True, doc="""
+    mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of `mesh`'s axis
+      `axis_name` (default None: unsharded). The layer's core is then `tbe_jax.shard(TableBatchedEmbedding(
+      ...), mesh, axis_name, sharding_plan, capacity=capacity)` (see `tbe_jax.ShardedTableBatchedEmbedding`;
+      `sharding_plan` None is the planner, a dict `{table: "table" | "row" | "column" | "data" | ("table",
+      device)}` fixes some tables, a `ShardingPlan` all; `capacity` an int or per-feature id counts). The
+      layer's tables and optimizer state are the sharded core's, drawn by its `init` and placed on the mesh
+      (each device draws its own shards: the values differ from the unsharded layer's). Inputs are then per
+      device: `indices [n, N]`, `offsets [n, F*b+1]` (row k: device k's local batch of b samples),
+      per-sample weights `[n, N]`; the output is the global batch's `[n*b, sum D]` (device k's samples at
+      rows `k*b ...`), sharded over the axis. No lookup options (`batch_size_per_feature`,
+      `max_batch_size`). Train in sparse mode with `train_step` under `jit`, on a mesh whose axis is
+      `jax.sharding.AxisType.Auto` (with an explicit axis, jax asks the loss to state how its batch
+      reductions are sharded). True-gradient mode works too (the gradient is sharded like the tables),
+      except for replicated (`"data"`) tables, whose copies `jax.grad` cannot keep equal (`ValueError`).
+    """)

@@ -105,9 +105,8 @@ runs the sharded sparse update. See `TableBatchedEmbed`'s arguments.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
-
-import jax.numpy as jnp
+import inspect
+from typing import Any, Callable, NamedTuple
 
 try:
     import flax.linen as nn
@@ -116,15 +115,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
 from tbe_jax.layers_common import (
-    as_tuple, cached_core, check_ids, check_optimizer, check_options, layer_name, opt_init, shard_core, sparse_lookup,
+    TBE_OPTIONS, LayerOptions, check_ids, check_optimizer, check_options, layer_name, opt_init, sparse_lookup,
     sparse_value_and_grad,
 )
-from tbe_jax.kernels.forward import ForwardConfig
-from tbe_jax.kernels.histogram import HistogramConfig
-from tbe_jax.optim import Optimizer
-from tbe_jax.sharding import ShardedTableBatchedEmbedding
-from tbe_jax.specs import TableSpec
-from tbe_jax.tbe import TableBatchedEmbedding
 
 FUSED_COLLECTION = "tbe_fused"
 
@@ -198,32 +191,47 @@ def _copy_tree(tree):
 
 
 class SparseEmbedBase(nn.Module):
-    """The Linen layer, generic over its functional core (subclassed by `TableBatchedEmbed` and
-    `tt_jax.linen.TTEmbeddingBag`).
-
-    A subclass declares the fields (its core's options and `optimizer`) and defines
-    `_build_core()` (the core, cached; a sharded one, `layers_common.shard_core`, for a layer
-    built with a mesh), `_init_params(key)` and `__call__` (decorated
-    with `nn.compact`), which calls `self._embed(indices, offsets, per_sample_weights,
-    options)`. Variables: `"params"/"embedding"` (true-gradient mode) or
-    `FUSED_COLLECTION/"embedding"` and `FUSED_COLLECTION/"opt_state"` (sparse mode).
+    """The Linen layer, generic over its functional core: a subclass names the core's `LayerOptions`
+    (its class attribute `_OPTIONS = TBE_OPTIONS`), which become its dataclass fields
+    (the first positional, the rest keyword-only) and the attribute giving its core (`tbe`, `tt`; built
+    from the fields, memoised; a sharded one, `layers_common.shard_core`, for a layer built with a mesh).
+    Variables: `"params"/"embedding"` (true-gradient mode) or `FUSED_COLLECTION/"embedding"` and
+    `FUSED_COLLECTION/"opt_state"` (sparse mode).
     """
 
-    _MAKERS = ("tbe_jax.RowwiseAdagrad(...), tbe_jax.SGD, tbe_jax.Adagrad, tbe_jax.Adam, tbe_jax.PartialRowwiseAdam, "
-               "tbe_jax.Lamb or tbe_jax.PartialRowwiseLamb")  # named in the error for a bad optimizer
+    def __init_subclass__(cls, **kwargs):
+        options: LayerOptions | None = cls.__dict__.get("_OPTIONS")  # the subclass's core's
+        if options is not None:  # the options as dataclass fields, before Linen's dataclass transform
+            fields = {}
+            for p in options.parameters:
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and "_" not in fields:
+                    fields["_"] = dataclasses.KW_ONLY
+                fields[p.name] = Any if p.annotation is inspect.Parameter.empty else p.annotation
+                if p.default is not inspect.Parameter.empty:
+                    setattr(cls, p.name, p.default)
+            cls.__annotations__ = {**fields, **cls.__dict__.get("__annotations__", {})}
+            cls.__doc__ = options.document(cls.__doc__)
+        super().__init_subclass__(**kwargs)
+        if options is not None:
+            setattr(cls, options.attr, options.core_property(lambda self: self._build_core()))
 
     def __post_init__(self):
         # Builds the core: bad options fail here, with the core's messages.
-        check_optimizer(self.optimizer, self._build_core(), self._MAKERS)
+        check_optimizer(self.optimizer, self._build_core(), self._OPTIONS.makers)
         super().__post_init__()
 
-    def _build_core(self):  # pragma: no cover - abstract
-        raise NotImplementedError
+    def _values(self) -> dict:
+        return {n: getattr(self, n) for n in self._OPTIONS.names}
+
+    def _build_core(self):
+        return self._OPTIONS.build(self._values())
 
     def _init_params(self, key):
-        return self._build_core().init(key)
+        return self._OPTIONS.init_params(self._build_core(), self._values(), key)
 
-    def _embed(self, indices, offsets, per_sample_weights, options: dict):
+    @nn.compact
+    def __call__(self, indices, offsets, per_sample_weights=None, **options):
+        options = self._OPTIONS.lookup_options(options)
         check_ids(indices, offsets)
         core = self._build_core()
         check_options(core, options)
@@ -238,44 +246,12 @@ class SparseEmbedBase(nn.Module):
 
 
 class TableBatchedEmbed(SparseEmbedBase):
-    """Table-batched embedding bags as a Linen module.
+    """Table-batched embedding bags as a Linen module (over `tbe_jax.TableBatchedEmbedding`, `layer.tbe`).
 
-    Args (the options of `tbe_jax.TableBatchedEmbedding`, `tables` positional, the
-    rest keyword-only):
-      tables: the `TableSpec`s.
-      feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
-        interpret, kernel_config, use_histogram, histogram_config, backward_config, pad_rows:
-        forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
-        `bounds_check`'s is "ignore").
-      optimizer: None (true-gradient mode: the tables are the parameter
-        `"embedding"` in `"params"`), or any optimizer of `tbe_jax.optim`
-        (`RowwiseAdagrad(...)`, `SGD`, `Adam`, ...; sparse mode: the tables, `"embedding"`, and the optimizer
-        state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
-        `tbe_jax.linen.train_step`, see the module docstring).
-      mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of
-        `mesh`'s axis `axis_name` (default None: unsharded, the layer as before). The
-        layer's core is then `tbe_jax.shard(TableBatchedEmbedding(...), mesh,
-        axis_name, sharding_plan, capacity=capacity)` (see
-        `tbe_jax.ShardedTableBatchedEmbedding`; `sharding_plan` None is the planner, a
-        dict `{table: "table" | "row" | "column" | "data" | ("table", device)}` fixes
-        some tables, a `ShardingPlan` all); its params (`"embedding"`) and optimizer
-        state are the sharded core's, drawn by its `init` and placed on the mesh
-        (each device draws its own shards: the values differ from the unsharded
-        layer's; copy tables in with `layer.tbe.set_tables(None, tables)`). Inputs are
-        then per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k: device k's
-        local batch of b samples), per-sample weights `[n, N]`; the output is the
-        global batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`), sharded
-        over the axis. No lookup options (`batch_size_per_feature`, `max_batch_size`).
-        Train in sparse mode with `train_step`, under `jax.jit`, on a mesh whose axis is
-        `jax.sharding.AxisType.Auto` (with an explicit axis, jax asks the loss to state
-        how its batch reductions are sharded). True-gradient mode works too (the
-        gradient of `"embedding"` is sharded like it), except for replicated
-        (`"data"`) tables, whose copies `jax.grad` cannot keep equal (`ValueError`).
-
-    Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
-    with the functional core's input format and output (`[B, sum_f D_f]` for pooled
-    lookups; with a mesh, the per-device format above). Indices and offsets must be
-    integer arrays (else `ValueError`).
+    Variables: with `optimizer=None` the tables are the parameter `"embedding"` in `"params"`; with a sparse
+    optimizer the tables, `"embedding"`, and the optimizer state, `"opt_state"`, live in the `"tbe_fused"`
+    collection (train with `tbe_jax.linen.train_step`, see the module docstring). With a mesh, copy tables
+    in with `layer.tbe.set_tables(None, tables)`.
 
     Parameters: `"embedding"` is exactly the functional core's params dict, so
     `layer.tbe(variables["params"]["embedding"], indices, offsets)` equals
@@ -298,46 +274,4 @@ class TableBatchedEmbed(SparseEmbedBase):
       [(100, 8), (50, 4)]
     """
 
-    tables: Sequence[TableSpec]
-    _: dataclasses.KW_ONLY
-    feature_table_map: Sequence[int] | None = None
-    pooling: str = "sum"
-    weights_dtype: Any = jnp.float32
-    output_dtype: Any = jnp.float32
-    bounds_check: str | None = None
-    impl: str = "auto"
-    interpret: bool = False
-    kernel_config: ForwardConfig | None = None
-    use_histogram: bool = True
-    histogram_config: HistogramConfig | None = None
-    backward_config: Any = None
-    pad_rows: bool = True
-    optimizer: Optimizer | None = None
-    mesh: Any = None
-    axis_name: str = "data"
-    sharding_plan: Any = None
-    capacity: int | tuple[int, ...] | None = None  # an int, or per-feature id counts (tbe_jax.shard)
-
-    def _build_core(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
-        core = cached_core(TableBatchedEmbedding, as_tuple(self.tables), dict(
-            feature_table_map=as_tuple(self.feature_table_map), pooling=self.pooling, weights_dtype=self.weights_dtype,
-            output_dtype=self.output_dtype, bounds_check=self.bounds_check, impl=self.impl,
-            interpret=bool(self.interpret), kernel_config=self.kernel_config, use_histogram=bool(self.use_histogram),
-            histogram_config=self.histogram_config, backward_config=self.backward_config,
-            pad_rows=bool(self.pad_rows)))
-        return shard_core(core, self.mesh, self.axis_name, self.sharding_plan, self.capacity)
-
-    @property
-    def tbe(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
-        """The wrapped functional `TableBatchedEmbedding` (immutable, hashable); with a mesh, the
-        `ShardedTableBatchedEmbedding` over it (the same methods: `get_tables`, `set_tables`,
-        `get_momentum`, ...; `.emb` is the unsharded core)."""
-        return self._build_core()
-
-    @nn.compact
-    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
-                 max_batch_size=None):
-        options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
-        if max_batch_size is not None:
-            options["max_batch_size"] = max_batch_size
-        return self._embed(indices, offsets, per_sample_weights, options)
+    _OPTIONS = TBE_OPTIONS

@@ -86,7 +86,8 @@ sharded sparse update. See `TableBatchedEmbed`'s arguments.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import inspect
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -97,15 +98,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tbe_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
 from tbe_jax.layers_common import (
-    SparseStep, build_core, check_ids, check_optimizer, check_options, layer_name, leaf_names, opt_init, shard_core,
-    sparse_lookup,
+    TBE_OPTIONS, LayerOptions, SparseStep, check_ids, check_optimizer, check_options, layer_name, leaf_names,
+    opt_init, sparse_lookup,
 )
-from tbe_jax.kernels.forward import ForwardConfig
-from tbe_jax.kernels.histogram import HistogramConfig
-from tbe_jax.optim import Optimizer
-from tbe_jax.sharding import ShardedTableBatchedEmbedding
-from tbe_jax.specs import TableSpec
-from tbe_jax.tbe import TableBatchedEmbedding
 
 __all__ = ["Fused", "TableBatchedEmbed", "train_step"]
 
@@ -180,23 +175,33 @@ def _sparse_layers(model, *, by_id: bool) -> dict:
 
 
 class SparseEmbedBase(nnx.Module):
-    """The NNX layer, generic over its functional core (subclassed by `TableBatchedEmbed` and
-    `tt_jax.nnx.TTEmbeddingBag`, which build the core and call `_setup`, and define `__call__`,
-    which calls `_embed`).
+    """The NNX layer, generic over its functional core: a subclass names the core's `LayerOptions`
+    (its class attribute `_OPTIONS = TBE_OPTIONS`), which give its `__init__` (the
+    options, then `rngs`) and the static attribute holding its core (`tbe`, `tt`).
 
     Attributes:
       embedding: `nnx.Dict` of one variable per leaf of the core's params (named by
         its path: `"d8"`; `"cores_0_1"`): `nnx.Param`, or `Fused` in sparse mode.
       opt_state: sparse mode only: `nnx.Dict` of `Fused` variables, one per leaf of
-        the optimizer state (`"momentum_d8"`, `"count"`, ...).
+        the optimizer state (`"momentum_d8"`, `"count"`, ...); `get_opt_state()` reassembles it.
       optimizer: the sparse optimizer (or None).
     """
 
-    _MAKERS = ("tbe_jax.RowwiseAdagrad(...), tbe_jax.SGD, tbe_jax.Adagrad, tbe_jax.Adam, tbe_jax.PartialRowwiseAdam, "
-               "tbe_jax.Lamb or tbe_jax.PartialRowwiseLamb")  # named in the error for a bad optimizer
+    def __init_subclass__(cls, **kwargs):
+        options: LayerOptions | None = cls.__dict__.get("_OPTIONS")  # the subclass's core's
+        super().__init_subclass__(**kwargs)
+        if options is not None:
+            cls.__init__ = options.constructor(cls._build, inspect.Parameter(
+                "rngs", inspect.Parameter.KEYWORD_ONLY, annotation=nnx.Rngs))
+            cls.__doc__ = options.document(cls.__doc__)
+            setattr(cls, options.attr, options.core_property(lambda self: self._core))
 
-    def _setup(self, core, params, optimizer) -> None:
-        check_optimizer(optimizer, core, self._MAKERS)
+    def _build(self, values: dict) -> None:
+        rngs = values.pop("rngs")
+        core = self._OPTIONS.build(values)
+        optimizer = values["optimizer"]
+        check_optimizer(optimizer, core, self._OPTIONS.makers)  # before drawing the tables
+        params = self._OPTIONS.init_params(core, values, rngs.params())
         self._core = core
         self.optimizer = nnx.data(optimizer)  # array hyperparameters are data, floats static
         names, leaves, self._treedef = leaf_names(params)
@@ -245,7 +250,8 @@ class SparseEmbedBase(nnx.Module):
                                  f"got {v.dtype}{list(v.shape)}")
             have[...] = v
 
-    def _embed(self, indices, offsets, per_sample_weights, options: dict):
+    def __call__(self, indices, offsets, per_sample_weights=None, **options):
+        options = self._OPTIONS.lookup_options(options)
         check_ids(indices, offsets)
         check_options(self._core, options)
         params = self.get_params()
@@ -256,53 +262,18 @@ class SparseEmbedBase(nnx.Module):
 
 
 class TableBatchedEmbed(SparseEmbedBase):
-    """Table-batched embedding bags as an NNX module.
+    """Table-batched embedding bags as an NNX module (over `tbe_jax.TableBatchedEmbedding`, `layer.tbe`).
 
-    Args (the options of `tbe_jax.TableBatchedEmbedding`, `tables` positional, the
-    rest keyword-only):
-      tables: the `TableSpec`s.
-      feature_table_map, pooling, weights_dtype, output_dtype, bounds_check, impl,
-        interpret, kernel_config, use_histogram, histogram_config, backward_config, pad_rows:
-        forwarded to `TableBatchedEmbedding` when not None (None: the core's default;
-        `bounds_check`'s is "ignore").
-      optimizer: None (true-gradient mode: the tables are `nnx.Param`s), or
-        any optimizer of `tbe_jax.optim` (`RowwiseAdagrad(...)`, `SGD`, `Adam`, ...; sparse mode: tables and
-        optimizer state are `Fused` variables, trained by `tbe_jax.nnx.train_step`;
-        see the module docstring).
-      mesh, axis_name, sharding_plan, capacity: shard the tables over the devices of
-        `mesh`'s axis `axis_name` (default None: unsharded, the layer as before). The
-        layer's core is then `tbe_jax.shard(TableBatchedEmbedding(...), mesh,
-        axis_name, sharding_plan, capacity=capacity)` (see
-        `tbe_jax.ShardedTableBatchedEmbedding`; `sharding_plan` None is the planner, a
-        dict `{table: "table" | "row" | "column" | "data" | ("table", device)}` fixes
-        some tables, a `ShardingPlan` all); its variables hold the sharded core's params
-        and optimizer state, drawn by its `init` and placed on the mesh (each device
-        draws its own shards: the values differ from the unsharded layer's; copy tables
-        in with `layer.set_params(layer.tbe.set_tables(None, tables))`). Inputs are then
-        per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k: device k's local
-        batch of b samples), per-sample weights `[n, N]`; the output is the global
-        batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`), sharded over the
-        axis. No lookup options (`batch_size_per_feature`, `max_batch_size`). Train in
-        sparse mode with `train_step` under `nnx.jit`, on a mesh whose axis is
-        `jax.sharding.AxisType.Auto` (with an explicit axis, jax asks the loss to state
-        how its batch reductions are sharded). True-gradient mode works too, except for
-        replicated (`"data"`) tables, whose copies `nnx.grad` cannot keep equal
-        (`ValueError`).
-      rngs: `nnx.Rngs`; the tables are `layer.tbe.init(rngs.params())` (uniform in
-        `[-1/sqrt(E), 1/sqrt(E)]`), the same values as the functional core given that key.
+    Variables: with `optimizer=None` the tables are `nnx.Param`s; with a sparse optimizer tables and
+    optimizer state are `Fused` variables, trained by `tbe_jax.nnx.train_step` (see the module docstring).
+    `rngs`: `nnx.Rngs`; the tables are `layer.tbe.init(rngs.params())` (uniform in `[-1/sqrt(E), 1/sqrt(E)]`),
+    the same values as the functional core given that key. With a mesh, copy tables in with
+    `layer.set_params(layer.tbe.set_tables(None, tables))`.
 
     Attributes:
-      tbe: the wrapped `TableBatchedEmbedding` (static); with a mesh, the
-        `ShardedTableBatchedEmbedding` over it (the same methods: `get_tables`,
-        `set_tables`, `get_momentum`, ...; `.emb` is the unsharded core).
-      embedding: `nnx.Dict` of one variable per storage buffer ("d8", ...): `nnx.Param`,
-        or `Fused` in sparse mode.
-      opt_state: sparse mode only: `nnx.Dict` of `Fused` variables, one per leaf of the
-        optimizer state (`"momentum_d8"`, `"count"`, ...); `get_opt_state()` reassembles it.
-
-    Call: `layer(indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None, max_batch_size=None)`,
-    with the functional core's input format and output (with a mesh, the per-device
-    format above). Indices and offsets must be integer arrays (else `ValueError`).
+      tbe: the wrapped `TableBatchedEmbedding` (static); with a mesh, the `ShardedTableBatchedEmbedding`.
+      embedding, opt_state: one variable per storage buffer ("d8", ...) and per leaf of the optimizer state
+        (`"momentum_d8"`, `"count"`, ...); see `SparseEmbedBase`.
 
     Example:
       >>> import jax, jax.numpy as jnp, tbe_jax
@@ -318,46 +289,4 @@ class TableBatchedEmbed(SparseEmbedBase):
       [(100, 8), (50, 4)]
     """
 
-    def __init__(
-        self,
-        tables: Sequence[TableSpec],
-        *,
-        feature_table_map: Sequence[int] | None = None,
-        pooling: str = "sum",
-        weights_dtype=jnp.float32,
-        output_dtype=jnp.float32,
-        bounds_check: str | None = None,
-        impl: str = "auto",
-        interpret: bool = False,
-        kernel_config: ForwardConfig | None = None,
-        use_histogram: bool = True,
-        histogram_config: HistogramConfig | None = None,
-        backward_config=None,
-        pad_rows: bool = True,
-        optimizer: Optimizer | None = None,
-        mesh=None,
-        axis_name: str = "data",
-        sharding_plan=None,
-        capacity: int | tuple[int, ...] | None = None,
-        rngs: nnx.Rngs,
-    ):
-        core = build_core(TableBatchedEmbedding, tables, dict(
-            feature_table_map=feature_table_map, pooling=pooling, weights_dtype=weights_dtype,
-            output_dtype=output_dtype, bounds_check=bounds_check, impl=impl, interpret=interpret,
-            kernel_config=kernel_config, use_histogram=use_histogram, histogram_config=histogram_config,
-            backward_config=backward_config, pad_rows=pad_rows))
-        core = shard_core(core, mesh, axis_name, sharding_plan, capacity)
-        check_optimizer(optimizer, core, self._MAKERS)  # before drawing the tables
-        self._setup(core, core.init(rngs.params()), optimizer)
-
-    @property
-    def tbe(self) -> TableBatchedEmbedding | ShardedTableBatchedEmbedding:
-        """The wrapped functional `TableBatchedEmbedding` (the `ShardedTableBatchedEmbedding` with a mesh)."""
-        return self._core
-
-    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
-                 max_batch_size=None):
-        options = {} if batch_size_per_feature is None else {"batch_size_per_feature": batch_size_per_feature}
-        if max_batch_size is not None:
-            options["max_batch_size"] = max_batch_size
-        return self._embed(indices, offsets, per_sample_weights, options)
+    _OPTIONS = TBE_OPTIONS

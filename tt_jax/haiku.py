@@ -120,8 +120,6 @@ True
 
 from __future__ import annotations
 
-from typing import Sequence
-
 try:
     import haiku as hk  # noqa: F401  (a clear error when dm-haiku is missing)
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -129,16 +127,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "tt_jax.haiku needs dm-haiku: pip install 'tbe-jax[haiku]' (or pip install dm-haiku)"
     ) from e
 
-from tbe_jax.layers_common import build_core, shard_core
 from tbe_jax.haiku import (
     FUSED_PREFIX, SparseEmbedBase, StepResult, core_params, fused_opt_state, fused_params, is_fused, module_params,
     module_state, train_step,
 )
-from tbe_jax.optim import Optimizer
-from tt_jax.kernels.forward import TTKernelConfig
-from tt_jax.sharding import ShardedTTEmbeddingBag
-from tt_jax.specs import TTSpec
-from tt_jax.tt import TTEmbeddingBag as _TTCore
+from tt_jax.layers_common import TT_OPTIONS
 
 __all__ = [
     "FUSED_PREFIX", "StepResult", "TTEmbeddingBag", "core_params", "fused_opt_state", "fused_params", "is_fused",
@@ -147,45 +140,14 @@ __all__ = [
 
 
 class TTEmbeddingBag(SparseEmbedBase):
-    """Tensor-train embedding bags as a Haiku module.
+    """Tensor-train embedding bags as a Haiku module (over `tt_jax.TTEmbeddingBag`, `layer.tt`).
 
-    Args (the options of `tt_jax.TTEmbeddingBag`, `specs` positional, the rest
-    keyword-only):
-      specs: one `TTSpec` or a sequence of them.
-      feature_table_map, pooling, impl, interpret, config, bounds_check: forwarded to
-        `tt_jax.TTEmbeddingBag` when not None (None: the core's default).
-      initializer, init_std: the core's `init(key, init=initializer, std=init_std)`.
-      optimizer: None (true-gradient mode: the cores are parameters "cores_0_0", ...),
-        or `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` / `tt_jax.SGD(...)` /
-        `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`)
-        (sparse mode: cores and optimizer state are state entries "fused_cores_0_0",
-        ..., trained by `train_step`; see the module docstring).
-      mesh, axis_name, sharding_plan: run the tables over the devices of `mesh`'s axis
-        `axis_name` (default None: unsharded, the layer as before). The layer's core is
-        then `tt_jax.shard(tt_jax.TTEmbeddingBag(...), mesh, axis_name, sharding_plan)`
-        (see `tt_jax.ShardedTTEmbeddingBag`): data parallel, every table's cores and
-        optimizer state replicated on every device. `sharding_plan`: None, a dict
-        `{table: "data"}`, a sequence of one strategy per table or a `ShardingPlan`;
-        `"data"` is the only strategy for TT tables (another one, e.g. `"row"`, raises
-        `tt_jax.sharding.plan_sharding`'s error when the layer is built). Its state
-        holds the cores (drawn as unsharded: the same values) and their optimizer state,
-        replicated on the mesh, under the names above; outside the transform, the
-        unsharded `tt_jax.TTEmbeddingBag` reads and writes them (`fused_params`,
-        `fused_opt_state`, `module_state`). Inputs are then per device: `indices [n,
-        N]`, `offsets [n, F*b+1]` (row k: device k's local batch of b samples),
-        per-sample weights `[n, N]`; the output is the global batch's `[n*b, sum D]`
-        (device k's samples at rows `k*b ...`), sharded over the axis. Both modes: true
-        gradient (`optimizer=None`: the parameters "cores_0_0", ... replicated on the
-        mesh; `jax.grad` through the layer gives them the unsharded gradient on the
-        global batch, the devices' shares summed over the axis; any optax optimizer
-        consumes it) and sparse (train with `train_step`), under `jax.jit`, on a mesh
-        whose axis is `jax.sharding.AxisType.Auto`. There is no `capacity` (no ids are
-        routed).
-      name: the module name (default "tt_embedding_bag").
-
-    Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional
-    core's input format and output (with a mesh, the per-device format above). Indices
-    and offsets must be integer arrays (else `ValueError`).
+    Variables: with `optimizer=None` the cores are parameters "cores_0_0", ...; with a sparse optimizer
+    cores and optimizer state are state entries "fused_cores_0_0", ..., trained by `train_step` (see the
+    module docstring). `name`: the module name (default "tt_embedding_bag"). With a mesh, the state holds
+    the replicated cores and their optimizer state under the same names; outside the transform, the
+    unsharded `tt_jax.TTEmbeddingBag` reads and writes them (`fused_params`, `fused_opt_state`,
+    `module_state`).
 
     Initialisation: the cores are `layer.tt.init(hk.next_rng_key(), ...)`, drawn once at
     init: the same values as the functional core given that key.
@@ -206,41 +168,4 @@ class TTEmbeddingBag(SparseEmbedBase):
       [[(5, 1, 2, 4), (5, 4, 2, 4), (5, 4, 2, 1)]]
     """
 
-    _MAKERS = ("tt_jax.RowwiseAdagrad(...), tt_jax.SGD, tt_jax.Adagrad, tt_jax.Adam, tt_jax.PartialRowwiseAdam, "
-               "tt_jax.Lamb or tt_jax.PartialRowwiseLamb")
-
-    def __init__(
-        self,
-        specs: TTSpec | Sequence[TTSpec],
-        *,
-        feature_table_map: Sequence[int] | None = None,
-        pooling: str = "sum",
-        impl: str = "auto",
-        interpret: bool = False,
-        config: TTKernelConfig | None = None,
-        bounds_check: str | None = None,
-        initializer: str = "approx-normal",
-        init_std: float | None = None,
-        optimizer: Optimizer | None = None,
-        mesh=None,
-        axis_name: str = "data",
-        sharding_plan=None,
-        name: str | None = None,
-    ):
-        super().__init__(name=name)
-        core = build_core(_TTCore, specs, dict(feature_table_map=feature_table_map, pooling=pooling, impl=impl,
-                                               interpret=interpret, config=config, bounds_check=bounds_check))
-        self._setup(shard_core(core, mesh, axis_name, sharding_plan), optimizer)
-        self.initializer = initializer
-        self.init_std = init_std
-
-    def _init_params(self, key):
-        return self._core.init(key, self.initializer, self.init_std)
-
-    @property
-    def tt(self) -> _TTCore | ShardedTTEmbeddingBag:
-        """The wrapped functional `tt_jax.TTEmbeddingBag` (the `ShardedTTEmbeddingBag` with a mesh)."""
-        return self._core
-
-    def __call__(self, indices, offsets, per_sample_weights=None):
-        return self._embed(indices, offsets, per_sample_weights, {})
+    _OPTIONS = TT_OPTIONS

@@ -118,63 +118,23 @@ True
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence
-
 try:
-    import flax.linen as nn
+    import flax.linen as nn  # noqa: F401  (a clear error when Flax is missing)
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.linen needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax.layers_common import as_tuple, cached_core, shard_core
 from tbe_jax.linen import FUSED_COLLECTION, SparseEmbedBase, StepResult, train_step
-from tbe_jax.optim import Optimizer
-from tt_jax.kernels.forward import TTKernelConfig
-from tt_jax.sharding import ShardedTTEmbeddingBag
-from tt_jax.specs import TTSpec
-from tt_jax.tt import TTEmbeddingBag as _TTCore
+from tt_jax.layers_common import TT_OPTIONS
 
 __all__ = ["FUSED_COLLECTION", "StepResult", "TTEmbeddingBag", "train_step"]
 
 
 class TTEmbeddingBag(SparseEmbedBase):
-    """Tensor-train embedding bags as a Linen module.
+    """Tensor-train embedding bags as a Linen module (over `tt_jax.TTEmbeddingBag`, `layer.tt`).
 
-    Args (the options of `tt_jax.TTEmbeddingBag`, `specs` positional, the rest
-    keyword-only):
-      specs: one `TTSpec` or a sequence of them.
-      feature_table_map, pooling, impl, interpret, config, bounds_check: forwarded to
-        `tt_jax.TTEmbeddingBag` when not None (None: the core's default).
-      initializer, init_std: the core's `init(key, init=initializer, std=init_std)`
-        ("approx-normal" or "approx-uniform"; std None: FBGEMM's table scale).
-      optimizer: None (true-gradient mode: the cores are the parameter `"embedding"`
-        in `"params"`), or `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` /
-        `tt_jax.SGD(...)` / `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`,
-        `PartialRowwiseLamb`) (sparse mode: the cores, `"embedding"`, and the optimizer
-        state, `"opt_state"`, live in the `"tbe_fused"` collection; train with
-        `train_step`, see the module docstring).
-      mesh, axis_name, sharding_plan: run the tables over the devices of `mesh`'s axis
-        `axis_name` (default None: unsharded, the layer as before). The layer's core is
-        then `tt_jax.shard(tt_jax.TTEmbeddingBag(...), mesh, axis_name, sharding_plan)`
-        (see `tt_jax.ShardedTTEmbeddingBag`): data parallel, every table's cores and
-        optimizer state replicated on every device. `sharding_plan`: None, a dict
-        `{table: "data"}`, a sequence of one strategy per table or a `ShardingPlan`;
-        `"data"` is the only strategy for TT tables (another one, e.g. `"row"`, raises
-        `tt_jax.sharding.plan_sharding`'s error when the layer is built). The cores are
-        drawn as unsharded (`layer.tt.init`: the same values) and placed on the mesh.
-        Inputs are then per device: `indices [n, N]`, `offsets [n, F*b+1]` (row k:
-        device k's local batch of b samples), per-sample weights `[n, N]`; the output is
-        the global batch's `[n*b, sum D]` (device k's samples at rows `k*b ...`), sharded
-        over the axis. Both modes: true gradient (`optimizer=None`: `jax.grad` through
-        the layer gives the replicated cores the unsharded gradient on the global batch,
-        the devices' shares summed over the axis; any optax optimizer consumes it) and
-        sparse (train with `train_step`), under `jax.jit`, on a mesh whose axis is
-        `jax.sharding.AxisType.Auto`. There is no `capacity` (no ids are routed).
-
-    Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional
-    core's input format (FBGEMM's: flat ids, feature-major offsets of length F*B+1)
-    and output `[B, sum_f D_f]` (with a mesh, the per-device format above). Indices and
-    offsets must be integer arrays (else `ValueError`).
+    Variables: with `optimizer=None` the cores are the parameter `"embedding"` in `"params"`; with a sparse
+    optimizer the cores, `"embedding"`, and the optimizer state, `"opt_state"`, live in the `"tbe_fused"`
+    collection (train with `train_step`, see the module docstring).
 
     Parameters: `"embedding"` is exactly the functional core's params dict, so
     `layer.tt(variables["params"]["embedding"], indices, offsets)` equals
@@ -197,42 +157,4 @@ class TTEmbeddingBag(SparseEmbedBase):
       [[(5, 1, 2, 4), (5, 4, 2, 4), (5, 4, 2, 1)], [(8, 1, 2, 2), (7, 2, 2, 1)]]
     """
 
-    specs: TTSpec | Sequence[TTSpec]
-    _: dataclasses.KW_ONLY
-    feature_table_map: Sequence[int] | None = None
-    pooling: str = "sum"
-    impl: str = "auto"
-    interpret: bool = False
-    config: TTKernelConfig | None = None
-    bounds_check: str | None = None
-    initializer: str = "approx-normal"
-    init_std: float | None = None
-    optimizer: Optimizer | None = None
-    mesh: Any = None
-    axis_name: str = "data"
-    sharding_plan: Any = None
-
-    _MAKERS = ("tt_jax.RowwiseAdagrad(...), tt_jax.SGD, tt_jax.Adagrad, tt_jax.Adam, tt_jax.PartialRowwiseAdam, "
-               "tt_jax.Lamb or tt_jax.PartialRowwiseLamb")
-
-    def _build_core(self) -> _TTCore | ShardedTTEmbeddingBag:
-        specs = (self.specs,) if isinstance(self.specs, TTSpec) else tuple(self.specs)
-        fmap = as_tuple(self.feature_table_map)
-        core = cached_core(_TTCore, specs, dict(feature_table_map=fmap, pooling=self.pooling, impl=self.impl,
-                                                interpret=bool(self.interpret), config=self.config,
-                                                bounds_check=self.bounds_check))
-        return shard_core(core, self.mesh, self.axis_name, self.sharding_plan)
-
-    def _init_params(self, key):
-        return self._build_core().init(key, self.initializer, self.init_std)
-
-    @property
-    def tt(self) -> _TTCore | ShardedTTEmbeddingBag:
-        """The wrapped functional `tt_jax.TTEmbeddingBag` (immutable, hashable); with a mesh, the
-        `ShardedTTEmbeddingBag` over it (the same methods: `get_cores`, `set_cores`, `full_table`,
-        `get_momentum`, ...; `.emb` is the unsharded core)."""
-        return self._build_core()
-
-    @nn.compact
-    def __call__(self, indices, offsets, per_sample_weights=None):
-        return self._embed(indices, offsets, per_sample_weights, {})
+    _OPTIONS = TT_OPTIONS

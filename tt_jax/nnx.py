@@ -100,71 +100,29 @@ True
 
 from __future__ import annotations
 
-from typing import Sequence
-
 try:
-    from flax import nnx
+    from flax import nnx  # noqa: F401  (a clear error when Flax is missing)
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tt_jax.nnx needs Flax: pip install 'tbe-jax[flax]' (or pip install flax)") from e
 
-from tbe_jax.layers_common import build_core, check_optimizer, shard_core
 from tbe_jax.nnx import Fused, SparseEmbedBase, train_step
-from tbe_jax.optim import Optimizer
-from tt_jax.kernels.forward import TTKernelConfig
-from tt_jax.sharding import ShardedTTEmbeddingBag
-from tt_jax.specs import TTSpec
-from tt_jax.tt import TTEmbeddingBag as _TTCore
+from tt_jax.layers_common import TT_OPTIONS
 
 __all__ = ["Fused", "TTEmbeddingBag", "train_step"]
 
 
 class TTEmbeddingBag(SparseEmbedBase):
-    """Tensor-train embedding bags as an NNX module.
+    """Tensor-train embedding bags as an NNX module (over `tt_jax.TTEmbeddingBag`, `layer.tt`).
 
-    Args (the options of `tt_jax.TTEmbeddingBag`, `specs` positional, the rest
-    keyword-only):
-      specs: one `TTSpec` or a sequence of them.
-      feature_table_map, pooling, impl, interpret, config, bounds_check: forwarded to
-        `tt_jax.TTEmbeddingBag` when not None (None: the core's default).
-      initializer, init_std: the core's `init(key, init=initializer, std=init_std)`.
-      optimizer: None (true-gradient mode: the cores are `nnx.Param`s), or
-        `tt_jax.RowwiseAdagrad(...)` / `tt_jax.Adagrad(...)` / `tt_jax.SGD(...)` /
-        `tt_jax.Adam(...)` (or `PartialRowwiseAdam`, `Lamb`, `PartialRowwiseLamb`)
-        (sparse mode: cores and optimizer state are `Fused` variables, trained by
-        `train_step`; see the module docstring).
-      mesh, axis_name, sharding_plan: run the tables over the devices of `mesh`'s axis
-        `axis_name` (default None: unsharded, the layer as before). The layer's core is
-        then `tt_jax.shard(tt_jax.TTEmbeddingBag(...), mesh, axis_name, sharding_plan)`
-        (see `tt_jax.ShardedTTEmbeddingBag`): data parallel, every table's cores and
-        optimizer state replicated on every device. `sharding_plan`: None, a dict
-        `{table: "data"}`, a sequence of one strategy per table or a `ShardingPlan`;
-        `"data"` is the only strategy for TT tables (another one, e.g. `"row"`, raises
-        `tt_jax.sharding.plan_sharding`'s error when the layer is built). Its variables
-        hold the cores as unsharded (the same values given `rngs`) and their optimizer
-        state, replicated on the mesh. Inputs are then per device: `indices [n, N]`,
-        `offsets [n, F*b+1]` (row k: device k's local batch of b samples), per-sample
-        weights `[n, N]`; the output is the global batch's `[n*b, sum D]` (device k's
-        samples at rows `k*b ...`), sharded over the axis. Both modes: true gradient
-        (`optimizer=None`: `nnx.grad` through the layer gives the replicated cores the
-        unsharded gradient on the global batch, the devices' shares summed over the
-        axis; any optax optimizer consumes it) and sparse (train with `train_step`),
-        under `nnx.jit`, on a mesh whose axis is `jax.sharding.AxisType.Auto`. There is
-        no `capacity` (no ids are routed).
-      rngs: `nnx.Rngs`; the cores are `layer.tt.init(rngs.params(), ...)`, the same
-        values as the functional core given that key.
+    Variables: with `optimizer=None` the cores are `nnx.Param`s; with a sparse optimizer cores and optimizer
+    state are `Fused` variables, trained by `train_step` (see the module docstring). `rngs`: `nnx.Rngs`; the
+    cores are `layer.tt.init(rngs.params(), ...)`, the same values as the functional core given that key
+    (with a mesh too: replicated).
 
     Attributes:
-      tt: the wrapped `tt_jax.TTEmbeddingBag` (static); with a mesh, the
-        `ShardedTTEmbeddingBag` over it (the same methods: `get_cores`, `set_cores`,
-        `full_table`, `get_momentum`, ...; `.emb` is the unsharded core).
-      embedding: `nnx.Dict` of one variable per core ("cores_<table>_<core>"):
-        `nnx.Param`, or `Fused` in sparse mode.
-      opt_state: sparse mode only: `nnx.Dict` of `Fused` variables, one per leaf of the
-        optimizer state; `get_opt_state()` reassembles it.
-
-    Call: `layer(indices, offsets, per_sample_weights=None)`, with the functional
-    core's input format and output (with a mesh, the per-device format above). Indices
-    and offsets must be integer arrays (else `ValueError`).
+      tt: the wrapped `tt_jax.TTEmbeddingBag` (static); with a mesh, the `ShardedTTEmbeddingBag`.
+      embedding, opt_state: one variable per core ("cores_<table>_<core>") and per leaf of the optimizer
+        state; see `SparseEmbedBase`.
 
     Example:
       >>> import jax, jax.numpy as jnp, tt_jax
@@ -179,37 +137,4 @@ class TTEmbeddingBag(SparseEmbedBase):
       [[(5, 1, 2, 4), (5, 4, 2, 4), (5, 4, 2, 1)]]
     """
 
-    _MAKERS = ("tt_jax.RowwiseAdagrad(...), tt_jax.SGD, tt_jax.Adagrad, tt_jax.Adam, tt_jax.PartialRowwiseAdam, "
-               "tt_jax.Lamb or tt_jax.PartialRowwiseLamb")
-
-    def __init__(
-        self,
-        specs: TTSpec | Sequence[TTSpec],
-        *,
-        feature_table_map: Sequence[int] | None = None,
-        pooling: str = "sum",
-        impl: str = "auto",
-        interpret: bool = False,
-        config: TTKernelConfig | None = None,
-        bounds_check: str | None = None,
-        initializer: str = "approx-normal",
-        init_std: float | None = None,
-        optimizer: Optimizer | None = None,
-        mesh=None,
-        axis_name: str = "data",
-        sharding_plan=None,
-        rngs: nnx.Rngs,
-    ):
-        core = build_core(_TTCore, specs, dict(feature_table_map=feature_table_map, pooling=pooling, impl=impl,
-                                               interpret=interpret, config=config, bounds_check=bounds_check))
-        core = shard_core(core, mesh, axis_name, sharding_plan)
-        check_optimizer(optimizer, core, self._MAKERS)  # before drawing the cores
-        self._setup(core, core.init(rngs.params(), initializer, init_std), optimizer)
-
-    @property
-    def tt(self) -> _TTCore | ShardedTTEmbeddingBag:
-        """The wrapped functional `tt_jax.TTEmbeddingBag` (the `ShardedTTEmbeddingBag` with a mesh)."""
-        return self._core
-
-    def __call__(self, indices, offsets, per_sample_weights=None):
-        return self._embed(indices, offsets, per_sample_weights, {})
+    _OPTIONS = TT_OPTIONS
