@@ -34,9 +34,13 @@ How a step runs (inside one `shard_map` over `axis_name`; XLA collectives, NCCL 
    once per touched row with the whole global batch's gradient. Replicated tables
    see every device's ids and gradients, so their copies stay identical.
 
-Column-wise tables need an optimizer without row statistics (SGD, Adagrad, Adam):
-row-wise Adagrad, the partial row-wise Adams and the LAMBs reduce over a whole
-row, which no column block sees; `init_opt_state` refuses that combination.
+Column-wise tables take every optimizer. Row-wise Adagrad, the partial row-wise
+Adams and the LAMBs reduce over a whole row, which no column block holds: each
+block sums its columns' part of the statistic and one `psum` over the axis adds
+the parts before the update (`tbe_jax.shard_programs._column_update`; the row-wise
+state is kept, identical, on every block of its table). Equal to the unsharded
+update to fp32 rounding; that step's update runs on the XLA sparse path on every
+device (the fused kernels keep the statistic inside the kernel).
 
 Where the parts live: this module, the class (configuration, checks, the public API: a
 `tbe_jax.core.SparseCore`); `tbe_jax.shard_plan`, the placement; `tbe_jax.shard_route`, the per-device
@@ -265,6 +269,7 @@ class ShardedTableBatchedEmbedding:
                                  f"shards), got {list(shape)}: build the state with init_opt_state, or convert "
                                  "emb's with from_unsharded")
 
+
     def get_momentum(self, opt_state) -> list[jax.Array]:
         """Per table, its Adagrad accumulators (as `emb.get_momentum`)."""
         if not isinstance(opt_state, (optim.RowwiseAdagradState, optim.AdagradState)):
@@ -327,17 +332,8 @@ class ShardedTableBatchedEmbedding:
         return shard_programs.sharded_opt_init(self, opt, params)
 
     def check_optimizer(self, opt) -> None:
-        """Raises unless `opt` applies to these shards (as `emb.check_optimizer`; column-wise tables refuse
-        the optimizers with row statistics: ValueError)."""
+        """Raises unless `opt` applies to these shards (as `emb.check_optimizer`: every optimizer does)."""
         self.emb.check_optimizer(opt)
-        rule = opt.rule()
-        if "column" in self.plan.strategies and (any(rule.slot_rowwise) or isinstance(
-                opt, (optim.Lamb, optim.PartialRowwiseLamb))):
-            cols = [t for t, s in enumerate(self.plan.strategies) if s == "column"]
-            raise ValueError(
-                f"{type(opt).__name__} reduces over whole rows (a row-wise accumulator or a trust ratio), which a "
-                f"column block does not see; tables {cols} are sharded by columns: shard them by rows or tables, "
-                "or train them with SGD, Adagrad or Adam")
 
     # -- forward -------------------------------------------------------------------
     def _warns(self) -> bool:
