@@ -258,7 +258,8 @@ class ShardedTableBatchedEmbedding:
         keys = self._buffer_keys()
         if not isinstance(tree, Mapping) or set(tree) != set(keys):
             raise ValueError(f"opt_state.{name} must hold this sharded embedding's buffers {keys} (build the state "
-                             f"with init_opt_state, or convert emb's with from_unsharded), got "
+                             f"with init_opt_state, or convert emb's with from_unsharded; a state saved from another "
+                             f"mesh or plan: save to_unsharded(params, opt_state) instead), got "
                              + (f"{sorted(tree)}" if isinstance(tree, Mapping) else type(tree).__name__))
         for c, w in enumerate(self.layout.widths):
             key = self.local.layout.key(c)
@@ -267,8 +268,17 @@ class ShardedTableBatchedEmbedding:
             if shape not in ((rows,), (rows, w)):
                 raise ValueError(f"opt_state.{name}[{key!r}] must be [{rows}] or [{rows}, {w}] (this mesh's "
                                  f"shards), got {list(shape)}: build the state with init_opt_state, or convert "
-                                 "emb's with from_unsharded")
+                                 "emb's with from_unsharded. Sharded states depend on the mesh and the plan: a "
+                                 "checkpoint of another mesh's cannot be restored onto this one (orbax's "
+                                 "strict=False would pad or cut the wrong tables' rows); save "
+                                 "`to_unsharded(params, opt_state)` and restore it with `from_unsharded`")
 
+    def _check_opt_state(self, opt_state, opt) -> None:
+        """`opt.check_state` on the global shapes, after the per-field check that names the way out of a state of
+        another mesh (`to_unsharded` / `from_unsharded`)."""
+        if isinstance(opt_state, opt.state_type):
+            for name in opt._SLOTS:
+                self._check_state_field(getattr(opt_state, name), name)
 
     def get_momentum(self, opt_state) -> list[jax.Array]:
         """Per table, its Adagrad accumulators (as `emb.get_momentum`)."""
@@ -385,6 +395,7 @@ class ShardedTableBatchedEmbedding:
         `emb.apply_gradients` on the global batch (each touched row once, with the whole batch's gradient)."""
         self.check_optimizer(opt)
         self.check_params(params)
+        self._check_opt_state(opt_state, opt)
         opt.check_state(opt_state, params)  # the global shapes: a state of emb or of another mesh is refused here
         idx, off, psw = self._args(indices, offsets, per_sample_weights)
         grad_output = jnp.asarray(grad_output)
@@ -414,6 +425,7 @@ class ShardedTableBatchedEmbedding:
         routed, report = residuals
         self.check_optimizer(opt)
         self.check_params(params)
+        self._check_opt_state(opt_state, opt)
         opt.check_state(opt_state, params)
         grad_output = self._place(grad_output, P(self.axis_name))
         params, opt_state = shard_programs.update(self, params, opt_state, opt, routed, grad_output)
