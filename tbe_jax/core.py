@@ -20,8 +20,7 @@ parameters and looks them up. Four classes implement it: `tbe_jax.TableBatchedEm
 - `check_params(params)`: raise unless `params` have this core's structure, shapes and dtypes (static: free
   under `jit`);
 - `check_optimizer(opt)`: raise unless this core can apply `opt` (`TypeError` for something that is not an
-  optimizer of `tbe_jax.optim`, `ValueError` for one its layout cannot apply, e.g. row statistics on
-  column-sharded tables);
+  optimizer of `tbe_jax.optim`, `ValueError` for one its layout cannot apply);
 - `uses_kernel()`: whether the lookups run the Pallas kernels (False: the XLA reference path).
 
 An unsharded core is also a `ShardableCore`: `core.shard(mesh, axis_name, plan, *, capacity=None)` gives its

@@ -68,7 +68,7 @@ def check_ids(indices, offsets) -> None:
 
 def check_optimizer(optimizer, core, makers: str) -> None:
     """A layer's `optimizer`: None or an optimizer of `tbe_jax.optim` that `core` supports (else TypeError;
-    a sharded core's own refusals, e.g. a row-statistics optimizer on column-wise tables, are ValueErrors)."""
+    a core's own refusals are ValueErrors)."""
     if optimizer is None:
         _check_true_gradient(core)
         return

@@ -295,8 +295,6 @@ class Optimizer:
         return self.state_type(*tuple(slots or ()), count)
 
 
-
-
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class SGD(Optimizer):
@@ -498,17 +496,18 @@ class PartialRowwiseLamb(_AdamFamily):
     _KIND = "partial_rowwise_lamb"
 
 
-def apply_rule(rule: KernelRule, w32, slots, g, hyper, *, dim=None, row_axes=(1,)):
+def apply_rule(rule: KernelRule, w32, slots, g, hyper, *, dim=None, row_axes=(1,), row_reduce=None):
     """The update of `rule` on fp32 rows: returns (new rows fp32, new slots (fp32 tuple), salts).
 
     `w32`, `g`: `[R, ...]` (a row's values along `row_axes`); `slots`: the state's slots
     for these rows as fp32 (`[R]` row-wise, `w32`'s shape element-wise), a tuple (empty
     for SGD); `hyper`: the step's `Optimizer.hyperparameters` (an array or a sequence of
     scalars). `dim`: the row length that means divide by (default: the size of the row
-    axes); a kernel whose tile is wider than the row passes the true length, with zeros
-    in the padding of `w32`, `g` and the slots (the sums then ignore it). Pure jnp:
-    shared by the references and the Pallas kernels. `salts` are the values that seed
-    stochastic rounding.
+    axes; or one per row, `[R]`); a kernel whose tile is wider than the row passes the true
+    length, with zeros in the padding of `w32`, `g` and the slots (the sums then ignore it).
+    Pure jnp: shared by the references and the Pallas kernels. `salts` are the values that
+    seed stochastic rounding. `row_reduce`: None, or a function of per-row sums (`[R]` each) to
+    their totals over whole rows (a tuple; column-sharded tables add the other shards' parts).
     """
     lr, eps = hyper[H_LR], hyper[H_EPS]
     if dim is None:
@@ -516,8 +515,10 @@ def apply_rule(rule: KernelRule, w32, slots, g, hyper, *, dim=None, row_axes=(1,
         for a in row_axes:
             dim *= g.shape[a]
 
-    def rowsum(x):
-        return jnp.sum(x, axis=row_axes)
+    def rowsum(*xs):  # one [R] total per x (a tuple for several)
+        sums = tuple(jnp.sum(x, axis=row_axes) for x in xs)
+        sums = sums if row_reduce is None else tuple(row_reduce(*sums))
+        return sums if len(xs) > 1 else sums[0]
 
     def per_row(r):  # [R] -> broadcastable against [R, ...]
         return r.reshape(r.shape + (1,) * (g.ndim - 1))
@@ -556,8 +557,8 @@ def apply_rule(rule: KernelRule, w32, slots, g, hyper, *, dim=None, row_axes=(1,
         if kind.endswith("adam"):
             w = w32 - lr * r
         else:
-            w_norm = jnp.sqrt(rowsum(w32 * w32))
-            r_norm = jnp.sqrt(rowsum(r * r))
+            w_sq, r_sq = rowsum(w32 * w32, r * r)
+            w_norm, r_norm = jnp.sqrt(w_sq), jnp.sqrt(r_sq)
             ok = (w_norm > 0) & (r_norm > 0)
             ratio = jnp.where(ok, w_norm / jnp.where(ok, r_norm, 1.0), 1.0)
             w = w32 - per_row(lr * ratio) * r

@@ -240,10 +240,20 @@ class ShardLayout:
         col0 = np.zeros((n, ns), np.int32)
         ncols = np.zeros((n, ns), np.int32)
         skip = np.zeros((n, ns), bool)  # a replicated table's pooled rows come from device 0's copy only
+        # Column-wise tables: which slots read one, and its whole rows' length (row statistics sum over it).
+        column = np.zeros((n, ns), bool)
+        row_dim = np.zeros((n, ns), np.int32)
         depth = 1
         for (j, q), (f, p) in self.slot_piece.items():
             col0[j, q], ncols[j, q] = p.col0, p.cols
             skip[j, q] = plan.strategies[p.table] == "data" and j != 0
+            column[j, q] = plan.strategies[p.table] == "column"
+            row_dim[j, q] = emb.tables[p.table].embedding_dim
+        self.has_column = "column" in plan.strategies
+        self.slot_column, self.slot_row_dim = column, row_dim
+        # Per width: whether any device stores a column block there (its update then sums row statistics).
+        self.width_has_column = tuple(any(p.cols == w and plan.strategies[p.table] == "column" for p in pieces)
+                                      for w in widths)
         for t, st in enumerate(plan.strategies):
             if st == "row":
                 depth = max(depth, sum(1 for p in pieces if p.table == t))

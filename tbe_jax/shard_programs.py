@@ -3,7 +3,9 @@ embedding `s` (static) and its arrays.
 
 - `forward`: route, look up on the owners (`s.local`), send back (and, for training, the routed batch the
   update reuses);
-- `route_for_update`, `update`: the optimizer step (`apply_gradients`, `step_update`) on the owners;
+- `route_for_update`, `update`: the optimizer step (`apply_gradients`, `step_update`) on the owners
+  (`_column_update` where the optimizer sums over rows that column-wise tables split: one `psum` of the
+  partial row statistics);
 - `sharded_init`, `sharded_opt_init`: each device draws its own shards, and their optimizer state;
 - `smap`, `state_specs`: the `shard_map` over `s`'s mesh, and the specs of a sharded optimizer state.
 
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from tbe_jax import bounds, shard_route
+from tbe_jax import bounds, reference, shard_route, sparse_update
 from tbe_jax.tbe import blocked_draw, init_rows
 
 
@@ -66,7 +68,7 @@ def forward(s, params, idx, off, psw, want_routed: bool):
         # serves the update. A forward alone keeps the weightless ids and divides at the source.
         scaled = want_routed and emb.pooling == "mean"
         routed = shard_route.routed_local(s, idx, off, psw, scaled)
-        (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired) = routed
+        (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired), _ = routed
         out_l = s.local(params, m_ids, m_off, m_w)
         if sequence:
             out = shard_route.sequence_back(s, out_l, back, sent, idx.shape[0])
@@ -83,10 +85,13 @@ def forward(s, params, idx, off, psw, want_routed: bool):
 
 
 def _pack_routed(routed):
-    (m_ids, m_off, m_w), back, sent, _ = routed
+    (m_ids, m_off, m_w), back, sent, _, key = routed
     k, src, live = back
     keep_cap, dst = sent
-    return {"ids": m_ids, "off": m_off, "w": m_w, "k": k, "src": src, "live": live, "keep": keep_cap, "dst": dst}
+    out = {"ids": m_ids, "off": m_off, "w": m_w, "k": k, "src": src, "live": live, "keep": keep_cap, "dst": dst}
+    if key is not None:
+        out["key"] = key
+    return out
 
 
 def _routed_specs(s, weighted):
@@ -94,7 +99,10 @@ def _routed_specs(s, weighted):
     if s.num_devices == 1:
         return {"ids": spec, "off": spec, "w": spec if weighted else None}
     w = spec if (weighted or s.emb.pooling == "mean") else None
-    return {"ids": spec, "off": spec, "w": w, "k": spec, "src": spec, "live": spec, "keep": spec, "dst": spec}
+    out = {"ids": spec, "off": spec, "w": w, "k": spec, "src": spec, "live": spec, "keep": spec, "dst": spec}
+    if s.layout.has_column:
+        out["key"] = spec
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -130,6 +138,8 @@ def update(s, params, opt_state, opt, routed, grad_output):
             g_l = shard_route.sequence_grads(s, g, r)
         else:
             g_l = shard_route.route_grads(s, g)
+        if sums_rows(s, opt):
+            return _column_update(s, params, opt_state, opt, r, g_l)
         return s.local.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g_l, r["w"])
 
     f = smap(s, body, (pspec, sspec, P(), rspec, P(ax)), (pspec, sspec))
@@ -187,3 +197,61 @@ def sharded_opt_init(s, opt, params):
         return s.local.init_opt_state(params, opt)
 
     return smap(s, body, (pspec, P()), sspec)(params, opt)
+
+
+def sums_rows(s, opt) -> bool:
+    """Whether `opt`'s update reduces over whole rows (a row-wise state slot, or LAMB's trust ratio) while some table
+    is sharded by columns: the step then sums the rows' statistics across the column shards (`_column_update`)."""
+    rule = opt.rule()
+    return s.layout.has_column and (any(rule.slot_rowwise) or rule.kind in ("lamb", "partial_rowwise_lamb"))
+
+
+def _column_update(s, params, opt_state, opt, r, g):
+    """On one device: the owners' update (as `s.local.apply_gradients`) where row statistics span column shards.
+
+    Each statistic the rule sums over a row (`optim.apply_rule`'s `row_reduce`) is, for a column-wise table's row,
+    the sum over this device's columns; the shards holding the table's other columns see the same ids (every id
+    of a feature reading it, from every device), so they touch the same rows, and each puts its partial sum at the
+    row's key: its first lookup's column key (`shard_route.merge`), the same on every shard. One `psum` over the
+    axis of a `[statistics, ids of the global batch]` array (zeros elsewhere: devices without the table add
+    nothing) gives every shard the whole row's sum; the row length that divides it is the table's. So the shards
+    update the row's columns with the statistic of the unsharded update, and keep its row-wise state identical.
+    Rows of the other tables keep their own sums. The update runs on the XLA sparse path (`tbe_jax.sparse_update`,
+    touched rows only) on every device, also where the lookups run the Pallas kernels: their fused update keeps
+    the statistic inside the kernel.
+    """
+    lay, local, n = s.layout, s.local, s.num_devices
+    ids, off, w = r["ids"], r["off"], r["w"]
+    if ids.shape[0] == 0:
+        return params, opt.next_state(opt_state, opt.slots(opt_state))
+    num = r["keep"].shape[1]  # the senders' ids per device: keys are in [0, n * num)
+    size = n * num
+    plan = local.plan_for(off.shape[0])
+    j = jax.lax.axis_index(s.axis_name)
+    _, feat = reference.position_features(plan, off, ids.shape[0])  # each merged id's slot
+    column = jnp.asarray(lay.slot_column)[j][feat]
+    row_dim = jnp.asarray(lay.slot_row_dim)[j][feat]
+    key = jnp.where(column, r["key"], size)
+
+    def row_reduce(gi, lookups, slot):
+        if not lay.width_has_column[gi]:
+            return None, None
+        ns = slot.shape[0]
+        rep = jnp.minimum(jax.ops.segment_min(jnp.where(lookups, key, size), slot, num_segments=ns), size)
+        is_col = rep < size
+        dim = jax.ops.segment_max(jnp.where(lookups & column, row_dim, 0), slot, num_segments=ns)
+        dim = jnp.where(is_col, dim, local.layout.dims[gi]).astype(jnp.float32)
+
+        def reduce(*sums):
+            part = jnp.stack(sums)  # [S, slots]
+            total = jnp.zeros((len(sums), size), jnp.float32).at[:, rep].set(part, mode="drop")
+            total = _psum(total, s)
+            got = jnp.take(total, rep, axis=1, mode="fill", fill_value=0)
+            return tuple(jnp.where(is_col, got[i], x) for i, x in enumerate(sums))
+
+        return reduce, dim
+
+    new_w, new_s = sparse_update.apply_gradients(
+        params, opt.slots(opt_state), local.layout, plan, ids, off, w, g, opt.rule(),
+        opt.hyperparameters(opt_state.count), pooling=local.pooling, row_reduce=row_reduce)
+    return new_w, opt.next_state(opt_state, new_s)

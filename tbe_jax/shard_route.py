@@ -6,7 +6,8 @@ collective is the `all_to_all` of `all_to_all`, issued when the mesh axis has mo
 (`s.num_devices == 1`) they run without a mesh, and their outputs can be checked against the placement by hand.
 
 - `route`: a device's ids, per destination (its shards' rows, packed in feature order, with each bag's length);
-- `merge`: on an owner, the ids received from every device as one batch of `s.local`'s format;
+- `merge`: on an owner, the ids received from every device as one batch of `s.local`'s format (with column-wise
+  tables, each id's column key: the same on every device holding a block of its table);
 - `routed_local`: the two, with the exchange between them;
 - `assemble` (pooled) / `sequence_back` (`pooling="none"`): the owners' rows back to the devices they came from;
 - `route_grads` / `sequence_grads`: a device's output gradient to the owners, the way its ids went.
@@ -30,7 +31,9 @@ def _local_plan(s, num_offsets: int):
 
 def route(s, idx, off, psw, scale_mean: bool):
     """On one device: the ids for each destination. Returns (ids [n, cap], lens [n, NS, b], starts [n, NS],
-    weights [n, cap] or None, dropped, invalid, repaired)."""
+    weights [n, cap] or None, dropped, invalid, repaired, sent, ranks). `ranks` (None unless the plan has
+    column-wise tables): per destination and slot, the valid ids of this device before the slot's feature
+    (what `merge` needs for the column keys)."""
     emb, lay, n = s.emb, s.layout, s.num_devices
     num = idx.shape[0]
     nf = emb.num_features
@@ -71,6 +74,10 @@ def route(s, idx, off, psw, scale_mean: bool):
     kb = jnp.where(used[:, :, None], kb, 0)
     lens = kb[:, :, 1:] - kb[:, :, :-1]
     starts = kb[:, :, 0]
+    ranks = None
+    if lay.has_column:
+        ok_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ok_id, dtype=jnp.int32)])
+        ranks = jnp.where(used, ok_before[at[:, :, 0]], 0)
     w = None
     if psw is not None or (scale_mean and emb.pooling == "mean"):
         wv = jnp.ones((num,), jnp.float32) if psw is None else psw.astype(jnp.float32)
@@ -79,11 +86,17 @@ def route(s, idx, off, psw, scale_mean: bool):
             coef = 1.0 / jnp.maximum(length, 1.0)
             wv = coef[bag] * wv
         w = jnp.zeros((n, cap), jnp.float32).at[jj, dst].set(jnp.broadcast_to(wv, (n, num)), mode="drop")
-    return ids, lens, starts, w, dropped, invalid, repaired, (keep_cap, dst)
+    return ids, lens, starts, w, dropped, invalid, repaired, (keep_cap, dst), ranks
 
 
-def merge(s, ids, lens, starts, w):
-    """On an owner: the ids received from every device as one batch of n*b samples in `s.local`'s format."""
+def merge(s, ids, lens, starts, w, ranks=None, num=0):
+    """On an owner: the ids received from every device as one batch of n*b samples in `s.local`'s format.
+
+    Returns `(ids, offsets, weights, (k, src, live), key)`. `key` (None without `ranks`, `route`'s as received;
+    `num` is the senders' ids per device): per merged id, `k * num` plus its rank among its sender k's valid ids,
+    in `[0, n * num)` (`n * num` past the batch). A column-wise table's ids reach every device holding a block of
+    it, in the same order, so their keys agree on all of them (`tbe_jax.shard_programs._column_update` sums row
+    statistics at them); the other ids' keys are unused."""
     n = s.num_devices
     ns = s.layout.num_slots
     cap = ids.shape[1]
@@ -106,7 +119,13 @@ def merge(s, ids, lens, starts, w):
     merged_ids = jnp.where(live, ids[k, src], 0)
     merged_w = None if w is None else jnp.where(live, w[k, src], 0.0)
     del seg_len
-    return merged_ids, offsets, merged_w, (k, src, live)
+    key = None
+    if ranks is not None:
+        # A column-wise table's ids reach every device holding its columns, each from its sender in the same order:
+        # the id's rank among its sender's valid ids, offset by the sender, names it on all of them alike.
+        q = seg // n
+        key = jnp.where(live, k * num + ranks[k, q] + p - seg_dst[seg], n * num)
+    return merged_ids, offsets, merged_w, (k, src, live), key
 
 
 def all_to_all(x, axis_name):
@@ -114,11 +133,11 @@ def all_to_all(x, axis_name):
     return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=False)
 
 
-def _exchange_ids(s, ids, lens, starts, w):
-    """One all_to_all for ids, bag lengths, segment starts (and weights, as int32 bits)."""
+def _exchange_ids(s, ids, lens, starts, w, ranks=None):
+    """One all_to_all for ids, bag lengths, segment starts (and the column keys' ranks, and weights as int32 bits)."""
     n = s.num_devices
     cap = ids.shape[1]
-    parts = [ids, lens.reshape(n, -1), starts]
+    parts = [ids, lens.reshape(n, -1), starts] + ([] if ranks is None else [ranks])
     if w is not None:
         parts.append(jax.lax.bitcast_convert_type(w, jnp.int32))
     packed = jnp.concatenate(parts, axis=1)
@@ -127,20 +146,24 @@ def _exchange_ids(s, ids, lens, starts, w):
     ns, b = lens.shape[1], lens.shape[2]
     ids_r = packed[:, :cap]
     lens_r = packed[:, cap : cap + ns * b].reshape(n, ns, b)
-    starts_r = packed[:, cap + ns * b : cap + ns * b + ns]
+    at = cap + ns * b + ns
+    starts_r = packed[:, cap + ns * b : at]
+    ranks_r = None
+    if ranks is not None:
+        ranks_r, at = packed[:, at : at + ns], at + ns
     w_r = None
     if w is not None:
-        w_r = jax.lax.bitcast_convert_type(packed[:, cap + ns * b + ns :], jnp.float32)
-    return ids_r, lens_r, starts_r, w_r
+        w_r = jax.lax.bitcast_convert_type(packed[:, at:], jnp.float32)
+    return ids_r, lens_r, starts_r, w_r, ranks_r
 
 
 def routed_local(s, idx, off, psw, scale_mean):
     """Route and merge on one device: the owner-side batch (ids, offsets, weights) plus what the
     sequence path needs to send rows back, and the report counts."""
-    ids, lens, starts, w, dropped, invalid, repaired, sent = route(s, idx, off, psw, scale_mean)
-    ids_r, lens_r, starts_r, w_r = _exchange_ids(s, ids, lens, starts, w)
-    m_ids, m_off, m_w, back = merge(s, ids_r, lens_r, starts_r, w_r)
-    return (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired)
+    ids, lens, starts, w, dropped, invalid, repaired, sent, ranks = route(s, idx, off, psw, scale_mean)
+    ids_r, lens_r, starts_r, w_r, ranks_r = _exchange_ids(s, ids, lens, starts, w, ranks)
+    m_ids, m_off, m_w, back, key = merge(s, ids_r, lens_r, starts_r, w_r, ranks_r, idx.shape[0])
+    return (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired), key
 
 
 def assemble(s, out_l, off, b, divide: bool = True):

@@ -34,9 +34,13 @@ How a step runs (inside one `shard_map` over `axis_name`; XLA collectives, NCCL 
    once per touched row with the whole global batch's gradient. Replicated tables
    see every device's ids and gradients, so their copies stay identical.
 
-Column-wise tables need an optimizer without row statistics (SGD, Adagrad, Adam):
-row-wise Adagrad, the partial row-wise Adams and the LAMBs reduce over a whole
-row, which no column block sees; `init_opt_state` refuses that combination.
+Column-wise tables take every optimizer. Row-wise Adagrad, the partial row-wise
+Adams and the LAMBs reduce over a whole row, which no column block holds: each
+block sums its columns' part of the statistic and one `psum` over the axis adds
+the parts before the update (`tbe_jax.shard_programs._column_update`; the row-wise
+state is kept, identical, on every block of its table). Equal to the unsharded
+update to fp32 rounding; that step's update runs on the XLA sparse path on every
+device (the fused kernels keep the statistic inside the kernel).
 
 Where the parts live: this module, the class (configuration, checks, the public API: a
 `tbe_jax.core.SparseCore`); `tbe_jax.shard_plan`, the placement; `tbe_jax.shard_route`, the per-device
@@ -254,7 +258,8 @@ class ShardedTableBatchedEmbedding:
         keys = self._buffer_keys()
         if not isinstance(tree, Mapping) or set(tree) != set(keys):
             raise ValueError(f"opt_state.{name} must hold this sharded embedding's buffers {keys} (build the state "
-                             f"with init_opt_state, or convert emb's with from_unsharded), got "
+                             f"with init_opt_state, or convert emb's with from_unsharded; a state saved from another "
+                             f"mesh or plan: save to_unsharded(params, opt_state) instead), got "
                              + (f"{sorted(tree)}" if isinstance(tree, Mapping) else type(tree).__name__))
         for c, w in enumerate(self.layout.widths):
             key = self.local.layout.key(c)
@@ -263,7 +268,17 @@ class ShardedTableBatchedEmbedding:
             if shape not in ((rows,), (rows, w)):
                 raise ValueError(f"opt_state.{name}[{key!r}] must be [{rows}] or [{rows}, {w}] (this mesh's "
                                  f"shards), got {list(shape)}: build the state with init_opt_state, or convert "
-                                 "emb's with from_unsharded")
+                                 "emb's with from_unsharded. Sharded states depend on the mesh and the plan: a "
+                                 "checkpoint of another mesh's cannot be restored onto this one (orbax's "
+                                 "strict=False would pad or cut the wrong tables' rows); save "
+                                 "`to_unsharded(params, opt_state)` and restore it with `from_unsharded`")
+
+    def _check_opt_state(self, opt_state, opt) -> None:
+        """`opt.check_state` on the global shapes, after the per-field check that names the way out of a state of
+        another mesh (`to_unsharded` / `from_unsharded`)."""
+        if isinstance(opt_state, opt.state_type):
+            for name in opt._SLOTS:
+                self._check_state_field(getattr(opt_state, name), name)
 
     def get_momentum(self, opt_state) -> list[jax.Array]:
         """Per table, its Adagrad accumulators (as `emb.get_momentum`)."""
@@ -327,17 +342,8 @@ class ShardedTableBatchedEmbedding:
         return shard_programs.sharded_opt_init(self, opt, params)
 
     def check_optimizer(self, opt) -> None:
-        """Raises unless `opt` applies to these shards (as `emb.check_optimizer`; column-wise tables refuse
-        the optimizers with row statistics: ValueError)."""
+        """Raises unless `opt` applies to these shards (as `emb.check_optimizer`: every optimizer does)."""
         self.emb.check_optimizer(opt)
-        rule = opt.rule()
-        if "column" in self.plan.strategies and (any(rule.slot_rowwise) or isinstance(
-                opt, (optim.Lamb, optim.PartialRowwiseLamb))):
-            cols = [t for t, s in enumerate(self.plan.strategies) if s == "column"]
-            raise ValueError(
-                f"{type(opt).__name__} reduces over whole rows (a row-wise accumulator or a trust ratio), which a "
-                f"column block does not see; tables {cols} are sharded by columns: shard them by rows or tables, "
-                "or train them with SGD, Adagrad or Adam")
 
     # -- forward -------------------------------------------------------------------
     def _warns(self) -> bool:
@@ -389,6 +395,7 @@ class ShardedTableBatchedEmbedding:
         `emb.apply_gradients` on the global batch (each touched row once, with the whole batch's gradient)."""
         self.check_optimizer(opt)
         self.check_params(params)
+        self._check_opt_state(opt_state, opt)
         opt.check_state(opt_state, params)  # the global shapes: a state of emb or of another mesh is refused here
         idx, off, psw = self._args(indices, offsets, per_sample_weights)
         grad_output = jnp.asarray(grad_output)
@@ -418,6 +425,7 @@ class ShardedTableBatchedEmbedding:
         routed, report = residuals
         self.check_optimizer(opt)
         self.check_params(params)
+        self._check_opt_state(opt_state, opt)
         opt.check_state(opt_state, params)
         grad_output = self._place(grad_output, P(self.axis_name))
         params, opt_state = shard_programs.update(self, params, opt_state, opt, routed, grad_output)

@@ -43,8 +43,15 @@ def touched_rows(rows: jax.Array, live: jax.Array, num_rows: int):
 
 
 def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights,
-                    g_out, rule, hyper, *, pooling: str):
-    """`reference.apply_gradients`'s result, touching only the looked-up rows (same arguments)."""
+                    g_out, rule, hyper, *, pooling: str, row_reduce=None):
+    """`reference.apply_gradients`'s result, touching only the looked-up rows (same arguments).
+
+    `row_reduce`: None, or a function `(g, lookups, slot) -> (reduce, dim)` for buffer `g` (its lookups' mask
+    `[N]` and each lookup's slot `[N]`, as `touched_rows` gives): `reduce` (or None) is `optim.apply_rule`'s
+    `row_reduce` for the buffer's slots, and also totals each row's count of non-finite gradient values
+    (`skip_nonfinite`); `dim` the slots' row lengths (`[N]`, or None for the buffer's width). A column-sharded
+    table's shards pass one that sums their partial row statistics (`tbe_jax.shard_programs.update`).
+    """
     from tbe_jax.optim import apply_rule, stochastic_round
 
     bag, feat, coef, scale = reference.lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
@@ -61,8 +68,12 @@ def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, in
         contrib = jnp.where(m[:, None], grad_rows * scale[:, None], 0.0)
         grad = jax.ops.segment_sum(contrib, slot, num_segments=rows.shape[0])
         grad = layout.pad(g, grad)
-        if rule.skip_nonfinite:
+        reduce, dim = row_reduce(g, m, slot) if row_reduce is not None else (None, None)
+        if rule.skip_nonfinite and reduce is None:
             hit = hit & jnp.all(jnp.isfinite(grad), axis=1)
+        elif rule.skip_nonfinite:  # the whole row's count: every shard of a row skips it, or none does
+            bad = reduce(jnp.sum(~jnp.isfinite(grad), axis=1).astype(jnp.float32))[0]
+            hit = hit & (bad == 0)
         dest = jnp.where(hit, slot_row, num_rows)  # rows to write (the rest dropped)
 
         def gather(x):
@@ -76,7 +87,7 @@ def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, in
 
         old = tuple(gather(s[key]) for s in slots)
         upd, new, salts = apply_rule(rule, values(gather(w)), tuple(values(x) for x in old), grad, hyper,
-                                     dim=layout.dims[g])
+                                     dim=layout.dims[g] if dim is None else dim, row_reduce=reduce)
         for out, x, src in zip(new_s, new, slots):
             out[key] = src[key].at[dest].set(x.astype(src[key].dtype), mode="drop", unique_indices=True)
         if rule.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):

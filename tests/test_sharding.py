@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
-from tbe_jax import testing
+from tbe_jax import shard_programs, testing
 from conftest import KERNEL_KW, ON_GPU
 
 N_DEV = min(4, len(jax.devices()))
@@ -225,8 +225,9 @@ def test_planner_and_errors():
         tbe_jax.plan_sharding(emb, 4, {"nope": "row"})
     sharded = tbe_jax.shard(emb, mesh(), "data", {3: "column"})
     params = sharded.init(jax.random.key(0))
-    with pytest.raises(ValueError, match="column"):
-        sharded.init_opt_state(params, tbe_jax.RowwiseAdagrad(0.1))
+    # row statistics on a column-wise table: allowed (summed across its blocks, tests/test_sharding_rowwise.py)
+    st = sharded.init_opt_state(params, tbe_jax.RowwiseAdagrad(0.1))
+    assert sharded.get_momentum(st)[3].shape == (103,)
     with pytest.raises(ValueError, match="axis_name"):
         tbe_jax.shard(emb, mesh(), "model")
     with pytest.raises(ValueError, match="one row per device"):
@@ -349,6 +350,59 @@ def test_other_mesh_buffers_refused_with_the_way_out():
     params = four.init(jax.random.key(0))
     with pytest.raises(ValueError, match=r"another mesh.*to_unsharded\(params, opt_state\).*from_unsharded"):
         two.init_opt_state(params, tbe_jax.SGD(0.1))
+    # the right params with an optimizer state of the other mesh: the step names the way out too
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    st4, p2 = four.init_opt_state(params, opt), two.init(jax.random.key(0))
+    idx, off, _ = local_batches(np.random.default_rng(0), emb, 2, 3, 20)
+    g = np.ones((6, sum(emb.feature_dims)), np.float32)
+    for call in (lambda: two.apply_gradients(p2, st4, opt, idx, off, g),
+                 lambda: two.step_update(p2, st4, opt, two.step_forward(p2, idx, off)[1], g)):
+        with pytest.raises(ValueError, match=r"another mesh.*strict=False.*to_unsharded\(params, opt_state\)"):
+            call()
+
+
+def test_orbax_restore_of_sharded_arrays_onto_another_mesh_is_refused(tmp_path):
+    """The sharded arrays themselves saved with orbax (not `to_unsharded`'s) and restored onto a mesh of 2: with
+    their saved shapes they are refused by the sharded calls (pointing to to_unsharded / from_unsharded); with the
+    new mesh's shapes orbax refuses unless `strict=False`, whose padded or cut rows no check can tell from a
+    right state (docs/sharding.md says so)."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="xla")
+    four, two = tbe_jax.shard(emb, mesh(4), "data", {0: "row"}), tbe_jax.shard(emb, mesh(2), "data", {0: "row"})
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    params = four.init(jax.random.key(0))
+    st = four.init_opt_state(params, opt)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "sharded", {"params": params, "state": st})
+    on_two = jax.sharding.NamedSharding(two.mesh, jax.sharding.PartitionSpec("data"))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_two if x.ndim else
+                                                         jax.sharding.NamedSharding(two.mesh, jax.sharding.PartitionSpec())),
+                          {"params": params, "state": st})
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "sharded", target)
+    idx, off, _ = local_batches(np.random.default_rng(0), emb, 2, 3, 20)
+    with pytest.raises(ValueError, match=r"another mesh.*to_unsharded\(params, opt_state\).*from_unsharded"):
+        two(restored["params"], idx, off)
+    with pytest.raises(ValueError, match=r"another mesh.*to_unsharded\(params, opt_state\).*from_unsharded"):
+        two.apply_gradients(restored["params"], restored["state"], opt, idx, off,
+                            np.ones((6, sum(emb.feature_dims)), np.float32))
+    p2 = two.init(jax.random.key(0))
+    shapes_of_two = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), p2)
+    with ocp.StandardCheckpointer() as ckpt, pytest.raises(ValueError, match="strict=False"):
+        ckpt.restore(tmp_path / "sharded", {"params": shapes_of_two, "state": target["state"]})
+
+
+def test_mean_pooling_training_forward_routes_the_ids_once():
+    """The training forward with mean pooling: one all_to_all for the ids (their weights scaled by 1/len(bag) where
+    the bag lives) and one for the pooled rows; the plain forward the same two."""
+    emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, pooling="mean", impl="xla")
+    sharded = tbe_jax.shard(emb, mesh(), "data", MIXED)
+    params = sharded.init(jax.random.key(0))
+    idx, off, w = local_batches(np.random.default_rng(0), emb, N_DEV, 3, 20)
+    for train in (True, False):
+        text = str(jax.make_jaxpr(lambda p, i, o: shard_programs.forward(sharded, p, i, o, None, train))(
+            params, *sharded._args(idx, off, None)[:2]))
+        assert text.count("all_to_all") == 2, (train, text.count("all_to_all"))
 
 
 def test_comm_dtype_bfloat16():
