@@ -3,24 +3,19 @@
 - The layers' options (`LayerOptions`): read once from the core class's constructor (and its `init` and
   `__call__`), so the six layers declare no core argument: each framework turns one `LayerOptions` into
   its own constructor (Linen: dataclass fields; NNX and Haiku: `__init__`'s signature) and docstring.
-- Input and option checks (`check_ids`, `check_optimizer`, `check_options`), core
-  construction (`build_core`, `cached_core`; `shard_core`: the core spread
-  over a mesh by its own `shard`, `tbe_jax.shard` / `tt_jax.shard`), the optimizer
-  state's creation (`opt_init`: placed on the mesh for a sharded core) and leaf naming
-  (`leaf_names`). A core is used only through `tbe_jax.core.SparseCore`'s methods.
-- The sparse-mode training step, framework-independent. A layer built with an
-  `optimizer` keeps its tables and optimizer state out of the differentiated
-  parameters and looks up through `sparse_lookup`. Outside a training step that
-  is the plain forward (differentiating the tables raises: they are not
-  parameters). Inside one, a thread-local *recorder* is active: the layer reports
-  an entry (the core, optimizer, tables, state and the lookup's inputs) and
-  returns `out + tap`, where `tap` is a zeros array the recorder supplies for this
-  entry. `sparse_value_and_grad` (and `SparseStep`, its parts) runs the user's
-  loss twice: under `jax.eval_shape` to discover the entries' output shapes, then
-  under `value_and_grad` with respect to the dense parameters and the taps; a
-  tap's gradient is exactly its lookup's output gradient, which goes to the
-  core's sparse update (`step_update`, i.e. `apply_gradients`). Entries are
-  matched by call order, which is the same in both traces of one function.
+- Input and option checks (`check_ids`, `check_optimizer`, `check_options`), core construction (`build_core`,
+  `cached_core`; `shard_core`: the core spread over a mesh by its own `shard`), the optimizer state's creation
+  (`opt_init`: placed on the mesh for a sharded core) and leaf naming (`leaf_names`). A core is used only
+  through `tbe_jax.core.SparseCore`'s methods.
+- The sparse-mode training step, framework-independent. A layer built with an `optimizer` keeps its tables and
+  optimizer state out of the differentiated parameters and looks up through `sparse_lookup`. Outside a training
+  step that is the plain forward (differentiating the tables raises: they are not parameters). Inside one, a
+  thread-local *recorder* is active: the layer reports an entry (the core, optimizer, tables, state and the
+  lookup's inputs) and returns `out + tap`, where `tap` is a zeros array the recorder supplies for this entry.
+  `sparse_value_and_grad` (and `SparseStep`, its parts) runs the user's loss twice: under `jax.eval_shape` to
+  discover the entries' output shapes, then under `value_and_grad` with respect to the dense parameters and the
+  taps; a tap's gradient is exactly its lookup's output gradient, which goes to the core's sparse update
+  (`step_update`, i.e. `apply_gradients`). Entries are matched by call order (the same in both traces).
 
 Rules the recorder enforces: each sparse layer is called at most once per step
 (two calls would update a row twice, with two partial gradients: `ValueError`),

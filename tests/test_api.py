@@ -592,3 +592,11 @@ def test_cores_implement_the_interface():
         assert not sharded.uses_kernel() and not core.uses_kernel()
     with pytest.raises(ValueError, match="capacity applies to tbe_jax.shard"):
         tt.shard(mesh, "data", capacity=4)
+
+
+def test_no_library_file_over_600_lines():
+    """One job per file (issue 37): no module of tbe_jax or tt_jax passes 600 lines."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    long = {str(p.relative_to(root)): n for p in sorted(root.glob("t*_jax/**/*.py"))
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
