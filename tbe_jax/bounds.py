@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from tbe_jax.reference import bag_feature, position_features
+from tbe_jax.preprocess import bag_feature, position_features
 from tbe_jax.specs import FeaturePlan
 
 PRUNED = -1

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, inputs, reference, runs as runs_lib, sparse_update, vbe
+from tbe_jax import bounds, inputs, preprocess, reference, runs as runs_lib, sparse_update, vbe
 from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
@@ -148,7 +148,7 @@ def _sequence(emb, params, plan, indices, offsets, per_sample_weights):
             output_dtype=emb.output_dtype,
         )
     n = indices.shape[0]
-    _, feat = reference.position_features(plan, offsets, n)
+    _, feat = preprocess.position_features(plan, offsets, n)
     pos = jnp.arange(n, dtype=jnp.int32)
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     ok = (pos >= offsets[0]) & (pos < offsets[-1]) & (indices >= 0)
