@@ -49,13 +49,17 @@ def bag_feature(plan: FeaturePlan, bag: jax.Array) -> jax.Array:
     return jnp.searchsorted(bag_base, bag, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
-def valid_lookups(plan: FeaturePlan, indices, offsets, feat):
-    """Per position: inside a bag, and an id in [0, E) of its feature's table."""
+def valid_lookups(plan: FeaturePlan, indices, offsets, feat, *, check_upper: bool = True):
+    """Per position: inside a bag, and an id in [0, E) of its feature's table (`check_upper=False`: an id >= 0,
+    for `bounds_check="none"`)."""
     n = indices.shape[0]
     pos = jnp.arange(n, dtype=offsets.dtype)
-    num_rows = jnp.asarray(np.asarray(plan.num_rows, np.int64 if indices.dtype == jnp.int64 else np.int32))
     in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
-    return in_bag & (indices >= 0) & (indices < num_rows[feat])
+    ok = in_bag & (indices >= 0)
+    if not check_upper:
+        return ok
+    num_rows = jnp.asarray(np.asarray(plan.num_rows, np.int64 if indices.dtype == jnp.int64 else np.int32))
+    return ok & (indices < num_rows[feat])
 
 
 def lookup_coefficients(plan: FeaturePlan, indices, offsets, per_sample_weights, pooling: str):
