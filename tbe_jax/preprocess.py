@@ -8,7 +8,7 @@ Each lookup (a position of `indices`) gets its bag, its feature, whether it coun
 those of the clamped bags.
 
 - `position_features`, `bag_feature`: each position's bag and feature (no device while loop);
-- `valid_lookups`: each position inside a bag with an id of its table;
+- `in_bags`, `valid_lookups`: each position inside a bag (with an id of its table);
 - `lookup_coefficients`: (bag, feature, coef, scale) per lookup (1/len for mean pooling, the per-sample weight);
 - `output_rows`: the flat output offset of each lookup's pooled row;
 - `group_lookups`: per storage buffer, its lookups' mask, output-gradient rows and buffer rows.
@@ -49,13 +49,16 @@ def bag_feature(plan: FeaturePlan, bag: jax.Array) -> jax.Array:
     return jnp.searchsorted(bag_base, bag, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
+def in_bags(offsets, n: int):
+    """Per position of `n` ids: inside a bag (`offsets[0] <= p < offsets[-1]`)."""
+    pos = jnp.arange(n, dtype=offsets.dtype)
+    return (pos >= offsets[0]) & (pos < offsets[-1])
+
+
 def valid_lookups(plan: FeaturePlan, indices, offsets, feat, *, check_upper: bool = True):
     """Per position: inside a bag, and an id in [0, E) of its feature's table (`check_upper=False`: an id >= 0,
     for `bounds_check="none"`)."""
-    n = indices.shape[0]
-    pos = jnp.arange(n, dtype=offsets.dtype)
-    in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
-    ok = in_bag & (indices >= 0)
+    ok = in_bags(offsets, indices.shape[0]) & (indices >= 0)
     if not check_upper:
         return ok
     num_rows = jnp.asarray(np.asarray(plan.num_rows, np.int64 if indices.dtype == jnp.int64 else np.int32))
