@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tbe_jax
-from tbe_jax import dispatch, reference, runs as runs_lib
+from tbe_jax import dispatch, preprocess, runs as runs_lib
 from tbe_jax.kernels import backward as bwd
 from benchmarks import common
 from benchmarks.common import make_sets, time_calls
@@ -44,9 +44,9 @@ def main(argv=None):
         res["searchsorted_bag"] = t(lambda o: jnp.searchsorted(o, jnp.arange(n, dtype=jnp.int32), side="right"), off)
         res["scatter_cumsum_bag"] = t(
             lambda o: jnp.cumsum(jnp.zeros(n, jnp.int32).at[o[1:-1]].add(1, mode="drop")), off)
-        res["position_features"] = t(lambda o: reference.position_features(plan, o, n), off)
+        res["position_features"] = t(lambda o: preprocess.position_features(plan, o, n), off)
         res["lookup_coefficients"] = t(
-            lambda i, o: reference.lookup_coefficients(plan, i, o, None, "sum"), idx, off)
+            lambda i, o: preprocess.lookup_coefficients(plan, i, o, None, "sum"), idx, off)
         res["sort_stable"] = t(lambda k: jax.lax.sort((k, jnp.arange(n, dtype=jnp.int32)), num_keys=1,
                                                       is_stable=True), idx)
         res["sort_unstable"] = t(lambda k: jax.lax.sort((k, jnp.arange(n, dtype=jnp.int32)), num_keys=1), idx)

@@ -1,6 +1,6 @@
 """tbe_jax: table-batched embeddings for JAX on NVIDIA GPUs (Pallas-Triton kernels)."""
 
-from tbe_jax import _pallas  # noqa: F401  (installs the Triton deprecation filter once)
+from tbe_jax import pallas_compat  # noqa: F401  (installs the Triton deprecation filter once)
 from tbe_jax.bounds import BoundsReport
 from tbe_jax.kernels.backward_config import BackwardConfig
 from tbe_jax.kernels.forward import ForwardConfig

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from tbe_jax.reference import bag_feature, position_features
+from tbe_jax.preprocess import bag_feature, in_bags, position_features
 from tbe_jax.specs import FeaturePlan
 
 PRUNED = -1
@@ -74,10 +74,8 @@ def repair_offsets(offsets: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 def _invalid_ids(plan: FeaturePlan, indices, offsets):
     n = indices.shape[0]
     _, feat = position_features(plan, offsets, n)
-    pos = jnp.arange(n, dtype=offsets.dtype)
     num_rows = jnp.asarray(np.asarray(plan.num_rows), dtype=indices.dtype)[feat]
-    in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
-    return in_bag & (indices != PRUNED) & ((indices < 0) | (indices >= num_rows))
+    return in_bags(offsets, n) & (indices != PRUNED) & ((indices < 0) | (indices >= num_rows))
 
 
 def count_malformed(offsets: jax.Array, n: int) -> jax.Array:

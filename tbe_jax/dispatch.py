@@ -1,12 +1,31 @@
 """The lookup and the optimizer step of a `TableBatchedEmbedding`: the kernels or the XLA reference, behind one API.
 
 - `forward`: the checked lookup and its bounds report (`emb(...)`, `emb.forward_with_report`);
-- `apply_gradients`: the checked fused optimizer step (`emb.apply_gradients`, `emb.step_update`);
-- `sorted_runs`: the sorted runs of a batch's lookups, which the backward kernels read (`emb.step_forward` builds
+- `apply_gradients`: the checked fused optimizer step (`emb.apply_gradients`);
+- `step_forward`, `step_update`: the training step's halves (`emb.step_forward`, `emb.step_update`), the batch
+  checked once for both;
+- `sorted_runs`: the sorted runs of a batch's lookups, which the backward kernels read (`step_forward` builds
   them in the forward when `BackwardConfig.sort_in_forward`);
-- `jit_forward`, `jit_apply`: eager calls (outside `jit`) as one jitted program each, and `eager_args`,
-  `static_bpf`, their arguments;
+- `jit_forward`, `jit_apply`, `jit_step_forward`: eager calls (outside `jit`) as one jitted program each, and
+  `eager_args`, `static_bpf`, their arguments;
 - `out_shape`: a batch's output shape.
+
+The way down of a batch's `indices` (each stop once, in this order):
+
+1. `TableBatchedEmbedding.__call__` / `forward_with_report` / `apply_gradients` / `step_forward` (`tbe.py`):
+   `vbe.resolve` the batch sizes; outside a trace, `eager_args` and one `jit_*` program;
+2. `inputs.prepare`: the checks (arrays, 1-D integer ids, narrow integer types widened, weights, params), array
+   batch sizes expanded into the offsets (`vbe`), the static `FeaturePlan`;
+3. the bounds mode: `inputs.check_fatal` ("fatal"), `bounds.repair_offsets` ("warning"), the report's counts
+   (`bounds.count_invalid` / `count_malformed`, or the pooled kernels' own);
+4. `inputs.narrow`: int32 ids and offsets, fp32 weights (the kernels' types);
+5. `preprocess`: each lookup's bag, feature, validity and weight, for the XLA path and around the kernels
+   (`_sequence`'s rows, `runs.lookup_keys`' keys);
+6. the forward, `_lookup`: `kernels.forward` / `kernels.histogram`, or `reference.pooled_forward` /
+   `sequence_forward`; the update, `_update`: `sorted_runs` (`runs.build_runs`: keys, sort, runs) then
+   `kernels.backward.fused_update` / `kernels.histogram_backward.histogram_update`, or `sparse_update` (XLA).
+
+`step_update` starts at 6 with `step_forward`'s checked int32 batch (and its runs): stops 1-4 run once per step.
 
 The differentiable core is `_lookup`, a `custom_vjp` on validated int32 inputs: the forward kernels (generic and
 histogram), the sequence kernel, or the jnp reference; its VJP is the sorted-run backward storing the true
@@ -22,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, inputs, reference, runs as runs_lib, sparse_update, vbe
+from tbe_jax import bounds, inputs, preprocess, reference, runs as runs_lib, sparse_update, vbe
 from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
@@ -31,6 +50,14 @@ from tbe_jax.kernels import histogram_backward as hist_bwd
 
 def forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
     """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
+    out, report, _ = _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature,
+                                      warn)
+    return out, report
+
+
+def _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
+    """`forward`, and the batch it looked up: `(out, report, (plan, int32 indices, offsets, fp32 weights))`, the
+    inputs after the checks and the bounds mode's repairs (what `inputs.validated` returns)."""
     plan, indices, offsets, per_sample_weights, size_fix = inputs.prepare(
         emb, params, indices, offsets, per_sample_weights, batch_size_per_feature)
     n = indices.shape[0]
@@ -56,24 +83,59 @@ def forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_fe
     indices, offsets, per_sample_weights = inputs.narrow(indices, offsets, per_sample_weights)
 
     out, kernel_counts = _lookup(emb, plan, count, params, per_sample_weights, indices, offsets)
+    batch = (plan, indices, offsets, per_sample_weights)
     if mode == "fatal" or not wanted:  # checked, or not asked for: nothing to report
-        return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0))
+        return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0)), batch
     if count:
         counts = (kernel_counts[0], n_fixed if n_fixed is not None else kernel_counts[1])
     report = inputs.add_size_fix(bounds.BoundsReport(*counts), size_fix)
     if warn and mode == "warning":
         bounds.warn_if_repaired(report)
-    return out, report
+    return out, report, batch
+
+
+def step_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature):
+    """`emb.step_forward`'s arrays: `(out, report, indices, offsets, per_sample_weights, runs)`, the inputs as
+    checked and repaired once for both halves of the step (int32 ids and offsets, the latter in the fixed-batch
+    form when the batch sizes are an array; fp32 weights); `runs`: the batch's sorted runs when
+    `BackwardConfig.sort_in_forward` on the kernel path (else None)."""
+    out, report, (plan, indices, offsets, per_sample_weights) = _checked_forward(
+        emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn=False)
+    runs = None
+    if emb.backward_config.sort_in_forward and emb.uses_kernel() and emb.pooling != "none" and indices.shape[0]:
+        runs = sorted_runs(emb, plan, indices, offsets, per_sample_weights)
+    return out, report, indices, offsets, per_sample_weights, runs
 
 
 def apply_gradients(emb, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
-                    batch_size_per_feature, backward_config, runs=None):
-    """The optimizer step: `(params, opt_state)`. `runs`: the batch's sorted runs when the forward built them."""
+                    batch_size_per_feature, backward_config):
+    """The optimizer step: `(params, opt_state)`."""
     emb.check_optimizer(opt)
     emb.check_params(params)
     opt.check_state(opt_state, params)
     plan, indices, offsets, per_sample_weights = inputs.validated(
         emb, params, indices, offsets, per_sample_weights, batch_size_per_feature)
+    return _checked_update(emb, plan, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
+                           backward_config)
+
+
+def step_update(emb, params, opt_state, opt, residuals, grad_output):
+    """`emb.step_update`: the optimizer step on `step_forward`'s checked batch (not checked again), `(params,
+    opt_state, invalid_indices)`."""
+    indices, offsets, per_sample_weights, batch_size_per_feature, report, runs = residuals
+    emb.check_optimizer(opt)
+    emb.check_params(params)
+    opt.check_state(opt_state, params)
+    plan = emb.plan_for(offsets.shape[0], batch_size_per_feature)
+    params, opt_state = _checked_update(emb, plan, params, opt_state, opt, indices, offsets, grad_output,
+                                        per_sample_weights, None, runs=runs)
+    return params, opt_state, report.invalid_indices
+
+
+def _checked_update(emb, plan, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights,
+                    backward_config, runs=None):
+    """The step on a checked batch (`grad_output` checked here). `runs`: its sorted runs when the forward built
+    them."""
     grad_output = jnp.asarray(grad_output)
     want = out_shape(emb, plan, indices.shape[0])
     if tuple(grad_output.shape) != want:
@@ -147,13 +209,9 @@ def _sequence(emb, params, plan, indices, offsets, per_sample_weights):
             params, emb.layout, plan, indices, offsets, per_sample_weights,
             output_dtype=emb.output_dtype,
         )
-    n = indices.shape[0]
-    _, feat = reference.position_features(plan, offsets, n)
-    pos = jnp.arange(n, dtype=jnp.int32)
+    _, feat = preprocess.position_features(plan, offsets, indices.shape[0])
+    ok = preprocess.valid_lookups(plan, indices, offsets, feat, check_upper=emb.bounds_check != "none")
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
-    ok = (pos >= offsets[0]) & (pos < offsets[-1]) & (indices >= 0)
-    if emb.bounds_check != "none":
-        ok = ok & (indices < jnp.asarray(np.asarray(plan.num_rows, np.int32))[feat])
     rows = jnp.where(ok, row_offset[feat] + indices, -1)
     return fwd_kernels.sequence_forward(
         params[emb.layout.key(0)], rows, per_sample_weights, dim=emb.layout.dims[0],
@@ -242,6 +300,12 @@ def eager_args(indices, offsets, per_sample_weights, bpf):
 def jit_forward(indices, offsets, per_sample_weights, dyn_bpf, params, *, emb, static_bpf, warn):
     bpf = dyn_bpf if dyn_bpf is not None else static_bpf
     return forward(emb, params, indices, offsets, per_sample_weights, bpf, warn)
+
+
+@functools.partial(jax.jit, static_argnames=("emb", "static_bpf"))
+def jit_step_forward(indices, offsets, per_sample_weights, dyn_bpf, params, *, emb, static_bpf):
+    bpf = dyn_bpf if dyn_bpf is not None else static_bpf
+    return step_forward(emb, params, indices, offsets, per_sample_weights, bpf)
 
 
 @functools.partial(jax.jit, static_argnames=("emb", "static_bpf", "backward_config"))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax.reference import lookup_coefficients, output_rows
+from tbe_jax.preprocess import lookup_coefficients, output_rows
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
 SMALL = 8  # runs this short take the blocked lockstep path

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, reference
+from tbe_jax import bounds, preprocess
 
 
 def _local_plan(s, num_offsets: int):
@@ -42,7 +42,7 @@ def route(s, idx, off, psw, scale_mean: bool):
     repaired = jnp.int32(0)
     if emb.bounds_check == "warning":
         off, repaired = bounds.repair_offsets(off, num)
-    bag, feat = reference.position_features(plan, off, num)
+    bag, feat = preprocess.position_features(plan, off, num)
     pos = jnp.arange(num, dtype=jnp.int32)
     in_bag = (pos >= off[0]) & (pos < off[-1])
     e_t = jnp.asarray(np.asarray([emb.tables[t].num_embeddings for t in emb.feature_table_map], np.int32))[feat]

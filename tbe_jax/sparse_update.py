@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tbe_jax import reference
+from tbe_jax import preprocess
 from tbe_jax.specs import FeaturePlan, StorageLayout
 
 
@@ -54,11 +54,11 @@ def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, in
     """
     from tbe_jax.optim import apply_rule, stochastic_round
 
-    bag, feat, coef, scale = reference.lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
+    bag, feat, coef, scale = preprocess.lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0
     slots = tuple(slots or ())
     new_w, new_s = dict(buffers), tuple(dict(s) for s in slots)
-    for g, m, grad_rows, rows in reference.group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
+    for g, m, grad_rows, rows in preprocess.group_lookups(layout, plan, indices, bag, feat, valid, g_out, pooling):
         key = layout.key(g)
         w = buffers[key]
         num_rows = w.shape[0]

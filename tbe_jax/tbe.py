@@ -477,25 +477,23 @@ class TableBatchedEmbedding:
 
     def step_forward(self, params, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
                      max_batch_size=None):
-        """The lookup, and what `step_update` needs of it: `(out, residuals)` (the forward's report and, with
-        `BackwardConfig.sort_in_forward` on the kernel path, the batch's sorted runs)."""
-        batch_size_per_feature = vbe.resolve(batch_size_per_feature, max_batch_size)
-        out, report = self.forward_with_report(params, indices, offsets, per_sample_weights,
-                                               batch_size_per_feature=batch_size_per_feature)
-        runs = None
-        if self.backward_config.sort_in_forward and self.uses_kernel() and self.pooling != "none":
-            plan, idx, off, psw = inputs.validated(self, params, indices, offsets, per_sample_weights,
-                                                   batch_size_per_feature)
-            if idx.shape[0]:
-                runs = dispatch.sorted_runs(self, plan, idx, off, psw)
-        return out, (indices, offsets, per_sample_weights, batch_size_per_feature, report, runs)
+        """The lookup, and what `step_update` needs of it: `(out, residuals)` (the batch as checked here, the
+        forward's report and, with `BackwardConfig.sort_in_forward` on the kernel path, the batch's sorted runs)."""
+        bpf = vbe.resolve(batch_size_per_feature, max_batch_size)
+        if self._eager(params, indices, offsets, per_sample_weights, bpf):
+            out, report, idx, off, psw, runs = dispatch.jit_step_forward(
+                *dispatch.eager_args(indices, offsets, per_sample_weights, bpf), params, emb=self,
+                static_bpf=dispatch.static_bpf(bpf))
+        else:
+            out, report, idx, off, psw, runs = dispatch.step_forward(self, params, indices, offsets,
+                                                                     per_sample_weights, bpf)
+        # Array batch sizes are applied to `off` already (the fixed-batch form): the update's plan needs no sizes.
+        static = None if isinstance(bpf, vbe.VariableBatchSizes) else bpf
+        return out, (idx, off, psw, static, report, runs)
 
     def step_update(self, params, opt_state, opt, residuals, grad_output):
         """`apply_gradients` on `step_forward`'s batch: `(params, opt_state, invalid_indices)`."""
-        indices, offsets, per_sample_weights, batch_size_per_feature, report, runs = residuals
-        params, opt_state = dispatch.apply_gradients(self, params, opt_state, opt, indices, offsets, grad_output,
-                                                     per_sample_weights, batch_size_per_feature, None, runs=runs)
-        return params, opt_state, report.invalid_indices
+        return dispatch.step_update(self, params, opt_state, opt, residuals, grad_output)
 
 
 # Elements drawn at a time by `init`: a buffer larger than this is drawn block by block into its place (a loop on

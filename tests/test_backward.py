@@ -383,7 +383,7 @@ def test_chunk_tasks(rng):
     np.testing.assert_array_equal(np.asarray(chunk_run)[:total], want_run)
     np.testing.assert_array_equal(np.asarray(chunk_first)[:total], want_first)
     # ... and the chunk kernel's binary search (backward.chunk_task), run over every task.
-    from tbe_jax._pallas import pallas_call, plgpu
+    from tbe_jax.pallas_compat import pallas_call, plgpu
     from tbe_jax.kernels import backward as bwd
 
     def kernel(chunk0_ref, long_ref, start_ref, run_ref, first_ref):

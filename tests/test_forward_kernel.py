@@ -53,7 +53,7 @@ def test_low_precision_output(rng, odtype):
 
 
 # Each storage dtype and each weighting (2 of the 4 combinations); an odd dim (scalar output stores) and dims
-# that are multiples of 4 (16-byte vector stores at the VBE rows' offsets, `_pallas.row_align`).
+# that are multiples of 4 (16-byte vector stores at the VBE rows' offsets, `pallas_compat.row_align`).
 @pytest.mark.parametrize("wdtype,weighted,dims", [("float32", True, [8, 17, 8]), ("float16", False, [8, 12, 4])])
 def test_variable_batch_size(rng, wdtype, weighted, dims):
     tables = specs([30, 20, 25], dims)
@@ -61,7 +61,7 @@ def test_variable_batch_size(rng, wdtype, weighted, dims):
 
 
 def test_row_align():
-    from tbe_jax._pallas import aligned, row_align
+    from tbe_jax.pallas_compat import aligned, row_align
 
     assert row_align([128, 64], 4) == 4 and row_align([128], 2) == 8 and row_align([12, 20], 4) == 4
     assert row_align([6, 10], 4) == 2 and row_align([5, 8], 4) == 1 and row_align([], 4) == 1

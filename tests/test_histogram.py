@@ -207,7 +207,7 @@ def test_config_errors():
     with pytest.raises(ValueError, match="lookahead=-1"):
         histogram.HistogramConfig(lookahead=-1)
     # grad_programs: a value the caller set is kept; None derives it from the device's SMs (CPU: 2 "SMs").
-    from tbe_jax._pallas import sm_count
+    from tbe_jax.pallas_compat import sm_count
     assert histogram.HistogramConfig(grad_programs=7).resolved_grad_programs() == 7
     assert histogram.HistogramConfig().resolved_grad_programs() == 2 * sm_count()
     assert histogram.HistogramConfig().resolved_grad_programs(interpret=True) == 3

@@ -107,7 +107,7 @@ def _locate_interpret(seg, n, flist, prefix):
     locating its own program id (traced, as in the kernels), instead of one compiled launch per program."""
     from jax.experimental import pallas as pl
 
-    from tbe_jax._pallas import plgpu
+    from tbe_jax.pallas_compat import plgpu
     from tbe_jax.kernels import programs
 
     def kernel(flist_ref, prefix_ref, out_ref):

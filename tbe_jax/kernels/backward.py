@@ -44,7 +44,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import pallas_call, plgpu, row_align
+from tbe_jax.pallas_compat import pallas_call, plgpu, row_align
 from tbe_jax.kernels.backward_config import RANK_SORT_MAX, BackwardConfig
 from tbe_jax.kernels.backward_long import chunk_task, long_kernel, mid_chunk_kernel
 from tbe_jax.kernels.backward_plan import (SEGMENT_BUFFERS, multi_block, RunSegment, run_segments, small_launches,

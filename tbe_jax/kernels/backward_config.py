@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tbe_jax._pallas import sm_count
+from tbe_jax.pallas_compat import sm_count
 
 # The counting-rank sort's default reach (`BackwardConfig.rank_sort_max`): where it stops beating XLA's sort of
 # (key, position) on the H200 (`benchmarks/results/ranksort-20261202*.json`).

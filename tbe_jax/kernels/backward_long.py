@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import plgpu
+from tbe_jax.pallas_compat import plgpu
 from tbe_jax.kernels.backward_tasks import cols_below, gather_sum, list_kernel_tasks
 from tbe_jax.kernels.row_update import segment_states, row_update
 from tbe_jax.runs import LONG

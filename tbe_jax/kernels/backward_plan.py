@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl
+from tbe_jax.pallas_compat import pl
 from tbe_jax.runs import Runs, chunk_tasks, group_bases, row_parity, width_classes
 from tbe_jax.specs import StorageLayout
 

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import aligned, pl, plgpu
+from tbe_jax.pallas_compat import aligned, pl, plgpu
 from tbe_jax.kernels.backward_tasks import cols_below, task_range, strided_tasks
 from tbe_jax.kernels.row_update import segment_states, row_update
 from tbe_jax.runs import SMALL

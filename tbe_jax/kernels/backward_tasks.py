@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import aligned, pl, plgpu
+from tbe_jax.pallas_compat import aligned, pl, plgpu
 
 if TYPE_CHECKING:
     from tbe_jax.kernels.backward_plan import RunSegment

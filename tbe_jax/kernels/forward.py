@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import aligned, pallas_call, pl, plgpu, row_align
+from tbe_jax.pallas_compat import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2

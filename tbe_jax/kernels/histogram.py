@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu, sm_count
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu, sm_count
 from tbe_jax.kernels import programs  # the program map and feature table are shared with the generic kernel
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2

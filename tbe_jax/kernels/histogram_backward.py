@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.row_update import row_update, state_refs, state_width
 from tbe_jax.optim import NUM_HYPER
 from tbe_jax.kernels import programs

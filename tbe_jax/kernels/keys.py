@@ -11,7 +11,7 @@ search between those two counts (a few steps: a block spans few bags). One level
 (~18 dependent steps on the whole block's registers), took 0.044 ms; two levels take 0.026 ms, and the backward
 step went 0.743 -> 0.725 ms on `base`, 0.547 -> 0.530 on `zipf` (`keys18b-backward-20261201-2321`).
 
-The bags follow the histogram form's definition (`reference.position_features`: `searchsorted(offsets, p,
+The bags follow the histogram form's definition (`preprocess.position_features`: `searchsorted(offsets, p,
 "right") - 1`, clipped to the bags); the two agree on every partition of the positions, that is on non-decreasing
 offsets (`bounds_check="warning"` repairs other offsets; with "ignore" they are undefined input).
 """
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.programs import const
 
 BLOCK = 1024

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import plgpu
+from tbe_jax.pallas_compat import plgpu
 
 FLIST_COLS = 3  # feature, first bag (its entry in offsets), number of bags
 # Columns of the per-feature table (`feature_table`) the kernels read a feature's facts from.

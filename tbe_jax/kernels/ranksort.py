@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 
 BLOCK_I = 16
 BLOCK_J = 256

@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.scan import exclusive_scan
 
 BLOCK = 1024

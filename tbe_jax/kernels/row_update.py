@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tbe_jax._pallas import plgpu
+from tbe_jax.pallas_compat import plgpu
 from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
 
 

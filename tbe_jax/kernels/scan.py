@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import pallas_call, plgpu
+from tbe_jax.pallas_compat import pallas_call, plgpu
 
 CHUNK = 1024
 

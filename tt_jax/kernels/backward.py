@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import row_align
+from tbe_jax.pallas_compat import row_align
 from tt_jax import prefix
 from tt_jax.backward import feature_col0, position_bags
 from tt_jax.kernels.config import TTBackwardConfig, TTForwardConfig, TTKernelConfig

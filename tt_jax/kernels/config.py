@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-from tbe_jax._pallas import plgpu, sm_count
+from tbe_jax.pallas_compat import plgpu, sm_count
 
 SCHEDULES = ("queue", "static", "grid")
 PRECISIONS = {  # `precision` -> the fp32 dot algorithm on the GPU

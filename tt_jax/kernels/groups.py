@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.specs import next_pow2
 from tt_jax import prefix
 from tt_jax.kernels.config import PRECISIONS, TTBackwardConfig

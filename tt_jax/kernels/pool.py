@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.programs import bag_extent
 from tbe_jax.specs import next_pow2
 from tt_jax.kernels.config import TTForwardConfig

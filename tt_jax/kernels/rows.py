@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tt_jax import prefix
 from tt_jax.kernels.config import PRECISIONS, TTForwardConfig
 from tt_jax.kernels.prefix_c import prefix_c_size

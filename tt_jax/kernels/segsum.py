@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tbe_jax._pallas import aligned, pallas_call, pl, plgpu
+from tbe_jax.pallas_compat import aligned, pallas_call, pl, plgpu
 from tbe_jax.specs import next_pow2
 from tt_jax.kernels.config import PRECISIONS, TTBackwardConfig
 from tt_jax.kernels.tiles import dot_contract, dot_exact01, dot_pad, masked_store

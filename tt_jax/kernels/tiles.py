@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax._pallas import pl, plgpu
+from tbe_jax.pallas_compat import pl, plgpu
 from tbe_jax.specs import next_pow2
 
 if TYPE_CHECKING:  # annotations only: `prefix` imports `kernels.plan`, which imports this module

@@ -1,5 +1,8 @@
 """The one place that imports Pallas-Triton and silences its deprecation notice.
 
+Shared by tbe_jax's kernels and tt_jax's (public, so tt_jax reaches it by name): `pl`, `plgpu`,
+`pallas_call` (which also works inside `shard_map`), `sm_count`, `row_align` and `aligned`.
+
 jax 0.11+ warns that the Pallas Triton backend "will be removed in a future JAX
 version" each time a Triton kernel is lowered. We pin jax to the range where the
 backend exists (see pyproject.toml), so the notice carries no information for our
