@@ -73,8 +73,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "Adagrad", "AdagradState", "Adam", "AdamState", "Lamb", "Optimizer", "PartialRowwiseAdam",
-    "PartialRowwiseLamb", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "adagrad", "rowwise_adagrad",
-    "sgd", "stochastic_round",
+    "PartialRowwiseLamb", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "stochastic_round",
 ]
 
 ScalarOrSchedule = Any  # float | jax.Array | Callable[[count], scalar]

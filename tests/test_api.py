@@ -599,3 +599,14 @@ def test_no_library_file_over_600_lines():
     long = {str(p.relative_to(root)): n for p in sorted(root.glob("t*_jax/**/*.py"))
             if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+def test_every_exported_name_exists():
+    """`from m import *` works: every name in a public module's `__all__` exists."""
+    import importlib
+
+    mods = ["tbe_jax", "tbe_jax.optim", "tbe_jax.core", "tbe_jax.sharding", "tbe_jax.train", "tbe_jax.linen",
+            "tbe_jax.nnx", "tbe_jax.haiku", "tt_jax", "tt_jax.optim"]
+    missing = {m: [n for n in importlib.import_module(m).__all__ if not hasattr(importlib.import_module(m), n)]
+               for m in mods}
+    assert not any(missing.values()), missing
