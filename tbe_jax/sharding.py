@@ -277,7 +277,7 @@ class ShardedTableBatchedEmbedding:
         """`opt.check_state` on the global shapes, after the per-field check that names the way out of a state of
         another mesh (`to_unsharded` / `from_unsharded`)."""
         if isinstance(opt_state, opt.state_type):
-            for name in opt._SLOTS:
+            for name in (n for n in opt_state._fields if n != "count"):  # the state slots
                 self._check_state_field(getattr(opt_state, name), name)
 
     def get_momentum(self, opt_state) -> list[jax.Array]:
