@@ -79,9 +79,9 @@ def build_core(core_cls, first, options: dict):
 
 
 def _check_true_gradient(core) -> None:
-    """True-gradient mode on a sharded TBE core: replicated ("data") tables are refused. The forward reads a
-    replicated table from one copy, so `jax.grad` gives the whole batch's gradient to that copy and none to
-    the others, and a dense optimizer would let the copies drift apart (the sparse path updates every copy).
+    """True-gradient mode on a sharded TBE core: replicated ("data") tables are refused. Each device reads its
+    own copy for its own samples, so `jax.grad` gives each copy its local batch's gradient only, and a dense
+    optimizer would let the copies drift apart (the sparse path combines the devices' gradients).
     A sharded TT core (`tt_jax.shard`: every table replicated) is accepted: its forward sums the devices'
     cotangents of the replicated cores over the mesh axis, so `jax.grad` gives every copy the global batch's
     gradient (see `tt_jax.sharding`)."""

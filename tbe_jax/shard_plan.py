@@ -3,7 +3,9 @@
 `plan_sharding` picks a strategy per table (`ShardingPlan`); `ShardLayout` turns a plan into what the routed step in
 `tbe_jax.sharding` needs: per device and storage width its pieces (row and column blocks of tables) stacked in
 one buffer, the "slots" (a feature read through one of the device's pieces; the same count per width on every
-device), and the per-slot facts the senders index by destination.
+device), and the per-slot facts the senders index by destination. Replicated (`"data"`) tables have no slots
+(each device reads its own copy for its own samples); their copies come first in each buffer, at the same rows on
+every device (`ShardLayout.data_row0`), so a replicated row has one buffer row, its logical id, everywhere.
 """
 
 from __future__ import annotations
@@ -74,18 +76,20 @@ def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | 
       `"table"`, `1/n` of it on every device for `"row"` / `"column"`, all of it on
       every device for `"data"`;
     - lookups: a table-wise table's lookups all run on its owner; row-wise ones
-      spread by id value; column-wise and replicated ones run on every device (on
-      `D/n` columns, or on all of them);
+      spread by id value; column-wise ones run on every device (on `D/n` columns);
+      replicated ones on each sample's own device;
     - bytes moved per step per sample: ids `4 * L` to the owner (all devices for
-      `"column"` and `"data"`), pooled rows `4 * D` back (from every device for
-      `"row"`: partial sums).
+      `"column"`; none for `"data"`), pooled rows `4 * D` back (from every device for
+      `"row"`: partial sums); a replicated table's update all-gathers each device's
+      touched rows, `4 * (D + 1)` bytes per local id, to every device.
 
     Rule: a table larger than a fair share of all tables' memory (`total / n`) goes
     `"row"` (it would unbalance memory); every other table goes `"table"`, placed
     largest first on the device with the least load, where load adds the table's
     share of total memory and its share of total lookups (bytes read per step).
-    `"column"` and `"data"` are never chosen automatically: they move more ids
-    than `"table"` for the same tables; ask for them explicitly.
+    `"column"` and `"data"` are never chosen automatically (`"column"` moves more ids
+    than `"table"`; `"data"` costs n copies and an all-gather of gradients); ask for
+    them explicitly.
     """
     n = int(num_devices)
     if n < 1:
@@ -191,10 +195,12 @@ class ShardLayout:
                 widths.append(p.cols)
         self.widths = tuple(widths)
         nc = len(widths)
-        # Storage: per device and width, its pieces stacked in table order.
+        # Storage: per device and width, its pieces stacked in table order, the replicated ("data") tables' copies
+        # first: they sit at the same rows on every device, so a replicated row's buffer row (its logical id among
+        # the replicated rows of its width, tables in order) is the same everywhere.
         self.pool_row = {}
         rows_used = np.zeros((n, nc), np.int64)
-        for p in pieces:
+        for p in sorted(pieces, key=lambda p: plan.strategies[p.table] != "data"):
             c = widths.index(p.cols)
             self.pool_row[p] = int(rows_used[p.device, c])
             rows_used[p.device, c] += p.rows
@@ -205,6 +211,8 @@ class ShardLayout:
             readers.setdefault(t, []).append(f)
         per = [[[] for _ in range(nc)] for _ in range(n)]
         for p in pieces:
+            if plan.strategies[p.table] == "data":  # looked up where its samples are, not routed
+                continue
             for f in readers.get(p.table, []):
                 per[p.device][widths.index(p.cols)].append((f, p))
         for j in range(n):
@@ -239,14 +247,12 @@ class ShardLayout:
         # per output column would be constants growing with sum D).
         col0 = np.zeros((n, ns), np.int32)
         ncols = np.zeros((n, ns), np.int32)
-        skip = np.zeros((n, ns), bool)  # a replicated table's pooled rows come from device 0's copy only
         # Column-wise tables: which slots read one, and its whole rows' length (row statistics sum over it).
         column = np.zeros((n, ns), bool)
         row_dim = np.zeros((n, ns), np.int32)
         depth = 1
         for (j, q), (f, p) in self.slot_piece.items():
             col0[j, q], ncols[j, q] = p.col0, p.cols
-            skip[j, q] = plan.strategies[p.table] == "data" and j != 0
             column[j, q] = plan.strategies[p.table] == "column"
             row_dim[j, q] = emb.tables[p.table].embedding_dim
         self.has_column = "column" in plan.strategies
@@ -257,7 +263,17 @@ class ShardLayout:
         for t, st in enumerate(plan.strategies):
             if st == "row":
                 depth = max(depth, sum(1 for p in pieces if p.table == t))
-        self.slot_col0, self.slot_ncols, self.slot_skip, self.depth = col0, ncols, skip, depth
+        self.slot_col0, self.slot_ncols, self.depth = col0, ncols, depth
         dims = emb.feature_dims
         self.feature_col = np.concatenate([[0], np.cumsum(dims)[:-1]]).astype(np.int32)
         self.out_width = int(sum(dims))
+        # Replicated tables: per table its buffer row (the same on every device), the features reading one (in
+        # order) and their output columns.
+        self.data_row0 = {}
+        for p in pieces:
+            if plan.strategies[p.table] == "data":
+                r = self.data_row0.setdefault(p.table, self.pool_row[p])
+                assert r == self.pool_row[p], "a replicated table must sit at the same rows on every device"
+        self.data_features = tuple(f for f, t in enumerate(emb.feature_table_map) if plan.strategies[t] == "data")
+        self.data_cols = np.asarray([int(self.feature_col[f]) + i for f in self.data_features
+                                     for i in range(dims[f])], np.int32)

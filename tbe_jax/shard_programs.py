@@ -5,7 +5,8 @@ embedding `s` (static) and its arrays.
   update reuses);
 - `route_for_update`, `update`: the optimizer step (`apply_gradients`, `step_update`) on the owners
   (`_column_update` where the optimizer sums over rows that column-wise tables split: one `psum` of the
-  partial row statistics);
+  partial row statistics; `_data_update` for the replicated tables: the devices' sparse gradients of their local
+  batches, all-gathered and summed in device order, the same update on every copy);
 - `sharded_init`, `sharded_opt_init`: each device draws its own shards, and their optimizer state;
 - `smap`, `state_specs`: the `shard_map` over `s`'s mesh, and the specs of a sharded optimizer state.
 
@@ -67,15 +68,25 @@ def forward(s, params, idx, off, psw, want_routed: bool):
         # source; the owners' sums are then the means (no division on the way back), and the same routed batch
         # serves the update. A forward alone keeps the weightless ids and divides at the source.
         scaled = want_routed and emb.pooling == "mean"
-        routed = shard_route.routed_local(s, idx, off, psw, scaled)
-        (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired), _ = routed
-        out_l = s.local(params, m_ids, m_off, m_w)
-        if sequence:
-            out = shard_route.sequence_back(s, out_l, back, sent, idx.shape[0])
-        else:
-            out = shard_route.assemble(s, out_l, off, b, divide=not scaled)
+        routed, data = None, None
+        if s.layout.num_slots:
+            routed = shard_route.routed_local(s, idx, off, psw, scaled)
+            (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired), _ = routed
+            out_l = s.local(params, m_ids, m_off, m_w)
+            if sequence:
+                out = shard_route.sequence_back(s, out_l, back, sent, idx.shape[0])
+            else:
+                out = shard_route.assemble(s, out_l, off, b, divide=not scaled)
+        else:  # every table replicated: nothing to route
+            out = jnp.zeros((idx.shape[0], emb.feature_dims[0]) if sequence else (b, s.layout.out_width),
+                            emb.output_dtype)
+        if s.local_data is not None:  # replicated tables: this device's own samples, from its own copy
+            data, d_invalid, d_repaired = shard_route.data_batch(s, idx, off, psw)
+            out = _data_lookup(s, params, data, out)
+            if routed is None:
+                dropped, invalid, repaired = jnp.int32(0), d_invalid, d_repaired
         rep = bounds.BoundsReport(_psum(invalid + dropped, s), _psum(repaired, s))
-        return out, rep, (_pack_routed(routed) if want_routed else None)
+        return out, rep, (_pack_routed(routed, data) if want_routed else None)
 
     spec = P(ax)
     routed_spec = None if not want_routed else _routed_specs(s, psw is not None)
@@ -84,13 +95,27 @@ def forward(s, params, idx, off, psw, want_routed: bool):
     return f(params, idx, off, psw)
 
 
-def _pack_routed(routed):
-    (m_ids, m_off, m_w), back, sent, _, key = routed
-    k, src, live = back
-    keep_cap, dst = sent
-    out = {"ids": m_ids, "off": m_off, "w": m_w, "k": k, "src": src, "live": live, "keep": keep_cap, "dst": dst}
-    if key is not None:
-        out["key"] = key
+def _data_lookup(s, params, data, out):
+    """`out` (this device's output) with the replicated features' lookups of its local batch put in."""
+    out_d = s.local_data(params, data["d_ids"], data["d_off"], data["d_w"])
+    if s.emb.pooling == "none":  # per id: back to the ids' positions in the local batch
+        num = out.shape[0]
+        live = jnp.arange(num, dtype=jnp.int32) < data["d_off"][-1]
+        return out.at[jnp.where(live, data["d_pos"], num)].set(out_d.astype(out.dtype), mode="drop")
+    return out.at[:, jnp.asarray(s.layout.data_cols)].set(out_d.astype(out.dtype))
+
+
+def _pack_routed(routed, data=None):
+    out = {}
+    if routed is not None:
+        (m_ids, m_off, m_w), back, sent, _, key = routed
+        k, src, live = back
+        keep_cap, dst = sent
+        out = {"ids": m_ids, "off": m_off, "w": m_w, "k": k, "src": src, "live": live, "keep": keep_cap, "dst": dst}
+        if key is not None:
+            out["key"] = key
+    if data is not None:
+        out.update(data)
     return out
 
 
@@ -99,9 +124,13 @@ def _routed_specs(s, weighted):
     if s.num_devices == 1:
         return {"ids": spec, "off": spec, "w": spec if weighted else None}
     w = spec if (weighted or s.emb.pooling == "mean") else None
-    out = {"ids": spec, "off": spec, "w": w, "k": spec, "src": spec, "live": spec, "keep": spec, "dst": spec}
+    out = {}
+    if s.layout.num_slots:
+        out = {"ids": spec, "off": spec, "w": w, "k": spec, "src": spec, "live": spec, "keep": spec, "dst": spec}
     if s.layout.has_column:
         out["key"] = spec
+    if s.local_data is not None:
+        out.update({"d_ids": spec, "d_off": spec, "d_w": spec if weighted else None, "d_pos": spec})
     return out
 
 
@@ -113,8 +142,10 @@ def route_for_update(s, idx, off, psw):
     def body(idx, off, psw):
         if s.num_devices == 1:
             return {"ids": idx[0], "off": off[0], "w": None if psw is None else psw[0]}
-        routed = shard_route.routed_local(s, idx[0], off[0], None if psw is None else psw[0], True)
-        return _pack_routed(routed)
+        psw0 = None if psw is None else psw[0]
+        routed = shard_route.routed_local(s, idx[0], off[0], psw0, True) if s.layout.num_slots else None
+        data = None if s.local_data is None else shard_route.data_batch(s, idx[0], off[0], psw0)[0]
+        return _pack_routed(routed, data)
 
     f = smap(s, body, (spec, spec, None if psw is None else spec), _routed_specs(s, psw is not None))
     return f(idx, off, psw)
@@ -134,13 +165,20 @@ def update(s, params, opt_state, opt, routed, grad_output):
         r = routed
         if n == 1:
             return emb.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g, r["w"])
+        if not s.layout.num_slots:  # every table replicated
+            new_p, new_s = params, opt.next_state(opt_state, opt.slots(opt_state))
+            return _data_update(s, new_p, new_s, opt, opt_state.count, r, g)
         if sequence:
             g_l = shard_route.sequence_grads(s, g, r)
         else:
             g_l = shard_route.route_grads(s, g)
         if sums_rows(s, opt):
-            return _column_update(s, params, opt_state, opt, r, g_l)
-        return s.local.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g_l, r["w"])
+            new_p, new_s = _column_update(s, params, opt_state, opt, r, g_l)
+        else:
+            new_p, new_s = s.local.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g_l, r["w"])
+        if s.local_data is not None:  # the replicated tables' rows: no routed id reads them
+            new_p, new_s = _data_update(s, new_p, new_s, opt, opt_state.count, r, g)
+        return new_p, new_s
 
     f = smap(s, body, (pspec, sspec, P(), rspec, P(ax)), (pspec, sspec))
     return f(params, opt_state, opt, routed, grad_output)
@@ -163,13 +201,16 @@ def sharded_init(s, key, init_block: int):
                 bnd[j, i] = 1.0 / math.sqrt(emb.tables[p.table].num_embeddings)
             starts[j, len(mine)] = sum(p.rows for p in mine)  # padding rows from here: bound 0
             starts[j, len(mine) + 1 :] = lay.pool_rows[c] + 1
-        tables[s.local.layout.key(c)] = (jnp.asarray(starts), jnp.asarray(bnd), c, w)
+        # The replicated tables' copies (rows [0, shared) on every device) are drawn alike on every device.
+        shared = sum(p.rows for p in lay.pieces
+                     if p.cols == w and p.device == 0 and s.plan.strategies[p.table] == "data")
+        tables[s.local.layout.key(c)] = (jnp.asarray(starts), jnp.asarray(bnd), c, w, shared)
         specs[s.local.layout.key(c)] = P(ax)
 
     def body(key):
         j = jax.lax.axis_index(ax) if n > 1 else 0
         out = {}
-        for name, (starts, bnd, c, w) in tables.items():
+        for name, (starts, bnd, c, w, shared) in tables.items():
             st, bd = starts[j], bnd[j]  # this device's pieces (then its padding rows: bound 0)
 
             def draw(k, r0, count, st=st, bd=bd, w=w):  # rows [r0, r0 + count) of this device's pool
@@ -179,6 +220,10 @@ def sharded_init(s, key, init_block: int):
             # a large pool block by block: init's scratch memory that of a block (tbe.INIT_BLOCK), per device
             block = max(1, init_block // w)
             out[name] = blocked_draw(k, lay.pool_rows[c], w, emb.weights_dtype, block, draw)
+            if shared:  # a key of no device's (devices fold in 0..n-1): the same draw on all of them
+                kd = jax.random.fold_in(jax.random.fold_in(key, n), c)
+                out[name] = jax.lax.dynamic_update_slice(
+                    out[name], blocked_draw(kd, shared, w, emb.weights_dtype, block, draw), (0, 0))
         return out
 
     return smap(s, body, P(), specs)(key)
@@ -255,3 +300,65 @@ def _column_update(s, params, opt_state, opt, r, g):
         params, opt.slots(opt_state), local.layout, plan, ids, off, w, g, opt.rule(),
         opt.hyperparameters(opt_state.count), pooling=local.pooling, row_reduce=row_reduce)
     return new_w, opt.next_state(opt_state, new_s)
+
+
+def _data_update(s, params, opt_state, opt, count, r, g):
+    """On one device: the replicated tables' update, the same on every device (`params`, `opt_state`: after the
+    routed tables' update; `count`: the step count before it).
+
+    1. This device's sparse gradient: its local batch's lookups of replicated tables (`r`'s `d_*`,
+       `shard_route.data_batch`) with its output gradient `g`, summed per touched row (at most one entry per
+       lookup: a fixed-size list of `(row, gradient row)` per storage width; unused entries name the row past the
+       buffer). Rows are named by their buffer row, which is the row's logical id: a replicated table sits at the
+       same rows on every device (`ShardLayout.data_row0`).
+    2. One `all_gather` over the axis of every width's list (ids and bits of the gradients, int32): `[n, N, ...]`,
+       sized by the local batch's ids, never by the tables.
+    3. On every device alike: the distinct rows of the n lists, each row's gradient the sum of the devices'
+       entries in device order (one unique-index scatter-add per device, in order: deterministic on any backend),
+       then the optimizer's rule on those rows (`sparse_update.update_rows`, the XLA sparse path, also where the
+       lookups run the Pallas kernels). Every device computes the same values from the same gathered lists, so the
+       copies stay bitwise identical.
+    """
+    ld, lay, n = s.local_data, s.layout, s.num_devices
+    ids, off, w = r["d_ids"], r["d_off"], r["d_w"]
+    num = ids.shape[0]
+    if s.emb.pooling == "none":  # g: per id of the local batch
+        live = jnp.arange(num, dtype=jnp.int32) < off[-1]
+        g_d = jnp.where(live[:, None], g.astype(jnp.float32)[r["d_pos"]], 0.0)
+    else:
+        g_d = g.astype(jnp.float32)[:, jnp.asarray(lay.data_cols)]
+    plan = ld.plan_for(off.shape[0])
+    bag, feat, coef, scale = reference.lookup_coefficients(plan, ids, off, w, ld.pooling)
+    widths = sorted({lay.widths.index(s.emb.feature_dims[f]) for f in lay.data_features})
+    lists = {}
+    for gi, m, grad_rows, rows in reference.group_lookups(ld.layout, plan, ids, bag, feat, coef > 0, g_d,
+                                                          ld.pooling):
+        if gi not in widths:
+            continue
+        slot, slot_row, _ = sparse_update.touched_rows(rows, m, lay.pool_rows[gi])
+        contrib = jnp.where(m[:, None], grad_rows * scale[:, None], 0.0)
+        lists[gi] = (slot_row, jax.ops.segment_sum(contrib, slot, num_segments=num))
+    packed = jnp.concatenate([jnp.concatenate([rw[:, None], jax.lax.bitcast_convert_type(gr, jnp.int32)], axis=1)
+                              for rw, gr in lists.values()], axis=1)
+    packed = jax.lax.all_gather(packed, s.axis_name)  # [n, N, sum (1 + w)]
+    rule, hyper = opt.rule(), opt.hyperparameters(count)
+    slots = tuple(dict(x) for x in opt.slots(opt_state))
+    new_p = dict(params)
+    at = 0
+    for gi, (_, gr) in lists.items():
+        width, rows_r = gr.shape[1], lay.pool_rows[gi]
+        rows_all = packed[:, :, at]  # [n, N]
+        grads_all = jax.lax.bitcast_convert_type(packed[:, :, at + 1 : at + 1 + width], jnp.float32)
+        at += 1 + width
+        flat = rows_all.reshape(-1)
+        slot, slot_row, hit = sparse_update.touched_rows(flat, flat < rows_r, rows_r)
+        slot = slot.reshape(n, num)
+        total = jnp.zeros((n * num, width), jnp.float32)
+        for k in range(n):  # device order; within one device's list every row is distinct
+            total = total.at[jnp.where(rows_all[k] < rows_r, slot[k], n * num)].add(grads_all[k], mode="drop")
+        key = ld.layout.key(gi)
+        new_p[key], new = sparse_update.update_rows(ld.layout, gi, params[key], tuple(x[key] for x in slots),
+                                                    slot_row, hit, total, rule, hyper)
+        for out, x in zip(slots, new):
+            out[key] = x
+    return new_p, opt.state_type(*slots, opt_state.count)

@@ -10,7 +10,9 @@ collective is the `all_to_all` of `all_to_all`, issued when the mesh axis has mo
   tables, each id's column key: the same on every device holding a block of its table);
 - `routed_local`: the two, with the exchange between them;
 - `assemble` (pooled) / `sequence_back` (`pooling="none"`): the owners' rows back to the devices they came from;
-- `route_grads` / `sequence_grads`: a device's output gradient to the owners, the way its ids went.
+- `route_grads` / `sequence_grads`: a device's output gradient to the owners, the way its ids went;
+- `data_batch`: a device's lookups of replicated (`"data"`) tables, which are not routed (its own samples, from
+  its own copy).
 
 `s` is the `ShardedTableBatchedEmbedding` (read: `emb`, `layout`, `num_devices`, `axis_name`, `capacity`,
 `comm_dtype`).
@@ -185,8 +187,7 @@ def assemble(s, out_l, off, b, divide: bool = True):
     qc = jnp.maximum(q, 0)
     col0 = jnp.take_along_axis(jnp.asarray(lay.slot_col0), qc, axis=1)
     ncols = jnp.take_along_axis(jnp.asarray(lay.slot_ncols), qc, axis=1)
-    skip = jnp.take_along_axis(jnp.asarray(lay.slot_skip), qc, axis=1)
-    contrib = (q >= 0) & (d >= col0) & (d < col0 + ncols) & ~skip
+    contrib = (q >= 0) & (d >= col0) & (d < col0 + ncols)
     local_col = jnp.asarray(np.asarray(lay.slot_col, np.int32))[qc] + d - col0
     # One gather per contribution depth straight from [owner, sample, column] (no transpose), summed in
     # owner order (row-wise tables: every owner's partial sum).
@@ -237,7 +238,7 @@ def sequence_back(s, out_l, back, sent, num):
         out_l, mode="drop")[:, :cap]
     if n > 1:
         buf = all_to_all(buf, s.axis_name)  # [n(owner), cap, D]
-    first = jnp.argmax(keep_cap, axis=0)  # the first owner that served each id (device 0 for replicated)
+    first = jnp.argmax(keep_cap, axis=0)  # the owner that served each id
     any_ = jnp.any(keep_cap, axis=0)
     pos = jnp.take_along_axis(dst, first[None], axis=0)[0]
     rows = buf[first, jnp.clip(pos, 0, cap - 1)]
@@ -258,3 +259,46 @@ def sequence_grads(s, g, r):
         send = all_to_all(send, s.axis_name)  # [n(src), cap, D]
     k, src, live = r["k"], r["src"], r["live"]
     return jnp.where(live[:, None], send[k, src], 0.0)
+
+
+def data_batch(s, idx, off, psw):
+    """On one device: its local batch's lookups of replicated (`"data"`) tables, as a batch of `s.local_data`'s
+    format (no exchange: each device reads its own copy for its own samples).
+
+    Returns `({"d_ids", "d_off", "d_w", "d_pos"}, invalid, repaired)`: the ids of the replicated features' bags, packed in feature order
+    (`[N]`, padding past `d_off[-1]`), each as its buffer row (its logical id among the replicated rows of its
+    width: the same row on every device, `ShardLayout.data_row0`), an id outside `[0, E_t)` as -1 (dropped by the
+    lookup, counted by `route`, still part of its bag's length for mean pooling, as unsharded); the bags' offsets
+    (`[F_data * b + 1]`); the per-sample weights (or None) and each packed id's position in the local batch; and the
+    replicated features' ids outside `[0, E_t)`, and the offsets repaired (`bounds_check="warning"`)."""
+    emb, lay = s.emb, s.layout
+    num = idx.shape[0]
+    nf = emb.num_features
+    b = (off.shape[0] - 1) // nf
+    repaired = jnp.int32(0)
+    if emb.bounds_check == "warning":
+        off, repaired = bounds.repair_offsets(off, num)
+    _, feat = reference.position_features(_local_plan(s, off.shape[0]), off, num)
+    fd = np.asarray(lay.data_features, np.int32)
+    is_data = np.zeros((nf,), bool)
+    is_data[fd] = True
+    row0 = np.zeros((nf,), np.int32)
+    for f in fd:
+        row0[f] = lay.data_row0[emb.feature_table_map[f]]
+    e_t = jnp.asarray(np.asarray([emb.tables[t].num_embeddings for t in emb.feature_table_map], np.int32))[feat]
+    pos = jnp.arange(num, dtype=jnp.int32)
+    mask = (pos >= off[0]) & (pos < off[-1]) & jnp.asarray(is_data)[feat]
+    ok = mask & (idx >= 0) & (idx < e_t)
+    rows = jnp.where(ok, idx, 0).astype(jnp.int32) + jnp.asarray(row0)[feat]
+    rows = jnp.where(ok, rows, -1)
+    dst = jnp.where(mask, jnp.cumsum(mask, dtype=jnp.int32) - 1, num)
+    d_ids = jnp.full((num,), -1, jnp.int32).at[dst].set(rows, mode="drop")
+    d_pos = jnp.zeros((num,), jnp.int32).at[dst].set(pos, mode="drop")
+    kept_before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(mask, dtype=jnp.int32)])
+    bnd = jnp.concatenate([(jnp.asarray(fd)[:, None] * b + jnp.arange(b, dtype=jnp.int32)[None, :]).reshape(-1),
+                           jnp.full((1,), (int(fd[-1]) + 1) * b, jnp.int32)])  # no constant growing with b
+    d_off = kept_before[jnp.clip(off[bnd], 0, num)]
+    d_w = None if psw is None else jnp.zeros((num,), jnp.float32).at[dst].set(psw.astype(jnp.float32), mode="drop")
+    # (and, for a plan of replicated tables only, where `route` does not run, the report's counts)
+    invalid = jnp.sum(mask & ~ok, dtype=jnp.int32)
+    return {"d_ids": d_ids, "d_off": d_off, "d_w": d_w, "d_pos": d_pos}, invalid, repaired

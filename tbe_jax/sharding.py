@@ -5,11 +5,11 @@ Each table gets one strategy (`ShardedTableBatchedEmbedding.plan`):
 - `"table"`: the whole table on one device (its owner);
 - `"row"`: rows split in `ceil(E / n)` blocks, block j on device j;
 - `"column"`: columns split in `ceil(D / n)` blocks, block j on device j;
-- `"data"`: a full copy on every device (data parallel).
+- `"data"`: a full copy on every device (data parallel: each device looks up its own samples).
 
 How a step runs (inside one `shard_map` over `axis_name`; XLA collectives, NCCL on GPUs):
 
-1. Ids to their owners. Each device looks at its local batch and, per destination
+1. Ids to their owners (replicated tables: see below). Each device looks at its local batch and, per destination
    device, keeps the ids that destination serves (its table, its row block, its
    columns), translated to rows of the destination's storage, packed in feature
    order, with each bag's length. One `all_to_all` carries ids, lengths (and
@@ -31,8 +31,16 @@ How a step runs (inside one `shard_map` over `axis_name`; XLA collectives, NCCL 
    the bag length last, as the unsharded kernels do.
 4. Backward: the output gradient goes the same way as the ids (one `all_to_all`),
    and each owner runs the fused sorted-run backward and optimizer on its shards,
-   once per touched row with the whole global batch's gradient. Replicated tables
-   see every device's ids and gradients, so their copies stay identical.
+   once per touched row with the whole global batch's gradient.
+
+Replicated (`"data"`) tables are not routed: each device looks them up for its own samples only, in its own copy
+(`s.local_data`, over the same buffers; a replicated table sits at the same buffer rows on every device), and
+writes those columns of its output itself. In the update each device sums its local batch's gradient per touched
+row into a fixed-size list of (row, gradient row) pairs (one entry per local id at most), one `all_gather` over the
+axis gives every device all n lists, and every device sums them in device order and applies the optimizer to those
+rows (`tbe_jax.shard_programs._data_update`, the XLA sparse path `tbe_jax.sparse_update.update_rows`, also where
+the routed tables run the fused kernels). The copies stay bitwise identical (the same program on the same values);
+against the unsharded update the sum of per-device sums is another order of the same additions (fp32 rounding).
 
 Column-wise tables take every optimizer. Row-wise Adagrad, the partial row-wise
 Adams and the LAMBs reduce over a whole row, which no column block holds: each
@@ -171,6 +179,18 @@ class ShardedTableBatchedEmbedding:
             # Unpadded: the shards' buffers are built here, at the pieces' widths (`ShardLayout.widths`).
             pad_rows=False,
         )
+        # The replicated tables' lookups, on each device for its own samples: the same buffers (the same keys), read
+        # by the features of "data" tables only (`shard_route.data_batch` gives their ids as buffer rows).
+        self.local_data = None
+        if lay.data_features:
+            self.local_data = TableBatchedEmbedding(
+                [TableSpec(r, w) for r, w in zip(lay.pool_rows, lay.widths)],
+                feature_table_map=[lay.widths.index(emb.feature_dims[f]) for f in lay.data_features],
+                pooling=emb.pooling, weights_dtype=emb.weights_dtype,
+                output_dtype=emb.output_dtype if emb.pooling == "none" else jnp.float32,
+                bounds_check="ignore", impl=emb.impl, interpret=emb.interpret, kernel_config=emb.kernel_config,
+                use_histogram=False, backward_config=emb.backward_config, pad_rows=False,
+            )
 
     # -- identity ----------------------------------------------------------------
     def _key(self):

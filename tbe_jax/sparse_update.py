@@ -52,8 +52,6 @@ def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, in
     (`skip_nonfinite`); `dim` the slots' row lengths (`[N]`, or None for the buffer's width). A column-sharded
     table's shards pass one that sums their partial row statistics (`tbe_jax.shard_programs.update`).
     """
-    from tbe_jax.optim import apply_rule, stochastic_round
-
     bag, feat, coef, scale = preprocess.lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0
     slots = tuple(slots or ())
@@ -69,30 +67,45 @@ def apply_gradients(buffers, slots, layout: StorageLayout, plan: FeaturePlan, in
         grad = jax.ops.segment_sum(contrib, slot, num_segments=rows.shape[0])
         grad = layout.pad(g, grad)
         reduce, dim = row_reduce(g, m, slot) if row_reduce is not None else (None, None)
-        if rule.skip_nonfinite and reduce is None:
-            hit = hit & jnp.all(jnp.isfinite(grad), axis=1)
-        elif rule.skip_nonfinite:  # the whole row's count: every shard of a row skips it, or none does
-            bad = reduce(jnp.sum(~jnp.isfinite(grad), axis=1).astype(jnp.float32))[0]
-            hit = hit & (bad == 0)
-        dest = jnp.where(hit, slot_row, num_rows)  # rows to write (the rest dropped)
-
-        def gather(x):
-            return jnp.take(x, slot_row, axis=0, mode="fill", fill_value=0)
-
-        def values(x):  # a padded buffer's padding columns read as zeros, as the kernels' masked loads give
-            x = x.astype(jnp.float32)
-            if x.ndim == 1 or layout.strides[g] == layout.dims[g]:
-                return x
-            return jnp.where(jnp.arange(x.shape[1]) < layout.dims[g], x, 0.0)
-
-        old = tuple(gather(s[key]) for s in slots)
-        upd, new, salts = apply_rule(rule, values(gather(w)), tuple(values(x) for x in old), grad, hyper,
-                                     dim=layout.dims[g] if dim is None else dim, row_reduce=reduce)
-        for out, x, src in zip(new_s, new, slots):
-            out[key] = src[key].at[dest].set(x.astype(src[key].dtype), mode="drop", unique_indices=True)
-        if rule.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):
-            rr = jnp.broadcast_to(slot_row[:, None], grad.shape)
-            cc = jax.lax.broadcasted_iota(jnp.int32, grad.shape, 1)
-            upd = stochastic_round(upd, w.dtype, rr, cc, *salts)
-        new_w[key] = w.at[dest].set(upd.astype(w.dtype), mode="drop", unique_indices=True)
+        new_w[key], new = update_rows(layout, g, w, tuple(src[key] for src in slots), slot_row, hit, grad, rule,
+                                      hyper, dim=dim, reduce=reduce)
+        for out, x in zip(new_s, new):
+            out[key] = x
     return new_w, new_s
+
+
+def update_rows(layout: StorageLayout, g: int, w, states, slot_row, hit, grad, rule, hyper, *, dim=None, reduce=None):
+    """Buffer `g` (`w`, its optimizer state arrays `states`) after `rule` on its rows `slot_row` where `hit`, each
+    with gradient `grad` (`[slots, stride]` fp32, one slot per distinct row; the others hold a row past the buffer).
+    `dim`, `reduce`: as `apply_gradients`'s `row_reduce` gives them. Returns `(w, states)`: the rows not hit,
+    bitwise unchanged. (Also `tbe_jax.shard_programs`' update of the replicated tables, from the devices'
+    combined gradient rows.)"""
+    from tbe_jax.optim import apply_rule, stochastic_round
+
+    num_rows = w.shape[0]
+    if rule.skip_nonfinite and reduce is None:
+        hit = hit & jnp.all(jnp.isfinite(grad), axis=1)
+    elif rule.skip_nonfinite:  # the whole row's count: every shard of a row skips it, or none does
+        bad = reduce(jnp.sum(~jnp.isfinite(grad), axis=1).astype(jnp.float32))[0]
+        hit = hit & (bad == 0)
+    dest = jnp.where(hit, slot_row, num_rows)  # rows to write (the rest dropped)
+
+    def gather(x):
+        return jnp.take(x, slot_row, axis=0, mode="fill", fill_value=0)
+
+    def values(x):  # a padded buffer's padding columns read as zeros, as the kernels' masked loads give
+        x = x.astype(jnp.float32)
+        if x.ndim == 1 or layout.strides[g] == layout.dims[g]:
+            return x
+        return jnp.where(jnp.arange(x.shape[1]) < layout.dims[g], x, 0.0)
+
+    old = tuple(gather(x) for x in states)
+    upd, new, salts = apply_rule(rule, values(gather(w)), tuple(values(x) for x in old), grad, hyper,
+                                 dim=layout.dims[g] if dim is None else dim, row_reduce=reduce)
+    out = tuple(src.at[dest].set(x.astype(src.dtype), mode="drop", unique_indices=True)
+                for x, src in zip(new, states))
+    if rule.stochastic_rounding and w.dtype in (jnp.float16, jnp.bfloat16):
+        rr = jnp.broadcast_to(slot_row[:, None], grad.shape)
+        cc = jax.lax.broadcasted_iota(jnp.int32, grad.shape, 1)
+        upd = stochastic_round(upd, w.dtype, rr, cc, *salts)
+    return w.at[dest].set(upd.astype(w.dtype), mode="drop", unique_indices=True), out

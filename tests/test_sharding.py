@@ -437,6 +437,7 @@ def test_program_does_not_grow_with_batch(bcfg):
     emb.uses_kernel = lambda: True  # lower the kernels without a GPU
     sharded = tbe_jax.shard(emb, mesh(auto=True), "data", MIXED)
     sharded.local.uses_kernel = lambda: True
+    sharded.local_data.uses_kernel = lambda: True  # the replicated tables' local lookups
     params = jax.eval_shape(sharded.init, jax.random.key(0))
     opt = tbe_jax.Adagrad(0.1)  # element-wise: allowed with the column-wise table
     state = jax.eval_shape(lambda p: opt.init(p), params)
