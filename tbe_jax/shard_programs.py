@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from tbe_jax import bounds, reference, shard_route, sparse_update
+from tbe_jax import bounds, preprocess, shard_route, sparse_update
 from tbe_jax.tbe import blocked_draw, init_rows
 
 
@@ -273,7 +273,7 @@ def _column_update(s, params, opt_state, opt, r, g):
     size = n * num
     plan = local.plan_for(off.shape[0])
     j = jax.lax.axis_index(s.axis_name)
-    _, feat = reference.position_features(plan, off, ids.shape[0])  # each merged id's slot
+    _, feat = preprocess.position_features(plan, off, ids.shape[0])  # each merged id's slot
     column = jnp.asarray(lay.slot_column)[j][feat]
     row_dim = jnp.asarray(lay.slot_row_dim)[j][feat]
     key = jnp.where(column, r["key"], size)
@@ -328,10 +328,10 @@ def _data_update(s, params, opt_state, opt, count, r, g):
     else:
         g_d = g.astype(jnp.float32)[:, jnp.asarray(lay.data_cols)]
     plan = ld.plan_for(off.shape[0])
-    bag, feat, coef, scale = reference.lookup_coefficients(plan, ids, off, w, ld.pooling)
+    bag, feat, coef, scale = preprocess.lookup_coefficients(plan, ids, off, w, ld.pooling)
     widths = sorted({lay.widths.index(s.emb.feature_dims[f]) for f in lay.data_features})
     lists = {}
-    for gi, m, grad_rows, rows in reference.group_lookups(ld.layout, plan, ids, bag, feat, coef > 0, g_d,
+    for gi, m, grad_rows, rows in preprocess.group_lookups(ld.layout, plan, ids, bag, feat, coef > 0, g_d,
                                                           ld.pooling):
         if gi not in widths:
             continue

@@ -278,7 +278,7 @@ def data_batch(s, idx, off, psw):
     repaired = jnp.int32(0)
     if emb.bounds_check == "warning":
         off, repaired = bounds.repair_offsets(off, num)
-    _, feat = reference.position_features(_local_plan(s, off.shape[0]), off, num)
+    _, feat = preprocess.position_features(_local_plan(s, off.shape[0]), off, num)
     fd = np.asarray(lay.data_features, np.int32)
     is_data = np.zeros((nf,), bool)
     is_data[fd] = True
