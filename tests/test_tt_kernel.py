@@ -257,6 +257,17 @@ def test_no_lookups_and_auto(rng):
             one(one.init(jax.random.key(0)), np.array([1], np.int32), np.array([0, 1], np.int32))
 
 
+def test_flat_config_defaults_are_the_parts_defaults():
+    """`TTKernelConfig` repeats the two parts' fields (the flat form users pass): its defaults give the parts'
+    defaults, and `from_parts` inverts `forward_config` / `backward_config`."""
+    from tt_jax.kernels.config import TTBackwardConfig, TTForwardConfig
+
+    flat = TTKernelConfig()
+    assert flat.forward_config == TTForwardConfig() and flat.backward_config == TTBackwardConfig()
+    other = TTKernelConfig(chunk=16, bwd_rows=4, precision="ieee")
+    assert TTKernelConfig.from_parts(other.forward_config, other.backward_config) == other
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="schedule"):
         TTKernelConfig(schedule="steal")
