@@ -169,3 +169,45 @@ def test_more_buffers_than_one_launch(rng):
     idx[off[0]], idx[off[8 * 3]] = -5, 10_000  # feature 0 (first launch), feature 8 (dim 5: the second)
     _, rep = checked.forward_with_report(params, idx, off)
     assert int(rep.invalid_indices) == 2
+
+
+# ForwardConfig.bag_groups: a program owns G * bag_groups bags (G = 2 here: tile_elems 64 over dims up to 32),
+# loads every bag's first row at once, then pools the sub-groups one after another. The sums run in the same
+# order as with one group, so the outputs are bitwise those of bag_groups=1 without weights (with weights the
+# compiler may fuse a product into the sum (an FMA) on one path and not the other: within 1e-6), and the
+# bad-id counts equal: batches that leave a program's last sub-groups empty or partly filled, one-id, empty
+# and long bags, VBE.
+@pytest.mark.parametrize("groups,weighted,pooling,wdtype", [
+    (2, False, "sum", "float16"), (4, True, "mean", "float32")])
+def test_bag_groups_bitwise_equal_one_group(rng, groups, weighted, pooling, wdtype):
+    tables = specs([40, 9, 300], [32, 8, 17])
+    fmap = [0, 1, 2, 1]
+    batch = [13, 1, 6, 9]  # 13 bags at 2 * 4 per program: one full program, one with 5 bags (3 sub-groups)
+    kw = dict(feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype, bounds_check="warning", **KERNEL_KW)
+    one = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(tile_elems=64, bag_groups=1), **kw)
+    many = tbe_jax.TableBatchedEmbedding(
+        tables, kernel_config=tbe_jax.ForwardConfig(tile_elems=64, bag_groups=groups), **kw)
+    params = one.init(jax.random.key(3))
+    lengths = rng.choice([0, 1, 1, 2, 11], size=sum(batch))  # one-id bags mostly, some empty, some long
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
+    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx[::7] = 10_000  # bad ids: dropped and counted the same
+    psw = rng.random(off[-1]).astype(np.float32) if weighted else None
+    out1, rep1 = one.forward_with_report(params, idx, off, psw, batch_size_per_feature=tuple(batch))
+    outg, repg = many.forward_with_report(params, idx, off, psw, batch_size_per_feature=tuple(batch))
+    if weighted:
+        assert_close(outg, out1, 1e-6)
+    else:
+        np.testing.assert_array_equal(np.asarray(outg), np.asarray(out1))
+    assert int(repg.invalid_indices) == int(rep1.invalid_indices) == int(np.sum(idx == 10_000))
+    ref = tbe_jax.TableBatchedEmbedding(tables, impl="xla", feature_table_map=fmap, pooling=pooling,
+                                        weights_dtype=wdtype)
+    assert_close(outg, ref(params, idx, off, psw, batch_size_per_feature=tuple(batch)), tolerance(wdtype, 11))
+
+
+def test_bag_groups_validated():
+    assert tbe_jax.ForwardConfig().bag_groups == 1
+    for bad in (0, 3, -2, 1.0, None):
+        with pytest.raises(ValueError, match="bag_groups"):
+            tbe_jax.ForwardConfig(bag_groups=bad)

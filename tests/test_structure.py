@@ -90,16 +90,22 @@ def test_program_map_matches_explicit_table():
     from tbe_jax.kernels import programs
 
     rng = np.random.default_rng(0)
-    for batch in ([5, 5, 5, 5], [3, 0, 7, 1, 9], [0, 0, 4], [33] * 7):
+    arithmetic = 0
+    batches = ([5, 5, 5, 5], [3, 0, 7, 1, 9], [0, 0, 4], [33] * 7)
+    cases = [(b, order) for b in batches for order in ("shuffled", "sorted")]
+    for batch, order in cases:
         bag_base = np.concatenate([[0], np.cumsum(batch)[:-1]]).tolist()
-        feats = list(rng.permutation(len(batch)))
+        feats = list(rng.permutation(len(batch))) if order == "shuffled" else list(range(len(batch)))
         pm = programs.build(bag_base, batch, [(feats[:2], 2), (feats[2:], 4)])
+        # Consecutive features of one batch size locate by arithmetic (`Segment.feat0`), the others by lookup.
+        arithmetic += sum(seg.feat0 >= 0 for seg in pm.segments)
         table = programs.rows(pm)
         flist, prefix = programs.operands(pm)
         got = []
         for seg in pm.segments:
             got.extend(_locate_interpret(seg, seg.prog_end - seg.prog_start, flist, prefix))
         np.testing.assert_array_equal(np.asarray(got, np.int32).reshape(-1, 4), table)
+    assert arithmetic >= 4
 
 
 def _locate_interpret(seg, n, flist, prefix):

@@ -47,6 +47,12 @@ class ForwardConfig:
         dims: 20.7 s for one launch, benchmarks/results/features-20261201-091723-*), so models with more
         buffers get one launch per `segment_buffers` of them, writing their features' columns of one output
         in place.
+      bag_groups: sub-groups of `G` bags each program owns (default 1). The first row of every bag of the
+        program's `G * bag_groups` bags is loaded at once, then the sub-groups' remaining rows run one
+        sub-group after the other: one-id bags (the small tables of a DLRM) pay a program's fixed cost once
+        per `G * bag_groups` bags, while long bags get fewer, longer programs. 2 suits models whose
+        features mostly have one or two ids per bag (MLPerf's DLRMv2 tables); with long bags it costs
+        6-35% (benchmarks/results/probe-bag-groups-*.json).
       fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
         FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
         "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
@@ -63,6 +69,7 @@ class ForwardConfig:
     prefetch: bool = True
     segment_buffers: int = 8
     fp32_accumulation: str = "fp32"
+    bag_groups: int = 1
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
@@ -76,6 +83,8 @@ class ForwardConfig:
             )
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
+        if not isinstance(self.bag_groups, int) or self.bag_groups < 1 or self.bag_groups & (self.bag_groups - 1):
+            raise ValueError(f"ForwardConfig.bag_groups must be a positive power of 2, got {self.bag_groups!r}")
 
     @staticmethod
     def get_default() -> "ForwardConfig":
@@ -87,8 +96,6 @@ class ForwardConfig:
         return 1 << (g.bit_length() - 1)  # a power of 2
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class _Branch:
     buffer: int  # position of the buffer among the kernel's weight refs
@@ -96,10 +103,12 @@ class _Branch:
     dim: int
     block_dim: int
     stride: int  # the buffer's stored row length (>= dim; padding columns are loaded, never stored)
+    groups: int = 1  # sub-groups of `bags` bags per program (`ForwardConfig.bag_groups`)
 
     @property
     def bags(self) -> int:
-        return self.seg.bags
+        """Bags per sub-group: the tile's `G`."""
+        return self.seg.bags // self.groups
 
 
 def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features):
@@ -109,13 +118,16 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
     for g in used:
         feats = [f for f in features if plan.group[f] == g]
         groups.append((feats, cfg.bags_per_program(layout.dims[g], max(plan.batch[f] for f in feats))))
-    pm = programs.build(plan.bag_base, plan.batch, groups)
+    # Per buffer: no more sub-groups than its largest feature's bags fill.
+    subs = [max(1, min(cfg.bag_groups, next_pow2(-(-max(plan.batch[f] for f in feats) // bags))))
+            for feats, bags in groups]
+    pm = programs.build(plan.bag_base, plan.batch, [(feats, bags * s) for (feats, bags), s in zip(groups, subs)])
     branches = []
     for seg in pm.segments:
         f0 = int(pm.flist[seg.feat_base, 0])
         g = plan.group[f0]
         d = layout.dims[g]
-        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g]))
+        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g], subs[used.index(g)]))
     return used, tuple(branches), pm, feature_table(plan)
 
 
@@ -135,10 +147,6 @@ def _pool_branch(
     # load only (each dependent load costs a full memory latency).
     f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
 
-    g = jnp.arange(br.bags, dtype=jnp.int32)
-    bag_ok = g < nbags
-    start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
-
     def feat_meta(col):
         return plgpu.load(feat_ref.at[META_COLS * f + col])
 
@@ -146,8 +154,6 @@ def _pool_branch(
     row_offset = feat_meta(ROW_OFFSET)
     out_base = feat_meta(OUT_BASE)
     out_stride = feat_meta(OUT_STRIDE)
-    bag = b0 + g
-    n_iter = (jnp.max(length) + unroll - 1) // unroll
 
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
     col_ok = cols < br.dim
@@ -160,10 +166,10 @@ def _pool_branch(
             return jnp.broadcast_to(ok[:, None], shape)
         return ok[:, None] & (cols < br.stride)[None, :]
 
-    def fetch(k0):
-        """Ids (and per-sample weights) of steps k0 .. k0+unroll-1; -1 past a bag's end."""
+    def fetch(start, length, k0, steps):
+        """Ids (and per-sample weights) of steps k0 .. k0+steps-1; -1 past a bag's end."""
         ids, ws = [], []
-        for u in range(unroll):
+        for u in range(steps):
             live = (k0 + u) < length
             pos = start + (k0 + u)
             ids.append(plgpu.load(indices_ref.at[pos], mask=live, other=-1))
@@ -203,34 +209,72 @@ def _pool_branch(
 
     zeros = jnp.zeros(shape, jnp.float32)
     acc0 = jnp.zeros(shape, jnp.float64) if accumulation == "fp64" else zeros
-    if prefetch:
-        # Software pipelining by hand: the ids of step it+1 are loaded while the
-        # rows of step it are in flight, so each iteration waits on one latency.
-        def body(it, carry):
-            s, c, nbad, ids, ws = carry
-            tiles = gather(ids)
-            nxt_ids, nxt_ws = fetch((it + 1) * unroll)
-            s, c = accumulate(s, c, tiles, ws)
-            return s, c, nbad + count_bad(ids), nxt_ids, nxt_ws
+    nbad0 = jnp.zeros((br.bags,), jnp.int32)
 
-        init = (acc0, zeros, jnp.zeros((br.bags,), jnp.int32)) + fetch(jnp.int32(0))
-        s, c, nbad, _, _ = jax.lax.fori_loop(0, n_iter, body, init)
-    else:
+    def pool(start, length, k0, acc, ahead=None):
+        """Steps k0.. of the sub-group's bags into `acc` (= (s, c, nbad)), `unroll` steps per iteration;
+        `ahead`: the ids (and weights) of the first iteration, already fetched (prefetch only)."""
+        n_iter = (jnp.max(length) - k0 + unroll - 1) // unroll
+        if prefetch:
+            # Software pipelining by hand: the ids of step it+1 are loaded while the
+            # rows of step it are in flight, so each iteration waits on one latency.
+            def body(it, carry):
+                s, c, nbad, ids, ws = carry
+                tiles = gather(ids)
+                nxt_ids, nxt_ws = fetch(start, length, k0 + (it + 1) * unroll, unroll)
+                s, c = accumulate(s, c, tiles, ws)
+                return s, c, nbad + count_bad(ids), nxt_ids, nxt_ws
+
+            ahead = fetch(start, length, k0, unroll) if ahead is None else ahead
+            s, c, nbad, _, _ = jax.lax.fori_loop(0, n_iter, body, acc + ahead)
+            return s, c, nbad
+
         def body(it, carry):
             s, c, nbad = carry
-            ids, ws = fetch(it * unroll)
+            ids, ws = fetch(start, length, k0 + it * unroll, unroll)
             s, c = accumulate(s, c, gather(ids), ws)
             return s, c, nbad + count_bad(ids)
 
-        s, c, nbad = jax.lax.fori_loop(0, n_iter, body, (acc0, zeros, jnp.zeros((br.bags,), jnp.int32)))
+        return jax.lax.fori_loop(0, n_iter, body, acc)
+
+    def finish(acc, length, bag, bag_ok):
+        s, c, _ = acc
+        out = s + c if accumulation == "twosum" else s
+        if pooling == "mean":
+            out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]
+        ptr = aligned(out_base + bag * out_stride, align)[:, None] + cols[None, :]
+        plgpu.store(out_ref.at[ptr], out.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
+
+    g = jnp.arange(br.bags, dtype=jnp.int32)
+    n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
+    if br.groups == 1:
+        bag_ok = g < nbags
+        start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
+        acc = pool(start, length, 0, (acc0, zeros, nbad0))
+        finish(acc, length, b0 + g, bag_ok)
+        n_bad, n_malformed = jnp.sum(acc[2], dtype=jnp.int32), jnp.sum(malformed, dtype=jnp.int32)
+    else:
+        # Sub-groups: every bag's first row is loaded up front (one latency for all of them), then each
+        # sub-group pools its remaining rows (steps 1..) and stores, one sub-group after the other. The sums
+        # run in the same order as with one group (0 + row 0 + row 1 + ...): the results are bitwise equal.
+        subs = []
+        for j in range(br.groups):
+            gj = j * br.bags + g
+            ok_j = gj < nbags
+            start, length, malformed = programs.bag_extent(offsets_ref, first + gj, ok_j, indices_ref.shape[0])
+            subs.append((gj, ok_j, start, length, malformed))
+        firsts = [fetch(start, length, 0, 1) for _, _, start, length, _ in subs]
+        aheads = [fetch(start, length, 1, unroll) if prefetch else None for _, _, start, length, _ in subs]
+        tiles0 = [gather(ids)[0] for ids, _ in firsts]
+        for (gj, ok_j, start, length, malformed), (ids, ws), ahead, tile in zip(subs, firsts, aheads, tiles0):
+            s, c = accumulate(acc0, zeros, [tile], ws)
+            acc = pool(start, length, 1, (s, c, count_bad(ids)), ahead)
+            finish(acc, length, b0 + gj, ok_j)
+            n_bad = n_bad + jnp.sum(acc[2], dtype=jnp.int32)
+            n_malformed = n_malformed + jnp.sum(malformed, dtype=jnp.int32)
     if bad_ref is not None:  # two slots per program (bad ids, malformed offsets): no atomics, summed by the caller
-        plgpu.store(bad_ref.at[2 * pid], jnp.sum(nbad, dtype=jnp.int32))
-        plgpu.store(bad_ref.at[2 * pid + 1], jnp.sum(malformed, dtype=jnp.int32))
-    acc = s + c if accumulation == "twosum" else s
-    if pooling == "mean":
-        acc = acc / jnp.maximum(length, 1).astype(acc.dtype)[:, None]
-    ptr = aligned(out_base + bag * out_stride, align)[:, None] + cols[None, :]
-    plgpu.store(out_ref.at[ptr], acc.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
+        plgpu.store(bad_ref.at[2 * pid], n_bad)
+        plgpu.store(bad_ref.at[2 * pid + 1], n_malformed)
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,

@@ -46,6 +46,12 @@ class Segment:
     num_feats: int
     ppf: int  # programs per feature if every feature of the segment has one batch size, else 0
     prefix_base: int  # the segment's first entry in `prefix`
+    # With `ppf`, when the segment's features are consecutive (feature `feat0 + i`) and so are their bags
+    # (feature i's first bag is `base0 + i * batch0`): a program finds its feature and first bag by arithmetic,
+    # and its offsets load need not wait for a load of `flist`. Else -1.
+    feat0: int = -1
+    base0: int = -1
+    batch0: int = -1
 
 
 class ProgramMap(NamedTuple):
@@ -73,7 +79,11 @@ def build(bag_base: Sequence[int], batch: Sequence[int], groups) -> ProgramMap:
             continue
         sizes = {batch[f] for f in feats}
         ppf = counts[0] if len(sizes) == 1 else 0
-        segs.append(Segment(start, start + n, bags, len(flist), len(feats), ppf, len(prefix)))
+        b = batch[feats[0]]
+        affine = ppf and all(f == feats[0] + i and bag_base[f] == bag_base[feats[0]] + i * b
+                             for i, f in enumerate(feats))
+        arith = (feats[0], bag_base[feats[0]], b) if affine else (-1, -1, -1)
+        segs.append(Segment(start, start + n, bags, len(flist), len(feats), ppf, len(prefix), *arith))
         flist += [(f, bag_base[f], batch[f]) for f in feats]
         prefix += np.concatenate([[0], np.cumsum(counts)]).tolist()
         start += n
@@ -89,6 +99,13 @@ def locate(seg: Segment, q, flist_ref, prefix_ref):
     exist (fewer than `seg.bags` at the end of a feature). Every index is a traced
     int32 (interpret mode rejects Python ints as ref indices).
     """
+    if seg.feat0 >= 0:
+        # Arithmetic; only the bag count is loaded (`operands`' `live` can zero it at run time), in parallel
+        # with the offsets loads that follow (`bag_extent` loads without waiting for the count).
+        i = q // seg.ppf
+        b0 = (q - i * seg.ppf) * seg.bags
+        batch = plgpu.load(flist_ref.at[FLIST_COLS * (seg.feat_base + i) + 2])
+        return seg.feat0 + i, seg.base0 + i * seg.batch0 + b0, jnp.minimum(seg.bags, batch - b0), b0
     if seg.ppf:
         i = q // seg.ppf
         within = q - i * seg.ppf
@@ -119,8 +136,11 @@ def bag_extent(offsets_ref, bag, ok, n: int):
     its end entry `offsets[bag + 1]` decreases or leaves `[0, n]`, plus 1 at the global bag 0 if
     `offsets[0] != 0`: summed over every bag, the malformed entries of `offsets`, each counted once.
     """
-    raw_start = plgpu.load(offsets_ref.at[bag], mask=ok, other=0)
-    raw_end = plgpu.load(offsets_ref.at[bag + 1], mask=ok, other=0)
+    # Unmasked loads at clamped positions, then `ok` applied: the loads need not wait for `ok` (often a
+    # bag count just loaded), so they overlap that load.
+    last = offsets_ref.shape[0] - 1
+    raw_start = jnp.where(ok, plgpu.load(offsets_ref.at[jnp.clip(bag, 0, last)]), 0)
+    raw_end = jnp.where(ok, plgpu.load(offsets_ref.at[jnp.clip(bag + 1, 0, last)]), 0)
     start = jnp.clip(raw_start, 0, n)
     end = jnp.clip(raw_end, start, n)
     bad = (raw_end < raw_start) | (raw_end < 0) | (raw_end > n)
