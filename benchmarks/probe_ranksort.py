@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_ms
+from tbe_jax.kernels.backward_config import BackwardConfig
 from tbe_jax.kernels.ranksort import rank_sort
 
 
@@ -28,6 +29,8 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     xla = jax.jit(lambda k, p: jax.lax.sort((k, p), num_keys=1, is_stable=True))
+    cfg = BackwardConfig()
+    blocks = dict(block_i=cfg.rank_sort_block_i, block_j=cfg.rank_sort_block_j, merge_block=cfg.rank_sort_merge_block)
     for n in map(int, args.sizes.split(",")):
         for hi in map(int, args.ranges.split(",")):
             k = jnp.asarray(rng.integers(0, hi, n).astype(np.int32))
@@ -38,7 +41,7 @@ def main(argv=None):
                 chunk = int(chunk)
                 if n > 16384 and chunk >= n:
                     continue
-                f = jax.jit(lambda k, p, chunk=chunk: rank_sort(k, p, chunk=chunk))
+                f = jax.jit(lambda k, p, chunk=chunk: rank_sort(k, p, chunk=chunk, **blocks))
                 got = f(k, p)
                 row[f"rank_c{chunk}_ok"] = all(bool((a == b).all()) for a, b in zip(got, ref))
                 row[f"rank_c{chunk}_ms"] = round(device_ms(lambda i: f(k, p), 20)[0], 4)

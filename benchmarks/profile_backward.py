@@ -53,7 +53,7 @@ def main(argv=None):
         res["compact_n"] = t(lambda k: runs_lib._compact(k % 3 == 0, n, n), idx)
         res["build_runs"] = t(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None), idx, off)
         runs = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(idx, off)
-        res["task_ranges"] = t(lambda r: bwd.task_ranges(r, emb.layout, n), runs)
+        res["task_ranges"] = t(lambda r: bwd.task_ranges(r, emb.layout, n, emb.backward_config), runs)
         params = emb.init(jax.random.key(0))
         opt = tbe_jax.RowwiseAdagrad(0.1, 0.1)
         mom = emb.init_opt_state(params, opt).momentum

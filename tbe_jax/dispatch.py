@@ -239,11 +239,8 @@ def sorted_runs(emb, plan, indices, offsets, per_sample_weights, backward_config
     plan = runs_lib.without_features(plan, hist)
     cfg = backward_config or emb.backward_config
     return runs_lib.build_runs(emb.layout, plan, indices, offsets, per_sample_weights,
-                               pooling=emb.pooling, sequence=emb.pooling == "none",
-                               rle_kernel=cfg.rle_kernel, interpret=emb.interpret,
-                               segment_bounds=bwd_kernels.segment_bounds(emb.layout),
-                               rank_sort_max=cfg.rank_sort_limit(emb.interpret),
-                               rank_sort_chunk=cfg.rank_sort_chunk, narrow_keys=cfg.narrow_sort_keys)
+                               pooling=emb.pooling, config=cfg, sequence=emb.pooling == "none",
+                               interpret=emb.interpret, segment_bounds=bwd_kernels.segment_bounds(emb.layout, cfg))
 
 
 def _update(emb, plan, opt, hyper, params, slots, indices, offsets, per_sample_weights, grad_output,

@@ -5,11 +5,12 @@ linear key (the row's index in the concatenation of all storage buffers, taken i
 width-class order: see `width_classes`; invalid lookups get the sentinel
 `total_rows`), keys are sorted with their positions,
 and equal keys form a run: one distinct (table, row) and the lookups that touched
-it. Runs fall in three classes: small runs (at most `SMALL` lookups: most
+it. Runs fall in three classes (the bounds are `BackwardConfig.small_run_max`, S, and
+`BackwardConfig.long_run`, L): small runs (at most S lookups: most
 runs, often of length 1) are updated by blocks of consecutive runs in lockstep
 (no list: the kernel skips the other runs); mid runs
-(`SMALL` < length < `LONG`) one per task; runs of at least `LONG` lookups are
-split into chunks of `LONG` for a two-pass reduction. All counts stay on the
+(S < length < L) one per task; runs of at least L lookups are
+split into chunks of L for a two-pass reduction. All counts stay on the
 device; task lists are compacted on the device into statically sized arrays.
 The sort is stable, so every run's lookups keep their batch order and the
 summation order (hence the result) is the same run to run.
@@ -24,15 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tbe_jax.kernels.backward_config import BackwardConfig
 from tbe_jax.preprocess import lookup_coefficients, output_rows
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
-SMALL = 8  # runs this short take the blocked lockstep path
-LONG = 256  # runs this long or longer take the chunked two-pass path
-
 
 class Runs(NamedTuple):
-    """Sorted runs of one batch (device arrays; N = len(indices))."""
+    """Sorted runs of one batch (device arrays; N = len(indices); S and L: the `BackwardConfig.small_run_max` and
+    `long_run` it was built with)."""
 
     src: jax.Array  # [N] int32: per sorted lookup, flat offset of its bag's output row (column 0)
     scale: jax.Array | None  # [N] f32: per sorted lookup, per-sample weight x 1/len (mean) x valid;
@@ -40,9 +40,9 @@ class Runs(NamedTuple):
     run_start: jax.Array  # [N + 1] int32: first sorted lookup of run r (run r ends at run_start[r+1])
     run_key: jax.Array  # [N] int32: linear row of run r (total_rows past the last run)
     num_runs: jax.Array  # [] int32
-    mid: jax.Array  # [N // (SMALL + 1) + 1] int32: runs of SMALL < length < LONG, in key order, padded with N
-    long: jax.Array  # [N // LONG + 1] int32: runs of LONG or more, in key order, padded
-    # [N // LONG + 2] int32: first chunk task of each long run (the chunk kernel finds each task's long run and
+    mid: jax.Array  # [N // (S + 1) + 1] int32: runs of S < length < L, in key order, padded with N
+    long: jax.Array  # [N // L + 1] int32: runs of L or more, in key order, padded
+    # [N // L + 2] int32: first chunk task of each long run (the chunk kernel finds each task's long run and
     # first sorted lookup from it: `backward.chunk_task`)
     long_chunk0: jax.Array
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
@@ -50,12 +50,12 @@ class Runs(NamedTuple):
     seg_edges: jax.Array | None = None
 
 
-def chunk_tasks(run_start, long, long_chunk0, n: int):
-    """(chunk_run, chunk_first) `[2 * n // LONG + 1]`: per chunk task t (below the chunk count `long_chunk0[-1]`;
+def chunk_tasks(run_start, long, long_chunk0, n: int, long_run: int):
+    """(chunk_run, chunk_first) `[2 * n // long_run + 1]`: per chunk task t (below the chunk count `long_chunk0[-1]`;
     the slots past it hold clamped values never read) its index into `long` (`searchsorted(long_chunk0, t,
     "right") - 1`) and its first sorted lookup, in XLA ops. The kernels find both themselves
     (`backward.chunk_task`); this serves `backward.task_ranges` without the run-length pass's edges."""
-    max_chunks = 2 * n // LONG + 1
+    max_chunks = 2 * n // long_run + 1
     n_long_max = long.shape[0]
     t = jnp.arange(max_chunks, dtype=jnp.int32)
     # The long runs whose chunks end at or before t, as a scatter of each run's chunk end and a prefix sum
@@ -66,7 +66,7 @@ def chunk_tasks(run_start, long, long_chunk0, n: int):
     ends = jnp.where(n_chunks > 0, long_chunk0[1:], max_chunks)
     starts = jnp.zeros((max_chunks,), jnp.int32).at[ends].add(1, mode="drop")
     chunk_run = jnp.clip(jnp.cumsum(starts), 0, n_long_max - 1)
-    chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * LONG
+    chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * long_run
     return chunk_run, chunk_first
 
 
@@ -142,11 +142,12 @@ def without_features(plan: FeaturePlan, features) -> FeaturePlan:
 
 def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
                 sequence: bool = False, kernel: bool = False, interpret: bool = False, want_scale: bool = True,
-                key_dtype=jnp.int32):
+                key_dtype=jnp.int32, config: BackwardConfig | None = None):
     """Per lookup: (linear key or `total` if invalid, flat offset of its output row, scale); jnp.
 
-    `kernel`: computed by the one Pallas pass of `kernels.keys` (same values); its scale is None unless
-    `want_scale`. `key_dtype`: the keys' dtype (`sort_key_dtype`)."""
+    `kernel`: computed by the one Pallas pass of `kernels.keys` (same values; blocks of `config.keys_block`
+    lookups, None: the default config's); its scale is None unless `want_scale`. `key_dtype`: the keys' dtype
+    (`sort_key_dtype`)."""
     n = indices.shape[0]
     total = int(group_bases(layout)[-1])
     if kernel:
@@ -160,7 +161,8 @@ def lookup_keys(layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_
         return keys_kernel.lookup_keys(
             table, np.asarray(plan.bag_base), indices, offsets, per_sample_weights,
             batch=plan.batch[0] if one_batch else 0, total=total, sequence_stride=layout.dims[0] if sequence else 0,
-            mean=pooling == "mean", want_scale=want_scale, interpret=interpret, key_dtype=key_dtype)
+            mean=pooling == "mean", want_scale=want_scale, interpret=interpret, key_dtype=key_dtype,
+            block=(config or BackwardConfig()).keys_block)
     bag, feat, coef, scale = lookup_coefficients(plan, indices, offsets, per_sample_weights, pooling)
     valid = coef > 0  # coef is 1 or 1/len(bag) for valid lookups, 0 otherwise
     key = jnp.where(valid, jnp.asarray(feature_keys(layout, plan).astype(np.int32))[feat] + indices, total)
@@ -181,17 +183,17 @@ def sort_key_dtype(total: int):
 
 def build_runs(
     layout: StorageLayout, plan: FeaturePlan, indices, offsets, per_sample_weights, *, pooling: str,
-    sequence: bool = False, rle_kernel: bool = False, interpret: bool = False, segment_bounds: tuple[int, ...] = (),
-    rank_sort_max: int = 0, rank_sort_chunk: int = 2048, narrow_keys: bool = False,
+    config: BackwardConfig, sequence: bool = False, interpret: bool = False, segment_bounds: tuple[int, ...] = (),
 ) -> Runs:
     """Sort the batch's lookups into runs (see module doc). Inputs validated, int32.
 
-    `rle_kernel`: find the runs and the mid and long run lists with the two Pallas passes of
-    `kernels.rle` instead of XLA ops (same result). `segment_bounds` (static keys, ascending): with
-    the kernels, the runs' `seg_edges` counts the runs below each (`rle.encode(bounds=...)`). Batches of at most
-    `rank_sort_max` lookups are sorted by the counting-rank kernels (`kernels.ranksort`, chunks of
-    `rank_sort_chunk`), others by XLA's sort; with `narrow_keys` XLA's sort takes the keys in the narrowest
-    dtype that holds them (`sort_key_dtype`) and they are widened to int32 after it.
+    From `config`: `rle_kernel`: find the runs and the mid and long run lists with the two Pallas passes of
+    `kernels.rle` instead of XLA ops (same result); batches of at most `rank_sort_limit(interpret)` lookups are
+    sorted by the counting-rank kernels (`kernels.ranksort`), others by XLA's sort; with `narrow_sort_keys` XLA's
+    sort takes the keys in the narrowest dtype that holds them (`sort_key_dtype`) and they are widened to int32
+    after it; `small_run_max` and `long_run` bound the run classes; the preprocessing kernels' block sizes.
+    `segment_bounds` (static keys, ascending): with the kernels, the runs' `seg_edges` counts the runs below each
+    (`rle.encode(bounds=...)`).
     """
     n = indices.shape[0]
     bases = group_bases(layout)
@@ -201,16 +203,18 @@ def build_runs(
     unit = per_sample_weights is None and (sequence or pooling == "sum")
     # The Pallas pass where the kernels are compiled; in interpret mode XLA's ops (the same values): the interpreted
     # pass would add CPU compile time to every backward test, and `test_lookup_keys_kernel` runs it there.
-    rank = 0 < n <= rank_sort_max
-    key_dtype = sort_key_dtype(total) if narrow_keys and not rank else jnp.int32
+    small, long_run, rle_kernel = config.small_run_max, config.long_run, config.rle_kernel
+    rank = 0 < n <= config.rank_sort_limit(interpret)
+    key_dtype = sort_key_dtype(total) if config.narrow_sort_keys and not rank else jnp.int32
     key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                                   sequence=sequence, kernel=rle_kernel and not interpret,
-                                  interpret=interpret, want_scale=not unit, key_dtype=key_dtype)
+                                  interpret=interpret, want_scale=not unit, key_dtype=key_dtype, config=config)
     if rank:  # one launch, payloads scattered to their places (no gathers)
         from tbe_jax.kernels.ranksort import rank_sort
 
-        skey, ssrc, *rest = rank_sort(key, src, *(() if unit else (scale,)), chunk=rank_sort_chunk,
-                                      interpret=interpret)
+        skey, ssrc, *rest = rank_sort(key, src, *(() if unit else (scale,)), interpret=interpret,
+                                      block_i=config.rank_sort_block_i, block_j=config.rank_sort_block_j,
+                                      chunk=config.rank_sort_chunk, merge_block=config.rank_sort_merge_block)
         sscale = rest[0] if rest else None
     elif unit:
         # No scale to carry: sort the output offsets themselves (the stable sort keeps
@@ -222,18 +226,18 @@ def build_runs(
         ssrc, sscale = src[spos], scale[spos]
     skey = skey.astype(jnp.int32)
     # Small runs need no list: the small-run kernel walks all runs in blocks and
-    # skips the others. Only runs longer than SMALL (at most n / (SMALL + 1)) are
+    # skips the others. Only runs longer than `small` (at most n / (small + 1)) are
     # compacted over n; the mid/long split then works on that short list.
-    n_big_max = n // (SMALL + 1) + 1
-    n_long_max = n // LONG + 1
+    n_big_max = n // (small + 1) + 1
+    n_long_max = n // long_run + 1
     from tbe_jax.kernels import rle
 
     seg_edges = None
     if rle_kernel:  # the mid and long lists (and the segments' edges) straight from the kernel's write pass
         bounds = tuple(segment_bounds)
         run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, *edges = rle.encode(
-            skey, total=total, small=SMALL, n_big_max=n_big_max, long=LONG, n_long_max=n_long_max,
-            bounds=bounds, interpret=interpret)
+            skey, total=total, small=small, n_big_max=n_big_max, long=long_run, n_long_max=n_long_max,
+            bounds=bounds, block=config.rle_block, scan_chunk=config.scan_chunk, interpret=interpret)
         n_big = n_mid + n_long
         seg_edges = edges[0].reshape(len(bounds), 3) if bounds else None
     else:
@@ -245,16 +249,16 @@ def build_runs(
         run_len = run_start[1:] - run_start[:-1]
         run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
         live = jnp.arange(n) < num_runs
-        big, n_big = _compact(live & (run_len > SMALL), n_big_max, n)
+        big, n_big = _compact(live & (run_len > small), n_big_max, n)
         big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
-        mid_at, n_mid = _compact((big_len > SMALL) & (big_len < LONG), n_big_max, n_big_max - 1)
+        mid_at, n_mid = _compact((big_len > small) & (big_len < long_run), n_big_max, n_big_max - 1)
         mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
-        long_at, n_long = _compact(big_len >= LONG, n_long_max, n_big_max - 1)
+        long_at, n_long = _compact(big_len >= long_run, n_long_max, n_big_max - 1)
         long = jnp.where(jnp.arange(n_long_max) < n_long, big[long_at], n)
     n_small = num_runs - n_big
     at = jnp.minimum(long, n - 1)
     long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_start[at + 1] - run_start[at], 0)
-    n_chunks = (long_len + LONG - 1) // LONG
+    n_chunks = (long_len + long_run - 1) // long_run
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
     return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, long_chunk0, counts, seg_edges)

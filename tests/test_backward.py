@@ -16,6 +16,9 @@ from tbe_jax import runs as runs_lib
 from tbe_jax import dispatch, testing
 from conftest import KERNEL_KW, ON_GPU, assert_close, model_step_f64, specs, tables_f64
 
+CFG = tbe_jax.BackwardConfig()  # the defaults: run classes, segments, block sizes
+XLA_RUNS = tbe_jax.BackwardConfig(rle_kernel=False, rank_sort_max=0, narrow_sort_keys=False)  # build_runs in XLA ops
+
 
 
 
@@ -122,18 +125,18 @@ def test_many_dims_width_classes(rng):
 
 def test_width_class_split_into_segments(rng):
     # Ten odd dims of one width class (33..51 -> 64) and one of another, stored unpadded: the class is
-    # served by two segments (8 + 2 buffers, backward.SEGMENT_BUFFERS) of the same launches, next to a
+    # served by two segments (8 + 2 buffers, BackwardConfig.segment_buffers) of the same launches, next to a
     # third segment; small-run blocks straddle buffers (E 3-4), a mid run (E 1) and an empty bag.
     from tbe_jax.kernels import backward as bwd
 
     dims = list(range(33, 53, 2)) + [8]
     tables = specs([3, 4, 3, 4, 3, 4, 3, 4, 1, 3, 4], dims)
     layout = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False).layout
-    assert [len(s.buffers) for s in bwd.run_segments(layout)] == [1, bwd.SEGMENT_BUFFERS, 2]
+    assert [len(s.buffers) for s in bwd.run_segments(layout, CFG)] == [1, CFG.segment_buffers, 2]
     # Padded (the default), the fp32 rows of 33..51 are stored 36..52 wide: parity 8 (40, 48) and 4.
     layout = tbe_jax.TableBatchedEmbedding(tables).layout
     assert layout.strides == (36, 36, 40, 40, 44, 44, 48, 48, 52, 52, 8)
-    assert [len(s.buffers) for s in bwd.run_segments(layout)] == [1, 4, 6]
+    assert [len(s.buffers) for s in bwd.run_segments(layout, CFG)] == [1, 4, 6]
     fmap = list(range(len(dims)))
     _check_step(rng, tables, fmap, [2] * len(fmap), (0, 8), tbe_jax.RowwiseAdagrad(0.05, 1e-3), steps=1,
                 empty_bag=True, pad_rows=False)
@@ -149,7 +152,7 @@ def test_width_class_split_by_row_parity(rng):
     dims = [40, 36, 48, 44, 34, 64]
     tables = specs([4, 3, 4, 3, 4, 1], dims)
     layout = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False).layout
-    segs = bwd.run_segments(layout)
+    segs = bwd.run_segments(layout, CFG)
     assert [seg.dims for seg in segs] == [(40, 48, 64), (36, 44), (34,)]
     assert all(len({runs_mod.row_parity(d) for d in seg.dims}) == 1 for seg in segs)
     assert [seg.bases[0] for seg in segs] == sorted(seg.bases[0] for seg in segs)
@@ -165,7 +168,7 @@ def test_narrow_segments_share_a_launch(rng):
 
     dims = [6, 12, 16, 20, 24, 28, 32, 40]
     tables = specs([3, 4, 3, 4, 3, 1, 4, 3], dims)
-    segs = bwd.run_segments(tbe_jax.TableBatchedEmbedding(tables).layout)
+    segs = bwd.run_segments(tbe_jax.TableBatchedEmbedding(tables).layout, CFG)
     assert [seg.dims for seg in segs] == [(6,), (16,), (12,), (24, 32), (20, 28), (40,)]
     assert [len(g) for g in bwd.small_launches(segs, tbe_jax.BackwardConfig().merge_width)] == [5, 1]
     _check_step(rng, tables, list(range(len(dims))), [2] * len(dims), (0, 12), tbe_jax.RowwiseAdagrad(0.05, 1e-3),
@@ -174,7 +177,7 @@ def test_narrow_segments_share_a_launch(rng):
 
 def test_segments_cover_the_key_space_in_order():
     # For random dim mixes: every buffer in exactly one segment; a segment holds one width class and one row
-    # parity, at most SEGMENT_BUFFERS buffers, whose keys are contiguous; segments follow each other in key order.
+    # parity, at most `segment_buffers` buffers, whose keys are contiguous; segments follow each other in key order.
     from tbe_jax import runs as runs_mod
     from tbe_jax.kernels import backward as bwd
     from tbe_jax.specs import next_pow2
@@ -185,11 +188,11 @@ def test_segments_cover_the_key_space_in_order():
         gen.shuffle(dims)
         layout = tbe_jax.TableBatchedEmbedding(specs([3] * len(dims), dims),
                                                weights_dtype=("float32", "float16")[gen.integers(2)]).layout
-        segs = bwd.run_segments(layout)
+        segs = bwd.run_segments(layout, CFG)
         assert sorted(g for seg in segs for g in seg.buffers) == list(range(len(dims)))
         key = 0
         for seg in segs:
-            assert len(seg.buffers) <= bwd.SEGMENT_BUFFERS
+            assert len(seg.buffers) <= CFG.segment_buffers
             assert {next_pow2(d) for d in seg.dims} == {seg.width}
             assert len({runs_mod.row_parity(d) for d in seg.strides}) == 1
             for base, end in zip(seg.bases, seg.ends):
@@ -338,7 +341,7 @@ def test_runs_preprocessing(rng):
     idx[5] = -1
     plan = emb.plan_for(len(off))
     # Jitted: one compile instead of one per jnp op (build_runs is jittable by design).
-    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum"))(
+    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", config=XLA_RUNS))(
         jnp.asarray(idx), jnp.asarray(off), None)
     f = np.repeat([0, 1], [off[6] - off[0], off[12] - off[6]])
     keys = np.where(idx >= 0, idx + np.where(f == 1, 7, 0), -1)
@@ -348,38 +351,40 @@ def test_runs_preprocessing(rng):
     np.testing.assert_array_equal(np.asarray(r.run_key)[:nr], uniq)
     np.testing.assert_array_equal(np.diff(np.asarray(r.run_start)[: nr + 1]), counts)
     n_small, n_mid, n_long, n_chunks = (int(c) for c in r.counts)
-    assert n_small == np.sum(counts <= runs_lib.SMALL) and n_long == np.sum(counts >= runs_lib.LONG)
-    assert n_mid == np.sum((counts > runs_lib.SMALL) & (counts < runs_lib.LONG))
-    assert n_chunks == np.sum(-(-counts[counts >= runs_lib.LONG] // runs_lib.LONG))
+    small, lg = CFG.small_run_max, CFG.long_run
+    assert n_small == np.sum(counts <= small) and n_long == np.sum(counts >= lg)
+    assert n_mid == np.sum((counts > small) & (counts < lg))
+    assert n_chunks == np.sum(-(-counts[counts >= lg] // lg))
 
 
 def test_chunk_tasks(rng):
-    # The long runs' chunk tasks (LONG lookups each, the last one partial), in key order: for each task its long run
-    # and its first sorted lookup; against NumPy on rows hit 256 to ~700 times, next to short runs.
+    # The long runs' chunk tasks (`long_run` lookups each, the last one partial), in key order: for each task its long
+    # run and its first sorted lookup; against NumPy on rows hit 256 to ~700 times, next to short runs.
     tables = specs([3, 700], [4, 4])
     emb = tbe_jax.TableBatchedEmbedding(tables)
     idx, off, _ = testing.make_batch(rng, [3, 700], [6, 6], (100, 300))
     plan = emb.plan_for(len(off))
-    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum"))(
+    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", config=XLA_RUNS))(
         jnp.asarray(idx), jnp.asarray(off), None)
     nr, n_long, total = int(r.num_runs), int(r.counts[2]), int(r.counts[3])
     run_start, long = np.asarray(r.run_start), np.asarray(r.long)
     lengths = np.diff(run_start[: nr + 1])
-    want_long = np.flatnonzero(lengths >= runs_lib.LONG)
-    assert n_long == len(want_long) > 0 and np.any(lengths[want_long] > runs_lib.LONG)
+    lg = CFG.long_run
+    want_long = np.flatnonzero(lengths >= lg)
+    assert n_long == len(want_long) > 0 and np.any(lengths[want_long] > lg)
     np.testing.assert_array_equal(long[:n_long], want_long)
     want_run, want_first = [], []
     for li, run in enumerate(want_long):
-        for c in range(-(-lengths[run] // runs_lib.LONG)):
+        for c in range(-(-lengths[run] // lg)):
             want_run.append(li)
-            want_first.append(run_start[run] + c * runs_lib.LONG)
+            want_first.append(run_start[run] + c * lg)
     assert total == len(want_run)
     np.testing.assert_array_equal(np.asarray(r.long_chunk0)[: n_long + 1],
-                                  np.concatenate([[0], np.cumsum(-(-lengths[want_long] // runs_lib.LONG))]))
+                                  np.concatenate([[0], np.cumsum(-(-lengths[want_long] // lg))]))
     n = len(idx)
     # The XLA ops (runs.chunk_tasks: backward.task_ranges without the run-length pass's edges) ...
-    chunk_run, chunk_first = jax.jit(functools.partial(runs_lib.chunk_tasks, n=n))(r.run_start, r.long,
-                                                                                   r.long_chunk0)
+    chunk_run, chunk_first = jax.jit(functools.partial(runs_lib.chunk_tasks, n=n, long_run=lg))(
+        r.run_start, r.long, r.long_chunk0)
     np.testing.assert_array_equal(np.asarray(chunk_run)[:total], want_run)
     np.testing.assert_array_equal(np.asarray(chunk_first)[:total], want_first)
     # ... and the chunk kernel's binary search (backward.chunk_task), run over every task.
@@ -388,7 +393,7 @@ def test_chunk_tasks(rng):
 
     def kernel(chunk0_ref, long_ref, start_ref, run_ref, first_ref):
         def one(t, c):
-            li, first = bwd.chunk_task(chunk0_ref, long_ref, start_ref, t, chunk0_ref.shape[0])
+            li, first = bwd.chunk_task(chunk0_ref, long_ref, start_ref, t, chunk0_ref.shape[0], lg)
             plgpu.store(run_ref.at[t], li)
             plgpu.store(first_ref.at[t], first)
             return c
@@ -412,14 +417,14 @@ def test_task_ranges_from_rle_edges(rng):
     tables = specs([2, 3, 2, 40, 3, 2, 5, 9], dims)
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=[0, 1, 2, 3, 4, 5, 6], pad_rows=False,
                                         **KERNEL_KW)
-    assert len(bwd.run_segments(emb.layout)) == 7
+    assert len(bwd.run_segments(emb.layout, CFG)) == 7
     idx, off, _ = testing.make_batch(rng, [2, 3, 2, 40, 3, 2, 5], [4] * 7, (100, 300))
     plan = emb.plan_for(len(off))
     r = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(jnp.asarray(idx), jnp.asarray(off))
     assert r.seg_edges is not None and r.seg_edges.shape == (6, 3) and int(r.counts[2]) > 0
     n = len(idx)
-    got = np.asarray(bwd.task_ranges(r, emb.layout, n))
-    want = np.asarray(bwd.task_ranges(r._replace(seg_edges=None), emb.layout, n))
+    got = np.asarray(bwd.task_ranges(r, emb.layout, n, CFG))
+    want = np.asarray(bwd.task_ranges(r._replace(seg_edges=None), emb.layout, n, CFG))
     np.testing.assert_array_equal(got, want)
     assert got[:, 1].max() == int(r.num_runs) and (got[:, 4:6] > got[:, 4:6].min()).any()
 
@@ -433,13 +438,13 @@ def _sorted_keys(rng, lengths, n_invalid, total):
 @pytest.mark.parametrize("case", ["boundaries", "one_row", "all_invalid", "block_multiple", "random"])
 def test_rle_kernel_matches_xla_ops(rng, case):
     """kernels.rle.encode against the XLA ops of build_runs and a NumPy model: runs of
-    length 1, SMALL, SMALL + 1, LONG - 1, LONG, LONG + 1, runs across the kernel's
+    length 1, S, S + 1, L - 1, L, L + 1 (`small_run_max`, `long_run`), runs across the kernel's
     block boundary, a single row hit by every lookup, no valid lookup, N a multiple of
     the block (run_start[N] written by the extra program)."""
     from tbe_jax.kernels import rle
 
     total = 5000
-    s, lg = runs_lib.SMALL, runs_lib.LONG
+    s, lg, block = CFG.small_run_max, CFG.long_run, CFG.rle_block
     if case == "boundaries":
         skey = _sorted_keys(rng, [1, s, s + 1, lg - 1, lg, lg + 1, 1, 700, 2, 1, s + 1], 37, total)
     elif case == "one_row":
@@ -448,8 +453,8 @@ def test_rle_kernel_matches_xla_ops(rng, case):
         skey = np.full(300, total, np.int32)
     elif case == "block_multiple":
         lengths = rng.integers(1, 20, size=400)
-        skey = _sorted_keys(rng, lengths, 0, total)[: 2 * rle.BLOCK]
-        skey = np.concatenate([skey, np.full(2 * rle.BLOCK - len(skey), total, np.int32)])
+        skey = _sorted_keys(rng, lengths, 0, total)[: 2 * block]
+        skey = np.concatenate([skey, np.full(2 * block - len(skey), total, np.int32)])
     else:
         lengths = rng.geometric(0.05, size=150)
         skey = _sorted_keys(rng, lengths, int(rng.integers(0, 50)), total)
@@ -464,7 +469,7 @@ def test_rle_kernel_matches_xla_ops(rng, case):
     want_start[: len(starts)] = starts
     want_key = np.full(n, total)
     want_key[: len(starts)] = skey[starts]
-    # The mid (SMALL < length < LONG) and long (>= LONG) lists straight from the write pass; with `bounds`, the runs
+    # The mid (S < length < L) and long (>= L) lists straight from the write pass; with `bounds`, the runs
     # of each kind below each bound: bounds below every key, at a run's key, inside the gap between two runs, at the
     # run crossing the block boundary, past the last valid key, and `total`.
     n_long_max = n // lg + 1
@@ -472,12 +477,12 @@ def test_rle_kernel_matches_xla_ops(rng, case):
     cands = [1, total, int(rng.integers(1, total))]
     if len(keys):
         cands += [int(keys[0]), int(keys[-1]) + 1, int(keys[len(keys) // 2]), int(keys[len(keys) // 2]) + 1]
-        cross = skey[min(rle.BLOCK, n - 1)]
+        cross = skey[min(block, n - 1)]
         cands += [int(cross)] if cross < total else []
     bounds = tuple(sorted({b for b in cands if 0 < b <= total}))
     run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, edges = jax.jit(functools.partial(
         rle.encode, total=total, small=s, n_big_max=n_big_max, long=lg, n_long_max=n_long_max, bounds=bounds,
-        interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
+        block=block, scan_chunk=CFG.scan_chunk, interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
     kinds = [np.ones(len(keys), bool), (lens > s) & (lens < lg), lens >= lg]
     want_edges = [[int(np.sum(kind & (keys < b))) for kind in kinds] for b in bounds]
     np.testing.assert_array_equal(np.asarray(edges).reshape(len(bounds), 3), want_edges)
@@ -500,8 +505,8 @@ def test_exclusive_scan(rng, rows, width):
     from tbe_jax.kernels import scan
 
     counts = rng.integers(0, 1000, size=(rows, width)).astype(np.int32)
-    base, tot = jax.jit(functools.partial(scan.exclusive_scan, width=width, interpret=KERNEL_KW["interpret"],
-                                          kernel=True))(
+    base, tot = jax.jit(functools.partial(scan.exclusive_scan, width=width, chunk=1024,
+                                          interpret=KERNEL_KW["interpret"], kernel=True))(
         jnp.asarray(counts.reshape(-1)))
     np.testing.assert_array_equal(np.asarray(base).reshape(rows, width), np.cumsum(counts, axis=0) - counts)
     assert [int(t[0]) for t in tot] == counts.sum(axis=0).tolist()
@@ -510,10 +515,8 @@ def test_exclusive_scan(rng, rows, width):
 @pytest.mark.parametrize("case", ["sum", "mean-weighted", "vbe", "sequence", "dropped"])
 def test_lookup_keys_kernel(rng, case):
     """kernels.keys (each lookup's bag by a binary search in offsets) against the XLA ops of runs.lookup_keys
-    (the offsets' histogram and prefix sum): keys, output offsets and scales equal, over two programs (N > BLOCK)
+    (the offsets' histogram and prefix sum): keys, output offsets and scales equal, over two programs (N > block)
     with a partial last one, ids out of range, empty bags, positions before the first bag and past the last."""
-    from tbe_jax.kernels import keys as keys_mod
-
     rows = [7, 700, 3, 50]
     dims = [8] * 4 if case == "sequence" else [4, 8, 4, 16]
     emb = tbe_jax.TableBatchedEmbedding(specs(rows, dims), pooling="none" if case == "sequence" else "sum")
@@ -528,7 +531,7 @@ def test_lookup_keys_kernel(rng, case):
     if case == "dropped":
         plan = runs_lib.without_features(plan, [1])
     if case != "sequence":
-        assert len(idx) > keys_mod.BLOCK
+        assert len(idx) > CFG.keys_block
     kw = dict(pooling="mean" if case == "mean-weighted" else "sum", sequence=case == "sequence")
     args = (jnp.asarray(idx), jnp.asarray(off), None if w is None else jnp.asarray(np.concatenate([w, w[:37]])))
     want = jax.jit(lambda *a: runs_lib.lookup_keys(emb.layout, plan, *a, **kw))(*args)
@@ -548,9 +551,10 @@ def test_runs_rle_kernel_equals_xla_path(rng):
     plan = emb.plan_for(len(off))
     args = (jnp.asarray(idx), jnp.asarray(off), None)
     # Jitted: one compile each instead of one per jnp op (build_runs is jittable by design).
-    a = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", rle_kernel=True,
+    a = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum",
+                                  config=tbe_jax.BackwardConfig(rank_sort_max=0, narrow_sort_keys=False),
                                   interpret=KERNEL_KW["interpret"]))(*args)
-    b = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", rle_kernel=False))(*args)
+    b = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", config=XLA_RUNS))(*args)
     for name, x, y in zip(runs_lib.Runs._fields, a, b):
         if x is None or y is None:
             assert x is None and y is None, name
@@ -589,8 +593,10 @@ def test_runs_rank_sort_equals_xla_sort(rng, weighted):
     interp = KERNEL_KW["interpret"]
 
     def build(limit, chunk=2048):
+        cfg = tbe_jax.BackwardConfig(rank_sort_max=limit, rank_sort_interpret=True, rank_sort_chunk=chunk,
+                                     narrow_sort_keys=False)
         fn = functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="mean" if weighted else "sum",
-                               rle_kernel=True, interpret=interp, rank_sort_max=limit, rank_sort_chunk=chunk)
+                               config=cfg, interpret=interp)
         return jax.jit(fn)(*args), str(jax.make_jaxpr(fn)(*args))
 
     (want, want_jaxpr), (got, got_jaxpr), (past, past_jaxpr) = build(0), build(n), build(n - 1)
@@ -623,8 +629,8 @@ def test_narrow_sort_keys_equal_int32_keys(rng, rows, dtype, weighted):
 
     def build(narrow):
         fn = functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="mean" if weighted else "sum",
-                               rle_kernel=True, interpret=KERNEL_KW["interpret"], rank_sort_max=0,
-                               narrow_keys=narrow)
+                               interpret=KERNEL_KW["interpret"],
+                               config=tbe_jax.BackwardConfig(rank_sort_max=0, narrow_sort_keys=narrow))
         return jax.jit(fn)(*args), str(jax.make_jaxpr(fn)(*args))
 
     (want, _), (got, got_jaxpr) = build(False), build(True)
@@ -645,7 +651,8 @@ def test_rank_sorted_update_matches_model(rng, opt, pooling, weighted):
     tables = specs([17, 6, 40], [5, 16, 16])
     # ~380 lookups, chunks of 256: the merge pass too
     _check_step(rng, tables, [0, 1, 2, 1], [16] * 4, (0, 12), opt, pooling=pooling, weighted=weighted,
-                backward_config=tbe_jax.BackwardConfig(rank_sort_max=1 << 20, rank_sort_chunk=256))
+                backward_config=tbe_jax.BackwardConfig(rank_sort_max=1 << 20, rank_sort_interpret=True,
+                                                       rank_sort_chunk=256))
 
 
 def test_errors():
@@ -720,7 +727,7 @@ def _apply_step(emb, opt, params, state, idx, off, g):
 def test_run_lengths(rng, length):
     # One row hit exactly `length` times (every class boundary: small <= 8 < mid < 256 <= long),
     # spread over bags and mixed with singleton runs of other rows; fp32 so the check is tight.
-    assert (runs_lib.SMALL, runs_lib.LONG) == (8, 256)  # the lengths above sit on these boundaries
+    assert (CFG.small_run_max, CFG.long_run) == (8, 256)  # the lengths above sit on these boundaries
     tables = specs([50, 40], [16, 8])
     emb = tbe_jax.TableBatchedEmbedding(tables, **KERNEL_KW)
     ref = tbe_jax.TableBatchedEmbedding(tables, impl="xla")
@@ -872,7 +879,8 @@ def _apply_step_w(emb, opt, params, state, idx, off, g, psw):
     return emb.apply_gradients(params, state, opt, idx, off, g, psw)
 
 
-@pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2), dict(rank_sort_max=1 << 20),
+@pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2),
+                                 dict(rank_sort_max=1 << 20, rank_sort_interpret=True),
                                  dict(rank_sort_max=0), dict(rank_sort_max=0, narrow_sort_keys=False)],
                          ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort", "xla_sort_int32_keys"])
 def test_backward_config_variants(rng, cfg):

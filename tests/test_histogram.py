@@ -129,7 +129,7 @@ def test_saved_counts_match_numpy(rng):
     for r, (f, b) in enumerate(rows):
         if b < 0:
             continue
-        ids = idx[off[b] : off[b + 1]][: histogram.HEAD]
+        ids = idx[off[b] : off[b + 1]][: histogram.HistogramConfig().head]
         np.testing.assert_array_equal(counts[r, :30], np.bincount(ids, minlength=30))
 
 
@@ -185,7 +185,7 @@ def test_saved_counts_all_one_row(rng, tile):
     counts = np.asarray(counts)
     for r, (f, b) in enumerate(histogram.histogram_programs(plan, [0], cfg.bags)):
         if b >= 0:
-            ids = idx[off[b] : off[b + 1]][: histogram.HEAD]
+            ids = idx[off[b] : off[b + 1]][: cfg.head]
             np.testing.assert_array_equal(counts[r], np.bincount(ids, minlength=64))
     model = testing.numpy_pooled(tables_f64(emb, params), [0], [len(lengths)], idx, off, None, "sum", False)
     assert_close(np.asarray(out).reshape(model.shape), model, tolerance("float32", 600))

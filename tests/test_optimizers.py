@@ -163,7 +163,7 @@ def test_width_class_of_several_buffers(rng, name):
 
 @pytest.mark.parametrize("name", ["adam", "partial-lamb"])
 def test_long_runs(rng, name):
-    # Rows hit hundreds of times (runs >= runs.LONG: chunk partials, then the long-run update).
+    # Rows hit hundreds of times (runs >= BackwardConfig.long_run: chunk partials, then the long-run update).
     tables = specs([3, 200], [8, 24])
     run_and_check(rng, tables, [0, 1], 3, (200, 300), OPTIMIZERS[name], steps=2, empty_bag=False)
 

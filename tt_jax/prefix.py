@@ -293,6 +293,8 @@ def build_flow(
     prefix_reuse: bool = True,
     fused: bool = False,
     interpret: bool = False,
+    plan_block: int | None = None,
+    plan_scan_chunk: int | None = None,
 ) -> FlowPlan:
     """Sort, unique, prefix groups, work items and the lookup -> distinct row map (FlowTT 3.3).
 
@@ -302,7 +304,8 @@ def build_flow(
     prefix groups); with `prefix_reuse` False every distinct row is its own item
     (the "unique only" ablation: the kernel recomputes each row's prefix). `fused`: the bookkeeping after the
     sort in three Pallas passes (`tt_jax.kernels.plan`, the same outputs) instead of ~15 XLA ops; `interpret`:
-    those passes in Pallas interpret mode.
+    those passes in Pallas interpret mode; `plan_block`, `plan_scan_chunk`: their block sizes
+    (`TTForwardConfig`'s fields; None: its defaults).
     """
     n = indices.shape[0]
     nf = len(feature_table_map)
@@ -345,10 +348,14 @@ def build_flow(
                 (jnp.where(valid, lt, _SENTINEL), jnp.where(valid, tkey, _SENTINEL), pos), num_keys=2)
     if fused:
         from tt_jax.kernels import plan as plan_kernels
+        from tt_jax.kernels.config import TTForwardConfig
 
+        default = TTForwardConfig()
         (inverse, row_suffix, row_start, sorted_row, item_meta, num_items, group_meta, num_rows,
-         num_groups) = plan_kernels.bookkeeping(layout, key1, key2, tab, perm, cap=cap, chunk=chunk,
-                                                prefix_reuse=prefix_reuse, interpret=interpret)
+         num_groups) = plan_kernels.bookkeeping(
+            layout, key1, key2, tab, perm, cap=cap, chunk=chunk, prefix_reuse=prefix_reuse, interpret=interpret,
+            block=default.plan_block if plan_block is None else plan_block,
+            scan_chunk=default.plan_scan_chunk if plan_scan_chunk is None else plan_scan_chunk)
         return FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows, num_groups, inverse, perm, sorted_row,
                         row_start, group_meta)
     valid_s = key1 != _SENTINEL

@@ -3,7 +3,7 @@
 Input: the runs of `tbe_jax.runs.build_runs` (one run per distinct table row in
 the batch, its lookups contiguous in key order) and the output gradient. The
 small-run kernel is launched once per segment of a width class `next_pow2(D)` (at
-most SEGMENT_BUFFERS storage buffers of one row alignment, `runs.row_parity`;
+most `BackwardConfig.segment_buffers` storage buffers of one row alignment, `runs.row_parity`;
 `runs.width_classes` orders the key space class by class and parity by parity, so
 each segment's keys, runs and tasks are contiguous; the narrow segments, of width
 `BackwardConfig.merge_width` or less, share one launch whose programs are split between them); the mid-run
@@ -12,16 +12,16 @@ segment's code is compiled for its tile width: the gradient gather-and-sum is on
 code path masked to each run's dim, and only the row update branches per storage
 buffer (its weights' row stride a compile-time constant). Per segment:
 
-- small runs (<= SMALL lookups; most runs, typically of length 1 or 2): a task
+- small runs (<= `BackwardConfig.small_run_max` lookups, S; most runs, typically of length 1 or 2): a task
   takes a block of runs and walks their lookups in lockstep, gathering a
   [block, D] tile of output-gradient rows per step, then updates the block's
   rows with plain stores. Blocking turns a chain of dependent loads per run
   into wide independent loads (the per-run version was latency-bound).
-- mid runs (SMALL < length < LONG): one task owns the run, gathers its lookups'
+- mid runs (S < length < `BackwardConfig.long_run`, L): one task owns the run, gathers its lookups'
   output-gradient rows `K` at a time, accumulates them in fp32 registers and
   applies the update with a plain store: it owns the row, nothing races.
-- long runs (>= LONG): a first kernel writes one fp32 partial sum per chunk of
-  LONG lookups to a workspace; a second kernel sums each long run's partials and
+- long runs (>= L): a first kernel writes one fp32 partial sum per chunk of
+  L lookups to a workspace; a second kernel sums each long run's partials and
   applies the update. A row hit a million times becomes thousands of parallel
   chunk tasks instead of one serial program.
 
@@ -45,20 +45,20 @@ import jax
 import jax.numpy as jnp
 
 from tbe_jax.pallas_compat import pallas_call, plgpu, row_align
-from tbe_jax.kernels.backward_config import RANK_SORT_MAX, BackwardConfig
+from tbe_jax.kernels.backward_config import BackwardConfig
 from tbe_jax.kernels.backward_long import chunk_task, long_kernel, mid_chunk_kernel
-from tbe_jax.kernels.backward_plan import (SEGMENT_BUFFERS, multi_block, RunSegment, run_segments, small_launches,
-                                           task_ranges, segment_bounds)
+from tbe_jax.kernels.backward_plan import (multi_block, RunSegment, run_segments, small_launches, task_ranges,
+                                           segment_bounds)
 from tbe_jax.kernels.backward_small import small_kernel
 from tbe_jax.kernels.row_update import row_update, state_refs, state_width
 from tbe_jax.optim import NUM_HYPER
-from tbe_jax.runs import LONG, Runs
+from tbe_jax.runs import Runs
 from tbe_jax.specs import StorageLayout
 
 __all__ = [
     "fused_update",
     # re-exported from their modules (the names this module held before the split)
-    "RANK_SORT_MAX", "SEGMENT_BUFFERS", "BackwardConfig", "row_update", "segment_bounds", "state_refs",
+    "BackwardConfig", "row_update", "segment_bounds", "state_refs",
     "state_width", "RunSegment", "chunk_task", "run_segments", "small_launches", "task_ranges",
 ]
 
@@ -81,11 +81,18 @@ def fused_update(
 
     `opt=None` is the true-gradient mode: `buffers` must be zeros, and each row in
     the batch receives its aggregated gradient (cast to the buffer's dtype).
+
+    `runs` must come from `runs.build_runs` with this `config` (its `small_run_max`, `long_run` and
+    `segment_buffers` shape them; list sizes that do not match raise a ValueError).
     """
     if hyper is None:
         hyper = jnp.zeros((NUM_HYPER,), jnp.float32)
     n = runs.src.shape[0]
-    ranges = task_ranges(runs, layout, n)
+    small, long_run = config.small_run_max, config.long_run
+    if runs.mid.shape[0] != n // (small + 1) + 1 or runs.long.shape[0] != n // long_run + 1:
+        raise ValueError(f"fused_update: runs with {runs.mid.shape[0]} mid and {runs.long.shape[0]} long slots were "
+                         f"not built with small_run_max={small}, long_run={long_run} (this config's)")
+    ranges = task_ranges(runs, layout, n, config)
     g_flat = g_out.reshape(-1)
     n_slots = opt.num_slots if opt is not None else 0
     new_w, new_s = dict(buffers), tuple(dict(x) for x in (slots or ())[:n_slots])
@@ -103,7 +110,7 @@ def fused_update(
     # run), so the runs carry no scales and the kernels skip those loads.
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
-    max_chunks = 2 * n // LONG + 1  # chunk task slots (`runs.chunk_tasks`)
+    max_chunks = 2 * n // long_run + 1  # chunk task slots (`runs.chunk_tasks`)
     # Every launch gets the full program count (scaling a class's programs by its share of the
     # tables measured slower: dims-20261130-164044).
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
@@ -114,12 +121,12 @@ def fused_update(
         jnp.dtype(new_w[key].dtype).itemsize == 4 for key in keys))
     rng = ranges.reshape(-1)
 
-    # Segments: at most one width class per power of two, split every SEGMENT_BUFFERS buffers. The
+    # Segments: at most one width class per power of two, split every `segment_buffers` buffers. The
     # mid-run and chunk tasks (one launch) and the long runs (one) branch per segment (their work is
     # often small: a launch per segment cost ~6 us even when it found nothing to do, on the H200).
     # The small-run kernel does most of the work and is one launch per segment: one launch for all
     # segments measured slower (dims-trace-20261201-0907-onelaunch vs -0914-segments).
-    segs = run_segments(layout)
+    segs = run_segments(layout, config)
     buffers = [g for seg in segs for g in seg.buffers]
     width = max(seg.width for seg in segs)
 
@@ -158,7 +165,7 @@ def fused_update(
         blocks, warps, programs = zip(*map(small_launch, group))
         widths = sorted({seg.width for seg in group})
         aliased(functools.partial(small_kernel, opt=opt, segs=group, blocks=blocks, programs=programs,
-                                  scaled=scaled, align=align),
+                                  scaled=scaled, align=align, small=small),
                 f"tbe_backward_small_runs_w{widths[0]}" + (f"-{widths[-1]}" if len(widths) > 1 else ""),
                 sum(programs), [rng, hyper, runs.run_start, runs.run_key] + common,
                 [g for seg in group for g in seg.buffers],
@@ -166,7 +173,7 @@ def fused_update(
     part_shape = jax.ShapeDtypeStruct((max_chunks, width), jnp.float32)
     p_mc = max(p_mid, p_long)
     part, = aliased(functools.partial(mid_chunk_kernel, opt=opt, segs=segs, k=k, programs=p_mc, scaled=scaled,
-                                      prefetch=prefetch, align=align),
+                                      prefetch=prefetch, align=align, long_run=long_run),
                     "tbe_backward_mid_runs_chunks", p_mc,
                     [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
                     extra=[part_shape])

@@ -1,4 +1,4 @@
-"""`BackwardConfig`: the knobs of the sorted-run backward kernels, and their defaults."""
+"""`BackwardConfig`: the knobs of the sorted-run backward kernels and of their preprocessing, and their defaults."""
 
 from __future__ import annotations
 
@@ -6,22 +6,26 @@ import dataclasses
 
 from tbe_jax.pallas_compat import sm_count
 
-# The counting-rank sort's default reach (`BackwardConfig.rank_sort_max`): where it stops beating XLA's sort of
-# (key, position) on the H200 (`benchmarks/results/ranksort-20261202*.json`).
-RANK_SORT_MAX = 24576
-# The SM count of the GPU the program-count defaults were tuned on (an H200).
+# The SM count of the GPU the program-count defaults (8192 and 4096, `BackwardConfig.programs`) were measured on, an
+# H200: not a knob and not this device's count (that comes from `sm_count()` when the defaults are resolved), but
+# the denominator that scales those defaults to the device.
 REFERENCE_SMS = 132
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and not v & (v - 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-    """Knobs of the sorted-run backward kernels (`tbe_jax.kernels.backward`).
+    """Knobs of the sorted-run backward kernels (`tbe_jax.kernels.backward`) and of the preprocessing that sorts
+    the lookups into runs (`tbe_jax.runs.build_runs`).
 
     Defaults are the H200 winners; the sweeps behind them are in benchmarks/NOTES.md ("Performance (H200,
     backward)", "Design notes moved from the kernel docstrings").
 
     Attributes:
-      small_block: runs (<= `runs.SMALL` lookups each) one small-run task updates together. None (default): 8
+      small_block: runs (<= `small_run_max` lookups each) one small-run task updates together. None (default): 8
         for SGD and row-wise state, 4 with element-wise state (Adagrad, Adam, LAMB and their partial row-wise
         forms); width classes holding several dims (SGD, row-wise state) take about 1024 gradient elements per
         task (16 runs at width 64, 8 at 128, 4 at 256). Set it to force one block size everywhere.
@@ -43,10 +47,17 @@ class BackwardConfig:
       rle_kernel: run-length encode the sorted keys with the Pallas passes of `kernels.rle` (default True)
         instead of ~15 XLA ops.
       rank_sort_max: batches of at most this many lookups are sorted by the counting-rank kernels
-        (`kernels.ranksort`) instead of XLA's sort. None (default): `RANK_SORT_MAX` with compiled kernels, 0
-        (XLA's sort) in interpret mode; 0: never.
+        (`kernels.ranksort`) instead of XLA's sort (default 24576; 0: never). In interpret mode only with
+        `rank_sort_interpret`.
+      rank_sort_interpret: whether interpret mode takes the counting-rank sort too (default False: XLA's sort
+        there, which gives the same runs without the interpreted kernels' CPU compile time).
       rank_sort_chunk: positions the counting-rank sort ranks by direct comparison (default 2048, a multiple
-        of 256); larger batches take its merge pass (binary searches in the other chunks).
+        of `rank_sort_block_j` and of `rank_sort_merge_block`); larger batches take its merge pass (binary
+        searches in the other chunks).
+      rank_sort_block_i, rank_sort_block_j: keys per program of the counting-rank sort's chunk pass (default 16),
+        and keys each of them compares against per step (default 256, a multiple of `rank_sort_block_i`); both
+        powers of 2.
+      rank_sort_merge_block: keys per program of the counting-rank sort's merge pass (default 256, a power of 2).
       merge_width: segments of this tile width or less (the narrow ones) share one small-run launch with the
         segment before them, each keeping its own programs (default 32; 0: one launch per segment).
       narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
@@ -54,8 +65,19 @@ class BackwardConfig:
       narrow_sort_keys: XLA's sort (batches past `rank_sort_max`) sorts the lookups' row keys as uint8 when all
         tables together have at most 255 rows, as uint16 up to 65535, else int32 (default True). Its radix sort
         makes one pass per key byte, so small tables pay one or two passes instead of four.
+      small_run_max: runs of at most this many lookups are small runs, updated in blocks by the small-run kernel
+        (default 8, >= 1); longer ones are mid runs (one task each) or long runs.
+      long_run: runs of at least this many lookups are long runs, split into chunks of this many lookups for the
+        two-pass chunk and long-run kernels (default 256, above `small_run_max`).
+      segment_buffers: most storage buffers per segment: a width class (of one row alignment) with more buffers
+        is split into segments, branches of the backward's launches (default 8, >= 1). The runs and the update
+        of one step must use the same value (both read it from this config).
+      keys_block: lookups per program of the pass that gives each lookup its sort key (`kernels.keys`; default
+        1024, a power of 2).
+      rle_block: sorted lookups per program of the run-length passes (`kernels.rle`; default 1024, a power of 2).
+      scan_chunk: rows per step of the single-program prefix sum over the run-length passes' block counts
+        (`kernels.scan`; default 1024, a power of 2).
     """
-
 
     small_block: int | None = None
     small_num_warps: int | None = None
@@ -66,11 +88,21 @@ class BackwardConfig:
     sort_in_forward: bool = False
     prefetch: bool | None = None
     rle_kernel: bool = True
-    rank_sort_max: int | None = None
+    rank_sort_max: int = 24576
+    rank_sort_interpret: bool = False
     rank_sort_chunk: int = 2048
+    rank_sort_block_i: int = 16
+    rank_sort_block_j: int = 256
+    rank_sort_merge_block: int = 256
     merge_width: int = 32
     narrow_block: int = 32
     narrow_sort_keys: bool = True
+    small_run_max: int = 8
+    long_run: int = 256
+    segment_buffers: int = 8
+    keys_block: int = 1024
+    rle_block: int = 1024
+    scan_chunk: int = 1024
 
     def resolved_programs(self, interpret: bool) -> tuple[int, int]:
         """(`programs`, `small_programs`), the None ones derived from the device (see the fields)."""
@@ -82,19 +114,33 @@ class BackwardConfig:
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
-        if self.rank_sort_max is not None:
-            return self.rank_sort_max
-        return 0 if interpret else RANK_SORT_MAX
+        return 0 if interpret and not self.rank_sort_interpret else self.rank_sort_max
 
     def __post_init__(self):
-        if self.rank_sort_max is not None and (not isinstance(self.rank_sort_max, int) or self.rank_sort_max < 0):
-            raise ValueError(f"BackwardConfig.rank_sort_max={self.rank_sort_max!r} must be None or an int >= 0")
-        if not isinstance(self.rank_sort_chunk, int) or self.rank_sort_chunk < 256 or self.rank_sort_chunk % 256:
-            raise ValueError(f"BackwardConfig.rank_sort_chunk={self.rank_sort_chunk!r} must be a multiple of 256")
-        for name in ("merge_width", "narrow_block"):
+        def bad(name, want):
+            raise ValueError(f"BackwardConfig.{name}={getattr(self, name)!r} must be {want}")
+
+        for name in ("rank_sort_max", "merge_width", "narrow_block"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"BackwardConfig.{name}={v!r} must be an int >= 0")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, "an int >= 0")
+        for name in ("rank_sort_block_i", "rank_sort_block_j", "rank_sort_merge_block", "keys_block", "rle_block",
+                     "scan_chunk"):
+            if not _pow2(getattr(self, name)):
+                bad(name, "a power of two")
+        if self.rank_sort_block_j % self.rank_sort_block_i:
+            bad("rank_sort_block_j", f"a multiple of rank_sort_block_i={self.rank_sort_block_i}")
+        chunk = self.rank_sort_chunk
+        if (not isinstance(chunk, int) or chunk < 1 or chunk % self.rank_sort_block_j
+                or chunk % self.rank_sort_merge_block):
+            bad("rank_sort_chunk", f"a multiple of rank_sort_block_j={self.rank_sort_block_j} and of "
+                f"rank_sort_merge_block={self.rank_sort_merge_block}")
+        for name in ("small_run_max", "segment_buffers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "an int >= 1")
+        if not isinstance(self.long_run, int) or isinstance(self.long_run, bool) or self.long_run <= self.small_run_max:
+            bad("long_run", f"an int above small_run_max={self.small_run_max}")
         for name in ("small_block", "lookups_per_step"):
             v = getattr(self, name)
             if v is None and name == "small_block":

@@ -1,7 +1,7 @@
 """Launch planning of the sorted-run backward: segments of storage buffers and their task ranges.
 
 A width class `next_pow2(D)` (`runs.width_classes`) is split by row alignment (`runs.row_parity`) and into
-segments of at most SEGMENT_BUFFERS buffers; each segment is one branch of each backward kernel
+segments of at most `BackwardConfig.segment_buffers` buffers; each segment is one branch of each backward kernel
 (`RunSegment`). `task_ranges` gives every segment its range of the run list and of the mid, chunk and long task
 lists; `small_launches` groups the segments into small-run launches (`BackwardConfig.merge_width`).
 """
@@ -16,18 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax.pallas_compat import pl
+from tbe_jax.kernels.backward_config import BackwardConfig
 from tbe_jax.runs import Runs, chunk_tasks, group_bases, row_parity, width_classes
 from tbe_jax.specs import StorageLayout
 
-# Buffers per segment: a width class with more buffers is split into segments (branches of the launches) of at
-# most this many. The measurements behind it, the several-buffer block rule (`multi_block`), `merge_width` and
-# `narrow_block`: benchmarks/NOTES.md, "Design notes moved from the kernel docstrings".
-SEGMENT_BUFFERS = 8
+# The measurements behind `BackwardConfig.segment_buffers`, the several-buffer block rule (`multi_block`),
+# `merge_width` and `narrow_block`: benchmarks/NOTES.md, "Design notes moved from the kernel docstrings".
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSegment:
-    """Storage buffers of one width class `next_pow2(D)` (at most SEGMENT_BUFFERS of them) that one
+    """Storage buffers of one width class `next_pow2(D)` (at most `BackwardConfig.segment_buffers`) that one
     branch of each backward kernel serves.
 
     The buffers' rows are one contiguous key range (`runs.width_classes` orders the key space
@@ -91,9 +90,9 @@ def multi_block(seg: RunSegment) -> int:
     return min(16, max(4, 1024 // seg.width))
 
 
-def run_segments(layout: StorageLayout) -> list[RunSegment]:
+def run_segments(layout: StorageLayout, config: BackwardConfig) -> list[RunSegment]:
     """The width classes (`runs.width_classes`, in key order), each split by `runs.row_parity` (buffers whose
-    rows are equally aligned), then into segments of at most SEGMENT_BUFFERS buffers.
+    rows are equally aligned), then into segments of at most `config.segment_buffers` buffers.
 
     One segment per parity: a segment mixing 16-byte-multiple rows with others (fp16 dims 4 mod 8) was slower
     than either kind alone (benchmarks/NOTES.md).
@@ -105,8 +104,9 @@ def run_segments(layout: StorageLayout) -> list[RunSegment]:
         for g in gs:  # width_classes keeps each parity's buffers contiguous
             by_parity.setdefault(row_parity(layout.strides[g]), []).append(g)
         for same in by_parity.values():
-            for i in range(0, len(same), SEGMENT_BUFFERS):
-                part = tuple(same[i:i + SEGMENT_BUFFERS])
+            step = config.segment_buffers
+            for i in range(0, len(same), step):
+                part = tuple(same[i:i + step])
                 segs.append(RunSegment(len(segs), w, part, tuple(layout.dims[g] for g in part),
                                      tuple(int(bases[g]) for g in part),
                                      tuple(int(bases[g]) + layout.group_rows[g] for g in part),
@@ -114,16 +114,16 @@ def run_segments(layout: StorageLayout) -> list[RunSegment]:
     return segs
 
 
-def segment_bounds(layout: StorageLayout) -> tuple[int, ...]:
+def segment_bounds(layout: StorageLayout, config: BackwardConfig) -> tuple[int, ...]:
     """The first keys of the segments after the first (`run_segments` order, ascending): where `task_ranges`
     splits the run and task lists (`runs.build_runs(segment_bounds=...)`)."""
-    return tuple(seg.bases[0] for seg in run_segments(layout)[1:])
+    return tuple(seg.bases[0] for seg in run_segments(layout, config)[1:])
 
 
-def task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
+def task_ranges(runs: Runs, layout: StorageLayout, n: int, config: BackwardConfig) -> jax.Array:
     """[num_segments, 8] int32: per segment (`run_segments` order) its [lo, hi) in the runs (small-run
-    kernel) and in the mid, chunk and long task lists."""
-    segs = run_segments(layout)
+    kernel) and in the mid, chunk and long task lists (`runs` built with `config`)."""
+    segs = run_segments(layout, config)
     n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     one = len(segs) == 1
     if one or (runs.seg_edges is not None and runs.seg_edges.shape[0] == len(segs) - 1):
@@ -144,7 +144,7 @@ def task_ranges(runs: Runs, layout: StorageLayout, n: int) -> jax.Array:
         return jnp.where(jnp.arange(lst.shape[0]) < count, key_of(lst), total)
 
     long_keys = keys(runs.long, n_long)
-    chunk_run = chunk_tasks(runs.run_start, runs.long, runs.long_chunk0, n)[0]
+    chunk_run = chunk_tasks(runs.run_start, runs.long, runs.long_chunk0, n, config.long_run)[0]
     chunk_keys = jnp.where(jnp.arange(chunk_run.shape[0]) < n_chunks, long_keys[chunk_run], total)
 
     def bounds(keys):  # searchsorted(keys, bases, "left") as one fused compare-and-count pass: no device

@@ -1,4 +1,5 @@
-"""The small-run kernel of the sorted-run backward (runs of at most `runs.SMALL` lookups; most runs).
+"""The small-run kernel of the sorted-run backward (runs of at most `BackwardConfig.small_run_max` lookups; most
+runs).
 
 A task takes a block of consecutive runs and walks their lookups in lockstep, gathering a `[block, D]` tile
 of output-gradient rows per step, then updates the block's rows with plain stores (each row is owned by
@@ -15,17 +16,17 @@ import jax.numpy as jnp
 from tbe_jax.pallas_compat import aligned, pl, plgpu
 from tbe_jax.kernels.backward_tasks import cols_below, task_range, strided_tasks
 from tbe_jax.kernels.row_update import segment_states, row_update
-from tbe_jax.runs import SMALL
 
 
 def small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, *refs,
-                  opt, segs, blocks, programs, scaled, align):
-    """The small-run kernel of one launch: segment `segs[c]` (blocks of `blocks[c]` runs) on `programs[c]`
+                  opt, segs, blocks, programs, scaled, align, small):
+    """The small-run kernel of one launch (runs of at most `small` lookups): segment `segs[c]` (blocks of
+    `blocks[c]` runs) on `programs[c]`
     programs of its own; with several segments (`BackwardConfig.merge_width`) the grid is split between them by program
     id, so each program runs one segment's code."""
     states = segment_states(refs, opt, segs)
     kw = dict(rng_ref=rng_ref, hyper_ref=hyper_ref, run_start_ref=run_start_ref, run_key_ref=run_key_ref,
-              src_ref=src_ref, scale_ref=scale_ref, g_ref=g_ref, opt=opt, scaled=scaled, align=align)
+              src_ref=src_ref, scale_ref=scale_ref, g_ref=g_ref, opt=opt, scaled=scaled, align=align, small=small)
     if len(segs) == 1:
         _small_segment(state=states[0], seg=segs[0], block=blocks[0], programs=programs[0], pid=None, **kw)
         return
@@ -37,8 +38,8 @@ def small_kernel(rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_
 
 
 def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref, state, opt, seg,
-                   block, programs, pid, scaled, align):
-    """Blocks of `block` consecutive runs of the segment `seg`; the small ones (<= SMALL lookups)
+                   block, programs, pid, scaled, align, small):
+    """Blocks of `block` consecutive runs of the segment `seg`; the small ones (<= `small` lookups)
     are gathered in lockstep and updated, one row each; the others are left to the mid/long kernels.
 
     A block's lanes may belong to several buffers of the segment: the gather serves them all
@@ -55,7 +56,7 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
         ok = r < hi
         first = plgpu.load(run_start_ref.at[r], mask=ok, other=0)
         length = plgpu.load(run_start_ref.at[r + 1], mask=ok, other=0) - first
-        ok = ok & (length <= SMALL)
+        ok = ok & (length <= small)
         length = jnp.where(ok, length, 0)
         key = plgpu.load(run_key_ref.at[r], mask=ok, other=0)
         if not seg.single:

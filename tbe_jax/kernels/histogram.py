@@ -3,8 +3,8 @@
 For a feature whose table is tiny (E <= 64) and whose bags are long, gathering
 rows one by one re-reads the same few rows hundreds of times. Instead a program
 takes `bags` bags (16 by default), counts how often each of the table's rows
-occurs among the first 256 ids of each bag (`counts[bags, E]`), and computes
-`counts @ table` with tensor-core dots; ids past the 256th go through the
+occurs among the first `head` ids of each bag (256 by default; `counts[bags, E]`),
+and computes `counts @ table` with tensor-core dots; ids past them go through the
 scalar gather path.
 
 Counting (`_count_packed`): a step loads a 2-D `[bags, C]` id tile (each bag's
@@ -17,7 +17,7 @@ unpacked and summed over C at the end, and `counts @ table` is one dot per byte.
 tensor cores, flat id gathers -- and aligned per-bag windows measured slower on
 the H200 and were removed; see benchmarks/NOTES.md, "Session 10".)
 
-Exactness: counts are integers <= 256, exact in fp16, and the table is fp16, so
+Exactness: counts are integers <= `head` <= 2048, exact in fp16, and the table is fp16, so
 every product is exact in the fp32 accumulator: the result equals the generic
 path's up to fp32 rounding of the sum order. (FBTriton's fp16 high/low split is
 only needed where an fp32 operand meets the tensor cores, as in the backward's
@@ -44,8 +44,9 @@ from tbe_jax.kernels import programs  # the program map and feature table are sh
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2
 
-BAGS = 16  # default bags per program
-HEAD = 256  # ids per bag counted into the histogram; the rest take the gather path
+# Ids per bag and round of the backward's counting (`histogram_backward`). Not a knob: it is the largest count exact
+# in bf16 (the counts' dtype in its `counts^T @ dout` dots), and a smaller round only adds rounds of dots.
+GRAD_ROUND = 256
 MAX_ROWS, MIN_DIM, MAX_DIM, MIN_BAG = 64, 64, 128, 64
 WORDS = 16  # int32 words per bag slot of the packed counters, each holding E_padded / 16 8-bit counters
 
@@ -64,9 +65,11 @@ class HistogramConfig:
 
     Forward attributes:
       bags: bags per program (the M of the counts dot; a power of 2 >= 16).
+      head: ids per bag counted into the histogram (default 256, at most 2048: counts exact in fp16); the bag's
+        ids past them take the scalar gather path. A packed 8-bit counter sees ceil(head / C) ids of its bag,
+        which must stay <= 255.
       ids_per_step: C, ids per bag per counting step: a step's tile is
-        `bags x C` ids. A power of 2 in [2, 256] (a packed 8-bit counter sees at
-        most 256 / C ids of its bag: C = 1 could reach 256), or 0 (default) for the
+        `bags x C` ids. A power of 2 <= `head` (C = 1 only with `head` <= 255, see `head`), or 0 (default) for the
         `[bags, C, 16]` packed tile at 2048 elements (`resolved_ids_per_step`:
         C = 8 for bags = 16; with one warp, C = 8 measured 0.070 ms on the H200
         `smalltable` against 0.091 for C = 16 at 2 warps and 0.115 for C = 32 at
@@ -74,7 +77,7 @@ class HistogramConfig:
       lookahead: steps of ids loaded ahead of the one being counted (0: none; each
         step's load then waits a full memory latency). Bytes in flight per
         program: `(lookahead + 1) * bags * C * 4`.
-      tail_unroll: ids per bag loaded together on the gather path (ids >= 256).
+      tail_unroll: ids per bag loaded together on the gather path (ids past `head`).
       num_warps, num_stages: launch knobs of the forward kernel (one warp: a program
         is a short latency-bound chain, and more resident programs hide more of it).
 
@@ -88,12 +91,14 @@ class HistogramConfig:
       grad_bags, grad_ids_per_step, grad_lookahead, grad_num_warps: its tile,
         id lookahead and warps. The one-hot of a step is `grad_bags * grad_ids_per_step`
         x E; 32 x 64 asks about 274 KB of shared memory on an H200 (limit 227 KB) and
-        fails to compile with RESOURCE_EXHAUSTED (the default 16 x 16 fits).
+        fails to compile with RESOURCE_EXHAUSTED (the default 16 x 16 fits). `grad_ids_per_step` is a power
+        of 2 <= 256 (`GRAD_ROUND`).
       update_partials, update_num_warps: partials summed per step by the
         reduction/update kernel (one program per table row), and its warps.
     """
 
-    bags: int = BAGS
+    bags: int = 16
+    head: int = 256
     ids_per_step: int = 0
     lookahead: int = 3
     tail_unroll: int = 4
@@ -101,7 +106,7 @@ class HistogramConfig:
     num_stages: int = 1
     grad_programs: int | None = None
     grad_programs_per_sm: int = 2
-    grad_bags: int = BAGS
+    grad_bags: int = 16
     grad_ids_per_step: int = 16
     grad_lookahead: int = 2
     grad_num_warps: int = 4
@@ -113,15 +118,20 @@ class HistogramConfig:
             v = getattr(self, name)
             if not _pow2(v) or v < 16:
                 raise ValueError(f"HistogramConfig.{name}={v!r} must be a power of 2 >= 16 (a dot's M)")
-        if self.ids_per_step == 1:
-            raise ValueError(f"HistogramConfig.ids_per_step=1: a packed 8-bit counter would reach {HEAD}; "
-                             "use C >= 2")
-        if not (self.ids_per_step == 0 or _pow2(self.ids_per_step) and self.ids_per_step <= HEAD):
+        head = self.head
+        if not isinstance(head, (int, np.integer)) or isinstance(head, bool) or not 1 <= head <= 2048:
+            raise ValueError(f"HistogramConfig.head={head!r} must be an int in [1, 2048] (counts exact in fp16)")
+        if not (self.ids_per_step == 0 or _pow2(self.ids_per_step) and self.ids_per_step <= head):
             raise ValueError(f"HistogramConfig.ids_per_step={self.ids_per_step!r} must be 0 (auto) or a power of 2 "
-                             f"in [2, {HEAD}]")
-        if not _pow2(self.grad_ids_per_step) or self.grad_ids_per_step > HEAD:
+                             f"<= head={head}")
+        c = self.resolved_ids_per_step()
+        if -(-head // c) > 255:
+            raise ValueError(f"HistogramConfig.ids_per_step={self.ids_per_step}: a packed 8-bit counter would reach "
+                             f"{-(-head // c)} (ceil(head / C) ids of its bag, head={head}, C={c}); raise C or "
+                             "lower head")
+        if not _pow2(self.grad_ids_per_step) or self.grad_ids_per_step > GRAD_ROUND:
             raise ValueError(f"HistogramConfig.grad_ids_per_step={self.grad_ids_per_step!r} must be a power of 2 "
-                             f"<= {HEAD}")
+                             f"<= {GRAD_ROUND}")
         for name in ("num_warps", "grad_num_warps", "update_partials", "update_num_warps"):
             if not _pow2(getattr(self, name)):
                 raise ValueError(f"HistogramConfig.{name}={getattr(self, name)!r} must be a power of 2")
@@ -253,7 +263,7 @@ def _count_packed(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, l
 
     def consume(state, ids):
         # Row id = 16 * byte + word: 8-bit counter `byte` of word `word`. A counter of slot
-        # (b, j) sees ids j, j + C, ... of its bag: <= HEAD / C <= 128, no carry.
+        # (b, j) sees ids j, j + C, ... of its bag: ceil(head / C) <= 255 (`HistogramConfig`), no carry.
         acc, bad = state
         ok = (ids >= 0) & (ids < rows)
         inc = jnp.where(ok, jnp.left_shift(jnp.int32(1), ((ids >> 4) & 3) << 3), 0)
@@ -270,7 +280,7 @@ def _count_packed(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, l
         acc, bad = jax.lax.fori_loop(0, n_steps, step, carry)[0]
     else:
         acc, bad = jax.lax.fori_loop(0, n_steps, lambda i, st: consume(st, load(i)), state)
-    # Unpack before summing over C: a bag's count may reach 256.
+    # Unpack before summing over C: a bag's count may reach `head` (256 by default).
     counts = [(WORDS * byte, jnp.sum((acc >> (8 * byte)) & 255, axis=1)) for byte in range(rows // WORDS)]
     return counts, jnp.sum(bad, dtype=jnp.int32)
 
@@ -299,8 +309,9 @@ def _hist_branch(
                 return jnp.zeros(ids.shape, jnp.int32)
             return ((ids != -1) & ((ids < 0) | (ids >= num_rows))).astype(jnp.int32)
 
-        # 1. Histogram of the first HEAD ids of each bag: counts[b, e] = #{j < HEAD : id_bj == e}.
-        chunks, bad = _count_packed(indices_ref, start, start + jnp.minimum(length, HEAD), n_bad, bags=bags,
+        # 1. Histogram of the first `head` ids of each bag: counts[b, e] = #{j < head : id_bj == e}.
+        head = cfg.head
+        chunks, bad = _count_packed(indices_ref, start, start + jnp.minimum(length, head), n_bad, bags=bags,
                                     c=cfg.resolved_ids_per_step(), rows=br.rows_padded, lookahead=cfg.lookahead)
 
         # 2. counts @ table on tensor cores (rows past the table's E are zero), one dot per chunk of rows.
@@ -316,14 +327,14 @@ def _hist_branch(
             part = jnp.dot(cnt.astype(jnp.float16), table, preferred_element_type=jnp.float32)
             acc = part if acc is None else acc + part
 
-        # 3. Ids past HEAD: the scalar gather path, unrolled.
+        # 3. Ids past `head`: the scalar gather path, unrolled.
         u_n = cfg.tail_unroll
-        n_tail = (jnp.max(length - HEAD) + u_n - 1) // u_n
+        n_tail = (jnp.max(length - head) + u_n - 1) // u_n
 
         def tail(it, carry):
             acc, bad = carry
             for u in range(u_n):
-                k = HEAD + it * u_n + u
+                k = head + it * u_n + u
                 live = k < length
                 idx = plgpu.load(indices_ref.at[start + k], mask=live, other=-1)
                 ok = idx >= 0
@@ -444,8 +455,10 @@ def histogram_forward(
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def histogram_programs(plan: FeaturePlan, features, bags: int = BAGS) -> np.ndarray:
-    """(feature, bag) of each row of the saved counts; bag -1 for padding rows."""
+def histogram_programs(plan: FeaturePlan, features, bags: int | None = None) -> np.ndarray:
+    """(feature, bag) of each row of the saved counts; bag -1 for padding rows. `bags`: the forward's
+    `HistogramConfig.bags` (None: the default config's)."""
+    bags = HistogramConfig().bags if bags is None else bags
     out = []
     pm = programs.build(plan.bag_base, plan.batch, [(feats, b) for _, feats, b in _groups(plan, features, bags)])
     for f, _, count, b0 in programs.rows(pm).tolist():

@@ -18,7 +18,7 @@ launches in all, whatever the number of tables and storage buffers, no sort:
    `rows_padded(E)` and dim), never one per table. Per tile it counts the bag's
    ids on tensor cores (`_count_ids`: `counts^T += one-hot^T @ S^T`, the fp16
    one-hot of a step's ids and S the bag-membership matrix, in rounds of 256
-   ids per bag so every count is <= 256; the forward counts with packed 8-bit
+   ids per bag (`histogram.GRAD_ROUND`) so every count is <= 256; the forward counts with packed 8-bit
    counters instead, `histogram._count_packed`), splits the
    tile's fp32 output gradient into three bf16 parts `hi + mid + lo` (exactly:
    3 x 8 significand bits cover fp32's 24; bf16 keeps fp32's exponent range) and
@@ -63,7 +63,7 @@ from tbe_jax.kernels.row_update import row_update, state_refs, state_width
 from tbe_jax.optim import NUM_HYPER
 from tbe_jax.kernels import programs
 from tbe_jax.kernels.programs import META_COLS, OUT_BASE, OUT_STRIDE, feature_table
-from tbe_jax.kernels.histogram import HEAD, HistogramConfig, rows_padded
+from tbe_jax.kernels.histogram import GRAD_ROUND, HistogramConfig, rows_padded
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
 
@@ -225,16 +225,16 @@ def _grad_branch(pid, lo, hi, flist_ref, prefix_ref, feat_ref, offsets_ref, indi
 
         def round_(r, carry):
             acc, occ = carry
-            k0 = r * HEAD
-            n_steps = (jnp.minimum(longest - k0, HEAD) + c - 1) // c
-            counts_t = _count_ids(indices_ref, p_start, pc, jnp.minimum(p_len, k0 + HEAD), k0, n_steps,
+            k0 = r * GRAD_ROUND
+            n_steps = (jnp.minimum(longest - k0, GRAD_ROUND) + c - 1) // c
+            counts_t = _count_ids(indices_ref, p_start, pc, jnp.minimum(p_len, k0 + GRAD_ROUND), k0, n_steps,
                                   membership_t, c=c, rows=rows, lookahead=lookahead)
-            ct = counts_t.astype(jnp.bfloat16)  # <= HEAD = 256: exact
+            ct = counts_t.astype(jnp.bfloat16)  # <= GRAD_ROUND = 256: exact
             for part in parts:
                 acc = acc + jnp.dot(ct, part, preferred_element_type=jnp.float32)
             return acc, occ + jnp.sum(counts_t, axis=1).astype(jnp.int32)
 
-        return jax.lax.fori_loop(0, (longest + HEAD - 1) // HEAD, round_, (acc, occ))
+        return jax.lax.fori_loop(0, (longest + GRAD_ROUND - 1) // GRAD_ROUND, round_, (acc, occ))
 
     acc, occ = jax.lax.fori_loop(
         0, hi - lo, tile, (jnp.zeros((rows, block_dim), jnp.float32), jnp.zeros((rows,), jnp.int32)))

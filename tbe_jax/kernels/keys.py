@@ -1,15 +1,15 @@
 """Per-lookup sort keys and output offsets of the sorted-run backward, in one Pallas pass over the lookups.
 
-`runs.lookup_keys` gives each lookup p its linear key (its row in the key space, or `total` when invalid),
-the flat offset of its bag's pooled output row, and its scale. In XLA ops (a histogram of the offsets, its prefix
-sum for each lookup's bag, the keys and offsets) that took ~0.045 ms in seven kernels for the 2.6M lookups of the
-`base` preset on the H200 (`benchmarks/results/keys18-backward-20261201-2303`). Here each program takes `BLOCK`
-consecutive positions, finds their bags by binary search in `offsets`, then their features (a division for one
-batch size, else a search in the features' first bags), and writes the key, the offset and the scale. The search
-has two levels: a two-lane search over all offsets for the block's first and last positions, then each lane's
-search between those two counts (a few steps: a block spans few bags). One level, every lane searching all offsets
-(~18 dependent steps on the whole block's registers), took 0.044 ms; two levels take 0.026 ms, and the backward
-step went 0.743 -> 0.725 ms on `base`, 0.547 -> 0.530 on `zipf` (`keys18b-backward-20261201-2321`).
+`runs.lookup_keys` gives each lookup p its linear key (its row in the key space, or `total` when invalid), the flat
+offset of its bag's pooled output row, and its scale. In XLA ops (a histogram of the offsets, its prefix sum for
+each lookup's bag, the keys and offsets) that took ~0.045 ms in seven kernels for the 2.6M lookups of the `base`
+preset on the H200 (`benchmarks/results/keys18-backward-20261201-2303`). Here each program takes `block` consecutive
+positions (`BackwardConfig.keys_block`), finds their bags by binary search in `offsets`, then their features (a
+division for one batch size, else a search in the features' first bags), and writes the key, the offset and the
+scale. The search has two levels: a two-lane search over all offsets for the block's first and last positions, then
+each lane's search between those two counts (a few steps: a block spans few bags). One level, every lane searching
+all offsets (~18 dependent steps on the whole block's registers), took 0.044 ms; two levels take 0.026 ms, and the
+backward step went 0.743 -> 0.725 ms on `base`, 0.547 -> 0.530 on `zipf` (`keys18b-backward-20261201-2321`).
 
 The bags follow the histogram form's definition (`preprocess.position_features`: `searchsorted(offsets, p,
 "right") - 1`, clipped to the bags); the two agree on every partition of the positions, that is on non-decreasing
@@ -26,8 +26,6 @@ import numpy as np
 
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.programs import const
-
-BLOCK = 1024
 
 
 def _count_le(ref, x, lo, hi, steps):
@@ -50,17 +48,17 @@ def _bit_length(x):
 
 
 def _keys_kernel(idx_ref, off_ref, feat_ref, first_bag_ref, *refs, n, num_bags, num_features, batch, total,
-                 sequence_stride, mean, weighted):
+                 sequence_stride, mean, weighted, block):
     # feat_ref: [5, F] int32 rows: key of row 0, rows, output base, output stride, first bag
     w_ref = refs[0] if weighted else None
     key_ref, src_ref, *scale_ref = refs[1:] if weighted else refs
-    p = pl.program_id(0) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+    p = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
     live = p < n
     idx = plgpu.load(idx_ref.at[p], mask=live, other=-1)
     # Each position's count of offsets <= p, in two levels: the counts of the block's first and last positions
     # (a two-lane search over all offsets), then every lane's search between them (a few steps: the block spans
     # few bags), so the long dependent chain runs on two lanes and not on the whole block's registers.
-    ends = jnp.minimum(pl.program_id(0) * BLOCK + jnp.arange(2, dtype=jnp.int32) * (BLOCK - 1), n - 1)
+    ends = jnp.minimum(pl.program_id(0) * block + jnp.arange(2, dtype=jnp.int32) * (block - 1), n - 1)
     zeros, size = jnp.zeros((2,), jnp.int32), jnp.full((2,), num_bags + 1, jnp.int32)
     c = _count_le(off_ref, ends, zeros, size, int(num_bags + 1).bit_length())
     c_lo, c_hi = jnp.min(c), jnp.max(c)  # the block's first and last positions' counts
@@ -99,13 +97,14 @@ def _keys_kernel(idx_ref, off_ref, feat_ref, first_bag_ref, *refs, n, num_bags, 
 
 def lookup_keys(feature_table: np.ndarray, first_bags: np.ndarray, indices, offsets, per_sample_weights, *,
                 batch: int, total: int, sequence_stride: int, mean: bool, want_scale: bool, interpret: bool,
-                key_dtype=jnp.int32):
+                block: int, key_dtype=jnp.int32):
     """(key, src, scale or None) per lookup, as `runs.lookup_keys` defines them.
 
     `feature_table`: [5, F] int32 per feature: key of its table's row 0, its rows (0: no valid lookup), its
     output base, its output stride, its first bag; `first_bags`: [F] its first bags (ascending), read when
     `batch` is 0 (several batch sizes); `sequence_stride`: for sequence lookups (`pooling="none"`) the output
-    row of position p is `p * sequence_stride`. `key_dtype`: the keys' dtype (an unsigned one holds `total`)."""
+    row of position p is `p * sequence_stride`. `block`: positions per program (a power of 2). `key_dtype`: the
+    keys' dtype (an unsigned one holds `total`)."""
     n = indices.shape[0]
     num_bags = offsets.shape[0] - 1
     num_features = feature_table.shape[1]
@@ -116,8 +115,8 @@ def lookup_keys(feature_table: np.ndarray, first_bags: np.ndarray, indices, offs
         args.append(per_sample_weights.astype(jnp.float32))
     res = pallas_call(
         functools.partial(_keys_kernel, n=n, num_bags=num_bags, num_features=num_features, batch=batch, total=total,
-                          sequence_stride=sequence_stride, mean=mean, weighted=weighted),
-        out_shape=outs, grid=(pl.cdiv(n, BLOCK),),
+                          sequence_stride=sequence_stride, mean=mean, weighted=weighted, block=block),
+        out_shape=outs, grid=(pl.cdiv(n, block),),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="tbe_lookup_keys",
     )(*args)

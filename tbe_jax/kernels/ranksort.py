@@ -32,10 +32,6 @@ import jax.numpy as jnp
 
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 
-BLOCK_I = 16
-BLOCK_J = 256
-CHUNK = 2048
-MERGE_BLOCK = 256
 _FAR = 2**31 - 1  # the key of positions past the end: above every key, counted by neither test
 
 
@@ -111,13 +107,14 @@ def _merge_kernel(ckey_ref, cpos_ref, *refs, n, n_payload, chunk, block):
         plgpu.store(dst.at[rank], plgpu.load(src.at[pos], mask=ok), mask=ok)
 
 
-def rank_sort(keys: jax.Array, *payloads: jax.Array, interpret: bool = False, block_i: int = BLOCK_I,
-              block_j: int = BLOCK_J, chunk: int = CHUNK, merge_block: int = MERGE_BLOCK):
+def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int, chunk: int, merge_block: int,
+              interpret: bool = False):
     """`(sorted keys, *payloads in that order)`: `jax.lax.sort((keys, *payloads), num_keys=1, is_stable=True)`.
 
     `keys`: `[N]` int32 below 2**31 - 1; each payload `[N]` (any 32-bit dtype). `chunk` (a multiple of `block_j`
     and of `merge_block`, itself a multiple of `block_i`): positions ranked by direct comparison; larger inputs
-    take the merge pass."""
+    take the merge pass. The four sizes: `BackwardConfig.rank_sort_*` (`block_i`, `block_j` and `merge_block`
+    powers of 2)."""
     n = keys.shape[0]
     if keys.dtype != jnp.int32:
         raise TypeError(f"rank_sort: keys must be int32, got {keys.dtype}")

@@ -7,12 +7,12 @@ prefix sums, two scatters, concatenations, gathers), each a pass over N lookups
 and a launch; on the H200 they took ~0.2 ms of a 0.7 ms backward
 (`benchmarks/results/trace-backward-*`). Here:
 
-1. `_count_kernel`: per block of `BLOCK` sorted lookups, count run starts
+1. `_count_kernel`: per block of `block` sorted lookups (`BackwardConfig.rle_block`), count run starts
    (key differs from the previous one and is valid), starts of runs longer
-   than `SMALL` (the key `SMALL` places further is the same), split
-   into mid runs (shorter than `LONG`) and long runs (the key `LONG - 1` places
-   further is the same), and valid lookups.
-2. An exclusive prefix sum over the block counts (N / BLOCK values; `scan.exclusive_scan`, one program).
+   than `small` (the key `small` places further is the same), split
+   into mid runs (shorter than `long`) and long runs (the key `long - 1` places
+   further is the same), and valid lookups (`BackwardConfig.small_run_max`, `long_run`).
+2. An exclusive prefix sum over the block counts (N / block values; `scan.exclusive_scan`, one program).
 3. `_write_kernel`: per block, the in-block exclusive prefix sums give each start
    its run slot and each listed start its slot in its list; scatter the
    run's first lookup, its key, and the run index. Slots past the counts get
@@ -37,13 +37,11 @@ import jax.numpy as jnp
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.scan import exclusive_scan
 
-BLOCK = 1024
 
-
-def _flags(skey_ref, pid, *, n, total, small, long):
+def _flags(skey_ref, pid, *, n, total, small, long, block):
     """Per sorted lookup of the block: (position, key, valid, run start, per list whether it starts a run of it).
     Lists: the runs longer than `small` and shorter than `long`, and those of `long` or more."""
-    j = pid * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+    j = pid * block + jnp.arange(block, dtype=jnp.int32)
     live = j < n
     k = plgpu.load(skey_ref.at[j], mask=live, other=total)
     prev = plgpu.load(skey_ref.at[j - 1], mask=live & (j > 0), other=-1)
@@ -57,9 +55,9 @@ def _flags(skey_ref, pid, *, n, total, small, long):
     return j, k, valid.astype(i32), start.astype(i32), tuple(x.astype(i32) for x in lists)
 
 
-def _count_kernel(skey_ref, counts_ref, *, n, total, small, long):
+def _count_kernel(skey_ref, counts_ref, *, n, total, small, long, block):
     pid = pl.program_id(0)
-    _, _, valid, start, lists = _flags(skey_ref, pid, n=n, total=total, small=small, long=long)
+    _, _, valid, start, lists = _flags(skey_ref, pid, n=n, total=total, small=small, long=long, block=block)
     sums = [jnp.sum(x) for x in (start, *lists, valid)]  # the scan's columns
     lane = jnp.arange(4, dtype=jnp.int32)
     c = sums[-1]
@@ -68,7 +66,7 @@ def _count_kernel(skey_ref, counts_ref, *, n, total, small, long):
     plgpu.store(counts_ref.at[pid * len(sums) + lane], c, mask=lane < len(sums))
 
 
-def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, sizes, bounds):
+def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, block, sizes, bounds):
     # refs: the totals (runs, per list its count, valid), then the outputs: run_start, run_key, one per list, and
     # with `bounds` the edges
     n_lists = len(sizes)
@@ -76,7 +74,7 @@ def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, sizes, bound
     edges_ref = list_refs.pop() if bounds else None
     width = n_lists + 2
     pid = pl.program_id(0)
-    j, k, _, start, lists = _flags(skey_ref, pid, n=n, total=total, small=small, long=long)
+    j, k, _, start, lists = _flags(skey_ref, pid, n=n, total=total, small=small, long=long, block=block)
     zero = jnp.int32(0)
     num_runs, *counts, n_valid = (plgpu.load(r.at[zero]) for r in tot_refs)
     slot = plgpu.load(base_ref.at[pid * width]) + jnp.cumsum(start) - start
@@ -93,17 +91,17 @@ def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, sizes, bound
         plgpu.store(ref.at[lslot], slot, mask=flag > 0)
         plgpu.store(ref.at[j], jnp.full_like(j, n), mask=(j >= count) & (j < size))
     if bounds:
-        _write_edges(skey_ref, edges_ref, pid, j, k, (slot, *lslots), n=n, total=total, bounds=bounds)
+        _write_edges(skey_ref, edges_ref, pid, j, k, (slot, *lslots), n=n, total=total, bounds=bounds, block=block)
 
 
-def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds):
+def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds, block):
     """Per bound b held by this block: the exclusive run and list slots (`slots`, per lookup) at the first lookup
     whose key is b or more (position n, past the keys, if none; it reads as key `total`), into
     `edges_ref[b * len(slots) + c]`. Keys ascend, so that position is unique: each edge is written once."""
-    j0 = pid * BLOCK
+    j0 = pid * block
     first_prev = plgpu.load(skey_ref.at[jnp.maximum(j0 - 1, 0)])
     first_prev = jnp.where(j0 > 0, first_prev, -1)
-    last = j0 + BLOCK - 1
+    last = j0 + block - 1
     last_key = jnp.where(last < n, plgpu.load(skey_ref.at[jnp.minimum(last, n - 1)]), total)
     prev = plgpu.load(skey_ref.at[j - 1], mask=(j > 0) & (j <= n), other=-1)
     width = len(slots)
@@ -117,14 +115,15 @@ def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds):
 
 
 def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int, n_long_max: int,
-           bounds: tuple[int, ...] = (), interpret: bool = False):
+           block: int, scan_chunk: int, bounds: tuple[int, ...] = (), interpret: bool = False):
     """Runs of the sorted keys `skey` ([N] int32, invalid keys == `total`, sorted last).
 
     Returns (run_start [N + 1], run_key [N], num_runs, n_valid, mid [n_big_max], n_mid, long [n_long_max], n_long):
     run r spans sorted lookups [run_start[r], run_start[r + 1]); run_start past
     the last run is n_valid, run_key is `total`; `mid` lists, in key order, the runs longer than `small` lookups
     and shorter than `long`, `long` those of `long` lookups or more, each padded with N. Matches the XLA ops of
-    `runs.build_runs` exactly (tested).
+    `runs.build_runs` exactly (tested). `block`: sorted lookups per program, `scan_chunk`: rows per step of the
+    block counts' prefix sum (`scan.exclusive_scan`); both powers of 2.
 
     `bounds` (static keys in (0, total], ascending): one more result, `edges`
     `[len(bounds) * 3]`: per bound, the numbers of runs, mid runs and long runs whose keys are below it.
@@ -133,9 +132,9 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     sizes = (n_big_max, n_long_max)
     if max(sizes) > n:
         raise ValueError(f"list sizes {sizes} must be <= N={n}")
-    grid = n // BLOCK + 1  # the last block also covers run_start[N]
+    grid = n // block + 1  # the last block also covers run_start[N]
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    kw = dict(n=n, total=total, small=small, long=long)
+    kw = dict(n=n, total=total, small=small, long=long, block=block)
     width = len(sizes) + 2
     bounds = tuple(int(b) for b in bounds)
     if bounds and (list(bounds) != sorted(bounds) or bounds[0] <= 0 or bounds[-1] > total):
@@ -146,7 +145,7 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
         compiler_params=params, interpret=interpret, name="tbe_runs_count",
     )(skey)
     # Each block's first run and list slots (and the totals): one single-program scan, not XLA's cumsum and sums.
-    base, tot = exclusive_scan(counts, width, interpret=interpret)
+    base, tot = exclusive_scan(counts, width, chunk=scan_chunk, interpret=interpret)
     outs = pallas_call(
         functools.partial(_write_kernel, sizes=sizes, bounds=bounds, **kw),
         out_shape=[jax.ShapeDtypeStruct((n + 1,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]

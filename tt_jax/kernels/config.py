@@ -66,6 +66,10 @@ class TTForwardConfig:
       prefix_c_max_bytes: budget for the per-item prefix products a forward for differentiation keeps for the
         backward (T = 3 with prefix reuse, `FlowPlan.prefix_c`), summed over table groups (default 256 MiB);
         past it a group's kernels compute them item by item. Lower it if those buffers crowd device memory.
+      plan_block: sorted lookups per program of the plan's bookkeeping passes (`tt_jax.kernels.plan`; default
+        1024, a power of 2).
+      plan_scan_chunk: rows per step of the single-program prefix sums over those passes' block counts
+        (`tbe_jax.kernels.scan`; default 1024, a power of 2).
     """
 
     schedule: str = "static"
@@ -81,6 +85,8 @@ class TTForwardConfig:
     pool_unroll: int = 4
     pool_warps: int = 1
     prefix_c_max_bytes: int = 256 << 20
+    plan_block: int = 1024
+    plan_scan_chunk: int = 1024
 
     def __post_init__(self):
         cls = type(self).__name__
@@ -90,8 +96,8 @@ class TTForwardConfig:
         if not isinstance(self.chunk, int) or self.chunk < 0:
             raise ValueError(f"{cls}.chunk must be an int >= 0, got {self.chunk!r}")
         _check_ints(cls, self, ("tile_rows", "programs_per_sm", "num_warps", "num_stages", "pool_bags",
-                                "pool_unroll", "pool_warps"),
-                    pow2=("tile_rows", "num_warps", "pool_bags", "pool_warps"))
+                                "pool_unroll", "pool_warps", "plan_block", "plan_scan_chunk"),
+                    pow2=("tile_rows", "num_warps", "pool_bags", "pool_warps", "plan_block", "plan_scan_chunk"))
         if self.num_programs is not None and (not isinstance(self.num_programs, int) or self.num_programs < 1):
             raise ValueError(f"{cls}.num_programs must be None or a positive int, got {self.num_programs!r}")
         if not isinstance(self.prefix_c_max_bytes, int) or self.prefix_c_max_bytes < 0:
@@ -194,6 +200,8 @@ class TTKernelConfig:
     bwd_num_warps: int = 2
     bwd_group_kernel: str = "tiles3"
     prefix_c_max_bytes: int = 256 << 20
+    plan_block: int = 1024
+    plan_scan_chunk: int = 1024
 
     def __post_init__(self):
         self.forward_config  # noqa: B018  (each part validates its fields)

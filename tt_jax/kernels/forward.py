@@ -78,7 +78,7 @@ def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, b
     return tuple(
         prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=feature_table_map,
                           batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse, fused=fused,
-                          interpret=interpret)
+                          interpret=interpret, plan_block=config.plan_block, plan_scan_chunk=config.plan_scan_chunk)
         for layout, feats in prefix.stack_tables(specs, feature_table_map)
     )
 

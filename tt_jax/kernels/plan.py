@@ -6,8 +6,8 @@ pass over the N lookups and a launch. Here, from the sort's keys alone (each pas
 row / a new group, and its prefix, last digit and table from its key and the previous lookup's: nothing per lookup
 is stored between passes):
 
-1. `_count_kernel`: per block of `BLOCK` sorted lookups, the new rows, new groups and valid lookups; then
-   `exclusive_scan` (one program) gives each block's first row and group and the totals.
+1. `_count_kernel`: per block of `block` sorted lookups (`TTForwardConfig.plan_block`), the new rows, new groups
+   and valid lookups; then `exclusive_scan` (one program) gives each block's first row and group and the totals.
 2. `_items_kernel`: per block, each lookup's row number and so the new work items (an item starts at each group
    and at each `chunk`-th row), counted per block; scanned the same way.
 3. `_write_kernel`: per block, the row, group and item numbers; scatters the lookup -> row map, the rows' last
@@ -31,13 +31,12 @@ from tbe_jax.kernels.scan import exclusive_scan
 from tbe_jax.specs import next_pow2
 from tt_jax.kernels.tiles import masked_store
 
-BLOCK = 1024
 _SENTINEL = 2**31 - 1  # `prefix._SENTINEL`: the sort key of lookups that produce no row
 _COUNTS = 3  # per block: new rows, new groups, valid lookups
 
 
-def _block(pid, n):
-    j = pid * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+def _block(pid, n, block):
+    j = pid * block + jnp.arange(block, dtype=jnp.int32)
     return j, j < n
 
 
@@ -124,10 +123,10 @@ def _flags(keys, consts_ref, j, live, *, consts: _Consts):
     return valid.astype(i32), new_row.astype(i32), new_grp.astype(i32), pre, suf, t
 
 
-def _count_kernel(*refs, n, consts):
+def _count_kernel(*refs, n, consts, block):
     *keys, consts_ref, counts_ref = refs
     pid = pl.program_id(0)
-    j, live = _block(pid, n)
+    j, live = _block(pid, n, block)
     valid, new_row, new_grp, *_ = _flags(keys, consts_ref, j, live, consts=consts)
     lane = jnp.arange(4, dtype=jnp.int32)
     rows, grps, valid = (jnp.sum(jnp.where(live, x, 0)) for x in (new_row, new_grp, valid))
@@ -145,10 +144,10 @@ def _item_flags(new_row, new_grp, uid, *, chunk, prefix_reuse):
     return new_grp
 
 
-def _items_kernel(*refs, n, chunk, prefix_reuse, consts):
+def _items_kernel(*refs, n, chunk, prefix_reuse, consts, block):
     *keys, consts_ref, base_ref, counts_ref = refs
     pid = pl.program_id(0)
-    j, live = _block(pid, n)
+    j, live = _block(pid, n, block)
     _, new_row, new_grp, *_ = _flags(keys, consts_ref, j, live, consts=consts)
     new_row, new_grp = jnp.where(live, new_row, 0), jnp.where(live, new_grp, 0)
     uid = plgpu.load(base_ref.at[pid * _COUNTS]) + jnp.cumsum(new_row) - 1
@@ -156,7 +155,7 @@ def _items_kernel(*refs, n, chunk, prefix_reuse, consts):
     plgpu.store(counts_ref.at[pid], jnp.sum(new_item))
 
 
-def _write_kernel(*refs, n, cap, chunk, prefix_reuse, t_cores, digits, whole_groups, consts, interpret):
+def _write_kernel(*refs, n, cap, chunk, prefix_reuse, t_cores, digits, whole_groups, consts, interpret, block):
     # inputs: the sort's keys (1-3 arrays), consts, perm, base, ibase, num_rows, num_groups, num_valid, num_items;
     # outputs: inverse, row_suffix, row_start, sorted_row, item_meta, (group_meta)
     n_out = 5 if whole_groups else 6
@@ -164,7 +163,7 @@ def _write_kernel(*refs, n, cap, chunk, prefix_reuse, t_cores, digits, whole_gro
     *keys, consts_ref, perm_ref, base_ref, ibase_ref, rows_ref, groups_ref, valid_ref, items_ref = ins
     inverse_ref, row_suffix_ref, row_start_ref, sorted_row_ref, item_meta_ref, *group_meta_refs = outs
     pid = pl.program_id(0)
-    j, live = _block(pid, n)
+    j, live = _block(pid, n, block)
     valid, new_row, new_grp, pre, suf, t = _flags(keys, consts_ref, j, live, consts=consts)
     new_row, new_grp = jnp.where(live, new_row, 0), jnp.where(live, new_grp, 0)
     perm = _load(perm_ref, j, live)
@@ -196,7 +195,7 @@ def _write_kernel(*refs, n, cap, chunk, prefix_reuse, t_cores, digits, whole_gro
         cols[c] = consts.core_base(consts_ref, c, t) + rest % radix
         rest = rest // radix
     last_base = consts.last_base(consts_ref, t) + jnp.zeros_like(j)
-    # Each table row (first row, prefix digits, last-core base) is stored whole: one [BLOCK, 2^k] store whose lanes
+    # Each table row (first row, prefix digits, last-core base) is stored whole: one [block, 2^k] store whose lanes
     # are consecutive addresses, instead of one strided store per column (the fill rows are most of the writes).
     # SASS stores 170 -> 74; on the H200, workload a, B 32768: tt_plan_write 0.045 -> 0.026 ms (ttfwd-20261201-1932,
     # plancoal-fwd-20261201-1944).
@@ -219,13 +218,15 @@ def _write_kernel(*refs, n, cap, chunk, prefix_reuse, t_cores, digits, whole_gro
         table(group_meta_refs[0], gid, new_grp, num_groups)
 
 
-def bookkeeping(layout, key, key2, tab, perm, *, cap: int, chunk: int, prefix_reuse: bool, interpret: bool):
+def bookkeeping(layout, key, key2, tab, perm, *, cap: int, chunk: int, prefix_reuse: bool, interpret: bool,
+                block: int, scan_chunk: int):
     """`build_flow`'s outputs after the sort, from the sorted keys (`key`: the primary key, `_SENTINEL` for lookups
     that produce no row; `key2`: the table key of a two-key sort, whose primary key is the table; `tab`: with one
     packed key over stacked tables, each sorted lookup's local table) and `perm`: (inverse, row_suffix, row_start,
     sorted_row, item_meta, num_items, group_meta, num_rows, num_groups); group_meta is item_meta when items are
     whole groups. The per-lookup flags (new row, new group), prefix and last digit are derived in each pass from
-    the keys (a lookup and the one before it), never stored."""
+    the keys (a lookup and the one before it), never stored. `block`: sorted lookups per program, `scan_chunk`: rows
+    per step of the block counts' prefix sums (`TTForwardConfig.plan_block`, `plan_scan_chunk`)."""
     n = key.shape[0]
     t_cores = layout.num_cores
     consts = _Consts(layout)
@@ -238,21 +239,21 @@ def bookkeeping(layout, key, key2, tab, perm, *, cap: int, chunk: int, prefix_re
             return kernel(*[next(it) if h else None for h in has], *refs[len(keys):], **kw)
         return wrapped
 
-    grid = n // BLOCK + 1  # the last block also covers the fill slots up to cap (<= n)
+    grid = n // block + 1  # the last block also covers the fill slots up to cap (<= n)
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
     i32 = jnp.int32
     const_arr = jnp.asarray(consts.table.reshape(-1))
     counts = pallas_call(
-        with_keys(functools.partial(_count_kernel, n=n, consts=consts)), out_shape=jax.ShapeDtypeStruct(
+        with_keys(functools.partial(_count_kernel, n=n, consts=consts, block=block)), out_shape=jax.ShapeDtypeStruct(
             (grid * _COUNTS,), i32), grid=(grid,), compiler_params=params, interpret=interpret, name="tt_plan_count",
     )(*keys, const_arr)
-    base, (num_rows, num_groups, num_valid) = exclusive_scan(counts, _COUNTS, interpret=interpret)
-    kw = dict(n=n, chunk=chunk, prefix_reuse=prefix_reuse, consts=consts)
+    base, (num_rows, num_groups, num_valid) = exclusive_scan(counts, _COUNTS, chunk=scan_chunk, interpret=interpret)
+    kw = dict(n=n, chunk=chunk, prefix_reuse=prefix_reuse, consts=consts, block=block)
     icounts = pallas_call(
         with_keys(functools.partial(_items_kernel, **kw)), out_shape=jax.ShapeDtypeStruct((grid,), i32),
         grid=(grid,), compiler_params=params, interpret=interpret, name="tt_plan_items",
     )(*keys, const_arr, base)
-    ibase, (num_items,) = exclusive_scan(icounts, 1, interpret=interpret)
+    ibase, (num_items,) = exclusive_scan(icounts, 1, chunk=scan_chunk, interpret=interpret)
     whole_groups = prefix_reuse and not chunk
     meta_len = (cap + 1) * (t_cores + 1)
     shapes = [(n,), (cap,), (cap + 1,), (n,), (meta_len,)] + ([] if whole_groups else [(meta_len,)])
