@@ -185,7 +185,7 @@ def _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
             params, emb.layout, plan, indices, offsets, per_sample_weights,
             pooling=emb.pooling, output_dtype=emb.output_dtype, check_upper=check_upper,
             config=emb.kernel_config, interpret=emb.interpret,
-            count_invalid=count, features=generic, live=live_generic,
+            count_invalid=count, features=generic, live=live_generic, short=short_bag_features(emb),
         )
         if count:
             flat, n_bad = flat
@@ -201,6 +201,13 @@ def _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
     if not plan.vbe:
         flat = flat.reshape(plan.batch[0] if plan.batch else 0, sum(emb.feature_dims))
     return flat, n_bad
+
+
+def short_bag_features(emb) -> tuple[int, ...]:
+    """Features whose table's `bag_size_hint` says their bags hold at most two ids (the forward gives them
+    `ForwardConfig.short_bag_groups` sub-groups of bags per program)."""
+    return tuple(f for f, t in enumerate(emb.feature_table_map)
+                 if emb.tables[t].bag_size_hint is not None and emb.tables[t].bag_size_hint <= 2)
 
 
 def _sequence(emb, params, plan, indices, offsets, per_sample_weights):

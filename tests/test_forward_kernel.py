@@ -211,3 +211,35 @@ def test_bag_groups_validated():
     for bad in (0, 3, -2, 1.0, None):
         with pytest.raises(ValueError, match="bag_groups"):
             tbe_jax.ForwardConfig(bag_groups=bad)
+
+
+def test_short_bag_hint_segment(rng):
+    """Features whose table has `bag_size_hint` <= 2 get their own segment with `short_bag_groups` sub-groups;
+    a wrong hint (longer bags) stays exact: bitwise the output without hints, bad ids counted the same."""
+    from tbe_jax import dispatch
+    from tbe_jax.kernels import forward
+
+    rows, dims, hints = [40, 9, 300], [16, 16, 16], [1, None, 2]
+    hinted = [tbe_jax.TableSpec(e, d, bag_size_hint=h) for e, d, h in zip(rows, dims, hints)]
+    plain = [tbe_jax.TableSpec(e, d) for e, d in zip(rows, dims)]
+    fmap, b = [0, 1, 2, 0], 11
+    cfg = tbe_jax.ForwardConfig(tile_elems=32, short_bag_groups=4)
+    kw = dict(feature_table_map=fmap, weights_dtype="float16", bounds_check="warning", kernel_config=cfg,
+              **KERNEL_KW)
+    emb, ref = tbe_jax.TableBatchedEmbedding(hinted, **kw), tbe_jax.TableBatchedEmbedding(plain, **kw)
+    assert dispatch.short_bag_features(emb) == (0, 2, 3)
+    plan = emb.plan_for(len(fmap) * b + 1)
+    _, branches, _, _ = forward._schedule(emb.layout, plan, cfg, range(4), frozenset({0, 2, 3}))
+    assert sorted(br.groups for br in branches) == [1, 4]  # G = 2 bags: 11 bags fill 4 sub-groups
+    params = emb.init(jax.random.key(1))
+    lengths = rng.choice([0, 1, 2, 7], size=b * len(fmap))
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    e_per_bag = np.repeat([rows[t] for t in fmap], b)
+    idx = (rng.random(off[-1]) * np.repeat(e_per_bag, lengths)).astype(np.int32)
+    idx[::5] = -3
+    out, rep = emb.forward_with_report(params, idx, off)
+    want, want_rep = ref.forward_with_report(params, idx, off)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert int(rep.invalid_indices) == int(want_rep.invalid_indices) == int(np.sum(idx == -3))
+    with pytest.raises(ValueError, match="short_bag_groups"):
+        tbe_jax.ForwardConfig(short_bag_groups=3)

@@ -53,6 +53,8 @@ class ForwardConfig:
         per `G * bag_groups` bags, while long bags get fewer, longer programs. 2 suits models whose
         features mostly have one or two ids per bag (MLPerf's DLRMv2 tables); with long bags it costs
         6-35% (benchmarks/results/probe-bag-groups-*.json).
+      short_bag_groups: `bag_groups` for the features whose table's `bag_size_hint` is at most 2 (bags known
+        to hold one or two ids): they get a segment of programs of their own.
       fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
         FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
         "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
@@ -70,6 +72,7 @@ class ForwardConfig:
     segment_buffers: int = 8
     fp32_accumulation: str = "fp32"
     bag_groups: int = 1
+    short_bag_groups: int = 2
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
@@ -83,8 +86,10 @@ class ForwardConfig:
             )
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
-        if not isinstance(self.bag_groups, int) or self.bag_groups < 1 or self.bag_groups & (self.bag_groups - 1):
-            raise ValueError(f"ForwardConfig.bag_groups must be a positive power of 2, got {self.bag_groups!r}")
+        for name in ("bag_groups", "short_bag_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"ForwardConfig.{name} must be a positive power of 2, got {v!r}")
 
     @staticmethod
     def get_default() -> "ForwardConfig":
@@ -111,23 +116,27 @@ class _Branch:
         return self.seg.bags // self.groups
 
 
-def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features):
-    """Per used buffer a branch (its segment of programs), the program map and the feature table."""
+def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features, short=frozenset()):
+    """Per used buffer a branch per segment of programs (the `short` features, those with bags of at most two
+    ids, in a segment of their own), the program map and the feature table."""
     used = sorted({plan.group[f] for f in features})
-    groups = []
+    groups, tile = [], {}
     for g in used:
         feats = [f for f in features if plan.group[f] == g]
-        groups.append((feats, cfg.bags_per_program(layout.dims[g], max(plan.batch[f] for f in feats))))
-    # Per buffer: no more sub-groups than its largest feature's bags fill.
-    subs = [max(1, min(cfg.bag_groups, next_pow2(-(-max(plan.batch[f] for f in feats) // bags))))
-            for feats, bags in groups]
-    pm = programs.build(plan.bag_base, plan.batch, [(feats, bags * s) for (feats, bags), s in zip(groups, subs)])
+        bags = cfg.bags_per_program(layout.dims[g], max(plan.batch[f] for f in feats))
+        tile[g] = bags
+        for part, sub in (([f for f in feats if f not in short], cfg.bag_groups),
+                          ([f for f in feats if f in short], cfg.short_bag_groups)):
+            if part:  # no more sub-groups than the part's largest feature's bags fill
+                sub = max(1, min(sub, next_pow2(-(-max(plan.batch[f] for f in part) // bags))))
+                groups.append((part, bags * sub))
+    pm = programs.build(plan.bag_base, plan.batch, groups)
     branches = []
     for seg in pm.segments:
         f0 = int(pm.flist[seg.feat_base, 0])
         g = plan.group[f0]
         d = layout.dims[g]
-        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g], subs[used.index(g)]))
+        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g], seg.bags // tile[g]))
     return used, tuple(branches), pm, feature_table(plan)
 
 
@@ -312,8 +321,12 @@ def pooled_forward(
     features=None,
     live=None,
     out_flat=None,
+    short=frozenset(),
 ):
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
+
+    `short`: features whose bags are known to hold at most two ids (their tables' `bag_size_hint`): their
+    programs take `config.short_bag_groups` sub-groups of bags.
 
     Only `features` (default: all) are computed; other features' columns are
     left for another kernel to write (see `histogram.histogram_forward`).
@@ -341,10 +354,10 @@ def pooled_forward(
                 buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                 output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
                 count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], live=live,
-                out_flat=out)
+                out_flat=out, short=short)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
-    used, branches, pm, feat_meta = _schedule(layout, plan, config, features)
+    used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short))
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
         return (out, jnp.zeros((2,), jnp.int32)) if count_invalid else out
