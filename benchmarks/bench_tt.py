@@ -64,6 +64,7 @@ import tbe_jax
 import tt_jax
 from benchmarks import common
 from benchmarks.common import time_calls
+from tt_jax import params as tt_params
 from tt_jax import prefix, reference, workloads
 from tt_jax.kernels import forward as tt_kernels
 
@@ -134,7 +135,7 @@ def xla_per_index_multi(specs, batch, block):
 
     def f(all_cores, idx, off):
         n = idx.shape[0]
-        stacked = prefix.stack_cores(layout, all_cores)
+        stacked = all_cores[0]  # the group's stacked cores, as the params hold them
         bag = _bag_ids(off, n)
         lt = jnp.minimum(bag // batch, nf - 1)
         pos = jnp.arange(n, dtype=jnp.int32)
@@ -152,13 +153,13 @@ def xla_per_index_multi(specs, batch, block):
 
 
 def numpy_cores(specs, seed: int = 0):
-    """Per table its cores drawn with NumPy (normal, at the init's scale: each table's rows then have the
-    variance of a uniform +-1/sqrt(E)); one jax sampler compile per distinct core shape is slow for hundreds
-    of tables."""
+    """The params' stacked cores (`params["cores"]`, per table group per core: `tt_jax.params`) of per-table cores
+    drawn with NumPy (normal, at the init's scale: each table's rows then have the variance of a uniform
+    +-1/sqrt(E)); one jax sampler compile per distinct core shape is slow for hundreds of tables."""
     rng = np.random.default_rng(seed)
     sig = [(1.0 / (3 * s.num_embeddings) / np.prod(s.ranks)) ** (1.0 / (2 * s.num_cores)) for s in specs]
-    return tuple(tuple(jnp.asarray(rng.normal(0, sg, shape), jnp.float32) for shape in s.core_shapes())
-                 for s, sg in zip(specs, sig))
+    return tt_params.stack(specs, [[np.asarray(rng.normal(0, sg, shape), np.float32) for shape in s.core_shapes()]
+                                   for s, sg in zip(specs, sig)])
 
 
 def config_fields(entry: str) -> dict:
@@ -201,8 +202,8 @@ def pallas_variant(name, specs, batch, base: tt_kernels.TTKernelConfig, interpre
                 if name == "pallas_plan":
                     outs.append(plan)
                 else:
-                    outs.append(tt_kernels.tt_rows(prefix.stack_cores(layout, all_cores), plan, layout, config=cfg,
-                                                   interpret=interpret))
+                    cores = [c.reshape(-1) for c in tt_params.group_cores(specs, layout, all_cores)]
+                    outs.append(tt_kernels.tt_rows(cores, plan, layout, config=cfg, interpret=interpret))
             return outs
         return part, cfg
     emb = tt_jax.TTEmbeddingBag(specs, impl="pallas", interpret=interpret, config=cfg)

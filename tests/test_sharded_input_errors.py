@@ -256,8 +256,8 @@ def test_tt_per_sample_weights_must_be_an_array(tt_setup):
 def test_tt_params_and_state_structure(tt_setup):
     emb, sharded, params = tt_setup
     idx, off = batch()
-    flat = {"cores": [params["cores"][0][0], params["cores"][1][0]]}  # one array per table, not its cores
-    with pytest.raises(ValueError, match=r"params\['cores'\]\[0\] must be a sequence of the table's 2 cores"):
+    flat = {"cores": [params["cores"][0][0]]}  # one array for the table group, not its cores
+    with pytest.raises(ValueError, match=r"params\['cores'\]\[0\] must be a sequence of the group's 2 cores"):
         sharded(flat, idx, off)  # was: TypeError: len() of unsized object
     with pytest.raises(TypeError, match="emb_opt_state must be an optimizer state of emb"):
         sharded.from_unsharded(params, "x")  # was: jax's "Value 'x' with dtype <U1 is not a valid JAX array"

@@ -21,6 +21,7 @@ import tt_jax
 from conftest import learning_rate_f64
 from test_tt_grad import as_f64, make_emb, make_inputs, make_params, numpy_core_grads
 from tt_jax import backward, optim
+from tt_jax import params as tt_params
 
 # TA and TB share (q, ranks): one stacked table group, its touched slices split by table; TC (T = 2) is read
 # by no feature in the Adam test (never touched) and by two features in the family test.
@@ -212,6 +213,7 @@ def test_touched_slices_from_plans(rng):
     _, touched = numpy_core_grads(emb, make_params(emb, rng), idx, off, psw, g, BATCH)
     masks = jax.jit(lambda i, o: backward.touched_slices(emb.specs, emb.feature_table_map,
                                                          emb.flow_plans(BATCH, i, o)))(idx, off)
+    masks = tt_params.unstack(emb.specs, masks)  # per table group, stacked -> per table
     for tab, spec in enumerate(emb.specs):
         for k, p in enumerate(spec.p_shapes):
             if tab == 2:

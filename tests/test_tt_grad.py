@@ -108,7 +108,7 @@ def reference_vjp(emb, params, idx, off, psw, g, batch):
         return jnp.sum(out * g)
 
     # Jitted: one compile instead of one per op of the eager reference and its transpose.
-    return jax.jit(jax.grad(f, argnums=(0, 1)))(params["cores"], None if psw is None else jnp.asarray(psw))
+    return jax.jit(jax.grad(f, argnums=(0, 1)))(emb.get_cores(params), None if psw is None else jnp.asarray(psw))
 
 
 def check_grads(emb, params, idx, off, psw, g, batch, *, again=False):
@@ -122,7 +122,7 @@ def check_grads(emb, params, idx, off, psw, g, batch, *, again=False):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     want, _ = numpy_core_grads(emb, params, idx, off, psw, g, batch)
     ref_cores, ref_psw = reference_vjp(emb, params, idx, off, psw, g, batch)
-    for tab, (got_t, want_t, ref_t) in enumerate(zip(d_params["cores"], want, ref_cores)):
+    for tab, (got_t, want_t, ref_t) in enumerate(zip(emb.get_cores(d_params), want, ref_cores)):
         for k, (a, b, c) in enumerate(zip(got_t, want_t, ref_t)):
             assert a.shape == b.shape and a.dtype == jnp.float32, (tab, k)
             assert_close(a, b, TOL)

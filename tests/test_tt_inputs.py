@@ -48,7 +48,7 @@ def _params():
 
 def _model(idx, off):
     """Float64 model: ids outside [0, N_t) contribute nothing."""
-    full = [reference.numpy_rows(c, s) for c, s in zip(_params()["cores"], SPECS)]
+    full = [reference.numpy_rows(c, s) for c, s in zip(_emb().get_cores(_params()), SPECS)]
     return testing.numpy_pooled(full, [0, 1], [BATCH, BATCH], idx, off, None, "sum", False)
 
 
@@ -110,7 +110,8 @@ def test_bad_ids_skipped_forward_and_grads(runs, impl):
     np.testing.assert_array_equal(out, out_c)
     np.testing.assert_array_equal(_flat(d_cores), _flat(d_cores_c))
     assert_close(out, _model(CLEAN_IDX, OFF), 2e-6)
-    # Core 0 of table 0, slice 3 (the first digit of 12 and 15, of no valid id): no gradient.
+    # Core 0 of table 0 (the first of the stacked group), slice 3 (the first digit of 12 and 15, of no valid id):
+    # no gradient.
     assert not np.any(d_cores[0][0][3])
 
 

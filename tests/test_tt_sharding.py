@@ -369,7 +369,9 @@ def test_errors():
     with pytest.raises(ValueError, match="per_sample_weights"):
         sh(params, idx, off, np.ones((N_DEV, 3), np.float32))
     with pytest.raises(ValueError, match="params"):
-        sh({"cores": params["cores"][:1]}, idx, off)
+        sh({"cores": params["cores"][:0]}, idx, off)
+    with pytest.raises(ValueError, match="holds per-table cores"):  # the two tables are one stacked group
+        sh({"cores": tuple(map(tuple, emb.get_cores(params)))}, idx, off)
     opt = tt_jax.SGD(learning_rate=0.1)
     state = sh.init_opt_state(params, opt)
     with pytest.raises(ValueError, match="grad_output"):

@@ -3,7 +3,8 @@
 - `TTSpec`, `TTEmbeddingBag`: specs, initialisation, core access, the materialised table and pooled
   lookups in tbe_jax's input format (`impl="xla"`: the pure-jnp per-index chain; `impl="pallas"`: the
   fused FlowTT forward, `tt_jax.kernels.forward`, on the prefix plan of `tt_jax.prefix.build_flow`), with
-  tbe_jax's `bounds_check` modes.
+  tbe_jax's `bounds_check` modes. The params hold each table group's cores stacked, one buffer per core
+  (`tt_jax.params`); `get_cores` / `set_cores` convert from and to per-table cores.
 - Training: exact core gradients under `jax.grad` from a prefix-sharing backward that reuses the
   forward's plan (`tt_jax.kernels.backward`, Pallas, deterministic; `tt_jax.backward` on the XLA path);
   optimizers on the touched core slices (`SGD`, `Adagrad`, `RowwiseAdagrad`, `Adam`, `PartialRowwiseAdam`,

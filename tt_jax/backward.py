@@ -28,6 +28,10 @@ The contributions (a slice id and a `[r_{t-1}, q_t, r_t]` block per group, or pe
 last core) are then either scattered into dense gradients (`pooled_vjp`, for `jax.grad`) or aggregated
 per touched slice (`touched_core_grads`, for the optimizers: float work O(batch), plus an O(p_t) integer
 mask per core to number the touched slices without a second sort).
+
+Cores, gradients and touched slices are those of the params' stacked layout (`tt_jax.params`): per table
+group (`prefix.core_groups`), per core, one buffer `[P, r_{t-1}, q_t, r_t]` whose slices are numbered as the
+plans number them (table k's slice i is `core_base[t][k] + i`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tt_jax import prefix
+from tt_jax import params, prefix
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -93,7 +97,8 @@ def group_backward(layout: prefix.StackedTables, stacked_cores, plan: prefix.Flo
     """Steps 2-4 of the module docstring for one table group.
 
     Args:
-      stacked_cores: per core, the group's cores stacked along p (`prefix.stack_cores`, flat or shaped).
+      stacked_cores: per core, the group's cores stacked along p (the params' buffers, `tt_jax.params`; flat
+        or shaped).
       plan: the forward's `FlowPlan`.
       d_rows: `[cap, D]` aggregated output gradient per distinct row (rows >= plan.num_rows are zero).
       want_rows: also return the `[cap, D]` distinct rows (for the per-sample-weight gradient).
@@ -167,8 +172,9 @@ def feature_col0(specs, feature_table_map):
     return tuple(int(x) for x in np.concatenate([[0], np.cumsum(dims)])[:-1])
 
 
-def _group_inputs(layout, plan, all_cores, offsets, psw, g_out, *, batch, col0, pooling, want_rows):
-    """Step 1 and `group_backward`: (contribs, rows or None, per-lookup gy, coef)."""
+def _group_inputs(layout, plan, cores, offsets, psw, g_out, *, batch, col0, pooling, want_rows):
+    """Step 1 and `group_backward` (`cores`: the group's stacked cores): (contribs, rows or None, per-lookup gy,
+    coef)."""
     n = plan.inverse.shape[0]
     cap = plan.row_suffix.shape[0]
     gy, coef = lookup_grads(g_out, offsets, n, batch=batch, features_col0=col0, dim=layout.dim, pooling=pooling)
@@ -176,49 +182,48 @@ def _group_inputs(layout, plan, all_cores, offsets, psw, g_out, *, batch, col0, 
     inv = plan.inverse
     d_rows = jnp.zeros((cap, layout.dim), jnp.float32).at[jnp.where(inv >= 0, inv, cap)].add(
         gy * scale[:, None], mode="drop")
-    contribs, rows = group_backward(layout, prefix.stack_cores(layout, all_cores), plan, d_rows,
-                                    want_rows=want_rows)
+    contribs, rows = group_backward(layout, cores, plan, d_rows, want_rows=want_rows)
     return contribs, rows, gy, coef
 
 
-def pooled_vjp(all_cores, specs, feature_table_map, plans, offsets, per_sample_weights, g_out, *, batch: int,
+def pooled_vjp(cores, specs, feature_table_map, plans, offsets, per_sample_weights, g_out, *, batch: int,
                pooling: str):
-    """Dense gradients of the pooled lookup: (per table per core `d G_t`, d per_sample_weights or None).
+    """Dense gradients of the pooled lookup: (per table group per core its stacked `d G_t`, d per_sample_weights
+    or None).
 
     Args:
-      all_cores: per table, its cores (logical layout).
+      cores: the params' stacked cores (per table group of `tt_jax.params`, per core).
       plans: per table group of `prefix.stack_tables(specs, feature_table_map)`, the forward's `FlowPlan`.
       offsets: `[F * B + 1]` int32; g_out: `[B, sum D]`.
     """
     col0 = feature_col0(specs, feature_table_map)
-    d_cores = [[None] * len(cs) for cs in all_cores]
+    all_groups = params.groups(specs)
+    d_cores = [[None] * len(cs) for cs in cores]
     d_psw = None
     if per_sample_weights is not None:
         d_psw = jnp.zeros(per_sample_weights.shape, jnp.float32)
     for (layout, _), plan in zip(_groups(specs, feature_table_map, plans), plans):
+        g = all_groups.index(layout)
         contribs, rows, gy, coef = _group_inputs(
-            layout, plan, all_cores, offsets, per_sample_weights, g_out, batch=batch, col0=col0, pooling=pooling,
+            layout, plan, cores[g], offsets, per_sample_weights, g_out, batch=batch, col0=col0, pooling=pooling,
             want_rows=per_sample_weights is not None)
-        for t, (shape, (ids, vals)) in enumerate(zip(stacked_shapes(layout), contribs)):
-            dense = jnp.zeros(shape, jnp.float32).at[ids].add(vals, mode="drop")
-            base = layout.core_base[t]
-            for k, table in enumerate(layout.tables):
-                d_cores[table][t] = dense[base[k] : base[k + 1]]
+        d_cores[g] = [jnp.zeros(shape, jnp.float32).at[ids].add(vals, mode="drop")
+                      for shape, (ids, vals) in zip(stacked_shapes(layout), contribs)]
         if d_psw is not None:
             inv = plan.inverse
             dot = jnp.sum(rows[jnp.maximum(inv, 0)] * gy, axis=1)
             d_psw = d_psw + jnp.where(inv >= 0, coef * dot, 0.0)
     d_cores = tuple(tuple(d if d is not None else jnp.zeros(c.shape, jnp.float32) for d, c in zip(ds, cs))
-                    for ds, cs in zip(d_cores, all_cores))
+                    for ds, cs in zip(d_cores, cores))
     return d_cores, d_psw
 
 
-def _aggregate(contribs: Contribs, num_slices: int, bases: tuple[int, ...]):
-    """Sum contributions per distinct touched slice; split the touched slices by table.
+def _aggregate(contribs: Contribs, num_slices: int):
+    """Sum contributions per distinct touched slice of a stacked core.
 
     The touched slices are numbered through an O(num_slices) integer mask and its prefix sum (ascending
-    slice order, no sort); the float work is O(contributions). Returns per table (stacking order)
-    `(ids [W], grads [W, ...])` in the table's local slice numbering, padding ids = its p.
+    slice order, no sort); the float work is O(contributions). Returns `(ids [W], grads [W, ...])` in the
+    stacked slice numbering, padding ids = num_slices.
     """
     ids, vals = contribs
     m = ids.shape[0]
@@ -230,44 +235,36 @@ def _aggregate(contribs: Contribs, num_slices: int, bases: tuple[int, ...]):
     grads = jnp.zeros((k_slots,) + vals.shape[1:], jnp.float32).at[slot].add(vals, mode="drop")
     slot_ids = jnp.full((k_slots,), num_slices, jnp.int32).at[jnp.where(touched > 0, rank, k_slots)].set(
         jnp.arange(num_slices, dtype=jnp.int32), mode="drop")
-    if len(bases) == 2:
-        return [(slot_ids, grads)]
-    out = []
-    for k in range(len(bases) - 1):
-        b0, b1 = bases[k], bases[k + 1]
-        width = max(1, min(b1 - b0, k_slots))  # the table's touched slices are a contiguous run of slots
-        start = csum[b0 - 1] if b0 > 0 else jnp.int32(0)
-        pos = start + jnp.arange(width, dtype=jnp.int32)
-        ok = pos < csum[b1 - 1]
-        pos = jnp.minimum(pos, k_slots - 1)
-        out.append((jnp.where(ok, slot_ids[pos] - b0, b1 - b0), grads[pos]))
-    return out
+    return slot_ids, grads
 
 
-def touched_core_grads(all_cores, specs, feature_table_map, plans, offsets, per_sample_weights, g_out, *,
+def touched_core_grads(cores, specs, feature_table_map, plans, offsets, per_sample_weights, g_out, *,
                        batch: int, pooling: str):
-    """Per table per core, `(ids, grads)` of the slices this batch touches (padding ids = p_t), or None
-    for a core no feature reads. Each touched slice appears once, with its gradient summed over the batch."""
+    """Per table group per core (the params' stacked `cores`), `(ids, grads)` of the stacked slices this batch
+    touches (padding ids = the stacked P), or None for a group no feature reads. Each touched slice appears
+    once, with its gradient summed over the batch."""
     col0 = feature_col0(specs, feature_table_map)
-    out = [[None] * len(cs) for cs in all_cores]
+    all_groups = params.groups(specs)
+    out = [[None] * len(cs) for cs in cores]
     for (layout, _), plan in zip(_groups(specs, feature_table_map, plans), plans):
-        contribs, _, _, _ = _group_inputs(layout, plan, all_cores, offsets, per_sample_weights, g_out, batch=batch,
+        g = all_groups.index(layout)
+        contribs, _, _, _ = _group_inputs(layout, plan, cores[g], offsets, per_sample_weights, g_out, batch=batch,
                                           col0=col0, pooling=pooling, want_rows=False)
-        for t, (shape, c) in enumerate(zip(stacked_shapes(layout), contribs)):
-            for table, grads in zip(layout.tables, _aggregate(c, shape[0], layout.core_base[t])):
-                out[table][t] = grads
+        out[g] = [_aggregate(c, shape[0]) for shape, c in zip(stacked_shapes(layout), contribs)]
     return out
 
 
 def touched_slices(specs, feature_table_map, plans):
-    """Per table per core, a `[p_t]` bool mask of the slices this batch touches (slice i of core t is touched
-    when some valid lookup has digit i_t = i, whatever its gradient), or None for a table no feature reads.
+    """Per table group per core, a `[P]` bool mask of the stacked slices this batch touches (slice i of table k's
+    core t is touched when some valid lookup of table k has digit i_t = i, whatever its gradient), or None for a
+    group no feature reads.
 
     Read off the forward's plans, no host sync: the first T-1 digits of each prefix group
     (`plan.group_meta`) and the last digit of each distinct row (`plan.row_suffix`), so O(lookups) integer
     work plus an O(p_t) mask per core. The same slices as `touched_core_grads` numbers.
     """
-    out = [[None] * s.num_cores for s in specs]
+    all_groups = params.groups(specs)
+    out = [[None] * g.num_cores for g in all_groups]
     for (layout, _), plan in zip(_groups(specs, feature_table_map, plans), plans):
         nc = layout.num_cores
         cap = plan.row_suffix.shape[0]
@@ -284,8 +281,5 @@ def touched_slices(specs, feature_table_map, plans):
         last_id = meta[:, nc][group_of_row] + plan.row_suffix
         masks.append(jnp.zeros((p_stacked[-1],), bool).at[jnp.where(live_row, last_id, p_stacked[-1])].set(
             True, mode="drop"))
-        for t, mask in enumerate(masks):
-            base = layout.core_base[t]
-            for k, table in enumerate(layout.tables):
-                out[table][t] = mask[base[k] : base[k + 1]]
+        out[all_groups.index(layout)] = masks
     return out

@@ -6,8 +6,9 @@ class, state naming, helpers and `train_step`, re-exported here) and trains in o
 two ways:
 
 1. **True gradient** (default, `optimizer=None`). The TT cores are parameters named
-   after their path in the functional core's params dict (`"cores_0_1"`: table 0,
-   core 1). `jax.grad` gives their exact gradient; any optax optimizer applies it.
+   after their path in the functional core's params dict (`"cores_0_1"`: table group 0,
+   core 1; the tables sharing q_shapes and ranks stacked, `tt_jax.params`). `jax.grad`
+   gives their exact gradient; any optax optimizer applies it.
    `core_params(params["<module name>"], emb)` reassembles the core's params dict and
    `module_params(tt_params)` goes the other way:
 

@@ -7,7 +7,8 @@ here) and trains in one of two ways:
 
 1. **True gradient** (default, `optimizer=None`). The TT cores are one parameter,
    `"embedding"`, in the `"params"` collection, holding the functional core's params
-   dict (`{"cores": ((G_0, G_1, G_2), ...)}`: per table, its cores `[p_t, r, q_t, r']`).
+   dict (`{"cores": ((G_0, G_1, G_2), ...)}`: per table group, its stacked cores
+   `[P_t, r, q_t, r']`, `tt_jax.params`; `layer.tt.get_cores` gives them per table).
    `jax.grad` gives their exact gradient (the prefix-sharing backward of `tt_jax`) and
    any optax optimizer consumes it:
 

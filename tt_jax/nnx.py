@@ -7,7 +7,8 @@ trains in one of two ways:
 
 1. **True gradient** (default, `optimizer=None`). The TT cores are `nnx.Param`s, one
    per core, in `layer.embedding` (an `nnx.Dict` keyed by the core's path in the
-   functional params dict: `"cores_0_1"` is table 0's core 1). `nnx.grad` gives their
+   functional params dict: `"cores_0_1"` is table group 0's core 1, the cores of the
+   tables sharing q_shapes and ranks stacked, `tt_jax.params`). `nnx.grad` gives their
    exact gradient and `nnx.Optimizer` with any optax transformation applies it:
 
    >>> import jax, jax.numpy as jnp, optax, tt_jax

@@ -201,8 +201,17 @@ def stack_tables(specs, feature_table_map) -> list[tuple[StackedTables, tuple[in
     return out
 
 
+def core_groups(specs) -> tuple[StackedTables, ...]:
+    """The groups the params store their cores by (`tt_jax.params`): every table, grouped by (q_shapes, ranks)
+    as `stack_tables` groups them, in the same order (a group of `stack_tables(specs, ftm)` is one of these, those
+    no feature reads left out)."""
+    return tuple(layout for layout, _ in stack_tables(specs, tuple(range(len(specs)))))
+
+
 def stack_cores(layout: StackedTables, all_cores) -> list[jax.Array]:
-    """Per core, the group's cores stacked along p, flattened (`[sum p_t * r * q * r']`)."""
+    """Per core, the group's cores (`all_cores`: per table, its cores) stacked along p, flattened
+    (`[sum p_t * r * q * r']`): the bytes of the params' stacked buffers (`tt_jax.params`), which the kernels
+    read as they are; what the forward and backward built on every step before the params were stored stacked."""
     out = []
     for t in range(layout.num_cores):
         parts = [jnp.asarray(all_cores[k][t], jnp.float32).reshape(-1) for k in layout.tables]

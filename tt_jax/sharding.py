@@ -128,9 +128,9 @@ class ShardedTTEmbeddingBag:
         of the cores and state). None: only where the backward may not be deterministic (a GPU with the
         XLA backward, i.e. not `emb.pallas_backward`).
 
-    Params are `emb`'s (`{"cores": per table, per core}`), each array replicated on the mesh; the
-    optimizer state likewise. `init`, `set_cores`, `get_cores`, `full_table`, `init_opt_state`,
-    `get_state` and `get_momentum` take and return them as `emb`'s do. The forward is differentiable with
+    Params are `emb`'s (`{"cores": per table group, per core}`, the stacked layout of `tt_jax.params`), each
+    array replicated on the mesh; the optimizer state likewise. `init`, `set_cores`, `get_cores`, `full_table`,
+    `init_opt_state`, `get_state`, `get_momentum` and `stack_opt_state` take and return them as `emb`'s do. The forward is differentiable with
     respect to them: `jax.grad` gives `emb`'s gradient on the global batch, replicated (the devices' shares
     summed over the axis; see the module doc).
     """
@@ -261,6 +261,10 @@ class ShardedTTEmbeddingBag:
     def get_momentum(self, opt_state):
         return self.emb.get_momentum(opt_state)
 
+    def stack_opt_state(self, opt_state):
+        """`emb.stack_opt_state` (per-table state of earlier releases to the stacked layout), replicated."""
+        return self._replicate(self.emb.stack_opt_state(opt_state))
+
     def to_unsharded(self, params, opt_state=None):
         """`(params, opt_state)` in `emb`'s format (the same arrays: the format does not depend on the mesh)."""
         return params, opt_state
@@ -274,19 +278,9 @@ class ShardedTTEmbeddingBag:
         return self._replicate(emb_params), (None if emb_opt_state is None else self._replicate(emb_opt_state))
 
     def check_params(self, params) -> None:
-        """Raises unless `params` are `emb`'s (`{"cores": per table, per core}` of its specs' shapes)."""
-        if not isinstance(params, dict) or "cores" not in params or not isinstance(params["cores"], Sequence) or len(
-                params["cores"]) != len(self.emb.specs):
-            raise ValueError(f"params must be {{'cores': per table, per core}} for {len(self.emb.specs)} tables "
-                             "(what init / set_cores return)")
-        for t, (spec, cs) in enumerate(zip(self.emb.specs, params["cores"])):
-            shapes = spec.core_shapes()
-            if not isinstance(cs, Sequence):
-                raise ValueError(f"params['cores'][{t}] must be a sequence of the table's {len(shapes)} cores "
-                                 f"(shapes {shapes}), got {type(cs).__name__}")
-            if len(cs) != len(shapes) or any(tuple(getattr(c, "shape", ())) != s for c, s in zip(cs, shapes)):
-                raise ValueError(f"params['cores'][{t}] must have shapes {shapes}, got "
-                                 f"{[tuple(getattr(c, 'shape', ())) for c in cs]}")
+        """Raises unless `params` are `emb`'s (`emb.check_params`: `{"cores": per table group, per core}`, the
+        stacked layout of `tt_jax.params`)."""
+        self.emb.check_params(params)
 
     # -- inputs --------------------------------------------------------------------
     def _args(self, indices, offsets, per_sample_weights):

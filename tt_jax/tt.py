@@ -14,6 +14,7 @@ from tbe_jax import bounds
 from tbe_jax.inputs import check_weights, narrow_ids
 from tbe_jax.specs import FeaturePlan
 from tt_jax import backward, optim, reference
+from tt_jax import params as params_lib
 from tt_jax.kernels import backward as kernel_backward
 from tt_jax.kernels.forward import TTKernelConfig, flow_plans, pooled_forward
 from tt_jax.specs import TTSpec, int_tuple
@@ -171,55 +172,28 @@ class TTEmbeddingBag:
         return self.set_cores(None, tables)
 
     def get_cores(self, params: dict) -> list[list[jax.Array]]:
-        """Per table, its cores in the logical layout `[p_t, r_{t-1}, q_t, r_t]` (float32)."""
+        """Per table, its cores in the logical layout `[p_t, r_{t-1}, q_t, r_t]` (float32): slices of the params'
+        stacked buffers (`tt_jax.params`)."""
         self.check_params(params)
-        return [list(c) for c in params["cores"]]
+        return params_lib.unstack(self.specs, params["cores"])
 
     def set_cores(self, params: dict | None, cores: Sequence[Sequence[jax.Array]]) -> dict:
-        if len(cores) != len(self.specs):
-            raise ValueError(f"expected cores for {len(self.specs)} tables, got {len(cores)}")
-        out = []
-        for i, (spec, cs) in enumerate(zip(self.specs, cores)):
-            shapes = spec.core_shapes()
-            if len(cs) != len(shapes):
-                raise ValueError(f"table {i}: expected {len(shapes)} cores, got {len(cs)}")
-            for t, (c, shape) in enumerate(zip(cs, shapes)):
-                if tuple(np.shape(c)) != shape:
-                    raise ValueError(f"table {i} core {t} must have shape {shape}, got {tuple(np.shape(c))}")
-                dt = c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype
-                if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
-                    raise TypeError(f"table {i} core {t} must hold real numbers (converted to float32), got {dt}")
-            out.append(tuple(jnp.asarray(c, jnp.float32) for c in cs))
-        return {"cores": tuple(out)}
+        """Params from per-table cores (`cores[table][core]`, `[p_t, r_{t-1}, q_t, r_t]`, converted to float32):
+        `{"cores": per table group, per core}`, each group's cores stacked along p (`tt_jax.params`). `params` is
+        not read (None is fine). Also converts per-table params of earlier releases:
+        `emb.set_cores(None, old_params["cores"])`."""
+        return params_lib.tables_to_params(self.specs, cores)
 
     def full_table(self, params: dict) -> list[jax.Array]:
         """Per table, the materialised `[N, D]` table."""
-        self.check_params(params)
-        return [reference.full_table(c, s) for c, s in zip(params["cores"], self.specs)]
+        return [reference.full_table(c, s) for c, s in zip(self.get_cores(params), self.specs)]
 
     def check_params(self, params) -> None:
-        """Raise unless `params` are `{"cores": per table, per core}` of this embedding's specs (static: shapes and
-        dtypes only, so free under `jit`): cores of another spec would otherwise be read with this spec's digits."""
-        try:
-            cores = params["cores"]
-        except (KeyError, TypeError, IndexError):
-            raise TypeError("params must be the dict emb.init/set_cores return ({'cores': per table, per core}), "
-                            f"got {type(params).__name__}") from None
-        nt = len(self.specs)
-        if not isinstance(cores, (list, tuple)) or len(cores) != nt:
-            got = len(cores) if isinstance(cores, (list, tuple)) else type(cores).__name__
-            raise ValueError(f"params['cores'] must hold the cores of {nt} table(s), got {got} "
-                             "(build params with emb.init or emb.set_cores)")
-        for i, (spec, cs) in enumerate(zip(self.specs, cores)):
-            shapes = spec.core_shapes()
-            got = ([tuple(c.shape) if hasattr(c, "shape") else type(c).__name__ for c in cs]
-                   if isinstance(cs, (list, tuple)) else None)
-            if got != shapes:
-                raise ValueError(f"params['cores'][{i}] must have shapes {shapes} (table {i}'s spec), got "
-                                 f"{got if got is not None else type(cs).__name__}")
-            for t, c in enumerate(cs):
-                if not jnp.issubdtype(c.dtype, jnp.floating):
-                    raise TypeError(f"params['cores'][{i}][{t}] must be floating point (float32), got {c.dtype}")
+        """Raise unless `params` are `{"cores": per table group, per core}` of this embedding's specs (the stacked
+        layout of `tt_jax.params`; static: shapes and dtypes only, so free under `jit`): cores of another spec
+        would otherwise be read with this spec's digits. Per-table cores of earlier releases (where the layouts
+        differ) get an error that says to convert them with `set_cores`."""
+        params_lib.check(self.specs, params)
 
     # -- forward -----------------------------------------------------------------
     def _prepare(self, indices, offsets, per_sample_weights, *, warn: bool = True):
@@ -331,8 +305,9 @@ class TTEmbeddingBag:
         `PartialRowwiseLamb`, the optimizers of `tbe_jax.optim`): `SGDState(count)`,
         `AdagradState(momentum, count)` / `RowwiseAdagradState(momentum, count)` or
         `AdamState(momentum1, momentum2, count)`, each field but the count shaped like `params`
-        (`{"cores": per table, per core}`: `[p_t, r, q, r']` element-wise, `[p_t]` per slice; fp32, or
-        the Adam family's `state_dtype` for its element-wise moments). Read them with `get_state`."""
+        (`{"cores": per table group, per core}`, stacked as the cores: `[P, r, q, r']` element-wise, `[P]` per
+        slice; fp32, or the Adam family's `state_dtype` for its element-wise moments). Read them per table with
+        `get_state`."""
         self.check_params(params)
         return optim.init_state(opt, params)
 
@@ -343,7 +318,24 @@ class TTEmbeddingBag:
         if name not in fields:
             raise ValueError(f"opt_state is a {type(opt_state).__name__}: its state fields are {fields}, "
                              f"not {name!r}")
-        return [list(m) for m in getattr(opt_state, name)["cores"]]
+        return params_lib.unstack(self.specs, getattr(opt_state, name)["cores"])
+
+    def stack_opt_state(self, opt_state):
+        """`opt_state` with every state field converted from per-table slots (`{"cores": per table, per core}`,
+        the layout of earlier releases) to the stacked layout of the params (`tt_jax.params`); the count is kept.
+        The optimizer-state counterpart of `set_cores(None, old_params["cores"])`."""
+        fields = [f for f in getattr(opt_state, "_fields", ()) if f != "count"]
+        if "count" not in getattr(opt_state, "_fields", ()):
+            raise TypeError(f"opt_state must be an optimizer state (a NamedTuple with a count), got "
+                            f"{type(opt_state).__name__}")
+        new = {}
+        for f in fields:
+            per_table = getattr(opt_state, f)["cores"]
+            if len(per_table) != len(self.specs):
+                raise ValueError(f"opt_state.{f}['cores'] must hold per-table state for {len(self.specs)} tables, "
+                                 f"got {len(per_table)}")
+            new[f] = dict(getattr(opt_state, f), cores=params_lib.stack(self.specs, per_table))
+        return opt_state._replace(**new)
 
     def get_momentum(self, opt_state) -> list[list[jax.Array]]:
         """Per table, per core, its Adagrad accumulators (`get_state(opt_state, "momentum")`); for an
@@ -457,15 +449,17 @@ def narrow_offsets(x):
     return xp.clip(x, -1 if np.issubdtype(dt, np.signedinteger) else 0, _INT32_MAX).astype(np.int32)
 
 
-def _forward(emb, batch, all_cores, indices, offsets, per_sample_weights, *, with_plans):
-    """(output, plans or None). Pallas: the fused kernels on the plans (kept for the backward); XLA: the
-    per-index chain, plus the plans when the backward will need them."""
+def _forward(emb, batch, cores, indices, offsets, per_sample_weights, *, with_plans):
+    """(output, plans or None) from the params' stacked `cores`. Pallas: the fused kernels on the plans (kept
+    for the backward); XLA: the per-index chain (on the tables' slices), plus the plans when the backward will
+    need them."""
     if emb.resolved_impl == "xla":
         ftm = emb.feature_table_map
-        out = reference.pooled([all_cores[t] for t in ftm], [emb.specs[t] for t in ftm], indices, offsets,
+        tables = params_lib.unstack(emb.specs, cores)
+        out = reference.pooled([tables[t] for t in ftm], [emb.specs[t] for t in ftm], indices, offsets,
                                per_sample_weights, pooling=emb.pooling, batch=batch)
         return out, (emb.flow_plans(batch, indices, offsets) if with_plans else None)
-    return pooled_forward(all_cores, emb.specs, emb.feature_table_map, indices, offsets, per_sample_weights,
+    return pooled_forward(cores, emb.specs, emb.feature_table_map, indices, offsets, per_sample_weights,
                           batch=batch, pooling=emb.pooling, config=emb.config, interpret=emb.interpret,
                           return_plans=True, keep_c=with_plans)
 
@@ -477,25 +471,25 @@ def _forward(emb, batch, all_cores, indices, offsets, per_sample_weights, *, wit
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _pooled(emb, batch, all_cores, indices, offsets, per_sample_weights):
-    return _forward(emb, batch, all_cores, indices, offsets, per_sample_weights, with_plans=False)[0]
+def _pooled(emb, batch, cores, indices, offsets, per_sample_weights):
+    return _forward(emb, batch, cores, indices, offsets, per_sample_weights, with_plans=False)[0]
 
 
-def _pooled_fwd(emb, batch, all_cores, indices, offsets, per_sample_weights):
-    out, plans = _forward(emb, batch, all_cores, indices, offsets, per_sample_weights, with_plans=True)
-    return out, (all_cores, plans, offsets, per_sample_weights)
+def _pooled_fwd(emb, batch, cores, indices, offsets, per_sample_weights):
+    out, plans = _forward(emb, batch, cores, indices, offsets, per_sample_weights, with_plans=True)
+    return out, (cores, plans, offsets, per_sample_weights)
 
 
 def _pooled_bwd(emb, batch, res, g):
-    all_cores, plans, offsets, per_sample_weights = res
+    cores, plans, offsets, per_sample_weights = res
     if emb.pallas_backward:
         d_cores, d_psw = kernel_backward.dense_core_grads(
-            all_cores, emb.specs, emb.feature_table_map, plans, offsets, per_sample_weights, g, batch=batch,
+            cores, emb.specs, emb.feature_table_map, plans, offsets, per_sample_weights, g, batch=batch,
             pooling=emb.pooling, want_psw=True, config=emb.config, interpret=emb.interpret)
         d_cores = tuple(tuple(d if d is not None else jnp.zeros(c.shape, jnp.float32) for d, c in zip(ds, cs))
-                        for ds, cs in zip(d_cores, all_cores))
+                        for ds, cs in zip(d_cores, cores))
         return d_cores, None, None, d_psw
-    d_cores, d_psw = backward.pooled_vjp(all_cores, emb.specs, emb.feature_table_map, plans, offsets,
+    d_cores, d_psw = backward.pooled_vjp(cores, emb.specs, emb.feature_table_map, plans, offsets,
                                          per_sample_weights, g, batch=batch, pooling=emb.pooling)
     return d_cores, None, None, d_psw
 
@@ -504,10 +498,11 @@ _pooled.defvjp(_pooled_fwd, _pooled_bwd)
 
 
 def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weights, grad_output):
-    """The optimizer step from the plans: (params, opt_state)."""
-    all_cores = params["cores"]
+    """The optimizer step from the plans: (params, opt_state). One update per (table group, core) of the stacked
+    params (`tt_jax.params`): every table of a group at once."""
+    all_cores = params["cores"]  # per table group, per core
     rule, hyper = opt.rule(), opt.hyperparameters(opt_state.count)
-    old_slots = opt.slots(opt_state)  # a tuple of trees {"cores": per table, per core}
+    old_slots = opt.slots(opt_state)  # a tuple of trees {"cores": per table group, per core}
     slots = [s["cores"] for s in old_slots]
     if emb.pallas_backward:
         grads, _ = kernel_backward.dense_core_grads(
@@ -526,7 +521,7 @@ def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weight
         def update(k, t, core, s, g):
             return optim.update_slices(rule, hyper, core, s, *g)
     new_cores, new_slots = [], [[] for _ in slots]
-    for k, cores in enumerate(all_cores):
+    for k, cores in enumerate(all_cores):  # k: the table group
         cs, ss = [], [[] for _ in slots]
         for t, core in enumerate(cores):
             s = tuple(slot[k][t] for slot in slots)
@@ -539,10 +534,8 @@ def _apply(emb, batch, opt, params, opt_state, plans, offsets, per_sample_weight
         for j in range(len(slots)):
             new_slots[j].append(tuple(ss[j]))
     new_params = dict(params, cores=tuple(new_cores))
-    new_slots = tuple(dict(old, cores=tuple(per_table)) for old, per_table in zip(old_slots, new_slots))
+    new_slots = tuple(dict(old, cores=tuple(per_group)) for old, per_group in zip(old_slots, new_slots))
     return new_params, opt.next_state(opt_state, new_slots)
-
-
 
 
 def _is_concrete(*trees) -> bool:

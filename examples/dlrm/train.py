@@ -79,7 +79,7 @@ Checkpoints (`--ckpt-dir DIR`): `DIR/<step>/` is an orbax-checkpoint
 dense_opt_state: optax Adam's state; emb_params: the TBE's `{"d{D}": [rows, D]}`;
 emb_state: `tbe_jax.RowwiseAdagradState(momentum, count)` with `{"d{D}": [rows]}`
 accumulators and the optimizer's int32 step count; with TT tables, emb_params is
-`{"tbe": <that>, "tt": {"cores": per table, per core}}` and emb_state
+`{"tbe": <that>, "tt": {"cores": per TT table group, per core}}` (`tt_jax.params`) and emb_state
 `{"tbe": <that>, "tt": tt_jax.RowwiseAdagradState (or AdagradState)}`), and
 `DIR/run.json` the settings that must match on resume (size, seed, batch size,
 learning rates; with TT tables also tt_tables, tt_rank, tt_lr, tt_opt). Restoring

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax.pallas_compat import row_align
-from tt_jax import prefix
+from tt_jax import params, prefix
 from tt_jax.backward import feature_col0, position_bags
 from tt_jax.kernels.config import TTBackwardConfig, TTForwardConfig, TTKernelConfig
 from tt_jax.kernels.groups import group_pass, packed_dp1
@@ -68,10 +68,11 @@ def _lookup_sources(plan, offsets, per_sample_weights, *, batch, col0, total, po
     return src, scale, coef
 
 
-def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, offsets, per_sample_weights, g_out,
+def group_grads(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, offsets, per_sample_weights, g_out,
                 *, batch: int, col0, pooling: str, want_psw: bool, config: TTBackwardConfig,
                 forward_config: TTForwardConfig, interpret: bool):
     """One table group: (per core its dense stacked gradient `[sum p_t, r, q, r']`, d_psw `[N]` or None).
+    `cores`: per core, the group's stacked cores (the params' buffers, `tt_jax.params`; shaped or flat).
     `forward_config`: the knobs the plan was built with (and the rows kernel's, for the weights' gradient)."""
     nc = layout.num_cores
     q, r = layout.q_shapes, layout.full_ranks
@@ -79,7 +80,7 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     cap = plan.row_suffix.shape[0]
     n = plan.perm.shape[0]
     total = g_out.shape[1]
-    stacked = prefix.stack_cores(layout, all_cores)
+    stacked = [jnp.asarray(c, jnp.float32).reshape(-1) for c in cores]
     # 1. d_rows (and the per-sample-weight gradient).
     src, scale, coef = _lookup_sources(plan, offsets, per_sample_weights, batch=batch, col0=col0, total=total,
                                        pooling=pooling)
@@ -146,27 +147,27 @@ def group_grads(layout: prefix.StackedTables, all_cores, plan: prefix.FlowPlan, 
     return grads, d_psw
 
 
-def dense_core_grads(all_cores, specs, feature_table_map, plans, offsets, per_sample_weights, g_out, *, batch: int,
+def dense_core_grads(cores, specs, feature_table_map, plans, offsets, per_sample_weights, g_out, *, batch: int,
                      pooling: str, want_psw: bool, config: TTKernelConfig, interpret: bool):
-    """Dense gradients of the pooled lookup (Pallas): (per table per core `d G_t` or None for a table no feature
-    reads, d per_sample_weights or None). Same contract as `tt_jax.backward.pooled_vjp`. `config`: the
-    forward's (the plans were built with its `forward_config`) and the backward's knobs."""
+    """Dense gradients of the pooled lookup (Pallas) with respect to the params' stacked `cores` (per table group
+    of `tt_jax.params`, per core): (per group per core its stacked `d G_t`, or None for a group no feature reads,
+    d per_sample_weights or None). Same contract as `tt_jax.backward.pooled_vjp`. `config`: the forward's (the
+    plans were built with its `forward_config`) and the backward's knobs."""
     forward_config, backward_config = config.forward_config, config.backward_config
     groups = prefix.stack_tables(specs, feature_table_map)
     if len(groups) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(groups)} table groups")
     col0 = feature_col0(specs, feature_table_map)
-    d_cores = [[None] * len(cs) for cs in all_cores]
+    all_groups = params.groups(specs)
+    d_cores = [[None] * len(cs) for cs in cores]
     want_psw = want_psw and per_sample_weights is not None
     d_psw = None
     for (layout, _), plan in zip(groups, plans):
-        grads, dp = group_grads(layout, all_cores, plan, offsets, per_sample_weights, g_out, batch=batch, col0=col0,
+        g = all_groups.index(layout)
+        grads, dp = group_grads(layout, cores[g], plan, offsets, per_sample_weights, g_out, batch=batch, col0=col0,
                                 pooling=pooling, want_psw=want_psw, config=backward_config,
                                 forward_config=forward_config, interpret=interpret)
-        for t, dense in enumerate(grads):
-            base = layout.core_base[t]
-            for k, table in enumerate(layout.tables):
-                d_cores[table][t] = dense[base[k] : base[k + 1]]
+        d_cores[g] = grads
         if dp is not None:
             d_psw = dp if d_psw is None else d_psw + dp
     return d_cores, d_psw

@@ -47,9 +47,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from tt_jax import prefix
+from tt_jax import params, prefix
 from tt_jax.kernels.config import PRECISIONS, TTBackwardConfig, TTForwardConfig, TTKernelConfig
 from tt_jax.kernels.pool import tt_pool
 from tt_jax.kernels.prefix_c import packed_prefix_products, prefix_c_size
@@ -90,7 +91,7 @@ def plan_stats(plans) -> list[dict]:
 
 
 def pooled_forward(
-    all_cores,  # per table, its cores in the logical layout
+    cores,  # the params' stacked cores: per table group of `tt_jax.params`, per core `[P, r, q, r']` (or flat)
     specs,
     feature_table_map: tuple[int, ...],
     indices: jax.Array,  # [N] int32
@@ -106,7 +107,8 @@ def pooled_forward(
 ) -> TTForwardResult:
     """`[B, sum_f D_f]` pooled TT lookups (feature f reads table `feature_table_map[f]`) and the plans.
 
-    Per group of tables sharing (q, ranks): `prefix.build_flow`, `tt_rows`, `tt_pool`. Returns
+    Per group of tables sharing (q, ranks): `prefix.build_flow`, `tt_rows`, `tt_pool`, the kernels reading the
+    group's stacked cores as they are stored (flattened, no copy). Returns
     `TTForwardResult(out, plans)`: the output and the per-group `FlowPlan`s (the backward's residuals;
     `plan_stats(plans)` counts their rows, groups and items). With `keep_c`, the plans of T = 3 groups carry
     each work item's prefix product (`FlowPlan.prefix_c`) for the backward, within
@@ -128,16 +130,16 @@ def pooled_forward(
                             fused=True, interpret=interpret))
     c_budget = config.prefix_c_max_bytes
     for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
-        cores = prefix.stack_cores(layout, all_cores)
+        group = [jnp.asarray(c, jnp.float32).reshape(-1) for c in params.group_cores(specs, layout, cores)]
         c_size = prefix_c_size(layout, plan.row_suffix.shape[0], config)
         if c_size is not None and 4 * c_size <= c_budget:
             c_budget -= 4 * c_size
-            c = packed_prefix_products(cores, plan, layout, config=config, interpret=interpret)
-            rows = tt_rows(cores, plan, layout, config=config, interpret=interpret, c_in=c)
+            c = packed_prefix_products(group, plan, layout, config=config, interpret=interpret)
+            rows = tt_rows(group, plan, layout, config=config, interpret=interpret, c_in=c)
             if keep_c:
                 plans[k] = plan = plan._replace(prefix_c=c)
         else:
-            rows = tt_rows(cores, plan, layout, config=config, interpret=interpret)
+            rows = tt_rows(group, plan, layout, config=config, interpret=interpret)
         out = tt_pool(rows, plan.inverse, offsets, per_sample_weights, out, features=feats, col0=col0,
                       dim=layout.dim, batch=batch, total_dim=total, pooling=pooling, config=config,
                       interpret=interpret)
