@@ -14,6 +14,7 @@ import pytest
 
 import tbe_jax
 import tt_jax
+from conftest import ON_GPU
 from tt_jax import backward, optim, prefix, reference
 from tt_jax import params as params_lib
 from tt_jax.kernels import backward as kernel_backward
@@ -231,7 +232,9 @@ def test_update_equals_the_per_table_update(impl, kind):
     got = emb.get_cores(got_p), [emb.get_state(got_s, f) for f in got_s._fields if f != "count"]
     leaves = list(zip(jax.tree.leaves(got), jax.tree.leaves((want_p, want_s))))
     assert len(leaves) == sum(s.num_cores for s in SPECS) * (1 + len(got[1]))
-    if opt.rule().kind == "sgd":
+    if opt.rule().kind == "sgd" and not ON_GPU:
+        # (Compiled for the GPU, XLA contracts SGD's `w - lr * g` into an FMA in one program and not the
+        # other too: the tolerance below there.)
         assert all(_bits_equal(a, b) for a, b in leaves)
     else:
         # The same jnp ops on the same values, but XLA's CPU compiler contracts a multiply-add (`m + g * g`,
