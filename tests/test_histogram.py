@@ -267,6 +267,12 @@ def test_backward_update_matches_model(rng, opt, pooling):
     p2, s2 = step(params, state)
     for a, b in zip(jax.tree_util.tree_leaves((p1, s1)), jax.tree_util.tree_leaves((p2, s2))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise reproducible
+    if pooling == "sum":  # tbe_jax.train_step (forward, dL/dout, this update) equals apply_gradients, bitwise
+        train = jax.jit(lambda p, s: tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None,
+                                                        tbe_jax.SparseLookup(emb, opt, p, s, idx, off)))
+        res = train(params, state)
+        for a, b in zip(jax.tree_util.tree_leaves((res.params, res.opt_state)), jax.tree_util.tree_leaves((p1, s1))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ref_p, ref_s = ref.apply_gradients(params, state, opt, idx, off, g)
 
     tabs = tables_f64(emb, params)
@@ -333,9 +339,10 @@ def test_backward_config_variants(rng, cfg):
         assert_close(a, b, 1e-6)
 
 
-def test_dense_grad_and_train_step(rng):
+def test_dense_grad(rng):
     # jax.grad's dense table gradient (histogram tables from counts^T x dout, the rest from the
-    # sorted runs) equals jax.grad of the XLA reference; tbe_jax.train_step equals apply_gradients.
+    # sorted runs) equals jax.grad of the XLA reference. (tbe_jax.train_step equals apply_gradients on
+    # these tables: test_backward_update_matches_model[sum-adagrad], which compiles the update anyway.)
     tables, fmap, batch = _BWD_TABLES, _BWD_FMAP, 10
     emb = _emb(tables, feature_table_map=fmap)
     ref = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, weights_dtype="float16", impl="xla")
@@ -352,17 +359,6 @@ def test_dense_grad_and_train_step(rng):
     for a, b, m in zip(emb.get_tables(got), emb.get_tables(want), model):
         assert_close(a, m, 1e-3)  # the gradient is stored in fp16 (the table's dtype)
         assert_close(a, b, 1e-3)
-
-    opt = tbe_jax.RowwiseAdagrad(0.1, 1e-3)
-    state = emb.init_opt_state(params, opt)
-    step = jax.jit(lambda p, s, opt: tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None,
-                                                        tbe_jax.SparseLookup(emb, opt, p, s, idx, off)))
-    res = step(params, state, opt)
-    want_p, want_s = emb.apply_gradients(params, state, opt, idx, off, g)
-    assert np.any(np.asarray(emb.get_momentum(want_s)[0]) > 0)  # the step did something
-    for a, b in zip(jax.tree_util.tree_leaves((res.params, res.opt_state)),
-                    jax.tree_util.tree_leaves((want_p, want_s))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_histogram_lookups_form_no_runs(rng):
@@ -439,5 +435,6 @@ def _step_custom_calls(num_tables: int) -> dict:
 
 
 def test_backward_launches_do_not_grow_with_tables():
-    counts = {n: _step_custom_calls(n) for n in (2, 9, 40)}
-    assert counts[2] == counts[9] == counts[40] == {"tbe_histogram_grad": 1, "tbe_histogram_update": 1}, counts
+    # Two sizes suffice (each lowering costs seconds): 40 tables hold the 2-table model's and every E and D class.
+    counts = {n: _step_custom_calls(n) for n in (2, 40)}
+    assert counts[2] == counts[40] == {"tbe_histogram_grad": 1, "tbe_histogram_update": 1}, counts

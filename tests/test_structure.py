@@ -74,13 +74,13 @@ def test_hlo_does_not_grow_with_batch(build):
 @pytest.mark.parametrize("build", [_forward_hlo, _step_hlo], ids=["forward", "step"])
 def test_launches_do_not_grow_with_features(build):
     counts, sizes = {}, {}
-    for f in (10, 100, 1000):
+    for f in (10, 1000):  # two sizes (each lowering costs seconds); 10 features already hold every dim of DIMS
         text = build(_model(f), 1024)
         counts[f] = _custom_calls(text)
         sizes[f] = len(text)
-    assert counts[10] == counts[100] == counts[1000], counts
+    assert counts[10] == counts[1000], counts
     # At most a small constant per feature (the per-feature tables the kernels read).
-    per_feature = (sizes[1000] - sizes[100]) / 900
+    per_feature = (sizes[1000] - sizes[10]) / 990
     assert per_feature < 400, (sizes, per_feature)
     assert sizes[1000] < 2_000_000, sizes
 
