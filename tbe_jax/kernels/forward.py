@@ -108,7 +108,7 @@ class _Branch:
     dim: int
     block_dim: int
     stride: int  # the buffer's stored row length (>= dim; padding columns are loaded, never stored)
-    groups: int = 1  # sub-groups of `bags` bags per program (`ForwardConfig.bag_groups`)
+    groups: int = 1  # sub-groups of `bags` bags per program (`bag_groups`, or `short_bag_groups` for hinted features)
 
     @property
     def bags(self) -> int:
