@@ -1,7 +1,8 @@
 """Train the DLRM demo on synthetic click logs: one jitted `tbe_jax.train_step` per batch.
 
-    python -m examples.dlrm.train [--size tiny|small|gpu] [--steps N] [--batch-size B] [--seed S]
-                                 [--lr LR] [--emb-lr LR] [--eval-batches K]
+    python -m examples.dlrm.train [--size tiny|small|gpu|mlperf] [--model dlrm|dcnv2] [--steps N]
+                                 [--batch-size B] [--seed S] [--lr LR] [--emb-lr LR] [--eval-batches K]
+                                 [--dense-opt adam|adagrad] [--emb-dtype float32|float16] [--matmul-precision P]
                                  [--tt-tables K [--tt-rank R] [--tt-lr LR] [--tt-opt rowwise_adagrad|adagrad]]
                                  [--ckpt-dir DIR [--ckpt-every N] [--resume]] [--emb-share] [--no-progress]
                                  [--devices N] [--data device|host [--workers W]] [--time-steps K]
@@ -15,6 +16,19 @@ is an ordinary (traced) argument of the jitted step: its learning rate is a valu
 another `--emb-lr` does not recompile. On a CPU the TBE runs its XLA path
 (`impl="auto"`), whose update is the dense reference (work proportional to the
 tables); on a GPU the Pallas kernels.
+
+MLPerf DLRMv2 (`--model dcnv2`): the interaction is DCN v2's low-rank cross network
+(`examples.dlrm.dcn`: x0 = [bottom, 26 pooled] `[B, 27*D]`, 3 cross layers `x0 * (U (V^T x) + b) + x` of
+rank 512, then the top MLP; MLPerf's sizes at `--size gpu` / `mlperf`, narrower at `tiny` / `small`), every
+dense matmul at `--matmul-precision` (default `tensorfloat32`; the dlrm model's default is `default`, XLA's
+choice), the dense part trained by `optax.adagrad(lr, initial_accumulator_value=0, eps=1e-8)`
+(`--dense-opt adagrad`, `G += g^2; w -= lr * g / sqrt(G + eps)`) and the data MLPerf's fixed bag sizes
+(`data.DataConfig.preset(size, fixed_bags=True)`). `--size mlperf`: MLPerf's 26 tables (204,184,588 rows, one
+97.4 GiB fp32 buffer at D=128; `--emb-dtype float16` halves it), batch 65536; the tables are drawn in
+place (`TableBatchedEmbedding.init`, in blocks), and tables of 16 GiB or more are timed in place (the timing
+steps continue training the state instead of copying it). The run prints and returns the build time (model,
+data, jitted functions), the init time (tables and optimizer states on the device, compile included) and the
+peak device memory (None where `memory_stats()` has none).
 
 TT tables (`--tt-tables K`): the K largest tables are tensor-train tables
 (`tt_jax.TTEmbeddingBag`, inner ranks `--tt-rank`, shapes from `TTSpec`'s defaults)
@@ -94,7 +108,6 @@ what a straight run gives.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -105,15 +118,18 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import tbe_jax
 import tt_jax
 from examples.dlrm import data as data_lib
-from examples.dlrm.checkpoint import TrainState, latest_checkpoint, restore_checkpoint, save_checkpoint
+from examples.dlrm.checkpoint import (TrainState, _per_embedding, _placed, _portable, latest_checkpoint,  # noqa: F401
+                                      restore_checkpoint, save_checkpoint)
 from examples.dlrm.model import DLRM, DLRMConfig
+from examples.dlrm.metrics import (IN_PLACE_BYTES, auc, evaluate, log_loss, measure_device_step,  # noqa: F401
+                                   measure_emb_share, peak_memory)
+from examples.dlrm.pipeline import DeviceData, local_padded_len, prefetch, split_padded_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +159,6 @@ DCNV2_SIZES = {
     "mlperf": SizeDefaults(batch_size=65536, steps=300, lr=0.004, emb_lr=0.004, eval_batches=4, tt_rank=32),
 }
 DENSE_OPTIMIZERS = ("adam", "adagrad")
-IN_PLACE_BYTES = 1 << 34  # tables of 16 GiB or more: the timing runs on the state itself, no copies
 
 
 def dense_optimizer(name: str, lr: float):
@@ -247,246 +262,6 @@ def build(model: DLRM, lr: float, emb_lr: float, tt_lr: float | None = None,
     emb_opt = make_emb_opt(model, emb_lr, tt_lr, tt_opt)
     init, train_step, eval_logits, emb_step = _jitted(model, lr, dense_opt)
     return Built(functools.partial(init, emb_opt=emb_opt), train_step, eval_logits, emb_step, emb_opt)
-
-
-# -- metrics ---------------------------------------------------------------------------
-
-
-def auc(scores, labels) -> float:
-    """ROC AUC by the rank formula (Mann-Whitney U), tied scores given their average rank."""
-    scores = np.asarray(scores, np.float64).ravel()
-    labels = np.asarray(labels).ravel() > 0.5
-    n_pos = int(labels.sum())
-    n_neg = labels.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    _, inverse, counts = np.unique(scores[order], return_inverse=True, return_counts=True)
-    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based average rank of each tie group
-    ranks = np.empty(scores.size)
-    ranks[order] = avg_rank[inverse]
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def log_loss(logits, labels) -> float:
-    """Mean binary cross-entropy of labels under sigmoid(logits), in float64."""
-    z = np.asarray(logits, np.float64)
-    y = np.asarray(labels, np.float64)
-    return float(np.mean(y * np.logaddexp(0.0, -z) + (1.0 - y) * np.logaddexp(0.0, z)))
-
-
-def evaluate(eval_logits, state: TrainState, eval_set) -> dict:
-    logits = np.concatenate([np.asarray(eval_logits(state.dense_params, state.emb_params, b)) for b, _, _ in eval_set])
-    labels = np.concatenate([y for _, y, _ in eval_set])
-    return {"auc": auc(logits, labels), "loss": log_loss(logits, labels)}
-
-
-# -- input pipeline --------------------------------------------------------------------
-
-
-def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: int, prepare=None, sharding=None):
-    """Batches start..stop-1 in order, generated ahead by a thread pool (each through `prepare`, a
-    host-side function of the arrays, when given) and put on the device (split by rows over a mesh:
-    `sharding`, when given)."""
-
-    def make(i):
-        arrays = gen.batch(i).arrays()
-        return jax.device_put(arrays if prepare is None else prepare(arrays), sharding)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        ahead = 2 * workers
-        futures = {i: pool.submit(make, i) for i in range(start, min(stop, start + ahead))}
-        for i in range(start, stop):
-            if i + ahead < stop:
-                futures[i + ahead] = pool.submit(make, i + ahead)
-            yield futures.pop(i).result()
-
-
-@functools.lru_cache(maxsize=8)
-def device_batch_fn(model: DLRM, data_cfg: data_lib.DataConfig, batch_size: int, caps: tuple[int, ...]):
-    """The device data mode's jitted `(params, stream_key, i) -> batch`: batch `i` of a stream drawn on
-    the device (`data_lib.draw` with the key `fold_in(stream_key, i)`, `params` a `DeviceClickLog`'s)
-    in the model's input format, with "labels" and the hidden model's "logit".
-
-    `caps`: the id capacity of the whole batch; with TT tables `(whole, TBE features, TT features)`
-    (the batch is drawn whole, then split on the device by `data_lib.select_features`: the same
-    data as without TT tables); with a mesh `(one local batch,)`: each device draws its own local
-    batch of `batch_size / N` examples (`shard_map`, key `fold_in(fold_in(stream_key, i), k)` on
-    device k), so the batch is `indices [N, cap]`, `offsets [N, F*(B/N)+1]`, "dense"/"labels"
-    `[B, ...]` split by rows, as `DLRM.shard_batch` gives it (other examples than the one-device run's);
-    with a mesh and TT tables `(one local batch, its TBE features, its TT features)`.
-    """
-    if model.mesh is not None:
-        n, ax = model.num_devices, model.axis_name
-        b = batch_size // n
-
-        def local(params, skey, i):
-            key = jax.random.fold_in(jax.random.fold_in(skey, i), jax.lax.axis_index(ax))
-            arrays = data_lib.draw(data_cfg, params, key, b, caps[0])
-            if model.tt is not None:  # the local batch split by features, as without a mesh
-                idx, off = arrays["indices"], arrays["offsets"]
-                arrays["indices"], arrays["offsets"] = data_lib.select_features(idx, off, b, model.tbe_features,
-                                                                                caps[1])
-                arrays["tt_indices"], arrays["tt_offsets"] = data_lib.select_features(idx, off, b, model.tt_features,
-                                                                                      caps[2])
-                arrays["tt_indices"], arrays["tt_offsets"] = arrays["tt_indices"][None], arrays["tt_offsets"][None]
-            arrays["indices"], arrays["offsets"] = arrays["indices"][None], arrays["offsets"][None]
-            return arrays
-
-        spec = jax.sharding.PartitionSpec
-        return jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(spec(), spec(), spec()), out_specs=spec(ax)))
-
-    def make(params, skey, i):
-        arrays = data_lib.draw(data_cfg, params, jax.random.fold_in(skey, i), batch_size, caps[0])
-        if model.tt is None:
-            return arrays
-        out = {k: arrays[k] for k in ("dense", "labels", "logit")}
-        out["indices"], out["offsets"] = data_lib.select_features(
-            arrays["indices"], arrays["offsets"], batch_size, model.tbe_features, caps[1])
-        out["tt_indices"], out["tt_offsets"] = data_lib.select_features(
-            arrays["indices"], arrays["offsets"], batch_size, model.tt_features, caps[2])
-        return out
-
-    return jax.jit(make)
-
-
-class DeviceData:
-    """Batches drawn on the device (`--data device`) from `gen`'s hidden model, in `model`'s input format.
-
-    `batch(i, stream)` is one asynchronous jitted call (`device_batch_fn`): the training loop never
-    waits on the host. Batch i of a stream depends only on (seed, stream, i)."""
-
-    def __init__(self, gen: data_lib.ClickLogGenerator, model: DLRM):
-        if model.mesh is not None:
-            caps = (local_padded_len(gen, model.num_devices),)
-            if model.tt is not None:
-                caps += (local_padded_len(gen, model.num_devices, model.tbe_features),
-                         local_padded_len(gen, model.num_devices, model.tt_features))
-        elif model.tt is not None:
-            caps = (gen.padded_len, split_padded_len(gen, model.tbe_features),
-                    split_padded_len(gen, model.tt_features))
-        else:
-            caps = (gen.padded_len,)
-        self.caps = caps
-        self.source = data_lib.DeviceClickLog(gen, None if model.mesh is None else model.sharding())
-        self.fn = device_batch_fn(model, gen.config, gen.batch_size, caps)
-        self.keys = {s: self.source.stream_key(s) for s in ("train", "eval")}
-
-    def batch(self, i: int, stream: str = "train") -> dict:
-        """The model's inputs plus "labels" and "logit" (device arrays)."""
-        return self.fn(self.source.params, self.keys[stream], np.int32(i))
-
-    def train_batches(self, start: int, stop: int):
-        """Batches start..stop-1 as the training step takes them (without "logit")."""
-        for i in range(start, stop):
-            arrays = self.batch(i)
-            arrays.pop("logit")
-            yield arrays
-
-
-# -- timing ----------------------------------------------------------------------------
-
-
-def local_padded_len(gen: data_lib.ClickLogGenerator, n: int, features=None) -> int:
-    """A fixed padded id count for one of `n` local batches of `gen.batch_size / n` examples (the
-    generator's rule: the mean count plus 8 standard deviations plus 64, rounded up to 256); of
-    `features` alone when given (the TBE's or the TT tables' part of a local batch)."""
-    f = slice(None) if features is None else list(features)
-    m, one_hot = gen.bag_mean[f], gen.one_hot[f]
-    var = np.where(one_hot, m * (1 - m), m)
-    b = gen.batch_size // n
-    return int(-(-(b * m.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
-
-
-def split_padded_len(gen: data_lib.ClickLogGenerator, features) -> int:
-    """A fixed padded id count for `features` alone (as the generator's for all features): the mean
-    count plus 8 standard deviations plus 64, rounded up to 256."""
-    m = gen.bag_mean[list(features)]
-    var = np.where(gen.one_hot[list(features)], m * (1 - m), m)
-    b = gen.batch_size
-    return int(-(-(b * m.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
-
-
-def _copy(tree):
-    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
-
-
-def time_calls(fn, reps: int, repeats: int = 3) -> float:
-    """Median over `repeats` of the mean ms per call of `fn()` run `reps` times back to back."""
-    jax.block_until_ready(fn())  # warm-up (compiles)
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        r = None
-        for _ in range(reps):
-            r = fn()
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t0) * 1e3 / reps)
-    return float(np.median(out))
-
-
-def measure_emb_share(model, built: Built, state: TrainState, batch, reps: int, in_place: bool = False) -> dict:
-    """ms of a full jitted step vs the embedding lookups + sparse update (`apply_gradients`) alone, same batch.
-
-    Both run on copies of the state (they donate their inputs, so the copies are
-    threaded through the repetitions), `reps` calls enqueued back to back and
-    blocked once, median of 3 repetitions. `in_place`: on the state itself (no copy of
-    the tables; `state` is then consumed): the result's "state" is the state after those steps.
-    """
-    cp = (lambda x: x) if in_place else _copy
-    sp = {"dense": cp(state.dense_params), "opt": cp(state.dense_opt_state),
-          "emb": cp(state.emb_params), "es": cp(state.emb_state)}
-
-    def full():
-        sp["dense"], sp["emb"], sp["es"], sp["opt"], loss = built.train_step(
-            sp["dense"], sp["emb"], sp["es"], sp["opt"], built.emb_opt, batch)
-        return loss
-
-    step_ms = time_calls(full, reps)
-    b = batch["dense"].shape[0]
-    g_out = jax.random.normal(jax.random.key(1), (b, model.num_features * model.config.embedding_dim)) * 1e-3
-
-    def emb_only():
-        sp["emb"], sp["es"] = built.emb_step(sp["emb"], sp["es"], built.emb_opt, batch, g_out)
-        return sp["es"]
-
-    emb_ms = time_calls(emb_only, reps)
-    out = {"step_ms": step_ms, "emb_ms": emb_ms, "share": emb_ms / step_ms}
-    if in_place:
-        out["state"] = state._replace(dense_params=sp["dense"], dense_opt_state=sp["opt"], emb_params=sp["emb"],
-                                      emb_state=sp["es"])
-    return out
-
-
-def measure_device_step(built: Built, state: TrainState, batches, in_place: bool = False):
-    """The device step time: ms per training step with the batches already on the device.
-
-    One warm-up step, then `len(batches)` steps enqueued back to back and blocked once at the end,
-    on copies of `state` (the step donates the tables: the state itself is left as it is). `in_place`:
-    on the state itself (no copy of the tables; `state` is consumed): returns (ms, the state after)."""
-    jax.block_until_ready(batches)
-    cp = (lambda x: x) if in_place else _copy
-    dense, opt, emb, es = (cp(state.dense_params), cp(state.dense_opt_state), cp(state.emb_params),
-                           cp(state.emb_state))
-    dense, emb, es, opt, loss = built.train_step(dense, emb, es, opt, built.emb_opt, batches[0])
-    jax.block_until_ready((dense, emb, es, opt, loss))
-    t0 = time.perf_counter()
-    for b in batches:
-        dense, emb, es, opt, loss = built.train_step(dense, emb, es, opt, built.emb_opt, b)
-    jax.block_until_ready((dense, emb, es, opt, loss))
-    ms = (time.perf_counter() - t0) * 1e3 / len(batches)
-    if in_place:
-        return ms, state._replace(dense_params=dense, dense_opt_state=opt, emb_params=emb, emb_state=es)
-    return ms
-
-
-def peak_memory() -> int | None:
-    """Peak bytes in use on the first device (`memory_stats()["peak_bytes_in_use"]`), None where not reported."""
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 (not every backend has memory stats)
-        return None
-    return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
 
 
 # -- main ------------------------------------------------------------------------------
@@ -594,31 +369,6 @@ def make_mesh(n: int):
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python (before jax is "
             "imported).")
     return jax.make_mesh((n,), ("data",), devices=devices[:n], axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def _portable(model: DLRM, state: TrainState) -> TrainState:
-    """The state to save: with a mesh, the tables and their optimizer state in the one-device format."""
-    if model.mesh is None:
-        return state
-    emb_params, emb_state = _per_embedding(model, "to_unsharded", state.emb_params, state.emb_state)
-    return state._replace(emb_params=emb_params, emb_state=emb_state)
-
-
-def _per_embedding(model: DLRM, method: str, emb_params, emb_state):
-    """`model.emb.<method>(params, state)`, or with TT tables that of each part ({"tbe": ..., "tt": ...})."""
-    if model.tt is None:
-        return getattr(model.emb, method)(emb_params, emb_state)
-    parts = {k: getattr(e, method)(emb_params[k], emb_state[k]) for k, e in (("tbe", model.emb), ("tt", model.tt))}
-    return {k: p for k, (p, _) in parts.items()}, {k: s for k, (_, s) in parts.items()}
-
-
-def _placed(model: DLRM, state: TrainState) -> TrainState:
-    """A restored (one-device format) state on the model's mesh: tables sharded, dense state replicated."""
-    if model.mesh is None:
-        return state
-    emb_params, emb_state = _per_embedding(model, "from_unsharded", state.emb_params, state.emb_state)
-    dense_params, dense_opt_state = jax.device_put((state.dense_params, state.dense_opt_state), model.sharding())
-    return TrainState(state.step, dense_params, dense_opt_state, emb_params, emb_state)
 
 
 def main(argv=None) -> dict:
