@@ -118,3 +118,31 @@ def restore_checkpoint(path, init_fn) -> TrainState:
         state = with_count(state, emb_state) if legacy == [None] else {
             k: with_count(v, emb_state[k]) if k in legacy else v for k, v in state.items()}
     return TrainState(int(tree["step"]), tree["dense_params"], tree["dense_opt_state"], tree["emb_params"], state)
+
+
+# -- a sharded model's state in the one-device format (what a checkpoint holds) and back --
+
+
+def _portable(model, state: TrainState) -> TrainState:
+    """The state to save: with a mesh, the tables and their optimizer state in the one-device format."""
+    if model.mesh is None:
+        return state
+    emb_params, emb_state = _per_embedding(model, "to_unsharded", state.emb_params, state.emb_state)
+    return state._replace(emb_params=emb_params, emb_state=emb_state)
+
+
+def _per_embedding(model, method: str, emb_params, emb_state):
+    """`model.emb.<method>(params, state)`, or with TT tables that of each part ({"tbe": ..., "tt": ...})."""
+    if model.tt is None:
+        return getattr(model.emb, method)(emb_params, emb_state)
+    parts = {k: getattr(e, method)(emb_params[k], emb_state[k]) for k, e in (("tbe", model.emb), ("tt", model.tt))}
+    return {k: p for k, (p, _) in parts.items()}, {k: s for k, (_, s) in parts.items()}
+
+
+def _placed(model, state: TrainState) -> TrainState:
+    """A restored (one-device format) state on the model's mesh: tables sharded, dense state replicated."""
+    if model.mesh is None:
+        return state
+    emb_params, emb_state = _per_embedding(model, "from_unsharded", state.emb_params, state.emb_state)
+    dense_params, dense_opt_state = jax.device_put((state.dense_params, state.dense_opt_state), model.sharding())
+    return TrainState(state.step, dense_params, dense_opt_state, emb_params, emb_state)

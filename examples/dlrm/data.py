@@ -25,6 +25,15 @@ power law (O(1) per id, no per-table CDF array), and the rank-to-row map is an
 affine bijection `(rank * P + shift) mod E` (P a prime above E), so the frequent
 rows are spread over the table without a stored permutation.
 
+Fixed bag sizes (`DataConfig.bag_sizes`, MLPerf DLRMv2's multi-hot Criteo: `DataConfig.fixed`, the
+`mlperf` preset and `preset(size, fixed_bags=True)`): every bag of feature f holds exactly `bag_sizes[f]`
+ids, so a batch holds exactly `B * sum(bag_sizes)` ids (no padding, static offsets). For tables of up to
+4e7 rows the hidden model is bounded (`DataConfig.hidden_ranks` K, 2**16 in those presets): only each
+table's K most frequent Zipf ranks have a hidden row (looked up by rank, before the rank-to-row map), the
+rarer rows have none, so it holds `sum(min(E_t, K))` rows (645,486 at MLPerf's sizes) instead of one per
+table row. (At alpha 1.1 the top 2**16 ranks take ~80% of a 4e7-row table's lookups, so the signal stays
+learnable.) The calibration pilot is then 16384 examples: an MLPerf-sized generator builds in ~1.5 s.
+
 `DeviceClickLog` draws the same kind of batches on the device, inside jitted code
 (`draw`), from the host generator's hidden model (its hidden rows, weights, pairs,
 rank-to-row maps, logit scale and bias, copied to the device once): the same feature
@@ -52,6 +61,12 @@ NUM_SPARSE = 26
 # Streams of independent random numbers under one seed.
 _HIDDEN, _TRAIN, _EVAL, _PILOT = 0, 1, 2, 3
 
+# MLPerf DLRMv2 (DCNv2, multi-hot Criteo 1TB): rows per table and the fixed bag size of each feature.
+MLPERF_TABLE_ROWS = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209,
+                     11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36)
+MLPERF_BAG_SIZES = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+HIDDEN_RANKS = 1 << 16  # the fixed-bag presets' hidden_ranks
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -64,10 +79,23 @@ class DataConfig:
     latent_dim: int = 4  # k of the hidden row vectors
     logit_std: float = 2.0  # spread of the hidden logit
     ctr: float = 0.25  # target share of clicks
+    # Fixed bag sizes: every bag of feature f holds exactly bag_sizes[f] ids (MLPerf DLRMv2's multi-hot
+    # Criteo); bag_mean must then equal them (`DataConfig.fixed`). None: the random lengths of bag_mean.
+    bag_sizes: tuple[int, ...] | None = None
+    # K > 0: only the K most frequent ranks of each table carry a hidden row (the rarer rows none), so the
+    # hidden model takes sum(min(E_t, K)) rows whatever the tables' size. 0: every row has one.
+    hidden_ranks: int = 0
 
     def __post_init__(self):
         if len(self.table_rows) != len(self.bag_mean):
             raise ValueError("table_rows and bag_mean must have one entry per sparse feature")
+        if self.bag_sizes is not None:
+            if len(self.bag_sizes) != len(self.table_rows) or min(self.bag_sizes) < 1:
+                raise ValueError(f"bag_sizes={self.bag_sizes} needs one size >= 1 per sparse feature")
+            if tuple(float(x) for x in self.bag_sizes) != tuple(float(x) for x in self.bag_mean):
+                raise ValueError("with bag_sizes, bag_mean must equal them (use DataConfig.fixed)")
+        if self.hidden_ranks < 0:
+            raise ValueError(f"hidden_ranks={self.hidden_ranks} must be >= 0")
         if min(self.table_rows) < 1:
             raise ValueError("every table needs at least one row")
         if self.alpha <= 0:
@@ -78,9 +106,26 @@ class DataConfig:
         return len(self.table_rows)
 
     @staticmethod
-    def preset(size: str) -> "DataConfig":
-        """`tiny` (tests), `small` (the CPU default) or `gpu` (10 to 1e6 rows per table)."""
+    def fixed(table_rows, bag_sizes, **kwargs) -> "DataConfig":
+        """A config with fixed bag sizes (`bag_mean` set to them)."""
+        sizes = tuple(int(x) for x in bag_sizes)
+        return DataConfig(tuple(int(e) for e in table_rows), tuple(float(x) for x in sizes), bag_sizes=sizes,
+                          **kwargs)
+
+    @staticmethod
+    def preset(size: str, fixed_bags: bool = False) -> "DataConfig":
+        """`tiny` (tests), `small` (the CPU default), `gpu` (10 to 1e6 rows per table) or `mlperf` (MLPerf
+        DLRMv2's 26 tables, 3 to 4e7 rows, 204,184,588 in all, and its fixed multi-hot bag sizes).
+
+        `fixed_bags` (always at `mlperf`): MLPerf's fixed bag sizes, tables of MLPerf's sizes capped at the
+        size's largest table (2000 rows at `tiny`), and hidden effects on each table's 2**16 most frequent
+        ranks only (`hidden_ranks`)."""
+        if size == "mlperf":
+            return DataConfig.fixed(MLPERF_TABLE_ROWS, MLPERF_BAG_SIZES, hidden_ranks=HIDDEN_RANKS)
         max_rows = {"tiny": 2_000, "small": 100_000, "gpu": 1_000_000}[size]
+        if fixed_bags:
+            return DataConfig.fixed(tuple(min(e, max_rows) for e in MLPERF_TABLE_ROWS), MLPERF_BAG_SIZES,
+                                    hidden_ranks=HIDDEN_RANKS)
         return DataConfig(table_rows=table_sizes(NUM_SPARSE, 10, max_rows), bag_mean=bag_means(NUM_SPARSE))
 
 
@@ -174,11 +219,14 @@ class ClickLogGenerator:
         # Per-feature strength: a few features carry no signal at all.
         strength = rng.uniform(0.2, 1.0, f) * (rng.random(f) > 0.15)
         self.w_dense = rng.normal(0.0, 1.0, cfg.num_dense) / np.sqrt(cfg.num_dense)
-        total = int(self.rows.sum())
-        feat_of_row = np.repeat(np.arange(f), self.rows)
+        # Hidden rows per table: one per row, or (hidden_ranks K) one per rank below K, by rank.
+        self.hidden_count = self.rows if not cfg.hidden_ranks else np.minimum(self.rows, cfg.hidden_ranks)
+        self.hidden_base = np.concatenate([[0], np.cumsum(self.hidden_count)[:-1]]).astype(np.int64)
+        total = int(self.hidden_count.sum())
+        feat_of_row = np.repeat(np.arange(f), self.hidden_count)
         # Scale the effects so each feature's bag sum has variance ~ strength^2.
         per_bag = np.where(self.one_hot, 1.0, self.bag_mean)
-        # One row per table row: [effect, k latent values] (one gather per id when sampling).
+        # One row per hidden row: [effect, k latent values] (one gather per id when sampling).
         k = cfg.latent_dim
         self.hidden_rows = rng.standard_normal((total, 1 + k), np.float32)
         self.hidden_rows[:, 0] *= (strength / np.sqrt(per_bag)).astype(np.float32)[feat_of_row]
@@ -192,9 +240,13 @@ class ClickLogGenerator:
         var = np.where(self.one_hot, self.bag_mean * (1 - self.bag_mean), self.bag_mean)
         mean_n, sd_n = batch_size * self.bag_mean.sum(), np.sqrt(batch_size * var.sum())
         self.padded_len = int(-(-(mean_n + 8 * sd_n + 64) // 256) * 256)
+        if cfg.bag_sizes is not None:  # fixed sizes: exactly the batch's ids, no padding
+            self.padded_len = batch_size * int(sum(cfg.bag_sizes))
 
-        # Calibrate the hidden logit: scale to logit_std, bias to the target click rate.
-        pilot = self._draw(np.random.default_rng([self.seed, _PILOT]), max(4096, batch_size))
+        # Calibrate the hidden logit: scale to logit_std, bias to the target click rate (fixed bag sizes:
+        # from 16384 examples whatever the batch size, so that an MLPerf-sized generator builds in seconds).
+        pilot_n = max(4096, batch_size) if cfg.bag_sizes is None else 16384
+        pilot = self._draw(np.random.default_rng([self.seed, _PILOT]), pilot_n)
         raw = pilot[-1]
         self.scale = cfg.logit_std / max(float(raw.std()), 1e-12)
         z = raw * self.scale
@@ -213,18 +265,26 @@ class ClickLogGenerator:
         cfg = self.config
         f = cfg.num_sparse
         dense = rng.standard_normal((b, cfg.num_dense), np.float32)
-        u = rng.random((f, b))
-        lengths = np.where(
-            self.one_hot[:, None],
-            (u < self.bag_mean[:, None]).astype(np.int64),
-            rng.poisson(np.where(self.one_hot, 1.0, self.bag_mean)[:, None], (f, b)),
-        )
+        if cfg.bag_sizes is not None:
+            lengths = np.repeat(np.asarray(cfg.bag_sizes, np.int64)[:, None], b, axis=1)
+        else:
+            u = rng.random((f, b))
+            lengths = np.where(
+                self.one_hot[:, None],
+                (u < self.bag_mean[:, None]).astype(np.int64),
+                rng.poisson(np.where(self.one_hot, 1.0, self.bag_mean)[:, None], (f, b)),
+            )
         counts = lengths.sum(axis=1)
         feat = np.repeat(np.arange(f), counts)
         ranks = zipf_ranks(rng.random(feat.shape[0]), self.rows[feat], cfg.alpha)
         ids = (ranks * self.prime[feat] + self.shift[feat]) % self.rows[feat]
         # Per-bag sums of the hidden rows: differences of a running sum at the bag boundaries.
-        vals = self.hidden_rows[self.row_base[feat] + ids]
+        if cfg.hidden_ranks:  # by rank: ranks >= K have none
+            count = self.hidden_count[feat]
+            vals = self.hidden_rows[self.hidden_base[feat] + np.minimum(ranks, count - 1)]
+            vals = np.where((ranks < count)[:, None], vals, np.float32(0))
+        else:
+            vals = self.hidden_rows[self.row_base[feat] + ids]
         csum = np.zeros((vals.shape[0] + 1, vals.shape[1]), np.float64)
         np.cumsum(vals, axis=0, out=csum[1:])
         ends = np.cumsum(lengths.reshape(-1))
@@ -250,6 +310,8 @@ class ClickLogGenerator:
         np.cumsum(lengths.reshape(-1), out=offsets[1:])
         n = ids.shape[0]
         pad = max(self.padded_len, -(-n // 256) * 256)  # a rare oversize batch takes a larger shape
+        if self.config.bag_sizes is not None:
+            pad = n  # (= padded_len)
         indices = np.zeros(pad, np.int32)
         indices[:n] = ids
         return Batch(dense, indices, offsets, labels, logit)
@@ -374,7 +436,8 @@ def draw(config: DataConfig, params: dict, key, batch_size: int, cap: int) -> di
     "indices" `[cap]` int32 (zero past offsets[-1]), "offsets" `[F*B + 1]` int32, "labels" `[B]` f32,
     "logit" `[B]` f32 (the hidden model's)}.
 
-    The same steps as `ClickLogGenerator`: bag lengths (Bernoulli / Poisson, by inverse CDF),
+    The same steps as `ClickLogGenerator`: bag lengths (Bernoulli / Poisson, by inverse CDF; or the
+    config's fixed `bag_sizes`, then `cap` must hold the batch's ids and no bag is ever cut),
     ids by the Zipf inverse CDF mapped to rows by `(rank * P + shift) mod E`, the per-bag sums of the
     hidden rows (`bag_sums`), the logit and a Bernoulli label. A batch with more than `cap` ids
     (the capacity is mean + 8 standard deviations + 64) keeps its first `cap`: the bags past them are
@@ -384,24 +447,37 @@ def draw(config: DataConfig, params: dict, key, batch_size: int, cap: int) -> di
     f, b = cfg.num_sparse, int(batch_size)
     rows = np.asarray(cfg.table_rows, np.int64)
     bits = max(int(rows.max() - 1).bit_length(), 1)
+    fixed = cfg.bag_sizes is not None
+    if fixed and cap < b * sum(cfg.bag_sizes):
+        raise ValueError(f"cap={cap} is below the {b * sum(cfg.bag_sizes)} ids of a fixed-size batch")
     # One uniform draw for everything (each random call is another copy of the threefry hash to compile).
-    sizes = (b * cfg.num_dense, f * b, cap, b)
+    sizes = (b * cfg.num_dense, 0 if fixed else f * b, cap, b)
     u = jax.random.uniform(key, (sum(sizes),), jnp.float32)
     u_dense, u_len, u_ids, u_lab = jnp.split(u, np.cumsum(sizes)[:-1])
     # Dense features: standard normal by the inverse normal CDF (u + 2**-24 is in (0, 1), symmetric).
     dense = jax.scipy.special.ndtri(u_dense + jnp.float32(2.0**-24)).reshape(b, cfg.num_dense)
 
-    # Bag lengths: a uniform per bag through the feature's length CDF.
-    cdf_np = length_cdf(cfg.bag_mean)
-    max_len = tuple(int(np.argmax(r >= 1.0)) for r in cdf_np)  # the longest bag of each feature
-    cdf = jnp.asarray(cdf_np)
-    lengths = jnp.sum(u_len.reshape(f, b)[:, :, None] >= cdf[:, None, :], axis=2, dtype=jnp.int32)
-    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.minimum(jnp.cumsum(lengths.reshape(-1)), cap)])
-
-    # Ids: position p < offsets[-1] belongs to feature `feat` (bounds offsets[(g+1)*B]).
     pos = jnp.arange(cap, dtype=jnp.int32)
-    valid = pos < offsets[-1]
-    feat = jnp.minimum(jnp.sum(pos[:, None] >= offsets[b::b][None, :], axis=1), f - 1)
+    if fixed:
+        # Fixed sizes: bag (g, j) is ids B*start[g] + j*size[g] ... + size[g] - 1 (static offsets, computed).
+        size_np = np.asarray(cfg.bag_sizes, np.int64)
+        start_np = np.concatenate([[0], np.cumsum(size_np)])  # [F + 1]
+        max_len = tuple(int(x) for x in size_np)
+        bag = jnp.arange(f * b + 1, dtype=jnp.int32)
+        g = jnp.minimum(bag // b, f - 1)
+        offsets = (jnp.asarray(b * start_np[:-1], jnp.int32)[g] + (bag - g * b) * jnp.asarray(size_np, jnp.int32)[g])
+        valid = pos < int(b * start_np[-1])
+        feat = jnp.sum(pos[:, None] >= jnp.asarray(b * start_np[1:-1], jnp.int32)[None, :], axis=1)
+    else:
+        # Bag lengths: a uniform per bag through the feature's length CDF.
+        cdf_np = length_cdf(cfg.bag_mean)
+        max_len = tuple(int(np.argmax(r >= 1.0)) for r in cdf_np)  # the longest bag of each feature
+        cdf = jnp.asarray(cdf_np)
+        lengths = jnp.sum(u_len.reshape(f, b)[:, :, None] >= cdf[:, None, :], axis=2, dtype=jnp.int32)
+        offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.minimum(jnp.cumsum(lengths.reshape(-1)), cap)])
+        # Ids: position p < offsets[-1] belongs to feature `feat` (bounds offsets[(g+1)*B]).
+        valid = pos < offsets[-1]
+        feat = jnp.minimum(jnp.sum(pos[:, None] >= offsets[b::b][None, :], axis=1), f - 1)
     n = jnp.asarray(rows.astype(np.float64), jnp.float32)[feat]
     if abs(cfg.alpha - 1.0) < 1e-9:
         x = jnp.exp(u_ids * jnp.asarray(np.log(rows + 1.0), jnp.float32)[feat])
@@ -417,9 +493,20 @@ def draw(config: DataConfig, params: dict, key, batch_size: int, cap: int) -> di
     ids = jnp.where(valid, ids, 0)
 
     # Hidden logit (as ClickLogGenerator._draw), then the label.
-    row_base = jnp.asarray(np.concatenate([[0], np.cumsum(rows)[:-1]]), jnp.int32)
-    vals = jnp.where(valid[:, None], params["hidden_rows"][row_base[feat] + ids], 0.0)
-    sums = bag_sums(vals, offsets, max_len, b)  # [F, B, 1 + k]
+    if cfg.hidden_ranks:  # hidden rows by rank, ranks >= K none
+        count_np = np.minimum(rows, cfg.hidden_ranks)
+        count = jnp.asarray(count_np, jnp.int32)[feat]
+        base = jnp.asarray(np.concatenate([[0], np.cumsum(count_np)[:-1]]), jnp.int32)[feat]
+        vals = params["hidden_rows"][base + jnp.minimum(rank, count - 1)]
+        vals = jnp.where((valid & (rank < count))[:, None], vals, 0.0)
+    else:
+        row_base = jnp.asarray(np.concatenate([[0], np.cumsum(rows)[:-1]]), jnp.int32)
+        vals = jnp.where(valid[:, None], params["hidden_rows"][row_base[feat] + ids], 0.0)
+    if fixed:  # each feature's bags are [B, size] consecutive ids
+        sums = jnp.stack([vals[b * int(start_np[g]) : b * int(start_np[g + 1])].reshape(b, max_len[g], -1).sum(1)
+                          for g in range(f)])
+    else:
+        sums = bag_sums(vals, offsets, max_len, b)  # [F, B, 1 + k]
     u_bag = sums[..., 1:]
     hi = jax.lax.Precision.HIGHEST
     raw = jnp.dot(dense, params["w_dense"], precision=hi) + sums[..., 0].sum(axis=0)

@@ -6,6 +6,13 @@
     interaction: h and the dot products <z_i, z_j> for i < j   [B, D + (F+1)F/2]
     top MLP -> logit [B];  loss: binary cross-entropy with logits
 
+With `DLRMConfig(interaction="dcn")` (the demo's `--model dcnv2`, MLPerf's DLRMv2) the dot interaction
+is DCN v2's low-rank cross network (`examples.dlrm.dcn`): x0 = [h, e_1, ..., e_F] `[B, (F+1)*D]`, L cross
+layers `x_{l+1} = x0 * (U_l (V_l^T x_l) + b_l) + x_l` of rank r, then the top MLP on x_L; the dense
+parameters gain `"cross": [{"v", "u", "b"}, ...]`, and the tables are drawn by `emb.init` (in blocks,
+in place: MLPerf's 97 GiB of tables never exist twice). Every dense matmul (MLPs, interaction) takes
+`precision=` from `DLRMConfig.matmul_precision` ("default": XLA's own; the dcnv2 presets "tensorfloat32").
+
 The dense parameters are a plain pytree (`{"bottom": [...], "top": [...]}` of
 `{"w", "b"}` layers) for optax; the tables are the TBE's params (`{"d{D}": [rows, D]}`),
 trained by exact row-wise Adagrad on the looked-up rows: `DLRM.train_step` is one
@@ -50,6 +57,7 @@ import optax
 
 import tbe_jax
 import tt_jax
+from examples.dlrm import dcn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -66,11 +74,42 @@ class DLRMConfig:
     impl: str = "auto"
     tt_tables: int = 0  # the K largest tables held as TT tables (0: all in the TBE)
     tt_ranks: tuple[int, ...] = (16, 16)  # their inner TT ranks (len + 1 cores)
+    interaction: str = "dot"  # "dot" (DLRM) or "dcn" (DCN v2's low-rank cross network: MLPerf's DLRMv2)
+    dcn_layers: int = 3  # cross layers ("dcn")
+    dcn_rank: int = 512  # their rank ("dcn")
+    matmul_precision: str = "default"  # `precision=` of every dense matmul ("default": the backend's)
+
+    def __post_init__(self):
+        if self.interaction not in ("dot", "dcn"):
+            raise ValueError(f"interaction={self.interaction!r} must be 'dot' or 'dcn'")
 
     @staticmethod
-    def preset(size: str, table_rows, impl: str = "auto") -> "DLRMConfig":
-        """Layer sizes for `tiny` / `small` (CPU) and `gpu` (DLRM's Criteo shapes, D=128)."""
+    def preset(size: str, table_rows, impl: str = "auto", model: str = "dlrm",
+               weights_dtype: str = "float32") -> "DLRMConfig":
+        """Layer sizes for `tiny` / `small` (CPU) and `gpu` / `mlperf` (DLRM's Criteo shapes, D=128).
+
+        `model="dcnv2"`: MLPerf DLRMv2 (`interaction="dcn"`, TF32 matmuls): at `gpu` / `mlperf` its sizes,
+        bottom MLP 13 -> 512 -> 256 -> 128, 3 cross layers of rank 512, top MLP -> 1024 -> 1024 -> 512 ->
+        256 -> 1; at `tiny` / `small` the same structure narrower (D 16, rank 32 / 64)."""
         table_rows = tuple(int(e) for e in table_rows)
+        if model == "dcnv2":
+            kw = dict(impl=impl, weights_dtype=weights_dtype, interaction="dcn", dcn_layers=3,
+                      matmul_precision="tensorfloat32")
+            if size == "tiny":
+                return DLRMConfig(table_rows, embedding_dim=16, bottom_mlp=(32,), top_mlp=(64, 32), dcn_rank=32, **kw)
+            if size == "small":
+                return DLRMConfig(table_rows, embedding_dim=16, bottom_mlp=(64,), top_mlp=(128, 64), dcn_rank=64,
+                                  **kw)
+            if size in ("gpu", "mlperf"):
+                return DLRMConfig(table_rows, embedding_dim=128, bottom_mlp=(512, 256),
+                                  top_mlp=(1024, 1024, 512, 256), dcn_rank=512, **kw)
+            raise ValueError(f"unknown size {size!r}")
+        if model != "dlrm":
+            raise ValueError(f"unknown model {model!r} (dlrm or dcnv2)")
+        if weights_dtype != "float32":
+            return dataclasses.replace(DLRMConfig.preset(size, table_rows, impl), weights_dtype=weights_dtype)
+        if size == "mlperf":
+            size = "gpu"
         if size == "tiny":
             return DLRMConfig(table_rows, embedding_dim=8, bottom_mlp=(32,), top_mlp=(64,), impl=impl)
         if size == "small":
@@ -103,9 +142,9 @@ def _init_mlps(key, *all_widths):
     return out
 
 
-def mlp(layers, x, *, final_relu: bool):
+def mlp(layers, x, *, final_relu: bool, precision=None):
     for i, layer in enumerate(layers):
-        x = x @ layer["w"] + layer["b"]
+        x = jnp.dot(x, layer["w"], precision=precision) + layer["b"]
         if i < len(layers) - 1 or final_relu:
             x = jax.nn.relu(x)
     return x
@@ -116,7 +155,7 @@ def pair_indices(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(n, k=1)
 
 
-def dot_interaction(bottom: jax.Array, pooled: jax.Array) -> jax.Array:
+def dot_interaction(bottom: jax.Array, pooled: jax.Array, *, precision=None) -> jax.Array:
     """DLRM's dot interaction.
 
     Args:
@@ -128,7 +167,7 @@ def dot_interaction(bottom: jax.Array, pooled: jax.Array) -> jax.Array:
     """
     b, d = bottom.shape
     z = jnp.concatenate([bottom[:, None, :], pooled.reshape(b, -1, d)], axis=1)  # [B, F+1, D]
-    gram = jnp.einsum("bid,bjd->bij", z, z)
+    gram = jnp.einsum("bid,bjd->bij", z, z, precision=precision)
     i, j = pair_indices(z.shape[1])
     return jnp.concatenate([bottom, gram[:, i, j]], axis=1)
 
@@ -255,16 +294,28 @@ class DLRM:
 
     @property
     def interaction_dim(self) -> int:
+        """Width of the top MLP's input: D + (F+1)F/2 (dot), (F+1)*D (dcn: x0's width)."""
         n = self.num_features + 1
+        if self.config.interaction == "dcn":
+            return n * self.config.embedding_dim
         return self.config.embedding_dim + n * (n - 1) // 2
 
+    @property
+    def precision(self):
+        """The `precision=` of the dense matmuls (`config.matmul_precision`; None: the backend's default)."""
+        return dcn.precision_of(self.config.matmul_precision)
+
     def init(self, key) -> tuple[dict, dict]:
-        """(dense_params, emb_params)."""
+        """(dense_params, emb_params); dense_params `{"bottom", "top"}` (dcn: and `"cross"`)."""
         c = self.config
         k_dense, k_emb = jax.random.split(key)
-        bottom, top = _init_mlps(k_dense, (c.num_dense, *c.bottom_mlp, c.embedding_dim),
-                                 (self.interaction_dim, *c.top_mlp, 1))
+        init_mlps = dcn.init_mlps if c.interaction == "dcn" else _init_mlps  # (dcn: torch's nn.Linear init)
+        bottom, top = init_mlps(k_dense, (c.num_dense, *c.bottom_mlp, c.embedding_dim),
+                                (self.interaction_dim, *c.top_mlp, 1))
         dense = {"bottom": bottom, "top": top}
+        if c.interaction == "dcn":
+            dense["cross"] = dcn.init_cross(jax.random.fold_in(k_dense, 1), self.interaction_dim, c.dcn_rank,
+                                            c.dcn_layers)
         return dense, self.init_tables(k_emb)
 
     def init_tables(self, key) -> dict:
@@ -277,8 +328,12 @@ class DLRM:
 
         With a mesh: the sharded embedding's `init` (the same distribution, other values: each device
         draws its own shards, so no table is ever whole on one device); the TT cores as without a mesh
-        (`tt.init`, the same values), replicated on it."""
-        if self.mesh is not None:
+        (`tt.init`, the same values), replicated on it.
+
+        With `interaction="dcn"` (or 2**31 table elements or more): `emb.init` (the same distribution,
+        other values), which draws a large buffer in blocks into place: peak memory ~1x the tables."""
+        c = self.config
+        if self.mesh is not None or c.interaction == "dcn" or sum(c.table_rows) * c.embedding_dim >= 2**31:
             tbe = self.emb.init(key)
             return tbe if self.tt is None else {"tbe": tbe, "tt": self.tt.init(jax.random.fold_in(key, 1))}
         rows = np.asarray(self.config.table_rows)
@@ -381,9 +436,18 @@ class DLRM:
 
     def logits(self, dense_params, dense_x, pooled) -> jax.Array:
         """`[B]` logits from dense features and the pooled embeddings `[B, F*D]`."""
-        h = mlp(dense_params["bottom"], dense_x, final_relu=True)
-        x = dot_interaction(h, pooled.astype(h.dtype))
-        return mlp(dense_params["top"], x, final_relu=False)[:, 0]
+        p = self.precision
+        h = mlp(dense_params["bottom"], dense_x, final_relu=True, precision=p)
+        if self.config.interaction == "dcn":
+            x = dcn.cross_net(dense_params["cross"], self.x0(h, pooled), precision=p)
+        else:
+            x = dot_interaction(h, pooled.astype(h.dtype), precision=p)
+        return mlp(dense_params["top"], x, final_relu=False, precision=p)[:, 0]
+
+    @staticmethod
+    def x0(bottom, pooled) -> jax.Array:
+        """DCN's input `[B, (F+1)*D]`: the bottom-MLP output, then the pooled embeddings (MLPerf's order)."""
+        return jnp.concatenate([bottom, pooled.astype(bottom.dtype)], axis=1)
 
     def forward(self, dense_params, emb_params, batch) -> jax.Array:
         """Logits with a plain lookup (evaluation)."""

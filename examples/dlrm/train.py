@@ -1,7 +1,8 @@
 """Train the DLRM demo on synthetic click logs: one jitted `tbe_jax.train_step` per batch.
 
-    python -m examples.dlrm.train [--size tiny|small|gpu] [--steps N] [--batch-size B] [--seed S]
-                                 [--lr LR] [--emb-lr LR] [--eval-batches K]
+    python -m examples.dlrm.train [--size tiny|small|gpu|mlperf] [--model dlrm|dcnv2] [--steps N]
+                                 [--batch-size B] [--seed S] [--lr LR] [--emb-lr LR] [--eval-batches K]
+                                 [--dense-opt adam|adagrad] [--emb-dtype float32|float16] [--matmul-precision P]
                                  [--tt-tables K [--tt-rank R] [--tt-lr LR] [--tt-opt rowwise_adagrad|adagrad]]
                                  [--ckpt-dir DIR [--ckpt-every N] [--resume]] [--emb-share] [--no-progress]
                                  [--devices N] [--data device|host [--workers W]] [--time-steps K]
@@ -15,6 +16,19 @@ is an ordinary (traced) argument of the jitted step: its learning rate is a valu
 another `--emb-lr` does not recompile. On a CPU the TBE runs its XLA path
 (`impl="auto"`), whose update is the dense reference (work proportional to the
 tables); on a GPU the Pallas kernels.
+
+MLPerf DLRMv2 (`--model dcnv2`): the interaction is DCN v2's low-rank cross network
+(`examples.dlrm.dcn`: x0 = [bottom, 26 pooled] `[B, 27*D]`, 3 cross layers `x0 * (U (V^T x) + b) + x` of
+rank 512, then the top MLP; MLPerf's sizes at `--size gpu` / `mlperf`, narrower at `tiny` / `small`), every
+dense matmul at `--matmul-precision` (default `tensorfloat32`; the dlrm model's default is `default`, XLA's
+choice), the dense part trained by `optax.adagrad(lr, initial_accumulator_value=0, eps=1e-8)`
+(`--dense-opt adagrad`, `G += g^2; w -= lr * g / sqrt(G + eps)`) and the data MLPerf's fixed bag sizes
+(`data.DataConfig.preset(size, fixed_bags=True)`). `--size mlperf`: MLPerf's 26 tables (204,184,588 rows, one
+97.4 GiB fp32 buffer at D=128; `--emb-dtype float16` halves it), batch 65536; the tables are drawn in
+place (`TableBatchedEmbedding.init`, in blocks), and tables of 16 GiB or more are timed in place (the timing
+steps continue training the state instead of copying it). The run prints and returns the build time (model,
+data, jitted functions), the init time (tables and optimizer states on the device, compile included) and the
+peak device memory (None where `memory_stats()` has none).
 
 TT tables (`--tt-tables K`): the K largest tables are tensor-train tables
 (`tt_jax.TTEmbeddingBag`, inner ranks `--tt-rank`, shapes from `TTSpec`'s defaults)
@@ -94,7 +108,6 @@ what a straight run gives.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -105,15 +118,18 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import tbe_jax
 import tt_jax
 from examples.dlrm import data as data_lib
-from examples.dlrm.checkpoint import TrainState, latest_checkpoint, restore_checkpoint, save_checkpoint
+from examples.dlrm.checkpoint import (TrainState, _per_embedding, _placed, _portable, latest_checkpoint,  # noqa: F401
+                                      restore_checkpoint, save_checkpoint)
 from examples.dlrm.model import DLRM, DLRMConfig
+from examples.dlrm.metrics import (IN_PLACE_BYTES, auc, evaluate, log_loss, measure_device_step,  # noqa: F401
+                                   measure_emb_share, peak_memory)
+from examples.dlrm.pipeline import DeviceData, local_padded_len, prefetch, split_padded_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +147,34 @@ SIZES = {
     "tiny": SizeDefaults(batch_size=256, steps=60, lr=3e-3, emb_lr=0.05, eval_batches=8),
     "small": SizeDefaults(batch_size=512, steps=3000, lr=1e-3, emb_lr=0.05, eval_batches=16),
     "gpu": SizeDefaults(batch_size=8192, steps=2000, lr=1e-3, emb_lr=0.05, eval_batches=16, tt_rank=32),
+    "mlperf": SizeDefaults(batch_size=65536, steps=300, lr=1e-3, emb_lr=0.05, eval_batches=4, tt_rank=32),
 }
+# --model dcnv2: dense Adagrad (MLPerf's optimizer); lr: the dense Adagrad's, emb_lr: the tables' row-wise Adagrad's.
+# gpu / mlperf: MLPerf's 0.004 for both; tiny / small: higher (0.01 / 0.02), for the CPU's few steps (at 0.004
+# the tiny run's AUC after 40 steps is ~0.68 against ~0.70 with these; 0.05 on the tables diverges at first).
+DCNV2_SIZES = {
+    "tiny": SizeDefaults(batch_size=256, steps=40, lr=0.01, emb_lr=0.02, eval_batches=8),
+    "small": SizeDefaults(batch_size=512, steps=2000, lr=0.01, emb_lr=0.02, eval_batches=16),
+    "gpu": SizeDefaults(batch_size=8192, steps=1000, lr=0.004, emb_lr=0.004, eval_batches=8, tt_rank=32),
+    "mlperf": SizeDefaults(batch_size=65536, steps=300, lr=0.004, emb_lr=0.004, eval_batches=4, tt_rank=32),
+}
+DENSE_OPTIMIZERS = ("adam", "adagrad")
+
+
+def dense_optimizer(name: str, lr: float):
+    """The dense part's optax optimizer: `optax.adam(lr)`, or (`"adagrad"`, MLPerf DLRMv2's) `optax.adagrad(lr,
+    initial_accumulator_value=0.0, eps=1e-8)`, whose update (optax's `scale_by_rss`) is
+
+        G += g**2;   w -= lr * g / sqrt(G + eps)   (and 0 where G == 0)
+
+    element-wise, eps inside the square root (torch.optim.Adagrad puts it outside: `g / (sqrt(G) + eps)`;
+    the two differ only while G is below ~eps). The tables' `tbe_jax.RowwiseAdagrad` is FBGEMM's:
+    `m += mean(g**2 over the row)`, `row -= lr * g / (sqrt(m) + eps)`."""
+    if name == "adam":
+        return optax.adam(lr)
+    if name == "adagrad":
+        return optax.adagrad(lr, initial_accumulator_value=0.0, eps=1e-8)
+    raise ValueError(f"dense optimizer {name!r} must be one of {DENSE_OPTIMIZERS}")
 
 
 # -- the jitted functions (cached per configuration, so repeated main() calls reuse them) --
@@ -160,10 +203,12 @@ def make_emb_opt(model: DLRM, emb_lr: float, tt_lr: float | None = None, tt_opt:
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(model: DLRM, lr: float):
-    """The jitted functions of one model and dense learning rate; the embedding optimizer is an argument
-    (its hyperparameters are traced values: other embedding learning rates reuse the compiled code)."""
-    dense_tx = optax.adam(lr)
+def _jitted(model: DLRM, lr: float, dense_opt: str = "adam"):
+    """The jitted functions of one model and dense optimizer (`dense_optimizer(dense_opt, lr)`); the embedding
+    optimizer is an argument (its hyperparameters are traced values: other embedding learning rates reuse the
+    compiled code). `train_step` donates the tables and their state (and `init` writes the tables in place:
+    `DLRM.init_tables`)."""
+    dense_tx = dense_optimizer(dense_opt, lr)
 
     @jax.jit
     def init(key, emb_opt):
@@ -208,235 +253,15 @@ def _jitted(model: DLRM, lr: float):
 
 @functools.lru_cache(maxsize=8)
 def build(model: DLRM, lr: float, emb_lr: float, tt_lr: float | None = None,
-          tt_opt: str = "rowwise_adagrad") -> Built:
+          tt_opt: str = "rowwise_adagrad", dense_opt: str = "adam") -> Built:
     """`Built(init, train_step, eval_logits, emb_step, emb_opt)` for this model and these learning rates.
 
     `emb_opt` (`make_emb_opt`) is passed to `train_step` and `emb_step` as an ordinary argument; `init`
     has it bound. With TT tables (`model.tt`) the embedding params, states and optimizers are dicts
     `{"tbe": ..., "tt": ...}`."""
     emb_opt = make_emb_opt(model, emb_lr, tt_lr, tt_opt)
-    init, train_step, eval_logits, emb_step = _jitted(model, lr)
+    init, train_step, eval_logits, emb_step = _jitted(model, lr, dense_opt)
     return Built(functools.partial(init, emb_opt=emb_opt), train_step, eval_logits, emb_step, emb_opt)
-
-
-# -- metrics ---------------------------------------------------------------------------
-
-
-def auc(scores, labels) -> float:
-    """ROC AUC by the rank formula (Mann-Whitney U), tied scores given their average rank."""
-    scores = np.asarray(scores, np.float64).ravel()
-    labels = np.asarray(labels).ravel() > 0.5
-    n_pos = int(labels.sum())
-    n_neg = labels.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    _, inverse, counts = np.unique(scores[order], return_inverse=True, return_counts=True)
-    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based average rank of each tie group
-    ranks = np.empty(scores.size)
-    ranks[order] = avg_rank[inverse]
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def log_loss(logits, labels) -> float:
-    """Mean binary cross-entropy of labels under sigmoid(logits), in float64."""
-    z = np.asarray(logits, np.float64)
-    y = np.asarray(labels, np.float64)
-    return float(np.mean(y * np.logaddexp(0.0, -z) + (1.0 - y) * np.logaddexp(0.0, z)))
-
-
-def evaluate(eval_logits, state: TrainState, eval_set) -> dict:
-    logits = np.concatenate([np.asarray(eval_logits(state.dense_params, state.emb_params, b)) for b, _, _ in eval_set])
-    labels = np.concatenate([y for _, y, _ in eval_set])
-    return {"auc": auc(logits, labels), "loss": log_loss(logits, labels)}
-
-
-# -- input pipeline --------------------------------------------------------------------
-
-
-def prefetch(gen: data_lib.ClickLogGenerator, start: int, stop: int, workers: int, prepare=None, sharding=None):
-    """Batches start..stop-1 in order, generated ahead by a thread pool (each through `prepare`, a
-    host-side function of the arrays, when given) and put on the device (split by rows over a mesh:
-    `sharding`, when given)."""
-
-    def make(i):
-        arrays = gen.batch(i).arrays()
-        return jax.device_put(arrays if prepare is None else prepare(arrays), sharding)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        ahead = 2 * workers
-        futures = {i: pool.submit(make, i) for i in range(start, min(stop, start + ahead))}
-        for i in range(start, stop):
-            if i + ahead < stop:
-                futures[i + ahead] = pool.submit(make, i + ahead)
-            yield futures.pop(i).result()
-
-
-@functools.lru_cache(maxsize=8)
-def device_batch_fn(model: DLRM, data_cfg: data_lib.DataConfig, batch_size: int, caps: tuple[int, ...]):
-    """The device data mode's jitted `(params, stream_key, i) -> batch`: batch `i` of a stream drawn on
-    the device (`data_lib.draw` with the key `fold_in(stream_key, i)`, `params` a `DeviceClickLog`'s)
-    in the model's input format, with "labels" and the hidden model's "logit".
-
-    `caps`: the id capacity of the whole batch; with TT tables `(whole, TBE features, TT features)`
-    (the batch is drawn whole, then split on the device by `data_lib.select_features`: the same
-    data as without TT tables); with a mesh `(one local batch,)`: each device draws its own local
-    batch of `batch_size / N` examples (`shard_map`, key `fold_in(fold_in(stream_key, i), k)` on
-    device k), so the batch is `indices [N, cap]`, `offsets [N, F*(B/N)+1]`, "dense"/"labels"
-    `[B, ...]` split by rows, as `DLRM.shard_batch` gives it (other examples than the one-device run's);
-    with a mesh and TT tables `(one local batch, its TBE features, its TT features)`.
-    """
-    if model.mesh is not None:
-        n, ax = model.num_devices, model.axis_name
-        b = batch_size // n
-
-        def local(params, skey, i):
-            key = jax.random.fold_in(jax.random.fold_in(skey, i), jax.lax.axis_index(ax))
-            arrays = data_lib.draw(data_cfg, params, key, b, caps[0])
-            if model.tt is not None:  # the local batch split by features, as without a mesh
-                idx, off = arrays["indices"], arrays["offsets"]
-                arrays["indices"], arrays["offsets"] = data_lib.select_features(idx, off, b, model.tbe_features,
-                                                                                caps[1])
-                arrays["tt_indices"], arrays["tt_offsets"] = data_lib.select_features(idx, off, b, model.tt_features,
-                                                                                      caps[2])
-                arrays["tt_indices"], arrays["tt_offsets"] = arrays["tt_indices"][None], arrays["tt_offsets"][None]
-            arrays["indices"], arrays["offsets"] = arrays["indices"][None], arrays["offsets"][None]
-            return arrays
-
-        spec = jax.sharding.PartitionSpec
-        return jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(spec(), spec(), spec()), out_specs=spec(ax)))
-
-    def make(params, skey, i):
-        arrays = data_lib.draw(data_cfg, params, jax.random.fold_in(skey, i), batch_size, caps[0])
-        if model.tt is None:
-            return arrays
-        out = {k: arrays[k] for k in ("dense", "labels", "logit")}
-        out["indices"], out["offsets"] = data_lib.select_features(
-            arrays["indices"], arrays["offsets"], batch_size, model.tbe_features, caps[1])
-        out["tt_indices"], out["tt_offsets"] = data_lib.select_features(
-            arrays["indices"], arrays["offsets"], batch_size, model.tt_features, caps[2])
-        return out
-
-    return jax.jit(make)
-
-
-class DeviceData:
-    """Batches drawn on the device (`--data device`) from `gen`'s hidden model, in `model`'s input format.
-
-    `batch(i, stream)` is one asynchronous jitted call (`device_batch_fn`): the training loop never
-    waits on the host. Batch i of a stream depends only on (seed, stream, i)."""
-
-    def __init__(self, gen: data_lib.ClickLogGenerator, model: DLRM):
-        if model.mesh is not None:
-            caps = (local_padded_len(gen, model.num_devices),)
-            if model.tt is not None:
-                caps += (local_padded_len(gen, model.num_devices, model.tbe_features),
-                         local_padded_len(gen, model.num_devices, model.tt_features))
-        elif model.tt is not None:
-            caps = (gen.padded_len, split_padded_len(gen, model.tbe_features),
-                    split_padded_len(gen, model.tt_features))
-        else:
-            caps = (gen.padded_len,)
-        self.caps = caps
-        self.source = data_lib.DeviceClickLog(gen, None if model.mesh is None else model.sharding())
-        self.fn = device_batch_fn(model, gen.config, gen.batch_size, caps)
-        self.keys = {s: self.source.stream_key(s) for s in ("train", "eval")}
-
-    def batch(self, i: int, stream: str = "train") -> dict:
-        """The model's inputs plus "labels" and "logit" (device arrays)."""
-        return self.fn(self.source.params, self.keys[stream], np.int32(i))
-
-    def train_batches(self, start: int, stop: int):
-        """Batches start..stop-1 as the training step takes them (without "logit")."""
-        for i in range(start, stop):
-            arrays = self.batch(i)
-            arrays.pop("logit")
-            yield arrays
-
-
-# -- timing ----------------------------------------------------------------------------
-
-
-def local_padded_len(gen: data_lib.ClickLogGenerator, n: int, features=None) -> int:
-    """A fixed padded id count for one of `n` local batches of `gen.batch_size / n` examples (the
-    generator's rule: the mean count plus 8 standard deviations plus 64, rounded up to 256); of
-    `features` alone when given (the TBE's or the TT tables' part of a local batch)."""
-    f = slice(None) if features is None else list(features)
-    m, one_hot = gen.bag_mean[f], gen.one_hot[f]
-    var = np.where(one_hot, m * (1 - m), m)
-    b = gen.batch_size // n
-    return int(-(-(b * m.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
-
-
-def split_padded_len(gen: data_lib.ClickLogGenerator, features) -> int:
-    """A fixed padded id count for `features` alone (as the generator's for all features): the mean
-    count plus 8 standard deviations plus 64, rounded up to 256."""
-    m = gen.bag_mean[list(features)]
-    var = np.where(gen.one_hot[list(features)], m * (1 - m), m)
-    b = gen.batch_size
-    return int(-(-(b * m.sum() + 8 * np.sqrt(b * var.sum()) + 64) // 256) * 256)
-
-
-def _copy(tree):
-    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
-
-
-def time_calls(fn, reps: int, repeats: int = 3) -> float:
-    """Median over `repeats` of the mean ms per call of `fn()` run `reps` times back to back."""
-    jax.block_until_ready(fn())  # warm-up (compiles)
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        r = None
-        for _ in range(reps):
-            r = fn()
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t0) * 1e3 / reps)
-    return float(np.median(out))
-
-
-def measure_emb_share(model, built: Built, state: TrainState, batch, reps: int) -> dict:
-    """ms of a full jitted step vs the embedding lookups + sparse update (`apply_gradients`) alone, same batch.
-
-    Both run on copies of the state (they donate their inputs, so the copies are
-    threaded through the repetitions), `reps` calls enqueued back to back and
-    blocked once, median of 3 repetitions.
-    """
-    sp = {"dense": _copy(state.dense_params), "opt": _copy(state.dense_opt_state),
-          "emb": _copy(state.emb_params), "es": _copy(state.emb_state)}
-
-    def full():
-        sp["dense"], sp["emb"], sp["es"], sp["opt"], loss = built.train_step(
-            sp["dense"], sp["emb"], sp["es"], sp["opt"], built.emb_opt, batch)
-        return loss
-
-    step_ms = time_calls(full, reps)
-    b = batch["dense"].shape[0]
-    g_out = jax.random.normal(jax.random.key(1), (b, model.num_features * model.config.embedding_dim)) * 1e-3
-
-    def emb_only():
-        sp["emb"], sp["es"] = built.emb_step(sp["emb"], sp["es"], built.emb_opt, batch, g_out)
-        return sp["es"]
-
-    emb_ms = time_calls(emb_only, reps)
-    return {"step_ms": step_ms, "emb_ms": emb_ms, "share": emb_ms / step_ms}
-
-
-def measure_device_step(built: Built, state: TrainState, batches) -> float:
-    """The device step time: ms per training step with the batches already on the device.
-
-    One warm-up step, then `len(batches)` steps enqueued back to back and blocked once at the end,
-    on copies of `state` (the step donates the tables: the state itself is left as it is)."""
-    jax.block_until_ready(batches)
-    dense, opt, emb, es = (_copy(state.dense_params), _copy(state.dense_opt_state), _copy(state.emb_params),
-                           _copy(state.emb_state))
-    dense, emb, es, opt, loss = built.train_step(dense, emb, es, opt, built.emb_opt, batches[0])
-    jax.block_until_ready((dense, emb, es, opt, loss))
-    t0 = time.perf_counter()
-    for b in batches:
-        dense, emb, es, opt, loss = built.train_step(dense, emb, es, opt, built.emb_opt, b)
-    jax.block_until_ready((dense, emb, es, opt, loss))
-    return (time.perf_counter() - t0) * 1e3 / len(batches)
 
 
 # -- main ------------------------------------------------------------------------------
@@ -459,11 +284,23 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m examples.dlrm.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small",
-                    help="tiny: tests; small (default): a few minutes on a 2-core CPU; gpu: tables of 10 to 1e6 rows")
+                    help="tiny: tests; small (default): a few minutes on a 2-core CPU; gpu: tables of 10 to 1e6 rows; "
+                         "mlperf: MLPerf DLRMv2's 26 tables (204,184,588 rows, 97.4 GiB at D=128 fp32) and fixed "
+                         "multi-hot bag sizes, batch 65536")
+    ap.add_argument("--model", choices=("dlrm", "dcnv2"), default="dlrm",
+                    help="dlrm (default): dot interaction, Adam on the dense part; dcnv2: MLPerf DLRMv2 (DCN v2 "
+                         "low-rank cross network, Adagrad everywhere, TF32 matmuls, MLPerf's fixed bag sizes)")
+    ap.add_argument("--dense-opt", choices=DENSE_OPTIMIZERS, default=None,
+                    help="optimizer of the dense part (default: adam for dlrm, adagrad for dcnv2)")
+    ap.add_argument("--emb-dtype", choices=("float32", "float16"), default="float32",
+                    help="the tables' storage dtype (the TBE's weights_dtype; default float32)")
+    ap.add_argument("--matmul-precision", default=None,
+                    help="precision= of the dense matmuls: default (the backend's), tensorfloat32, float32, "
+                         "bfloat16, highest (default: tensorfloat32 for dcnv2, default for dlrm)")
     ap.add_argument("--steps", type=int, default=None, help="total training steps (default: per size)")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0, help="fixes the data (hidden model and batches) and the init")
-    ap.add_argument("--lr", type=float, default=None, help="Adam learning rate of the dense MLPs")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate of the dense part (--dense-opt)")
     ap.add_argument("--emb-lr", type=float, default=None, help="row-wise Adagrad learning rate of the tables")
     ap.add_argument("--eval-batches", type=int, default=None, help="held-out batches for AUC and loss")
     ap.add_argument("--ckpt-dir", default=None, help="save a checkpoint here at the end (and every --ckpt-every)")
@@ -498,7 +335,9 @@ def parse_args(argv=None):
                          "is imported), e.g. XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m "
                          "examples.dlrm.train --devices 2; the batch size must be a multiple of N")
     args = ap.parse_args(argv)
-    d = SIZES[args.size]
+    d = (DCNV2_SIZES if args.model == "dcnv2" else SIZES)[args.size]
+    if args.dense_opt is None:
+        args.dense_opt = "adagrad" if args.model == "dcnv2" else "adam"
     for name in ("steps", "batch_size", "lr", "emb_lr", "eval_batches", "tt_lr", "tt_rank"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(d, name))
@@ -532,31 +371,6 @@ def make_mesh(n: int):
     return jax.make_mesh((n,), ("data",), devices=devices[:n], axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _portable(model: DLRM, state: TrainState) -> TrainState:
-    """The state to save: with a mesh, the tables and their optimizer state in the one-device format."""
-    if model.mesh is None:
-        return state
-    emb_params, emb_state = _per_embedding(model, "to_unsharded", state.emb_params, state.emb_state)
-    return state._replace(emb_params=emb_params, emb_state=emb_state)
-
-
-def _per_embedding(model: DLRM, method: str, emb_params, emb_state):
-    """`model.emb.<method>(params, state)`, or with TT tables that of each part ({"tbe": ..., "tt": ...})."""
-    if model.tt is None:
-        return getattr(model.emb, method)(emb_params, emb_state)
-    parts = {k: getattr(e, method)(emb_params[k], emb_state[k]) for k, e in (("tbe", model.emb), ("tt", model.tt))}
-    return {k: p for k, (p, _) in parts.items()}, {k: s for k, (_, s) in parts.items()}
-
-
-def _placed(model: DLRM, state: TrainState) -> TrainState:
-    """A restored (one-device format) state on the model's mesh: tables sharded, dense state replicated."""
-    if model.mesh is None:
-        return state
-    emb_params, emb_state = _per_embedding(model, "from_unsharded", state.emb_params, state.emb_state)
-    dense_params, dense_opt_state = jax.device_put((state.dense_params, state.dense_opt_state), model.sharding())
-    return TrainState(state.step, dense_params, dense_opt_state, emb_params, emb_state)
-
-
 def main(argv=None) -> dict:
     """Run the demo; returns {"auc_before", "auc_after", "eval_loss_before", "eval_loss_after",
     "oracle_auc", "final_loss", "steps", "steps_per_s", "examples_per_s", "step_ms", "wall_step_ms", "data",
@@ -569,17 +383,26 @@ def main(argv=None) -> dict:
     log = functools.partial(print, flush=True)
     mesh = make_mesh(args.devices) if args.devices > 1 else None  # first: it may set the CPU device count
     backend = jax.default_backend()
-    data_cfg = data_lib.DataConfig.preset(args.size)
-    config = DLRMConfig.preset(args.size, data_cfg.table_rows, impl=args.impl)
+    t_build = time.perf_counter()
+    data_cfg = data_lib.DataConfig.preset(args.size, fixed_bags=args.model == "dcnv2")
+    config = DLRMConfig.preset(args.size, data_cfg.table_rows, impl=args.impl, model=args.model,
+                               weights_dtype=args.emb_dtype)
+    if args.matmul_precision is not None:
+        config = dataclasses.replace(config, matmul_precision=args.matmul_precision)
     if args.tt_tables:
         config = dataclasses.replace(config, tt_tables=args.tt_tables, tt_ranks=(args.tt_rank, args.tt_rank))
     model = DLRM(config, mesh=mesh)
-    tt_args = (args.tt_lr, args.tt_opt) if args.tt_tables else ()
-    built = build(model, args.lr, args.emb_lr, *tt_args)
+    tt_args = (args.tt_lr, args.tt_opt) if args.tt_tables else (None, "rowwise_adagrad")
+    built = build(model, args.lr, args.emb_lr, *tt_args, dense_opt=args.dense_opt)
     init_fn, train_step, eval_logits, emb_opt = built.init, built.train_step, built.eval_logits, built.emb_opt
     gen = data_lib.ClickLogGenerator(data_cfg, args.batch_size, seed=args.seed)
     settings = {"size": args.size, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
                 "emb_lr": args.emb_lr, "impl": args.impl}
+    for name, default in (("model", "dlrm"), ("dense_opt", "adam"), ("emb_dtype", "float32")):
+        if getattr(args, name) != default:  # (only then: older checkpoints' settings stay as they were)
+            settings[name] = getattr(args, name)
+    if config.matmul_precision != "default":
+        settings["matmul_precision"] = config.matmul_precision
     prepare = None
     if args.tt_tables:  # (only then: the settings of a run without TT tables are what they always were)
         settings.update(tt_tables=args.tt_tables, tt_rank=args.tt_rank, tt_lr=args.tt_lr, tt_opt=args.tt_opt)
@@ -600,7 +423,8 @@ def main(argv=None) -> dict:
         device_data = DeviceData(gen, model)
     restore_init = init_fn
     if mesh is not None and args.resume:  # a checkpoint holds the one-device format: that model's init's structure
-        restore_init = build(DLRM(config), args.lr, args.emb_lr, *tt_args).init
+        restore_init = build(DLRM(config), args.lr, args.emb_lr, *tt_args, dense_opt=args.dense_opt).init
+    t_build = time.perf_counter() - t_build
 
     emb = model.emb_unsharded
     path = "Pallas kernels" if emb.uses_kernel() else "XLA path"
@@ -633,6 +457,7 @@ def main(argv=None) -> dict:
             + ("; TT tables data parallel (cores replicated, tt_jax.shard)" if args.tt_tables else ""))
 
     # State: fresh, or restored from the newest checkpoint.
+    t_init = None
     if args.resume and latest_checkpoint(args.ckpt_dir) is not None:
         saved = json.loads((pathlib.Path(args.ckpt_dir) / "run.json").read_text())
         if saved != settings:
@@ -643,14 +468,25 @@ def main(argv=None) -> dict:
     else:
         if args.resume:
             log(f"--resume: no checkpoint in {args.ckpt_dir}; starting from scratch")
-        state = TrainState(0, *init_fn(jax.random.key(args.seed)))
+        t_init = time.perf_counter()
+        state = jax.block_until_ready(TrainState(0, *init_fn(jax.random.key(args.seed))))
+        t_init = time.perf_counter() - t_init
+        log(f"built the model, data and jitted functions in {t_build:.2f} s; tables and optimizer state initialised "
+            f"on the device in {t_init:.2f} s (compile included); peak device memory "
+            + ("n/a" if peak_memory() is None else f"{peak_memory() / 2**30:.2f} GiB"))
+    peak_init = peak_memory()
     n_dense = sum(x.size for x in jax.tree_util.tree_leaves(state.dense_params))
     tbe_params = state.emb_params if model.tt is None else state.emb_params["tbe"]
     n_emb = sum(x.size for x in tbe_params.values())
     if mesh is not None:  # the sharded storage pads each device's buffers: count the tables' own rows
         n_emb = sum(t.num_embeddings * t.embedding_dim for t in emb.tables)
     mem = model.table_bytes()
-    log(f"parameters: {n_dense:,} dense (Adam, lr {args.lr}), {n_emb:,} in {'TBE ' if model.tt else ''}tables "
+    arch = ("DCN v2: bottom MLP, x0 = [bottom, 26 pooled] of width "
+            f"{model.interaction_dim}, {config.dcn_layers} low-rank cross layers of rank {config.dcn_rank}, top MLP"
+            if config.interaction == "dcn" else "DLRM: bottom MLP, dot interaction, top MLP")
+    log(f"model: {arch}; matmul precision {config.matmul_precision}; tables {config.weights_dtype}")
+    log(f"parameters: {n_dense:,} dense ({args.dense_opt}, lr {args.lr}), {n_emb:,} in "
+        f"{'TBE ' if model.tt else ''}tables "
         f"({mem['tbe'] / 2**20:.1f} MiB, row-wise Adagrad on the looked-up rows, lr {args.emb_lr})")
     if model.tt is not None:
         n_tt = sum(x.size for x in jax.tree_util.tree_leaves(state.emb_params["tt"]))
@@ -765,6 +601,9 @@ def main(argv=None) -> dict:
         "data": args.data,
         "ckpt": None if ckpt is None else str(ckpt),
         "table_bytes": mem["total"], "dense_table_bytes": mem["dense"],
+        "model": args.model, "dense_opt": args.dense_opt, "emb_dtype": args.emb_dtype,
+        "matmul_precision": config.matmul_precision,
+        "build_s": t_build, "init_s": t_init, "peak_bytes_after_init": peak_init,
     }
 
     timing_batches = []
@@ -774,8 +613,13 @@ def main(argv=None) -> dict:
             timing_batches = list(device_data.train_batches(args.steps, args.steps + k_time))
         else:
             timing_batches = list(prefetch(gen, args.steps, args.steps + k_time, workers, prepare, batch_sharding))
+    # Large tables (mlperf): the timing runs on the state itself (a copy would not fit), continuing its training.
+    in_place = mem["total"] >= IN_PLACE_BYTES
     if args.time_steps:
-        dev_ms = measure_device_step(built, state, timing_batches)
+        if in_place:
+            dev_ms, state = measure_device_step(built, state, timing_batches, in_place=True)
+        else:
+            dev_ms = measure_device_step(built, state, timing_batches)
         results["device_step_ms"] = dev_ms
         results["device_share"] = dev_ms / step_ms if timed > 0 else float("nan")
         log(f"device step {dev_ms:.2f} ms ({args.time_steps} steps enqueued back to back on batches already on the "
@@ -786,7 +630,8 @@ def main(argv=None) -> dict:
     if args.emb_share or backend == "gpu":
         batch = timing_batches[0]
         reps = 20 if backend == "gpu" else 5
-        m = measure_emb_share(model, built, state, batch, reps)
+        m = measure_emb_share(model, built, state, batch, reps, in_place=in_place)
+        state = m.get("state", state)
         results["emb_share"] = m["share"]
         results["jit_step_ms"] = m["step_ms"]
         log(f"step time on one batch: full jitted step {m['step_ms']:.3f} ms; embeddings alone "
@@ -800,7 +645,8 @@ def main(argv=None) -> dict:
             log("  (XLA path: its sparse update is the dense reference, work proportional to the tables, "
                 "so this share is not what the GPU kernels give)")
 
-    log(f"SUMMARY size={args.size} steps={start}->{state.step} | AUC {before['auc']:.4f} -> {after['auc']:.4f} "
+    results["peak_bytes"] = peak_memory()
+    log(f"SUMMARY size={args.size} model={args.model} steps={start}->{state.step} | AUC {before['auc']:.4f} -> {after['auc']:.4f} "
         f"(ceiling {oracle:.4f}) | eval loss {before['loss']:.4f} -> {after['loss']:.4f} | train loss "
         f"{results['final_loss']:.4f} | {results['examples_per_s']:,.0f} examples/s | {step_ms:.2f} ms/step wall"
         + (f" (device step {results['device_step_ms']:.2f} ms, share {results['device_share']:.2f})"
@@ -808,7 +654,12 @@ def main(argv=None) -> dict:
         + f" | data on the {args.data}"
         + (f" | embeddings {100 * results['emb_share']:.0f}% of step" if "emb_share" in results else "")
         + f" | tables: {mem['total'] / 2**20:.2f} MiB"
-        + (f" (TT saves {100 * (1 - mem['total'] / mem['dense']):.1f}%)" if model.tt is not None else ""))
+        + (f" (TT saves {100 * (1 - mem['total'] / mem['dense']):.1f}%)" if model.tt is not None else "")
+        + (f" | build {t_build:.1f} s, init {t_init:.1f} s" if t_init is not None else "")
+        + ("" if results["peak_bytes"] is None else f" | peak device memory {results['peak_bytes'] / 2**30:.2f} GiB"))
+    if in_place and (args.time_steps or "emb_share" in results):
+        log("(tables of 16 GiB or more: the timing steps ran on the trained state itself, so the returned state "
+            "has trained on them too)")
     results["state"] = state
     return results
 
