@@ -16,6 +16,11 @@
 #   dlrm       (150 s) the DLRM demo at GPU size, 300 steps -> dlrm.log
 #   features   (280 s) init, compile and step cost at 26..1000 features and the many-dims models -> features-*.json,
 #              features.log
+#   dcnv2      (per run 280 s) the MLPerf DLRMv2 (DCNv2) model at MLPerf's table sizes, ours: for each B:DTYPE of
+#              $DCNV2_RUNS (default "65536:float32 16384:float32") `python -m benchmarks dlrm_model`, the batches
+#              dumped to /tmp/dlrmv2_b$B for the torch side -> dlrm_model-b$B-$DTYPE.json, dcnv2.log
+#   dcnv2-torch (per run 280 s) the same model in torch + FBGEMM (FBGEMM unpacked first, ../shared/fbgemm) on
+#              those dumped batches, same $DCNV2_RUNS -> dlrm_torch-b$B-$DTYPE.json, dcnv2.log
 #   sharding   (400 s; 2+ GPUs) the sharded test files compiled, then weak scaling (table and row plans, default and
 #              per-feature capacity) -> sharding-tests.log, sharding-*.json, sharding.log
 # Older stages (A/Bs of switches since removed, one-off traces) are in this file's git history.
@@ -59,6 +64,15 @@ for stage in "$@"; do
           tests/test_sharded_input_errors.py > "$OUT/sharding-tests.log" 2>&1; tail -3 "$OUT/sharding-tests.log"
         timeout 200 python3 -m benchmarks sharding --weak --capacity-fracs 1,feature --out "$OUT" 2>&1 \
           | grep -v Warning | tee "$OUT/sharding.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features sharding)" ;;
+    dcnv2) for run in ${DCNV2_RUNS:-65536:float32 16384:float32}; do b=${run%%:*}; dt=${run##*:}
+          dump=""; [ -f /tmp/dlrmv2_b$b/meta.json ] || dump="--dump /tmp/dlrmv2_b$b --dump-batches 4"
+          timeout 280 python3 -m benchmarks dlrm_model --model dcnv2 --size mlperf --batch-size "$b" --emb-dtype "$dt" \
+            --steps 30 $dump --out "$OUT/dlrm_model-b$b-$dt.json" 2>&1 | grep -v Warning >> "$OUT/dcnv2.log"
+          tail -4 "$OUT/dcnv2.log"; done ;;
+    dcnv2-torch) for run in ${DCNV2_RUNS:-65536:float32 16384:float32}; do b=${run%%:*}; dt=${run##*:}
+          timeout 280 python3 benchmarks/dlrm_torch.py --batches /tmp/dlrmv2_b$b --emb-dtype "$dt" --emb-init torchrec \
+            --out "$OUT/dlrm_torch-b$b-$dt.json" 2>&1 | grep -v Warning >> "$OUT/dcnv2.log"
+          tail -4 "$OUT/dcnv2.log"; done ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch sharding)" ;;
   esac
 done
