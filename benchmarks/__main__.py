@@ -22,6 +22,7 @@ Traces and probes (per-kernel time, one question each):
   trace_tt        per-kernel GPU time of a TT training step (trace_tt.py)
   profile_backward, profile_tt  the steps' pieces timed alone
   probe_forward   ForwardConfig variants on chosen sweep shards, device time
+  probe_step_memory  XLA memory analysis of the compiled DCNv2 step at MLPerf sizes (tables not allocated)
   probe_repair    the default mode's offsets repair and id counts
   probe_ranksort  the counting-rank sort against XLA's sort
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
@@ -56,6 +57,7 @@ SUITES = {
     "profile_backward": "benchmarks.profile_backward",
     "profile_tt": "benchmarks.profile_tt",
     "probe_forward": "benchmarks.probe_forward",
+    "probe_step_memory": "benchmarks.probe_step_memory",
     "probe_repair": "benchmarks.probe_repair",
     "probe_ranksort": "benchmarks.probe_ranksort",
     "enqueue_gap": "benchmarks.enqueue_gap",

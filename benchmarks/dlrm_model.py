@@ -91,6 +91,8 @@ def main(argv=None) -> dict:
     from examples.dlrm.model import DLRM, DLRMConfig
 
     args = _parse(argv)
+    if args.size == "mlperf":  # before anything starts jax's GPU backend
+        train.allow_most_device_memory()
     sizes = (train.DCNV2_SIZES if args.model == "dcnv2" else train.SIZES)[args.size]
     b = args.batch_size or sizes.batch_size
     lr = sizes.lr if args.lr is None else args.lr

@@ -96,7 +96,7 @@ def test_sharded_tt_step_equals_one_device_step():
     dense, tables = jax.jit(one.init)(jax.random.key(0))
     state = {"tbe": one.emb.init_opt_state(tables["tbe"], opt["tbe"]),
              "tt": one.tt.init_opt_state(tables["tt"], opt["tt"])}
-    s_tables, s_state = train._per_embedding(sharded, "from_unsharded", tables, state)
+    s_tables, s_state = train.per_embedding(sharded, "from_unsharded", tables, state)
     s_dense = jax.device_put(dense, sharded.sharding())
 
     gen = data_lib.ClickLogGenerator(data_cfg, 64, seed=2)
@@ -114,7 +114,7 @@ def test_sharded_tt_step_equals_one_device_step():
     np.testing.assert_allclose(float(s_res.loss), float(res.loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(s_res.grads), jax.tree.leaves(res.grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
-    got = train._per_embedding(sharded, "to_unsharded", s_res.params, s_res.opt_state)
+    got = train.per_embedding(sharded, "to_unsharded", s_res.params, s_res.opt_state)
     assert jax.tree.structure(got) == jax.tree.structure((res.params, res.opt_state))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((res.params, res.opt_state))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)

@@ -123,15 +123,15 @@ def restore_checkpoint(path, init_fn) -> TrainState:
 # -- a sharded model's state in the one-device format (what a checkpoint holds) and back --
 
 
-def _portable(model, state: TrainState) -> TrainState:
+def portable(model, state: TrainState) -> TrainState:
     """The state to save: with a mesh, the tables and their optimizer state in the one-device format."""
     if model.mesh is None:
         return state
-    emb_params, emb_state = _per_embedding(model, "to_unsharded", state.emb_params, state.emb_state)
+    emb_params, emb_state = per_embedding(model, "to_unsharded", state.emb_params, state.emb_state)
     return state._replace(emb_params=emb_params, emb_state=emb_state)
 
 
-def _per_embedding(model, method: str, emb_params, emb_state):
+def per_embedding(model, method: str, emb_params, emb_state):
     """`model.emb.<method>(params, state)`, or with TT tables that of each part ({"tbe": ..., "tt": ...})."""
     if model.tt is None:
         return getattr(model.emb, method)(emb_params, emb_state)
@@ -139,10 +139,10 @@ def _per_embedding(model, method: str, emb_params, emb_state):
     return {k: p for k, (p, _) in parts.items()}, {k: s for k, (_, s) in parts.items()}
 
 
-def _placed(model, state: TrainState) -> TrainState:
+def placed(model, state: TrainState) -> TrainState:
     """A restored (one-device format) state on the model's mesh: tables sharded, dense state replicated."""
     if model.mesh is None:
         return state
-    emb_params, emb_state = _per_embedding(model, "from_unsharded", state.emb_params, state.emb_state)
+    emb_params, emb_state = per_embedding(model, "from_unsharded", state.emb_params, state.emb_state)
     dense_params, dense_opt_state = jax.device_put((state.dense_params, state.dense_opt_state), model.sharding())
     return TrainState(state.step, dense_params, dense_opt_state, emb_params, emb_state)

@@ -124,11 +124,11 @@ import optax
 import tbe_jax
 import tt_jax
 from examples.dlrm import data as data_lib
-from examples.dlrm.checkpoint import (TrainState, _per_embedding, _placed, _portable, latest_checkpoint,  # noqa: F401
+from examples.dlrm.checkpoint import (TrainState, per_embedding, placed, portable, latest_checkpoint,  # noqa: F401
                                       restore_checkpoint, save_checkpoint)
 from examples.dlrm.model import DLRM, DLRMConfig
-from examples.dlrm.metrics import (IN_PLACE_BYTES, auc, evaluate, log_loss, measure_device_step,  # noqa: F401
-                                   measure_emb_share, peak_memory)
+from examples.dlrm.metrics import (IN_PLACE_BYTES, allow_most_device_memory, auc, evaluate,  # noqa: F401
+                                   log_loss, measure_device_step, measure_emb_share, peak_memory)
 from examples.dlrm.pipeline import DeviceData, local_padded_len, prefetch, split_padded_len
 
 
@@ -380,6 +380,8 @@ def main(argv=None) -> dict:
     "device_step_ms" and "device_share" (device step / wall step) with --time-steps K > 0 (the default),
     and "emb_share" and "jit_step_ms" when measured."""
     args = parse_args(argv)
+    if args.size == "mlperf":  # before anything starts jax's GPU backend
+        allow_most_device_memory()
     log = functools.partial(print, flush=True)
     mesh = make_mesh(args.devices) if args.devices > 1 else None  # first: it may set the CPU device count
     backend = jax.default_backend()
@@ -463,8 +465,10 @@ def main(argv=None) -> dict:
         if saved != settings:
             raise SystemExit(f"--resume: checkpoint settings {saved} differ from this run's {settings}")
         ck = latest_checkpoint(args.ckpt_dir)
-        state = _placed(model, restore_checkpoint(ck, restore_init))
-        log(f"restored step {state.step} from {ck}")
+        t_restore = time.perf_counter()
+        state = jax.block_until_ready(placed(model, restore_checkpoint(ck, restore_init)))
+        t_restore = time.perf_counter() - t_restore
+        log(f"restored step {state.step} from {ck} in {t_restore:.1f} s")
     else:
         if args.resume:
             log(f"--resume: no checkpoint in {args.ckpt_dir}; starting from scratch")
@@ -562,7 +566,7 @@ def main(argv=None) -> dict:
                 bar.set_postfix(loss=f"{recent:.4f}", ex_per_s=f"{rate:,.0f}")
         if args.ckpt_dir and args.ckpt_every and (i + 1) % args.ckpt_every == 0 and i + 1 < args.steps:
             tc = time.perf_counter()
-            save_checkpoint(args.ckpt_dir, _portable(
+            save_checkpoint(args.ckpt_dir, portable(
                 model, TrainState(i + 1, dense_params, dense_opt_state, emb_params, emb_state)), settings)
             t_ckpt += time.perf_counter() - tc
     jax.block_until_ready((dense_params, emb_params, emb_state))
@@ -589,8 +593,12 @@ def main(argv=None) -> dict:
         f"(ceiling AUC {oracle:.4f})")
 
     if args.ckpt_dir:
-        ckpt = save_checkpoint(args.ckpt_dir, _portable(model, state), settings)
-        log(f"checkpoint: {ckpt} (orbax StandardCheckpointer; resume with --ckpt-dir {args.ckpt_dir} --resume)")
+        t_save = time.perf_counter()
+        ckpt = save_checkpoint(args.ckpt_dir, portable(model, state), settings)
+        t_save = time.perf_counter() - t_save
+        size = sum(f.stat().st_size for f in pathlib.Path(ckpt).rglob("*") if f.is_file())
+        log(f"checkpoint: {ckpt} ({size / 2**30:.2f} GiB written in {t_save:.1f} s, orbax StandardCheckpointer; "
+            f"resume with --ckpt-dir {args.ckpt_dir} --resume)")
 
     results = {
         "auc_before": before["auc"], "auc_after": after["auc"], "eval_loss_before": before["loss"],
