@@ -17,6 +17,7 @@ Measurements (meant for an H200; on a CPU most run as smoke tests in interpret m
   dispatch     host time of jitted calls (dispatch.py)
   cpu_update   the XLA path's update on the CPU as tables grow (cpu_update.py)
   dlrm_model   the DLRM demo's whole model (DCNv2 at MLPerf size): build, init, step, split, memory (dlrm_model.py)
+  dlrm_compare ours against torch + FBGEMM (benchmarks/dlrm_torch.py) on the same batches, from saved results
 Traces and probes (per-kernel time, one question each):
   trace_backward  per-kernel GPU time of the backward / training step (trace_backward.py)
   trace_tt        per-kernel GPU time of a TT training step (trace_tt.py)
@@ -52,6 +53,7 @@ SUITES = {
     "dispatch": "benchmarks.dispatch",
     "cpu_update": "benchmarks.cpu_update",
     "dlrm_model": "benchmarks.dlrm_model",
+    "dlrm_compare": "benchmarks.dlrm_compare",
     "trace_backward": "benchmarks.trace_backward",
     "trace_tt": "benchmarks.trace_tt",
     "profile_backward": "benchmarks.profile_backward",

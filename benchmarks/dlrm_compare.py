@@ -1,0 +1,83 @@
+"""Our DLRMv2 (DCNv2) step against torch + FBGEMM's, from the two benchmarks' JSON files.
+
+    python -m benchmarks dlrm_compare --ours A.json [B.json ...] --torch C.json [D.json ...] [--out FILE.json]
+
+Pairs each `benchmarks.dlrm_model` result with the `benchmarks/dlrm_torch.py` result of the same batch size and
+table dtype (both timed on the same dumped batches), prints a markdown table (examples/s, step ms, embeddings ms,
+build + init s, peak HBM, ratios) and with `--out` writes the pairs and ratios as one JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _key(batch_size, dtype) -> tuple[int, str]:
+    return int(batch_size), str(dtype)
+
+
+def compare(ours: list[dict], torch: list[dict]) -> list[dict]:
+    by_key = {_key(t["batch_size"], t["emb_dtype"]): t for t in torch}
+    rows = []
+    for o in ours:
+        m = o["meta"]
+        t = by_key.get(_key(m["batch_size"], m["emb_dtype"]))
+        if t is None:
+            continue
+        dumped = (o.get("dumped_step") or {}).get("device_ms")
+        step = dumped or o["full_step"]["wall_ms"]  # the same ids as torch's, else each batch drawn on the device
+        emb = o["split"]["emb_ms"]
+        rows.append({
+            "batch_size": m["batch_size"], "emb_dtype": m["emb_dtype"],
+            "ours": {"step_ms_dumped_batches": step, "step_ms_full": o["full_step"]["wall_ms"],
+                     "examples_per_s": m["batch_size"] * 1e3 / step,
+                     "step_source": "dumped batches" if dumped else "full step (batches drawn on the device)", "device_share": o["full_step"]["device_share"],
+                     "emb_ms": emb, "trace_ms": o["split"].get("trace_ms"), "build_init_s": o["build_s"] + o["init_s"],
+                     "peak_bytes": o.get("peak_bytes") or o.get("peak_bytes_after_init")},
+            "torch_fbgemm": {"step_ms": t["step_ms"], "examples_per_s": t["examples_per_s"],
+                             "device_share": t["device_share"], "tbe_ms": t["tbe_alone_kernel_ms"],
+                             "tbe_in_step_ms": t["tbe_kernel_ms_per_step"], "dense_ms": t["dense_kernel_ms_per_step"],
+                             "build_init_s": t["build_init_s"], "peak_bytes": t["hbm"]["max_allocated_bytes"],
+                             "dense_optimizer": t["dense_optimizer"]["impl"]},
+            "throughput_ratio": t["step_ms"] / step,
+            "embedding_ratio": t["tbe_alone_kernel_ms"] / emb,
+        })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| batch | tables | ours ex/s | torch+FBGEMM ex/s | ratio | ours emb ms | FBGEMM TBE ms | ratio | "
+             "build+init s (ours / torch) | peak HBM GiB (ours / torch) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        o, t = r["ours"], r["torch_fbgemm"]
+        peak = lambda b: "n/a" if b is None else f"{b / 2**30:.1f}"  # noqa: E731
+        lines.append(f"| {r['batch_size']} | {r['emb_dtype']} | {o['examples_per_s'] / 1e6:.2f}M | "
+                     f"{t['examples_per_s'] / 1e6:.2f}M | {r['throughput_ratio']:.2f}x | {o['emb_ms']:.2f} | "
+                     f"{t['tbe_ms']:.2f} | {r['embedding_ratio']:.2f}x | {o['build_init_s']:.1f} / "
+                     f"{t['build_init_s']:.1f} | {peak(o['peak_bytes'])} / {peak(t['peak_bytes'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ours", nargs="+", required=True)
+    ap.add_argument("--torch", nargs="+", required=True)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--note", default="")
+    args = ap.parse_args(argv)
+    ours = [json.load(open(p)) for p in args.ours]
+    torch = [json.load(open(p)) for p in args.torch]
+    rows = compare(ours, torch)
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"bench": "dlrm_compare", "note": args.note, "rows": rows,
+                       "ours_meta": [o["meta"] for o in ours],
+                       "torch_env": [t["env"] for t in torch], "ours_raw": ours, "torch_raw": torch}, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
