@@ -644,7 +644,11 @@ def test_narrow_sort_keys_equal_int32_keys(rng, rows, dtype, weighted):
 
 
 @pytest.mark.parametrize("opt,pooling,weighted", [
-    (tbe_jax.RowwiseAdagrad(0.05, 1e-3), "sum", False), (tbe_jax.SGD(0.05), "mean", True)],
+    pytest.param(tbe_jax.RowwiseAdagrad(0.05, 1e-3), "sum", False, marks=pytest.mark.skipif(
+        not ON_GPU, reason="compiled only; interpret mode covers the rank-sorted backward in [sgd-mean-w] and "
+        "test_backward_config_variants[rank_sort] (row-wise Adagrad), the rule in "
+        "test_update_matches_model[adagrad-mean-w]")),
+    (tbe_jax.SGD(0.05), "mean", True)],
     ids=["adagrad-sum", "sgd-mean-w"])
 def test_rank_sorted_update_matches_model(rng, opt, pooling, weighted):
     # The backward with its lookups sorted by the counting-rank kernel, against the float64 model and the reference.
@@ -678,10 +682,16 @@ def test_errors():
 def test_train_step_equals_apply_gradients(rng, impl, make_opt):
     # A model step through tbe_jax.train_step: the tables and state after it equal apply_gradients with the
     # gradient of the loss with respect to the pooled output; the dense layer's gradient is exact.
+    opt = make_opt()
+    if not ON_GPU and impl == "kernel" and isinstance(opt, tbe_jax.RowwiseAdagrad):
+        # ~10 s in interpret mode: [sgd-kernel] runs the same train_step through the kernels; row-wise Adagrad's
+        # fused update inside train_step: test_sort_in_forward_matches, test_histogram.py::
+        # test_backward_update_matches_model[sum-adagrad] (bitwise apply_gradients), [adagrad-xla] here.
+        pytest.skip("row-wise Adagrad kernel variant: compiled only (interpret mode: [sgd-kernel], "
+                    "test_sort_in_forward_matches)")
     tables = specs([30, 12], [8, 8])
     kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
     emb = tbe_jax.TableBatchedEmbedding(tables, pooling="mean", **kw)
-    opt = make_opt()
     params = emb.init(jax.random.key(7))
     state = emb.init_opt_state(params, opt)
     dense = jnp.asarray(rng.standard_normal((16, 3)).astype(np.float32))
@@ -853,6 +863,10 @@ def test_train_step_copies_no_table():
 def test_stochastic_rounding_is_unbiased(impl, wdtype, mant):
     # Every row at 1.0 gets an update of 0.3 ulp: round-to-nearest drops it, stochastic
     # rounding moves 30% of the values up one ulp (mean exact to sampling noise).
+    if not ON_GPU and impl == "kernel" and wdtype == "bfloat16":
+        # ~10 s in interpret mode. The kernels' row update calls the reference's rounding function
+        # (optim.stochastic_round): [float16-10-kernel] covers the kernel path, [bfloat16-7-xla] the bf16 rounding.
+        pytest.skip("bf16 kernel variant: compiled only (interpret mode: [float16-10-kernel] and [bfloat16-7-xla])")
     rows, dim = 256, 16
     kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
     emb = tbe_jax.TableBatchedEmbedding(specs([rows], [dim]), weights_dtype=wdtype, **kw)

@@ -21,11 +21,18 @@ from examples.dlrm import train
 
 def _env(n):
     # Without conftest's --xla_backend_optimization_level=0: with it, XLA's CPU all_to_all between the fake
-    # devices of the demo's jitted steps deadlocks (one device's thread never reaches the rendezvous; XLA
+    # devices of the demo's jitted steps deadlocked (one device's thread never reaches the rendezvous; XLA
     # aborts after 40 s), every run on jax 0.10.2 on 2 cores (checked by hand with the demo's command).
+    # Under load (the suite's two workers next to this subprocess on 2 cores) the same abort came without that
+    # flag (2026-12-03). The fake devices run their programs on one Eigen pool of as many threads as cores (2
+    # here, `tf_XLAEigen` in /proc/PID/task/*/comm): a device blocked in the rendezvous holds one of them.
+    # PJRT_NPROC (read by XLA's CPU client) gives the pool 8 threads, and the rendezvous waits 240 s, not 40,
+    # before aborting with its stack traces (within the subprocess's own timeout of 300 s).
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if "xla_force_host_platform_device_count" not in f and "xla_backend_optimization_level" not in f]
-    return dict(os.environ, XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={n}"]))
+    flags += [f"--xla_force_host_platform_device_count={n}", "--xla_cpu_collective_call_terminate_timeout_seconds=240",
+              "--xla_cpu_collective_call_warn_stuck_timeout_seconds=60"]
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), PJRT_NPROC=str(max(8, os.cpu_count() or 1)))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="fake CPU devices")

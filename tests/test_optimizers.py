@@ -14,7 +14,13 @@ import pytest
 
 import tbe_jax
 from tbe_jax import testing
-from conftest import KERNEL_KW, assert_close, specs, tables_f64
+from conftest import KERNEL_KW, ON_GPU, assert_close, specs, tables_f64
+
+
+def _compiled_only(*values, covered: str):
+    """A parametrize case run compiled only (on a GPU); `covered`: where interpret mode (CPU) checks its path."""
+    why = f"compiled only; interpret mode: {covered}"
+    return pytest.param(*values, marks=pytest.mark.skipif(not ON_GPU, reason=why))
 
 
 def model_update(opt, w, slots, g, t):
@@ -152,7 +158,9 @@ def test_matches_float64_model(rng, name, pooling, weighted):
     run_and_check(rng, tables, [0, 1, 2, 1], 4, (0, 12), OPTIMIZERS[name], pooling=pooling, weighted=weighted)
 
 
-@pytest.mark.parametrize("name", ["adam", "partial-lamb"])
+@pytest.mark.parametrize("name", ["adam", _compiled_only("partial-lamb", covered=(
+    "the several-buffer width class in [adam] (element-wise slots, fp16), row-wise slots there in "
+    "test_backward.py::test_many_dims_width_classes, the rule in test_matches_float64_model[partial-lamb]"))])
 def test_width_class_of_several_buffers(rng, name):
     # Dims 5, 6 and 7 are three storage buffers of one width class (8): the backward applies the rule once
     # per tile with per-buffer masked loads and stores (element-wise and row-wise slots, fp16 tables with
@@ -161,14 +169,22 @@ def test_width_class_of_several_buffers(rng, name):
     run_and_check(rng, tables, [0, 1, 2, 1], 4, (0, 12), OPTIMIZERS[name], steps=2, wdtype="float16")
 
 
-@pytest.mark.parametrize("name", ["adam", "partial-lamb"])
+@pytest.mark.parametrize("name", ["adam", _compiled_only("partial-lamb", covered=(
+    "the long-run update in [adam] (element-wise slots), row-wise slots there in "
+    "test_backward.py::test_long_runs_split_into_chunks, the rule in test_matches_float64_model[partial-lamb]"))])
 def test_long_runs(rng, name):
     # Rows hit hundreds of times (runs >= BackwardConfig.long_run: chunk partials, then the long-run update).
     tables = specs([3, 200], [8, 24])
     run_and_check(rng, tables, [0, 1], 3, (200, 300), OPTIMIZERS[name], steps=2, empty_bag=False)
 
 
-@pytest.mark.parametrize("name", ["adam", "lamb", "rowwise-decoupled"])
+@pytest.mark.parametrize("name", [
+    "adam",
+    _compiled_only("lamb", covered="the histogram update with element-wise slots in [adam] (the same row_update "
+                   "code), LAMB's rule in test_matches_float64_model[lamb]"),
+    _compiled_only("rowwise-decoupled", covered="the histogram update with a row-wise slot in "
+                   "test_histogram.py::test_backward_update_matches_model[sum-adagrad], decoupled weight decay in "
+                   "test_matches_float64_model[rowwise-decoupled]")])
 def test_histogram_backward(rng, name):
     # Small tables with a bag-size hint take the histogram forward and backward (no sort).
     # (Eligible: E <= 64, 64 <= D <= 128, fp16 weights, unweighted.)
@@ -178,8 +194,11 @@ def test_histogram_backward(rng, name):
                   histogram=("histogram", "generic", "histogram"))
 
 
-@pytest.mark.parametrize("wdtype,state_dtype,sr", [("float16", "float32", True), ("bfloat16", "bfloat16", False),
-                                                    ("float32", "float16", False)])
+@pytest.mark.parametrize("wdtype,state_dtype,sr", [
+    ("float16", "float32", True), ("bfloat16", "bfloat16", False),
+    _compiled_only("float32", "float16", False, covered=(
+        "fp32 tables in test_matches_float64_model, moments stored in a 16-bit dtype (the same store code) in "
+        "[bfloat16-bfloat16-False]"))])
 def test_table_and_state_dtypes(rng, wdtype, state_dtype, sr):
     opt = tbe_jax.Adam(0.02, eps=1e-3, state_dtype=state_dtype, stochastic_rounding=sr)
     tables = specs([20, 30], [8, 24])
@@ -200,8 +219,19 @@ def test_table_and_state_dtypes(rng, wdtype, state_dtype, sr):
         assert_close(a, b, {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[jnp.dtype(a.dtype).name])
 
 
-@pytest.mark.parametrize("name,wdtype", [("adagrad", "float16"), ("partial-adam", "float16"), ("lamb", "float16"),
-                                         ("rowwise-l2", "bfloat16"), ("partial-lamb", "bfloat16")])
+def _low_precision_case(name, wdtype):
+    if (name, wdtype) in (("adagrad", "float16"), ("rowwise-l2", "bfloat16")):
+        return name, wdtype
+    kept = "adagrad-float16" if wdtype == "float16" else "rowwise-l2-bfloat16"
+    return _compiled_only(name, wdtype, covered=(
+        f"the {wdtype} row load and store (the same row_update code for every rule) in "
+        f"test_low_precision_tables[{kept}] and test_table_and_state_dtypes, the rule in "
+        f"test_matches_float64_model[{name}]"))
+
+
+@pytest.mark.parametrize("name,wdtype", [_low_precision_case(*c) for c in [
+    ("adagrad", "float16"), ("partial-adam", "float16"), ("lamb", "float16"), ("rowwise-l2", "bfloat16"),
+    ("partial-lamb", "bfloat16")]])
 def test_low_precision_tables(rng, name, wdtype):
     # Every optimizer on fp16/bf16 tables (Adam: test_table_and_state_dtypes): fp32 arithmetic, one
     # rounding of the stored row per step.

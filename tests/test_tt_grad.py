@@ -143,6 +143,12 @@ def check_grads(emb, params, idx, off, psw, g, batch, *, again=False):
 def test_grads_match_float64_and_reference(rng, specs, ftm, pooling, weighted, impl):
     # T = 2, 3 (two stacked tables, one read by two features), 4; items of at most 3 rows, so prefix groups
     # span several items; skewed ids, so hot rows span several lookup tiles of the Pallas backward.
+    if not ON_GPU and impl == "pallas" and pooling == "mean":
+        # Interpret mode: the Pallas gradients against both oracles in [sum-weighted-pallas] (T = 2, 3, 4); mean
+        # pooling (a per-bag scale, the same for every T) through the Pallas backward against the float64 model in
+        # test_pallas_backward_hot_row_and_prefix and test_apply_gradients_matches_numpy[*-pallas] (T = 3, 4).
+        pytest.skip("compiled only (interpret mode: [sum-weighted-pallas]; mean pooling on the Pallas path: "
+                    "test_pallas_backward_hot_row_and_prefix, test_apply_gradients_matches_numpy[*-pallas])")
     emb = make_emb(specs, impl, feature_table_map=ftm, pooling=pooling, config=dict(chunk=3))
     params = make_params(emb, rng)
     idx, off, psw, g = make_inputs(rng, emb, 5, weighted=weighted)
@@ -288,7 +294,11 @@ def tt_train_step(emb, params, state, opt, idx, off, g, psw=None):
     return step(params, state, opt)
 
 
-@pytest.mark.parametrize("opt,impl", [(_OPTS[k], "xla") for k in _OPTS] + [(_OPTS["adagrad"], "pallas")],
+@pytest.mark.parametrize("opt,impl", [(_OPTS[k], "xla") for k in _OPTS] + [pytest.param(
+    _OPTS["adagrad"], "pallas", marks=pytest.mark.skipif(not ON_GPU, reason=(
+        "compiled only; interpret mode covers train_step on the Pallas path against apply_gradients (2e-6) in "
+        "test_train_step_through_pallas_forward (both group kernels), Adagrad's Pallas update in "
+        "test_apply_gradients_matches_numpy[adagrad-pallas]")))],
                          ids=[f"{k}-xla" for k in _OPTS] + ["adagrad-pallas"])
 def test_train_step_equals_apply_gradients(rng, opt, impl):
     # XLA: its GPU scatter-add sums in an unspecified order, so the two programs can differ by an ulp or so
