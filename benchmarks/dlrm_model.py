@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     from examples.dlrm import data as data_lib
     from examples.dlrm import train
     from examples.dlrm.checkpoint import TrainState
-    from examples.dlrm.model import DLRM, DLRMConfig
+    from examples.dlrm.model import DLRM
 
     args = _parse(argv)
     if args.size == "mlperf":  # before anything starts jax's GPU backend
@@ -102,11 +102,8 @@ def main(argv=None) -> dict:
 
     # Build (model objects, data, jitted functions), then init on the device.
     t0 = time.perf_counter()
-    data_cfg = data_lib.DataConfig.preset(args.size, fixed_bags=args.model == "dcnv2")
-    config = DLRMConfig.preset(args.size, data_cfg.table_rows, impl=args.impl, model=args.model,
-                               weights_dtype=args.emb_dtype)
-    if args.matmul_precision is not None:
-        config = dataclasses.replace(config, matmul_precision=args.matmul_precision)
+    data_cfg, config = train.configs(args.size, args.model, impl=args.impl, emb_dtype=args.emb_dtype,
+                                     matmul_precision=args.matmul_precision)
     model = DLRM(config)
     built = train.build(model, lr, emb_lr, None, "rowwise_adagrad", dense_opt=dense_opt)
     gen = data_lib.ClickLogGenerator(data_cfg, b, seed=args.seed)

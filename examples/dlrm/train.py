@@ -371,6 +371,17 @@ def make_mesh(n: int):
     return jax.make_mesh((n,), ("data",), devices=devices[:n], axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def configs(size: str, model: str = "dlrm", *, impl: str = "auto", emb_dtype: str = "float32",
+            matmul_precision: str | None = None) -> tuple[data_lib.DataConfig, DLRMConfig]:
+    """The data's and the model's configs of a `--size` and `--model` (dcnv2: fixed bag sizes); `matmul_precision`
+    None keeps the model's default."""
+    data_cfg = data_lib.DataConfig.preset(size, fixed_bags=model == "dcnv2")
+    config = DLRMConfig.preset(size, data_cfg.table_rows, impl=impl, model=model, weights_dtype=emb_dtype)
+    if matmul_precision is not None:
+        config = dataclasses.replace(config, matmul_precision=matmul_precision)
+    return data_cfg, config
+
+
 def main(argv=None) -> dict:
     """Run the demo; returns {"auc_before", "auc_after", "eval_loss_before", "eval_loss_after",
     "oracle_auc", "final_loss", "steps", "steps_per_s", "examples_per_s", "step_ms", "wall_step_ms", "data",
@@ -386,11 +397,8 @@ def main(argv=None) -> dict:
     mesh = make_mesh(args.devices) if args.devices > 1 else None  # first: it may set the CPU device count
     backend = jax.default_backend()
     t_build = time.perf_counter()
-    data_cfg = data_lib.DataConfig.preset(args.size, fixed_bags=args.model == "dcnv2")
-    config = DLRMConfig.preset(args.size, data_cfg.table_rows, impl=args.impl, model=args.model,
-                               weights_dtype=args.emb_dtype)
-    if args.matmul_precision is not None:
-        config = dataclasses.replace(config, matmul_precision=args.matmul_precision)
+    data_cfg, config = configs(args.size, args.model, impl=args.impl, emb_dtype=args.emb_dtype,
+                               matmul_precision=args.matmul_precision)
     if args.tt_tables:
         config = dataclasses.replace(config, tt_tables=args.tt_tables, tt_ranks=(args.tt_rank, args.tt_rank))
     model = DLRM(config, mesh=mesh)
