@@ -70,3 +70,42 @@ def from_words(words: jax.Array) -> jax.Array:
     """int32 `[E, W]` -> uint8 `[E, 4 * W]`."""
     e, w = words.shape
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(e, 4 * w)
+
+
+def _fp16_bits_to_f32(h: jax.Array) -> jax.Array:
+    """int32 holding fp16 bit patterns in its low 16 bits -> float32."""
+    return jax.lax.bitcast_convert_type((h & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def hfp8_to_float(code: jax.Array, ebits: int = FP8_EXPONENT_BITS, bias: int = FP8_EXPONENT_BIAS) -> jax.Array:
+    """FBGEMM's HFP8 codes (int32, low 8 bits) -> float32: sign, `ebits` exponent bits of bias `bias`, the rest
+    mantissa; exponent 0 is subnormal (no inf or nan codes)."""
+    code = code.astype(jnp.int32)
+    mbits = 7 - ebits
+    e = (code >> mbits) & ((1 << ebits) - 1)
+    m = code & ((1 << mbits) - 1)
+    # Normal codes by their bits (exponent rebiased to float32's); subnormal ones (e == 0) as m * 2^(1-bias-mbits),
+    # computed in float32 arithmetic (a float32 subnormal pattern would be flushed to zero by XLA).
+    normal = jax.lax.bitcast_convert_type(((e + 127 - bias) << 23) | (m << (23 - mbits)), jnp.float32)
+    sub = m.astype(jnp.float32) * jnp.float32(2.0 ** (1 - bias - mbits))
+    mag = jnp.where(e == 0, sub, normal)
+    return jnp.where((code & 0x80) != 0, -mag, mag)
+
+
+def dequantize_rows(rows: jax.Array, wt: str, dim: int) -> jax.Array:
+    """Stored rows (uint8 `[E, row_bytes]`) -> float32 `[E, dim]`: `q * scale + bias` for integer rows."""
+    nb = bits(wt)
+    words = to_words(rows)
+    h = header_bytes(wt) // 4
+    j = jnp.arange(dim, dtype=jnp.int32)
+    per = 32 // nb
+    vals = (words[:, h + j // per] >> (nb * (j % per))) & ((1 << nb) - 1) if nb < 32 else words[:, :dim]
+    if wt == "float32":
+        return jax.lax.bitcast_convert_type(vals, jnp.float32)
+    if wt == "float16":
+        return _fp16_bits_to_f32(vals)
+    if wt == "fp8":
+        return hfp8_to_float(vals)
+    scale = _fp16_bits_to_f32(words[:, 0])[:, None]
+    bias = _fp16_bits_to_f32(words[:, 0] >> 16)[:, None]
+    return vals.astype(jnp.float32) * scale + bias
