@@ -303,6 +303,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=None, help="learning rate of the dense part (--dense-opt)")
     ap.add_argument("--emb-lr", type=float, default=None, help="row-wise Adagrad learning rate of the tables")
     ap.add_argument("--eval-batches", type=int, default=None, help="held-out batches for AUC and loss")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also evaluate (AUC, loss) every N steps (0: only before and after; not in the step time)")
     ap.add_argument("--ckpt-dir", default=None, help="save a checkpoint here at the end (and every --ckpt-every)")
     ap.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
@@ -345,8 +347,8 @@ def parse_args(argv=None):
         ap.error("--resume needs --ckpt-dir")
     if not 0 <= args.tt_tables < data_lib.NUM_SPARSE or args.tt_rank < 1:
         ap.error(f"--tt-tables must be in [0, {data_lib.NUM_SPARSE}) and --tt-rank >= 1")
-    if args.steps < 0 or args.batch_size < 1 or args.eval_batches < 1 or args.time_steps < 0:
-        ap.error("--steps and --time-steps must be >= 0, --batch-size and --eval-batches >= 1")
+    if args.steps < 0 or args.batch_size < 1 or args.eval_batches < 1 or args.time_steps < 0 or args.eval_every < 0:
+        ap.error("--steps, --time-steps and --eval-every must be >= 0, --batch-size and --eval-batches >= 1")
     if args.devices < 1 or args.batch_size % args.devices:
         ap.error(f"--devices must be >= 1 and divide the batch size ({args.batch_size})")
     return args
@@ -545,8 +547,9 @@ def main(argv=None) -> dict:
     dense_params, dense_opt_state, emb_params, emb_state = (state.dense_params, state.dense_opt_state,
                                                             state.emb_params, state.emb_state)
     losses = []
+    curve = []  # (step, AUC, loss) of the --eval-every evaluations
     t_first = t_warm = None
-    t_ckpt = 0.0  # time spent saving inside the loop (left out of the step time)
+    t_ckpt = 0.0  # time spent saving or evaluating inside the loop (left out of the step time)
     t0 = time.perf_counter()
     ckpt = None
     if device_data is not None:
@@ -572,6 +575,13 @@ def main(argv=None) -> dict:
                 recent = float(np.mean(jax.device_get(window)))
                 rate = (done - 1) * args.batch_size / max(time.perf_counter() - t_warm, 1e-9) if done > 1 else 0.0
                 bar.set_postfix(loss=f"{recent:.4f}", ex_per_s=f"{rate:,.0f}")
+        if args.eval_every and (i + 1) % args.eval_every == 0 and i + 1 < args.steps:
+            tc = time.perf_counter()
+            mid = evaluate(eval_logits, TrainState(i + 1, dense_params, dense_opt_state, emb_params, emb_state),
+                           eval_set)
+            curve.append((i + 1, mid["auc"], mid["loss"]))
+            log(f"eval at step {i + 1}: AUC {mid['auc']:.4f}, loss {mid['loss']:.4f} (ceiling {oracle:.4f})")
+            t_ckpt += time.perf_counter() - tc
         if args.ckpt_dir and args.ckpt_every and (i + 1) % args.ckpt_every == 0 and i + 1 < args.steps:
             tc = time.perf_counter()
             save_checkpoint(args.ckpt_dir, portable(
@@ -610,7 +620,7 @@ def main(argv=None) -> dict:
 
     results = {
         "auc_before": before["auc"], "auc_after": after["auc"], "eval_loss_before": before["loss"],
-        "eval_loss_after": after["loss"], "oracle_auc": oracle,
+        "eval_loss_after": after["loss"], "oracle_auc": oracle, "auc_curve": curve,
         "final_loss": float(losses[-k:].mean()) if n else float("nan"),
         "steps": n, "start_step": start, "steps_per_s": steps_per_s,
         "examples_per_s": steps_per_s * args.batch_size, "step_ms": step_ms, "wall_step_ms": step_ms,
