@@ -156,7 +156,7 @@ DCNV2_SIZES = {
     "tiny": SizeDefaults(batch_size=256, steps=40, lr=0.01, emb_lr=0.02, eval_batches=8),
     "small": SizeDefaults(batch_size=512, steps=2000, lr=0.01, emb_lr=0.02, eval_batches=16),
     "gpu": SizeDefaults(batch_size=8192, steps=1000, lr=0.004, emb_lr=0.004, eval_batches=8, tt_rank=32),
-    "mlperf": SizeDefaults(batch_size=65536, steps=300, lr=0.004, emb_lr=0.004, eval_batches=4, tt_rank=32),
+    "mlperf": SizeDefaults(batch_size=65536, steps=3000, lr=0.004, emb_lr=0.004, eval_batches=4, tt_rank=32),
 }
 DENSE_OPTIMIZERS = ("adam", "adagrad")
 
