@@ -1,6 +1,7 @@
 """The lookup and the optimizer step of a `TableBatchedEmbedding`: the kernels or the XLA reference, behind one API.
 
-- `forward`: the checked lookup and its bounds report (`emb(...)`, `emb.forward_with_report`);
+- `forward`: the checked lookup and its bounds report (`emb(...)`, `emb.forward_with_report`; also the
+  quantized TBE's, `tbe_jax.quant`, with its own `lookup`);
 - `apply_gradients`: the checked fused optimizer step (`emb.apply_gradients`);
 - `step_forward`, `step_update`: the training step's halves (`emb.step_forward`, `emb.step_update`), the batch
   checked once for both;
@@ -48,14 +49,20 @@ from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.kernels import histogram_backward as hist_bwd
 
 
-def forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
-    """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback."""
+def forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn, lookup=None):
+    """The forward: `(out, BoundsReport)`; `warn` issues the warning-mode callback.
+
+    `lookup(emb, plan, count, params, per_sample_weights, indices, offsets) -> (out, [2] kernel counts)`: the
+    lookup on the checked int32 batch; None: this module's (the training TBE's kernels or XLA reference). The
+    quantized TBE (`tbe_jax.quant`) passes its own, so its inputs take this same pipeline.
+    """
     out, report, _ = _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature,
-                                      warn)
+                                      warn, lookup)
     return out, report
 
 
-def _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn):
+def _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn,
+                     lookup=None):
     """`forward`, and the batch it looked up: `(out, report, (plan, int32 indices, offsets, fp32 weights))`, the
     inputs after the checks and the bounds mode's repairs (what `inputs.validated` returns)."""
     plan, indices, offsets, per_sample_weights, size_fix = inputs.prepare(
@@ -82,7 +89,7 @@ def _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_si
                   n_fixed if n_fixed is not None else bounds.count_malformed(offsets, n))
     indices, offsets, per_sample_weights = inputs.narrow(indices, offsets, per_sample_weights)
 
-    out, kernel_counts = _lookup(emb, plan, count, params, per_sample_weights, indices, offsets)
+    out, kernel_counts = (lookup or _lookup)(emb, plan, count, params, per_sample_weights, indices, offsets)
     batch = (plan, indices, offsets, per_sample_weights)
     if mode == "fatal" or not wanted:  # checked, or not asked for: nothing to report
         return out, bounds.BoundsReport(jnp.int32(0), jnp.int32(0)), batch

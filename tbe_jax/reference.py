@@ -40,6 +40,7 @@ def pooled_forward(
     *,
     pooling: str,
     output_dtype,
+    load=None,
 ) -> jax.Array:
     """Pooled ("sum" or "mean") lookup; `[B, sum D]` or, with VBE, flat.
 
@@ -47,6 +48,10 @@ def pooled_forward(
     into that buffer's features' pooled rows (laid out buffer-major), then one
     gather that puts every value in its place of the output. The traced program
     has a fixed number of ops per buffer, whatever the number of features.
+
+    `load(g, rows)`: the float32 `[N, layout.dims[g]]` values of rows `rows` of
+    buffer g; None: `buffers`' rows, unpadded (the quantized TBE passes its
+    dequantizing gather, `kernels.quant_rows.take_rows`).
     """
     n = indices.shape[0]
     nf = plan.num_features
@@ -76,11 +81,14 @@ def pooled_forward(
         major_base[feats] = offset + seg_base[feats] * d
         nseg = int(batch[feats].sum())
         offset += nseg * d
-        w = buffers[layout.key(g)]
         in_group = jnp.asarray(group == g)[feat]
         rows = jnp.where(valid & in_group, row_offset[feat] + indices.astype(jnp.int32), 0)
         live = (valid & in_group)[:, None]
-        x = jnp.where(live, layout.unpad(g, jnp.take(w, rows, axis=0)).astype(jnp.float32) * scale[:, None], 0.0)
+        if load is None:
+            vals = layout.unpad(g, jnp.take(buffers[layout.key(g)], rows, axis=0)).astype(jnp.float32)
+        else:
+            vals = load(g, rows)
+        x = jnp.where(live, vals * scale[:, None], 0.0)
         local = bag - jnp.asarray(bag_base.astype(np.int32))[feat]
         seg = jnp.where(in_group, jnp.asarray(seg_base.astype(np.int32))[feat] + local, nseg)
         pooled = jax.ops.segment_sum(x, seg, num_segments=nseg)  # [nseg, d]: the buffer's bags, feature-major

@@ -13,6 +13,13 @@ the kernel, compiled with its D as a constant (row stride known: 16-byte loads),
 its own tile width `Dp` and bags per program, selected by program id. Programs
 are ordered buffer by buffer, feature by feature, bag by bag, so neighbours read
 the same table.
+
+Quantized rows (the inference TBE, `tbe_jax.quant`): a buffer given a static
+`kernels.quant_rows.RowFormat` (`pooled_forward`'s and `sequence_forward`'s
+`formats` / `fmt`) holds int32 words; its branch's gather loads each value's
+word and dequantizes it to fp32 in registers (`quant_rows.load_rows`), and the
+same accumulation follows. Buffers without a format load their rows as before:
+the same program, op for op.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from tbe_jax.pallas_compat import aligned, pallas_call, pl, plgpu, row_align
-from tbe_jax.kernels import programs
+from tbe_jax.kernels import programs, quant_rows
 from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 _FP32_ACCUMULATION = ("fp32", "fp64", "twosum")
@@ -61,6 +68,13 @@ class ForwardConfig:
         within 2 ulp of the exact sum of any bag (`tests/test_accuracy.py`). On the H200
         fp64 accumulators cost 1.2-2.1x the fp32 forward on fp32 shards
         (`benchmarks/results/probe-forward-20261202*.json`). fp16/bf16 weights always sum in fp32.
+      row_tile_bytes: quantized rows (`tbe_jax.quantize`): stored bytes of the rows a step gathers. Their `G`
+        is the larger of the float rule's `tile_elems // Dp` and `row_tile_bytes // next_pow2(row bytes)`
+        (an int4 row of D = 128 is 80 bytes: 4 bags where an fp16 row gets 2), at most `row_tile_elems // Dp`.
+        None (default): `2 * tile_elems`, the bytes of the fp16 tile `tile_elems` was tuned for. Derived, not
+        yet tuned on a GPU.
+      row_tile_elems: quantized rows: at most this many dequantized fp32 values in a step's tile (`G * Dp`,
+        registers); None (default): `2 * tile_elems`.
     """
 
     tile_elems: int = 256
@@ -73,6 +87,8 @@ class ForwardConfig:
     fp32_accumulation: str = "fp32"
     bag_groups: int = 1
     short_bag_groups: int = 2
+    row_tile_bytes: int | None = None
+    row_tile_elems: int | None = None
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
@@ -90,13 +106,24 @@ class ForwardConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
                 raise ValueError(f"ForwardConfig.{name} must be a positive power of 2, got {v!r}")
+        for name in ("row_tile_bytes", "row_tile_elems"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"ForwardConfig.{name} must be None or a positive int, got {v!r}")
 
     @staticmethod
     def get_default() -> "ForwardConfig":
         return ForwardConfig()
 
-    def bags_per_program(self, dim: int, max_batch: int) -> int:
-        g = max(1, min(self.max_bags, self.tile_elems // next_pow2(dim)))
+    def bags_per_program(self, dim: int, max_batch: int, row_bytes: int | None = None) -> int:
+        """`G` for rows of `dim` values (`row_bytes`: the stored bytes of a quantized row, None for float rows)
+        and features of at most `max_batch` bags."""
+        dp = next_pow2(dim)
+        g = self.tile_elems // dp
+        if row_bytes is not None:
+            by_bytes = (self.row_tile_bytes or 2 * self.tile_elems) // next_pow2(row_bytes)
+            g = min(max(g, by_bytes), (self.row_tile_elems or 2 * self.tile_elems) // dp)
+        g = max(1, min(self.max_bags, g))
         g = min(g, next_pow2(max(max_batch, 1)))
         return 1 << (g.bit_length() - 1)  # a power of 2
 
@@ -109,6 +136,7 @@ class _Branch:
     block_dim: int
     stride: int  # the buffer's stored row length (>= dim; padding columns are loaded, never stored)
     groups: int = 1  # sub-groups of `bags` bags per program (`bag_groups`, or `short_bag_groups` for hinted features)
+    fmt: quant_rows.RowFormat | None = None  # quantized rows: their format (None: rows of the buffer's dtype)
 
     @property
     def bags(self) -> int:
@@ -116,14 +144,18 @@ class _Branch:
         return self.seg.bags // self.groups
 
 
-def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features, short=frozenset()):
+def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features, short=frozenset(),
+              formats=None):
     """Per used buffer a branch per segment of programs (the `short` features, those with bags of at most two
-    ids, in a segment of their own), the program map and the feature table."""
+    ids, in a segment of their own), the program map and the feature table. `formats`: per buffer of `layout`
+    its quantized `RowFormat` (None: float rows)."""
     used = sorted({plan.group[f] for f in features})
+    fmt = (lambda g: None) if formats is None else (lambda g: formats[g])
     groups, tile = [], {}
     for g in used:
         feats = [f for f in features if plan.group[f] == g]
-        bags = cfg.bags_per_program(layout.dims[g], max(plan.batch[f] for f in feats))
+        row_bytes = None if fmt(g) is None else fmt(g).row_bytes
+        bags = cfg.bags_per_program(layout.dims[g], max(plan.batch[f] for f in feats), row_bytes)
         tile[g] = bags
         for part, sub in (([f for f in feats if f not in short], cfg.bag_groups),
                           ([f for f in feats if f in short], cfg.short_bag_groups)):
@@ -136,7 +168,7 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
         f0 = int(pm.flist[seg.feat_base, 0])
         g = plan.group[f0]
         d = layout.dims[g]
-        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g], seg.bags // tile[g]))
+        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g], seg.bags // tile[g], fmt(g)))
     return used, tuple(branches), pm, feature_table(plan)
 
 
@@ -202,7 +234,10 @@ def _pool_branch(
             if check_upper:
                 ok = ok & (idx < num_rows)
             rows = row_offset + idx
-            tiles.append(plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0))
+            if br.fmt is None:
+                tiles.append(plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0))
+            else:  # int32 words, dequantized to fp32 here
+                tiles.append(quant_rows.load_rows(w_ref, rows, ok, cols, br.fmt, br.dim))
         return tiles
 
     def accumulate(s, c, tiles, ws):
@@ -322,8 +357,12 @@ def pooled_forward(
     live=None,
     out_flat=None,
     short=frozenset(),
+    formats=None,
 ):
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
+
+    `formats`: per buffer of `layout`, the `quant_rows.RowFormat` of its int32 word rows, or None for all
+    float buffers (the training TBE).
 
     `short`: features whose bags are known to hold at most two ids (their tables' `bag_size_hint`): their
     programs take `config.short_bag_groups` sub-groups of bags.
@@ -354,10 +393,10 @@ def pooled_forward(
                 buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                 output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
                 count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], live=live,
-                out_flat=out, short=short)
+                out_flat=out, short=short, formats=formats)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
-    used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short))
+    used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats)
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
         return (out, jnp.zeros((2,), jnp.int32)) if count_invalid else out
@@ -410,7 +449,7 @@ def pooled_forward(
     return res
 
 
-def _sequence_kernel(rows_ref, *refs, weighted, dim, stride, block_dim, block_rows, n):
+def _sequence_kernel(rows_ref, *refs, weighted, dim, stride, block_dim, block_rows, n, fmt):
     psw_ref = refs[0] if weighted else None
     w_ref, out_ref = refs[-2], refs[-1]
     pos = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
@@ -419,7 +458,10 @@ def _sequence_kernel(rows_ref, *refs, weighted, dim, stride, block_dim, block_ro
     cols = jnp.arange(block_dim, dtype=jnp.int32)
     col_ok = cols < dim
     ok = rows >= 0
-    x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & (cols < stride)[None, :], other=0)
+    if fmt is None:
+        x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & (cols < stride)[None, :], other=0)
+    else:
+        x = quant_rows.load_rows(w_ref, rows, ok, cols, fmt, dim)
     x = x.astype(jnp.float32)
     if psw_ref is not None:
         x = x * plgpu.load(psw_ref.at[pos], mask=in_range, other=0.0)[:, None]
@@ -436,7 +478,10 @@ def sequence_forward(
     output_dtype,
     config: ForwardConfig,
     interpret: bool,
+    fmt: quant_rows.RowFormat | None = None,
 ) -> jax.Array:
+    """`pooling="none"`: row `rows[p]` of `weights` (zeros where -1), times `per_sample_weights[p]`, per position.
+    `fmt`: the format of quantized rows (`weights` then holds int32 words), None for float rows."""
     n = rows.shape[0]
     if n == 0:
         return jnp.zeros((0, dim), output_dtype)
@@ -444,7 +489,7 @@ def sequence_forward(
     block_rows = max(1, min(256, config.tile_elems // block_dim))
     kernel = functools.partial(
         _sequence_kernel, weighted=per_sample_weights is not None, dim=dim, stride=weights.shape[1],
-        block_dim=block_dim, block_rows=block_rows, n=n,
+        block_dim=block_dim, block_rows=block_rows, n=n, fmt=fmt,
     )
     args = [rows] + ([per_sample_weights] if per_sample_weights is not None else []) + [weights]
     return pallas_call(
