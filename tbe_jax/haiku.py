@@ -124,8 +124,8 @@ from tbe_jax.optim import Optimizer
 FUSED_PREFIX = "fused_"
 
 __all__ = [
-    "FUSED_PREFIX", "StepResult", "TableBatchedEmbed", "core_params", "fused_opt_state", "fused_params",
-    "is_fused", "module_params", "module_state", "train_step",
+    "FUSED_PREFIX", "QuantizedEmbed", "StepResult", "TableBatchedEmbed", "core_params", "fused_opt_state",
+    "fused_params", "is_fused", "module_params", "module_state", "quantize_module", "train_step",
 ]
 
 
@@ -300,3 +300,52 @@ class TableBatchedEmbed(SparseEmbedBase):
     """
 
     _OPTIONS = TBE_OPTIONS
+
+
+class QuantizedEmbed(hk.Module):
+    """Inference layer over a `tbe_jax.QuantizedTableBatchedEmbedding` (`qemb`): its word buffers are Haiku
+    state (`hk.get_state`, named by the buffers: `"int8_w36"`, ...; use `hk.transform_with_state`), zeros at
+    init. `quantize_module` turns a trained `TableBatchedEmbed`'s entry into that state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, haiku as hk, tbe_jax
+      >>> from tbe_jax.haiku import QuantizedEmbed, TableBatchedEmbed, quantize_module
+      >>> tables = [tbe_jax.TableSpec(100, 8), tbe_jax.TableSpec(50, 4)]
+      >>> indices = jnp.array([1, 2, 3, 7, 7], jnp.int32)
+      >>> offsets = jnp.array([0, 2, 3, 3, 5], jnp.int32)
+      >>> train = hk.without_apply_rng(hk.transform(lambda i, o: TableBatchedEmbed(tables, impl="xla",
+      ...                                                                          name="embed")(i, o)))
+      >>> params = train.init(jax.random.key(0), indices, offsets)
+      >>> core = tbe_jax.TableBatchedEmbedding(tables, impl="xla")   # the layer's core (same options)
+      >>> qemb, state = quantize_module(core, params["embed"], "int8", name="embed")
+      >>> serve = hk.without_apply_rng(hk.transform_with_state(lambda i, o: QuantizedEmbed(qemb, name="embed")(i, o)))
+      >>> out, _ = serve.apply({}, state, indices, offsets)
+      >>> out.shape
+      (2, 12)
+    """
+
+    def __init__(self, qemb, name: str | None = None):
+        super().__init__(name=name)
+        self.qemb = qemb
+
+    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                 max_batch_size=None):
+        lay = self.qemb.layout
+        qparams = {}
+        for b in range(lay.num_buffers):
+            key = lay.buffer_key(b)
+            qparams[key] = hk.get_state(key, lay.buffer_shape(b), jax.numpy.int32, init=jax.numpy.zeros)
+        return self.qemb(qparams, indices, offsets, per_sample_weights, batch_size_per_feature=batch_size_per_feature,
+                         max_batch_size=max_batch_size)
+
+
+def quantize_module(emb, module_entry, weight_dtype, *, name: str, fused: bool = False, **quantize_options):
+    """`(qemb, state)`: a trained `TableBatchedEmbed`'s tables quantized (`tbe_jax.quantize`) and the Haiku
+    state `{name: {buffer: words}}` a `QuantizedEmbed(qemb, name=name)` reads. `emb`: the layer's core
+    (`TableBatchedEmbedding` with the layer's options); `module_entry`: the layer's `params[name]`, or with
+    `fused=True` (sparse mode) its `state[name]`."""
+    from tbe_jax.quant import quantize
+
+    params = fused_params(module_entry, emb) if fused else core_params(module_entry, emb)
+    qemb, qparams = quantize(emb, params, weight_dtype, **quantize_options)
+    return qemb, {name: dict(qparams)}

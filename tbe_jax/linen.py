@@ -121,7 +121,8 @@ from tbe_jax.layers_common import (
 
 FUSED_COLLECTION = "tbe_fused"
 
-__all__ = ["FUSED_COLLECTION", "StepResult", "TableBatchedEmbed", "train_step"]
+__all__ = ["FUSED_COLLECTION", "QUANT_COLLECTION", "QuantizedEmbed", "StepResult", "TableBatchedEmbed",
+           "quantize_layer", "train_step"]
 
 
 class StepResult(NamedTuple):
@@ -275,3 +276,50 @@ class TableBatchedEmbed(SparseEmbedBase):
     """
 
     _OPTIONS = TBE_OPTIONS
+
+
+QUANT_COLLECTION = "tbe_quantized"
+
+
+class QuantizedEmbed(nn.Module):
+    """Inference layer over a `tbe_jax.QuantizedTableBatchedEmbedding` (`qemb`): the quantized rows are the
+    variable `QUANT_COLLECTION/"qparams"` (not a parameter: nothing trains them). `quantize_layer` makes one
+    from a trained `TableBatchedEmbed`; put the qparams it returns at the layer's path in that collection.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, tbe_jax
+      >>> from tbe_jax.linen import TableBatchedEmbed, quantize_layer
+      >>> layer = TableBatchedEmbed([tbe_jax.TableSpec(100, 8), tbe_jax.TableSpec(50, 4)], impl="xla")
+      >>> indices = jnp.array([1, 2, 3, 7, 7], jnp.int32)
+      >>> offsets = jnp.array([0, 2, 3, 3, 5], jnp.int32)
+      >>> variables = layer.init(jax.random.key(0), indices, offsets)
+      >>> serving, qparams = quantize_layer(layer, variables["params"]["embedding"], "int8")
+      >>> out = serving.apply({"tbe_quantized": {"qparams": qparams}}, indices, offsets)
+      >>> out.shape, out.dtype
+      ((2, 12), dtype('float16'))
+    """
+
+    qemb: Any
+
+    @nn.compact
+    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                 max_batch_size=None):
+        q = self.variable(QUANT_COLLECTION, "qparams", self.qemb.zero_params)
+        return self.qemb(q.value, indices, offsets, per_sample_weights, batch_size_per_feature=batch_size_per_feature,
+                         max_batch_size=max_batch_size)
+
+
+def quantize_layer(layer: "TableBatchedEmbed", embedding, weight_dtype, **quantize_options):
+    """`(QuantizedEmbed, qparams)`: the serving layer of a trained `TableBatchedEmbed` and its quantized rows.
+    `embedding`: the layer's `"embedding"` variable (from `"params"`, or from `"tbe_fused"` in sparse mode);
+    `weight_dtype` and `quantize_options` as `tbe_jax.quantize`'s."""
+    from tbe_jax.quant import quantize
+    from tbe_jax.tbe import TableBatchedEmbedding
+
+    core = layer.tbe
+    if not isinstance(core, TableBatchedEmbedding):
+        raise TypeError(f"quantize_layer takes an unsharded TableBatchedEmbed; this layer's core is "
+                        f"{type(core).__name__}")
+    qemb, qparams = quantize(core, unfreeze(embedding) if isinstance(embedding, FrozenDict) else embedding,
+                             weight_dtype, **quantize_options)
+    return QuantizedEmbed(qemb), qparams

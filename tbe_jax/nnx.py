@@ -102,7 +102,7 @@ from tbe_jax.layers_common import (
     opt_init, sparse_lookup,
 )
 
-__all__ = ["Fused", "TableBatchedEmbed", "train_step"]
+__all__ = ["Fused", "Quantized", "QuantizedEmbed", "TableBatchedEmbed", "train_step"]
 
 class Fused(nnx.Variable):
     """Tables and optimizer state of a sparse-mode layer (not an `nnx.Param`: not differentiated;
@@ -290,3 +290,51 @@ class TableBatchedEmbed(SparseEmbedBase):
     """
 
     _OPTIONS = TBE_OPTIONS
+
+
+class Quantized(nnx.Variable):
+    """Quantized rows of an inference layer (not an `nnx.Param`: nothing trains them)."""
+
+
+class QuantizedEmbed(nnx.Module):
+    """Inference layer over a `tbe_jax.QuantizedTableBatchedEmbedding` (`layer.qemb`), its rows in
+    `layer.qparams` (an `nnx.Dict` of `Quantized` variables, one per word buffer). `QuantizedEmbed.from_layer`
+    makes one from a trained `TableBatchedEmbed`.
+
+    Example:
+      >>> import jax.numpy as jnp, flax.nnx as nnx, tbe_jax
+      >>> from tbe_jax.nnx import QuantizedEmbed, TableBatchedEmbed
+      >>> layer = TableBatchedEmbed([tbe_jax.TableSpec(100, 8), tbe_jax.TableSpec(50, 4)], impl="xla",
+      ...                           rngs=nnx.Rngs(0))
+      >>> serving = QuantizedEmbed.from_layer(layer, "int4")
+      >>> indices = jnp.array([1, 2, 3, 7, 7], jnp.int32)
+      >>> offsets = jnp.array([0, 2, 3, 3, 5], jnp.int32)
+      >>> serving(indices, offsets).shape
+      (2, 12)
+    """
+
+    def __init__(self, qemb, qparams=None):
+        self.qemb = qemb
+        qparams = qemb.zero_params() if qparams is None else qparams
+        qemb.check_params(qparams)
+        self.qparams = nnx.Dict({k: Quantized(v) for k, v in qparams.items()})
+
+    @classmethod
+    def from_layer(cls, layer: "TableBatchedEmbed", weight_dtype, **quantize_options) -> "QuantizedEmbed":
+        """The serving layer of a trained `TableBatchedEmbed` (its current tables quantized: `tbe_jax.quantize`,
+        `weight_dtype` and `quantize_options` as there)."""
+        from tbe_jax.quant import quantize
+        from tbe_jax.tbe import TableBatchedEmbedding
+
+        if not isinstance(layer.tbe, TableBatchedEmbedding):
+            raise TypeError(f"from_layer takes an unsharded TableBatchedEmbed; this layer's core is "
+                            f"{type(layer.tbe).__name__}")
+        return cls(*quantize(layer.tbe, layer.get_params(), weight_dtype, **quantize_options))
+
+    def get_qparams(self) -> dict:
+        return {k: v[...] for k, v in self.qparams.items()}
+
+    def __call__(self, indices, offsets, per_sample_weights=None, *, batch_size_per_feature=None,
+                 max_batch_size=None):
+        return self.qemb(self.get_qparams(), indices, offsets, per_sample_weights,
+                         batch_size_per_feature=batch_size_per_feature, max_batch_size=max_batch_size)

@@ -167,6 +167,12 @@ class QuantizedTableBatchedEmbedding:
             if tuple(x.shape) != shape or x.dtype != jnp.int32:
                 raise ValueError(f"qparams[{key!r}] must be int32{list(shape)}, got {x.dtype}{list(x.shape)}")
 
+    def zero_params(self) -> dict:
+        """Params of all-zero rows (every value dequantizes to 0): the shapes a layer initialises before the
+        trained rows are copied in."""
+        return {self.layout.buffer_key(b): jnp.zeros(self.layout.buffer_shape(b), jnp.int32)
+                for b in range(self.layout.num_buffers)}
+
     def _table_words(self, params, t: int):
         b = self.layout.table_buffer[t]
         r0 = self.layout.table_row_offset[t]
@@ -240,13 +246,17 @@ class QuantizedTableBatchedEmbedding:
 
 
 def quantize(emb: TableBatchedEmbedding, params, weight_dtype, *, output_dtype=jnp.float16, impl: str | None = None,
-             interpret: bool | None = None, kernel_config: fwd_kernels.ForwardConfig | None = None):
+             interpret: bool | None = None, kernel_config: fwd_kernels.ForwardConfig | None = None,
+             chunk_rows: int = 1 << 20):
     """`(qemb, qparams)`: the trained `emb`'s tables (`params`) quantized to `weight_dtype` (one name, or one per
     table) with FBGEMM's row quantizer (`quant_format.quantize_rows`).
 
     `qemb` is a `QuantizedTableBatchedEmbedding` with `emb`'s tables, features, pooling and bounds mode;
     `impl`, `interpret` and `kernel_config` default to `emb`'s, `output_dtype` to float16 (FBGEMM's default).
+    `chunk_rows`: rows quantized per jitted call (the temporaries' size; the result does not depend on it).
     """
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     if not isinstance(emb, TableBatchedEmbedding):
         raise TypeError(f"emb must be a tbe_jax.TableBatchedEmbedding, got {type(emb).__name__}")
     qemb = QuantizedTableBatchedEmbedding(
@@ -254,9 +264,35 @@ def quantize(emb: TableBatchedEmbedding, params, weight_dtype, *, output_dtype=j
         output_dtype=output_dtype, bounds_check=emb.bounds_check, impl=emb.impl if impl is None else impl,
         interpret=emb.interpret if interpret is None else interpret,
         kernel_config=emb.kernel_config if kernel_config is None else kernel_config)
-    tables = emb.get_tables(params)
-    rows = [quant_format.quantize_rows(jnp.asarray(w, jnp.float32), wt) for w, wt in zip(tables, qemb.weight_dtypes)]
-    return qemb, qemb.from_fbgemm(rows)
+    emb.check_params(params)
+    return qemb, _quantize_buffers(qemb, emb, params, chunk_rows)
+
+
+def _quantize_buffers(qemb: QuantizedTableBatchedEmbedding, emb: TableBatchedEmbedding, params, chunk_rows: int):
+    """The word buffers of `emb`'s tables quantized, `chunk_rows` rows per jitted call written in place into
+    each buffer (donated): the memory this takes besides the tables is the quantized buffers and one chunk's
+    temporaries, not a float copy of every table (MLPerf's tables are 49-97 GiB)."""
+    lay = qemb.layout
+    bufs = [jnp.zeros(lay.buffer_shape(b), jnp.int32) for b in range(lay.num_buffers)]
+    for t, (spec, wt) in enumerate(zip(qemb.tables, qemb.weight_dtypes)):
+        e = spec.num_embeddings
+        if e == 0:
+            continue
+        size = min(e, chunk_rows)
+        b, r0 = lay.table_buffer[t], lay.table_row_offset[t]
+        # the last chunk starts at e - size: it re-quantizes a few rows of the one before, to the same bytes
+        for start in sorted({min(k, e - size) for k in range(0, e, size)}):
+            bufs[b] = _quantize_chunk(bufs[b], params, jnp.int32(start), jnp.int32(r0 + start), emb=emb, t=t,
+                                      wt=wt, size=size)
+    return {lay.buffer_key(b): buf for b, buf in enumerate(bufs)}
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("emb", "t", "wt", "size"))
+def _quantize_chunk(buf, params, start, row, *, emb, t, wt, size):
+    w = emb.get_tables(params)[t]
+    chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=0).astype(jnp.float32)
+    words = quant_format.to_words(quant_format.quantize_rows(chunk, wt))
+    return jax.lax.dynamic_update_slice(buf, words, (row, jnp.int32(0)))
 
 
 # -- the lookup (dispatch.forward's `lookup`) ----------------------------------------------------------------------
