@@ -269,30 +269,47 @@ def quantize(emb: TableBatchedEmbedding, params, weight_dtype, *, output_dtype=j
 
 
 def _quantize_buffers(qemb: QuantizedTableBatchedEmbedding, emb: TableBatchedEmbedding, params, chunk_rows: int):
-    """The word buffers of `emb`'s tables quantized, `chunk_rows` rows per jitted call written in place into
-    each buffer (donated): the memory this takes besides the tables is the quantized buffers and one chunk's
-    temporaries, not a float copy of every table (MLPerf's tables are 49-97 GiB)."""
+    """The word buffers of `emb`'s tables quantized: the tables of at most `chunk_rows` rows in one jitted call,
+    larger ones `chunk_rows` rows per call written in place into their buffer (donated). Besides the tables this
+    takes the quantized buffers and one chunk's temporaries, not a float copy of every table (MLPerf's tables
+    are 49-97 GiB)."""
     lay = qemb.layout
-    bufs = [jnp.zeros(lay.buffer_shape(b), jnp.int32) for b in range(lay.num_buffers)]
-    for t, (spec, wt) in enumerate(zip(qemb.tables, qemb.weight_dtypes)):
-        e = spec.num_embeddings
-        if e == 0:
-            continue
-        size = min(e, chunk_rows)
-        b, r0 = lay.table_buffer[t], lay.table_row_offset[t]
-        # the last chunk starts at e - size: it re-quantizes a few rows of the one before, to the same bytes
-        for start in sorted({min(k, e - size) for k in range(0, e, size)}):
-            bufs[b] = _quantize_chunk(bufs[b], params, jnp.int32(start), jnp.int32(r0 + start), emb=emb, t=t,
-                                      wt=wt, size=size)
+    big = tuple(t for t, spec in enumerate(qemb.tables) if spec.num_embeddings > chunk_rows)
+    bufs = list(_quantize_small(params, qemb=qemb, emb=emb, skip=big))
+    for t in big:
+        e, wt = qemb.tables[t].num_embeddings, qemb.weight_dtypes[t]
+        g, src0 = emb.layout.table_group[t], emb.layout.table_row_offset[t]
+        b, dst0 = lay.table_buffer[t], lay.table_row_offset[t]
+        # the last chunk starts at e - chunk_rows: it re-quantizes rows of the one before, to the same bytes
+        for start in sorted({min(k, e - chunk_rows) for k in range(0, e, chunk_rows)}):
+            bufs[b] = _quantize_chunk(bufs[b], params[emb.layout.key(g)], jnp.int32(src0 + start),
+                                      jnp.int32(dst0 + start), dim=qemb.tables[t].embedding_dim, wt=wt,
+                                      size=chunk_rows)
     return {lay.buffer_key(b): buf for b, buf in enumerate(bufs)}
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames=("emb", "t", "wt", "size"))
-def _quantize_chunk(buf, params, start, row, *, emb, t, wt, size):
-    w = emb.get_tables(params)[t]
-    chunk = jax.lax.dynamic_slice_in_dim(w, start, size, axis=0).astype(jnp.float32)
+@functools.partial(jax.jit, static_argnames=("qemb", "emb", "skip"))
+def _quantize_small(params, *, qemb, emb, skip):
+    """Every buffer, with the tables not in `skip` quantized into it (the others' rows zero)."""
+    lay = qemb.layout
+    tables = emb.get_tables(params)
+    bufs = [jnp.zeros(lay.buffer_shape(b), jnp.int32) for b in range(lay.num_buffers)]
+    for t, (w, wt) in enumerate(zip(tables, qemb.weight_dtypes)):
+        if t in skip or w.shape[0] == 0:
+            continue
+        words = quant_format.to_words(quant_format.quantize_rows(w.astype(jnp.float32), wt))
+        b = lay.table_buffer[t]
+        bufs[b] = jax.lax.dynamic_update_slice(bufs[b], words, (lay.table_row_offset[t], 0))
+    return tuple(bufs)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("dim", "wt", "size"))
+def _quantize_chunk(buf, src, src_row, dst_row, *, dim, wt, size):
+    """`size` rows of the float buffer `src` from `src_row` (their first `dim` columns) quantized into `buf` at
+    `dst_row`."""
+    chunk = jax.lax.dynamic_slice(src, (src_row, jnp.int32(0)), (size, dim)).astype(jnp.float32)
     words = quant_format.to_words(quant_format.quantize_rows(chunk, wt))
-    return jax.lax.dynamic_update_slice(buf, words, (row, jnp.int32(0)))
+    return jax.lax.dynamic_update_slice(buf, words, (dst_row, jnp.int32(0)))
 
 
 # -- the lookup (dispatch.forward's `lookup`) ----------------------------------------------------------------------

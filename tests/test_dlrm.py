@@ -17,7 +17,7 @@ from examples.dlrm import model as model_lib
 from examples.dlrm import checkpoint, train
 
 # --time-steps 0: no device-step timing after training (20 more steps per run otherwise).
-TINY = ["--size", "tiny", "--impl", "xla", "--no-progress", "--time-steps", "0"]
+TINY = ["--size", "tiny", "--impl", "xla", "--no-progress", "--time-steps", "0", "--eval-quantized", "none"]
 
 
 def _tree_equal(a, b):
@@ -120,8 +120,14 @@ def test_interaction_shape_and_symmetry():
 
 
 def test_short_training_lowers_loss_and_raises_auc():
-    r = train.main(TINY + ["--steps", "60", "--eval-batches", "8"])
+    r = train.main(TINY + ["--steps", "60", "--eval-batches", "8", "--eval-quantized", "int8,int4"])
     assert r["steps"] == 60 and r["start_step"] == 0
+    # the trained model served with its tables quantized (tbe_jax.quantize): int8 and int4 rows, the AUC kept
+    q = r["quantized"]
+    assert set(q) == {"int8", "int4"}
+    assert abs(q["int8"]["auc"] - r["auc_after"]) < 0.005 and abs(q["int4"]["auc"] - r["auc_after"]) < 0.02
+    float_bytes = sum(v.size * v.dtype.itemsize for v in r["state"].emb_params.values())
+    assert q["int4"]["table_bytes"] < q["int8"]["table_bytes"] < float_bytes
     assert r["eval_loss_after"] < r["eval_loss_before"] - 0.05
     assert r["auc_after"] > r["auc_before"] + 0.1
     assert r["auc_after"] < r["oracle_auc"] + 0.01

@@ -286,7 +286,6 @@ def test_fbgemm_round_trip_every_type_and_errors(rng):
         tbe_jax.QuantizedTableBatchedEmbedding(specs, "int8", pooling="max")
 
 
-@pytest.mark.skipif(not hasattr(quant_format, "quantize_rows"), reason="quant_format.quantize_rows not merged yet")
 def test_quantize_a_trained_embedding(rng):
     emb = tbe_jax.TableBatchedEmbedding(BSPECS, weights_dtype=jnp.float16, pooling="mean", impl="xla")
     params = emb.init(jax.random.key(0))
@@ -304,29 +303,9 @@ def test_quantize_a_trained_embedding(rng):
     assert_close(qemb(qp, idx, off), model, 1e-3)
 
 
-def _toy_quantize_rows(w, wt):
-    """A stand-in row quantizer (min/max scale and bias, round to nearest) for `quantize`'s plumbing test."""
-    w = np.asarray(w, np.float32)
-    e, d = w.shape
-    rows = np.zeros((e, quant_format.row_bytes(d, wt)), np.uint8)
-    if wt not in BITS:
-        rows[:, : d * np.dtype(wt).itemsize] = w.astype(wt).view(np.uint8).reshape(e, -1)
-        return jnp.asarray(rows)
-    nb = BITS[wt]
-    lo, hi = w.min(1), w.max(1)
-    scale = np.maximum((hi - lo) / (2**nb - 1), 1e-8).astype(np.float16)
-    bias = lo.astype(np.float16)
-    q = np.clip(np.rint((w - bias[:, None]) / scale[:, None].astype(np.float32)), 0, 2**nb - 1).astype(np.int64)
-    bits = ((q[:, :, None] >> np.arange(nb)) & 1).astype(np.uint8).reshape(e, d * nb)
-    rows[:, 4 : 4 + d * nb // 8] = np.packbits(bits, axis=1, bitorder="little")
-    rows[:, :4] = np.stack([scale, bias], 1).view(np.uint8).reshape(e, 4)
-    return jnp.asarray(rows)
-
-
-def test_quantize_carries_the_options(rng, monkeypatch):
+def test_quantize_carries_the_options(rng):
     """`quantize`: `emb`'s tables, features, pooling and bounds mode, one type per table, fp16 output by default,
-    the rows `quantize_rows` gives (a stand-in here, so this runs before it lands)."""
-    monkeypatch.setattr(quant_format, "quantize_rows", _toy_quantize_rows, raising=False)
+    the rows `quantize_rows` gives."""
     specs = [tbe_jax.TableSpec(30, 8), tbe_jax.TableSpec(20, 16), tbe_jax.TableSpec(10, 6)]
     emb = tbe_jax.TableBatchedEmbedding(specs, feature_table_map=[0, 1, 2, 1], pooling="mean",
                                         bounds_check="warning", impl="xla")
@@ -337,7 +316,7 @@ def test_quantize_carries_the_options(rng, monkeypatch):
     assert qemb.output_dtype == jnp.float16 and qemb.weight_dtypes == ("int4", "int8", "float16")
     tables = emb.get_tables(params)
     for got, w, wt in zip(qemb.to_fbgemm(qp), tables, qemb.weight_dtypes):
-        assert np.array_equal(np.asarray(got), np.asarray(_toy_quantize_rows(w, wt)))
+        assert np.array_equal(np.asarray(got), np.asarray(quant_format.quantize_rows(w.astype(jnp.float32), wt)))
     deq = [np.asarray(t, np.float64) for t in qemb.get_tables(qp)]
     for got, w, levels in zip(deq, tables, (15, 255, None)):
         w = np.asarray(w, np.float64)

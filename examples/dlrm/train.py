@@ -251,6 +251,36 @@ def _jitted(model: DLRM, lr: float, dense_opt: str = "adam"):
     return init, train_step, eval_logits, emb_step
 
 
+def evaluate_quantized(model: DLRM, state: TrainState, eval_set, weight_types: str, log=print) -> dict:
+    """`{weight type: {"auc", "loss", "table_bytes", "quantize_s"}}`: the trained model evaluated with its tables
+    quantized (`tbe_jax.quantize`, one type at a time, freed after its evaluation; fp32 output). Only the
+    all-TBE model on one device (TT tables and sharded tables are not quantized: an empty dict)."""
+    names = [w for w in (weight_types or "").split(",") if w and w != "none"]
+    if not names:
+        return {}
+    if model.tt is not None or not isinstance(model.emb, tbe_jax.TableBatchedEmbedding):
+        log("quantized evaluation: skipped (TT or sharded tables; tbe_jax.quantize takes one TableBatchedEmbedding)")
+        return {}
+    out = {}
+    for wt in names:
+        t0 = time.perf_counter()
+        qemb, qparams = tbe_jax.quantize(model.emb, state.emb_params, wt, output_dtype=jax.numpy.float32)
+        jax.block_until_ready(qparams)
+        t_q = time.perf_counter() - t0
+
+        @jax.jit
+        def q_logits(dense_params, qparams, batch, qemb=qemb):
+            return model.logits(dense_params, batch["dense"], qemb(qparams, batch["indices"], batch["offsets"]))
+
+        r = evaluate(q_logits, state._replace(emb_params=qparams), eval_set)
+        nbytes = sum(int(v.size) * 4 for v in qparams.values())
+        out[wt] = {"auc": r["auc"], "loss": r["loss"], "table_bytes": nbytes, "quantize_s": t_q}
+        log(f"eval with the tables quantized to {wt}: AUC {r['auc']:.4f}, loss {r['loss']:.4f} "
+            f"({nbytes / 2**20:,.1f} MiB of rows, quantized in {t_q:.1f} s)")
+        del qparams
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def build(model: DLRM, lr: float, emb_lr: float, tt_lr: float | None = None,
           tt_opt: str = "rowwise_adagrad", dense_opt: str = "adam") -> Built:
@@ -305,6 +335,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-batches", type=int, default=None, help="held-out batches for AUC and loss")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="also evaluate (AUC, loss) every N steps (0: only before and after; not in the step time)")
+    ap.add_argument("--eval-quantized", default="int8,int4",
+                    help="after training, also evaluate the model with its tables quantized to these weight types "
+                         "(tbe_jax.quantize: int8, int4, int2, fp8, float16, float32; comma-separated; 'none': skip)")
     ap.add_argument("--ckpt-dir", default=None, help="save a checkpoint here at the end (and every --ckpt-every)")
     ap.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
@@ -610,6 +643,8 @@ def main(argv=None) -> dict:
         f"({after['auc'] - before['auc']:+.4f}), loss {before['loss']:.4f} -> {after['loss']:.4f} "
         f"(ceiling AUC {oracle:.4f})")
 
+    quantized = evaluate_quantized(model, state, eval_set, args.eval_quantized, log)
+
     if args.ckpt_dir:
         t_save = time.perf_counter()
         ckpt = save_checkpoint(args.ckpt_dir, portable(model, state), settings)
@@ -620,7 +655,7 @@ def main(argv=None) -> dict:
 
     results = {
         "auc_before": before["auc"], "auc_after": after["auc"], "eval_loss_before": before["loss"],
-        "eval_loss_after": after["loss"], "oracle_auc": oracle, "auc_curve": curve,
+        "eval_loss_after": after["loss"], "oracle_auc": oracle, "auc_curve": curve, "quantized": quantized,
         "final_loss": float(losses[-k:].mean()) if n else float("nan"),
         "steps": n, "start_step": start, "steps_per_s": steps_per_s,
         "examples_per_s": steps_per_s * args.batch_size, "step_ms": step_ms, "wall_step_ms": step_ms,
@@ -673,7 +708,8 @@ def main(argv=None) -> dict:
 
     results["peak_bytes"] = peak_memory()
     log(f"SUMMARY size={args.size} model={args.model} steps={start}->{state.step} | AUC {before['auc']:.4f} -> {after['auc']:.4f} "
-        f"(ceiling {oracle:.4f}) | eval loss {before['loss']:.4f} -> {after['loss']:.4f} | train loss "
+        f"(ceiling {oracle:.4f})" + "".join(f", {wt} {q['auc']:.4f}" for wt, q in quantized.items())
+        + f" | eval loss {before['loss']:.4f} -> {after['loss']:.4f} | train loss "
         f"{results['final_loss']:.4f} | {results['examples_per_s']:,.0f} examples/s | {step_ms:.2f} ms/step wall"
         + (f" (device step {results['device_step_ms']:.2f} ms, share {results['device_share']:.2f})"
            if "device_step_ms" in results else "")
