@@ -556,3 +556,75 @@ def test_fp16_and_fp8_error_bounds():
     half_step = np.maximum(2.0 ** (np.floor(np.log2(np.maximum(np.abs(x), 1e-300))) - 4), 2.0 ** -10)
     assert (np.abs(f8 - x)[ok] <= half_step[ok]).all()
     np.testing.assert_array_equal(np.abs(f8[~ok]), 240.0)
+
+
+# -- benchmarks/fbgemm_quant.py: its pure parts -------------------------------------------------------------------
+
+def test_benchmark_workloads_and_inputs():
+    from benchmarks import fbgemm_quant as fq
+
+    cases = fq.workload_cases(["base", "mixed", "dims8-192/8"], [1, 16, 4096])
+    assert [c.name for c in cases[:3]] == ["base@B4096", "base@B1", "base@B16"]  # own B first, no duplicate
+    base = cases[0]
+    assert base.rows == (100_000,) * 32 and base.dims == (128,) * 32 and base.bags == (20.0,) * 32
+    mixed = [c for c in cases if c.name.startswith("dims")][0]
+    assert set(mixed.dims) == set(range(8, 193, 8)) and all(d % 8 == 0 for d in mixed.dims)
+    assert len([c for c in cases if c.name.startswith("mixed")][0].rows) == 33
+    small = [c for c in cases if c.name == "base@B16"][0]
+    i, o, w = fq.case_inputs(small, 0)
+    assert o.shape == (32 * 16 + 1,) and len(i) == 32 * 16 * 20 and w is None and i.max() < 100_000
+    shards = fq.shard_cases(3, 20261202)
+    assert len(shards) == 3 and all(d % 8 == 0 for c in shards for d in c.dims)  # int4 / int2 need even dims
+    i, o, w = fq.case_inputs(shards[0], 1)
+    assert len(o) == shards[0].B * len(shards[0].rows) + 1 and o[-1] == len(i)
+    for wt in ("int8", "int4", "int2"):
+        assert not fq.check_dims_ok(wt, {"int8": 13, "int4": 6, "int2": 12}[wt]) and fq.check_dims_ok(wt, 64)
+
+
+def test_benchmark_reference_and_bound():
+    # dequantize64 is the exact value; its float32 rounding is ours; the bound covers FBGEMM's forward arithmetic
+    # as quant_format's docstring describes it (each value rounded to fp16, float32 sums in bag order, fp16 output)
+    from benchmarks import fbgemm_quant as fq
+
+    rng = np.random.default_rng(21)
+    for wt, d in (("int8", 13), ("int4", 64), ("int2", 12), ("fp8", 13), ("float16", 64), ("float32", 13)):
+        w = fq.random_table(rng, 200, d)
+        rows = quantize(w, wt)
+        values = fq.dequantize64(rows, wt, d)
+        np.testing.assert_array_equal(values, np_dequantize_rows(rows, wt, d))
+        np.testing.assert_array_equal(values.astype(np.float32), np.asarray(qf.dequantize_rows(jnp.asarray(rows),
+                                                                                             wt, d)))
+        idx, off = fq.bags(rng, 200, 300, 8)
+        assert (np.diff(off) == 0).any()
+        want = fq.pooled(values, idx, off)
+        h = values.astype(np.float16).astype(np.float32) if wt in INT_TYPES else values.astype(np.float32)
+        acc = np.zeros((300, d), np.float32)
+        for b in range(300):
+            for r in idx[off[b]:off[b + 1]]:
+                acc[b] += h[r]
+        for out16 in (False, True):
+            got = acc.astype(np.float16) if out16 else acc
+            res = fq.compare(got, want, fq.fbgemm_error_bound(values, idx, off, wt, out16))
+            assert res["within_bound"] and res["nonfinite"] == 0, (wt, out16, res)
+            if wt in INT_TYPES or out16:  # the bound is not vacuous where FBGEMM rounds (fp8 sums are exact here)
+                assert res["bound_used"] > 0.05, (wt, out16, res)
+        assert np.all(want[np.diff(off) == 0] == 0)
+
+
+def test_benchmark_byte_diff_and_tables():
+    from benchmarks import fbgemm_quant as fq
+
+    a = np.zeros((3, 16), np.uint8)
+    b = a.copy()
+    assert fq.byte_diff(a, b) == {"equal": True, "bytes_differing": 0, "rows_differing": 0}
+    b[2, 5] = 7
+    r = fq.byte_diff(a, b)
+    assert not r["equal"] and r["first"] == [2, 5] and r["rows_differing"] == 1
+    assert not fq.byte_diff(a, b[:2])["equal"]
+    w = fq.special_table(30, 8)
+    assert np.isnan(w[4]).all() and (w[5] == np.float32(1.0004)).all() and np.isinf(w[7]).all()
+    rows = quantize(w, "int8")
+    assert_bytes_equal(rows, np_quantize_rows(w, "int8"))
+    big = fq.random_table(np.random.default_rng(0), 1000, 64)
+    scale = np.ptp(big, axis=1) / 3
+    assert scale.max() < 128  # int2's fp16 scale stays below FBGEMM's hmul(scale, 512) overflow
