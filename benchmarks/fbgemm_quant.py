@@ -374,8 +374,11 @@ def _line(res: dict) -> str:
     s = f"{res['wt']:>7} D={res['dim']:<4} bytes {'equal' if b['equal'] else 'DIFFER ' + str(b)[:160]}"
     for out in ("float16", "float32"):
         f = res.get(f"forward_{out}")
-        if f:
-            s += f" | {out} err {f['max_abs_err']:.3g} rel {f['rel_err']:.2g} bound used {f['bound_used']:.2f}"
+        if f and f["max_abs_err"] is not None:
+            s += f" | {out} err {f['max_abs_err']:.3g} rel {f['rel_err']:.2g} bound used {f['bound_used']:.2f}" \
+                + (f" NONFINITE {f['nonfinite']}" if f["nonfinite"] else "")
+        elif f:
+            s += f" | {out} all {f['nonfinite']} outputs non-finite"
     return s
 
 

@@ -83,7 +83,7 @@ def np_int8(w, eps=1e-20):
 
 
 def np_nbit(w, nbits):
-    """(q, scale16 bits, bias16 bits) of FloatToFusedNBitRowwiseQuantizedSBHalf (_float_to_fusednbitrowwise_cuda_kernel)."""
+    """(q, scale16 bits, bias16 bits) of FloatToFusedNBitRowwiseQuantizedSBHalf (the CUDA kernel)."""
     w = np.asarray(w, np.float32)
     top = (1 << nbits) - 1
     mn, mx = np_scan(w, True), np_scan(w, False)
@@ -628,3 +628,14 @@ def test_benchmark_byte_diff_and_tables():
     big = fq.random_table(np.random.default_rng(0), 1000, 64)
     scale = np.ptp(big, axis=1) / 3
     assert scale.max() < 128  # int2's fp16 scale stays below FBGEMM's hmul(scale, 512) overflow
+
+
+def test_benchmark_result_line():
+    from benchmarks import fbgemm_quant as fq
+
+    res = {"wt": "int8", "dim": 13, "bytes_vs_ours": {"equal": True},
+           "forward_float16": {"max_abs_err": 1e-3, "rel_err": 1e-4, "bound_used": 0.5, "nonfinite": 0},
+           "forward_float32": {"max_abs_err": None, "rel_err": None, "bound_used": None, "nonfinite": 12}}
+    line = fq._line(res)
+    assert "bytes equal" in line and "bound used 0.50" in line and "12 outputs non-finite" in line
+    assert "ERROR" in fq._line({"wt": "int4", "dim": 6, "error": "RuntimeError: x"})
