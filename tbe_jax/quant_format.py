@@ -25,7 +25,7 @@ the scale (low 16 bits) and the bias (high 16 bits), FBGEMM's `half2 shift_scale
 Quantization (`quantize_rows`, float32 in, FBGEMM's CUDA ops' float32 arithmetic reproduced exactly)
 -----------------------------------------------------------------------------------------------------
 - float32: the bits as given. float16: round to nearest even (CUDA's `__float2half`), |x| >= 65520 -> inf, every
-  NaN -> 0x7FFF (CUDA's canonical NaN; FBGEMM's CPU path keeps the sign, 0x7E00 / 0xFE00).
+  NaN -> 0x7FFF (CUDA's canonical NaN; FBGEMM's CPU path gives 0x7E00 for a positive NaN).
 - fp8 (`FloatToHFP8Quantized`, `quantize_ops_utils.h::float_to_hfp8`): |x| clamped to `max_pos` (240 for the
   default 4 exponent bits, bias 7) with `fminf`, so +-inf and NaN become +-240 (the NaN's sign bit kept); then round
   to nearest even on 3 mantissa bits (normal codes) or to a multiple of 2^-9 (subnormal codes, below 2^-6).
