@@ -14,6 +14,8 @@ Measurements (meant for an H200; on a CPU most run as smoke tests in interpret m
   tt           TT embedding-bag forward and training steps against XLA baselines (bench_tt.py)
   sharding     sharded training steps over the GPUs of one host (bench_sharding.py)
   sweep        hundreds of drawn shard shapes against FBGEMM (sweep.py)
+  fbgemm_quant FBGEMM's quantized inference TBE: our row bytes and its forward checked (--check), its forward
+               kernel timed on int8 / int4 / fp16 tables (--time) (fbgemm_quant.py)
   dispatch     host time of jitted calls (dispatch.py)
   cpu_update   the XLA path's update on the CPU as tables grow (cpu_update.py)
   dlrm_model   the DLRM demo's whole model (DCNv2 at MLPerf size): build, init, step, split, memory (dlrm_model.py)
@@ -50,6 +52,7 @@ SUITES = {
     "tt": "benchmarks.bench_tt",
     "sharding": "benchmarks.bench_sharding",
     "sweep": "benchmarks.sweep",
+    "fbgemm_quant": "benchmarks.fbgemm_quant",
     "dispatch": "benchmarks.dispatch",
     "cpu_update": "benchmarks.cpu_update",
     "dlrm_model": "benchmarks.dlrm_model",
