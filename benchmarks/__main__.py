@@ -16,6 +16,8 @@ Measurements (meant for an H200; on a CPU most run as smoke tests in interpret m
   sweep        hundreds of drawn shard shapes against FBGEMM (sweep.py)
   fbgemm_quant FBGEMM's quantized inference TBE: our row bytes and its forward checked (--check), its forward
                kernel timed on int8 / int4 / fp16 tables (--time) (fbgemm_quant.py)
+  bench_quant  our quantized inference TBE on fbgemm_quant's cases, with the ratios to its --time JSON
+               (bench_quant.py)
   dispatch     host time of jitted calls (dispatch.py)
   cpu_update   the XLA path's update on the CPU as tables grow (cpu_update.py)
   dlrm_model   the DLRM demo's whole model (DCNv2 at MLPerf size): build, init, step, split, memory (dlrm_model.py)
@@ -53,6 +55,7 @@ SUITES = {
     "sharding": "benchmarks.bench_sharding",
     "sweep": "benchmarks.sweep",
     "fbgemm_quant": "benchmarks.fbgemm_quant",
+    "bench_quant": "benchmarks.bench_quant",
     "dispatch": "benchmarks.dispatch",
     "cpu_update": "benchmarks.cpu_update",
     "dlrm_model": "benchmarks.dlrm_model",
