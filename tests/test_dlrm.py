@@ -127,7 +127,8 @@ def test_short_training_lowers_loss_and_raises_auc():
     assert set(q) == {"int8", "int4"}
     assert abs(q["int8"]["auc"] - r["auc_after"]) < 0.005 and abs(q["int4"]["auc"] - r["auc_after"]) < 0.02
     float_bytes = sum(v.size * v.dtype.itemsize for v in r["state"].emb_params.values())
-    assert q["int4"]["table_bytes"] < q["int8"]["table_bytes"] <= float_bytes  # 16-byte rows: int8 = fp16 at D 16
+    # tiny tables have D 8: an fp16, int8 (12 bytes) and int4 (8 bytes) row all pad to 16 bytes
+    assert q["int4"]["table_bytes"] <= q["int8"]["table_bytes"] <= float_bytes
     assert r["eval_loss_after"] < r["eval_loss_before"] - 0.05
     assert r["auc_after"] > r["auc_before"] + 0.1
     assert r["auc_after"] < r["oracle_auc"] + 0.01
