@@ -312,7 +312,7 @@ def check(args) -> dict:
                 theirs_cpu = np.concatenate(head + [p_cpu.numpy()], axis=1)
                 ours_cpu = _ours(w, wt, int8_epsilon=qf.INT8_EPSILON_CPU)[:, :qf.unpadded_row_bytes(d, wt)]
                 res["cpu_op_bytes_vs_ours_eps1e-8"] = byte_diff(ours_cpu, theirs_cpu)
-                values = dequantize64(ours, wt, d)
+                values = dequantize64(theirs, wt, d)  # the rows the TBE holds (FBGEMM's bytes)
                 idx, off = bags(rng, args.rows, args.bags, args.bag_len)
                 ti, to = torch.from_numpy(idx).cuda(), torch.from_numpy(off).cuda()
                 for out in ("float16", "float32"):

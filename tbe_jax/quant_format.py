@@ -158,11 +158,16 @@ def _round_fp16(x: jax.Array) -> jax.Array:
 
 
 def _div(a, b) -> jax.Array:
-    """IEEE float32 `a / b`. XLA turns a division by a broadcast (a constant or a per-row value) into a
-    multiplication by its reciprocal, which rounds differently; a full-shaped divisor behind an optimization
-    barrier keeps the division."""
+    """IEEE float32 `a / b` (correctly rounded, as CUDA's `/` on floats). Two XLA behaviours stand in the way:
+    XLA turns a division by a broadcast (a constant or a per-row value) into a multiplication by its reciprocal,
+    and XLA's GPU backend divides float32 approximately (within 2 ulp, not rounded to nearest). So the quotient
+    is computed in float64 (IEEE on both backends) and rounded once to float32, which is the correctly rounded
+    float32 quotient (53 >= 2 * 24 + 2 bits: the double rounding cannot err), with a full-shaped divisor behind
+    an optimization barrier."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    return a / jax.lax.optimization_barrier(b)
+    with jax.enable_x64(True):
+        q = a.astype(jnp.float64) / jax.lax.optimization_barrier(b.astype(jnp.float64))
+        return q.astype(jnp.float32)
 
 
 def lrintf_int32(v: jax.Array) -> jax.Array:

