@@ -153,8 +153,11 @@ def f32_to_fp16_bits(x: jax.Array) -> jax.Array:
 
 
 def _round_fp16(x: jax.Array) -> jax.Array:
-    """float32 -> float32 value of its fp16 rounding (`__half2float(__float2half(x))`)."""
-    return x.astype(jnp.float16).astype(jnp.float32)
+    """float32 -> float32 value of its fp16 rounding (`__half2float(__float2half(x))`). The fp16 value sits
+    behind an optimization barrier: with `xla_allow_excess_precision` (on by default) XLA's GPU compiler may drop
+    an f32 -> f16 -> f32 round trip inside a fusion, keeping the unrounded value (the bytes of int4 / int2 rows
+    then differed from FBGEMM's on the H200)."""
+    return jax.lax.optimization_barrier(x.astype(jnp.float16)).astype(jnp.float32)
 
 
 def _div(a, b) -> jax.Array:
