@@ -17,11 +17,10 @@ def _section_code(title: str) -> list[str]:
 
 
 def test_training_snippets_run():
-    """The train_step, apply_gradients and jax.grad blocks, each on its own (a reader copies one)."""
+    """The train_step and apply_gradients blocks, each on its own (a reader copies one)."""
     blocks = _section_code("### Training: `tbe_jax.train_step`")
     blocks += _section_code("### `apply_gradients`, and the kernels behind it")
-    blocks += _section_code("### True gradient (`jax.grad`)")
-    assert len(blocks) == 3
+    assert len(blocks) == 2
     spaces = []
     for code in blocks:
         ns: dict = {}
@@ -29,8 +28,6 @@ def test_training_snippets_run():
         spaces.append(ns)
     assert int(spaces[0]["table_state"].count) == 3 and float(spaces[0]["loss"]) > 0
     assert [m.shape for m in spaces[1]["momentum"]] == [(1000,), (500,)]
-    ns = spaces[2]
-    assert all(ns["tables"][k].shape == ns["grads"][k].shape for k in ns["tables"])
 
 
 def test_layer_snippet_runs():
@@ -55,6 +52,11 @@ def test_quickstart_and_tt_snippets_run():
     ns: dict = {}
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102
     assert ns["out"].shape == (2, 64 + 128 + 128)
+    # the inference block continues the quickstart (its emb, params, indices, offsets)
+    (inference,) = _section_code("### Inference: quantized rows")
+    exec(compile(inference, str(README), "exec"), ns)  # noqa: S102
+    assert ns["out"].shape == (2, 64 + 128 + 128) and ns["out"].dtype == ns["jnp"].float16
+    assert [r.shape[1] for r in ns["rows"]] == [48, 80]  # int4 rows of D 64 / 128: 32 + 4 -> 48, 64 + 4 -> 80
     (code,) = _section_code("### Tensor-train tables")
     ns = {}
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102
