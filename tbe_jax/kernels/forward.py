@@ -17,8 +17,9 @@ the same table.
 Quantized rows (the inference TBE, `tbe_jax.quant`): a buffer given a static
 `kernels.quant_rows.RowFormat` (`pooled_forward`'s and `sequence_forward`'s
 `formats` / `fmt`) holds int32 words; its branch's gather loads each value's
-word and dequantizes it to fp32 in registers (`quant_rows.load_rows`), and the
-same accumulation follows. Buffers without a format load their rows as before:
+word once per lane and unpacks it to fp32 in registers (`quant_rows.load_packed`:
+`per_word` tiles, one per position in the word), and the same accumulation
+follows per tile. Buffers without a format load their rows as before:
 the same program, op for op.
 """
 
@@ -133,7 +134,7 @@ class _Branch:
     buffer: int  # position of the buffer among the kernel's weight refs
     seg: programs.Segment  # its programs (prog_start, prog_end, bags per program, ...)
     dim: int
-    block_dim: int
+    block_dim: int  # tile columns: next_pow2(dim), or of the value words for quantized rows
     stride: int  # the buffer's stored row length (>= dim; padding columns are loaded, never stored)
     groups: int = 1  # sub-groups of `bags` bags per program (`bag_groups`, or `short_bag_groups` for hinted features)
     fmt: quant_rows.RowFormat | None = None  # quantized rows: their format (None: rows of the buffer's dtype)
@@ -168,7 +169,8 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
         f0 = int(pm.flist[seg.feat_base, 0])
         g = plan.group[f0]
         d = layout.dims[g]
-        branches.append(_Branch(used.index(g), seg, d, next_pow2(d), layout.strides[g], seg.bags // tile[g], fmt(g)))
+        width = d if fmt(g) is None else quant_rows.value_words(fmt(g), d)  # quantized: a lane per word
+        branches.append(_Branch(used.index(g), seg, d, next_pow2(width), layout.strides[g], seg.bags // tile[g], fmt(g)))
     return used, tuple(branches), pm, feature_table(plan)
 
 
@@ -196,8 +198,12 @@ def _pool_branch(
     out_base = feat_meta(OUT_BASE)
     out_stride = feat_meta(OUT_STRIDE)
 
+    # Quantized rows are gathered a word per lane (`quant_rows.load_packed`): `parts` tiles of `[G, Wp]`, tile k's
+    # column c holding value `c * parts + k`; float rows are one `[G, Dp]` tile in value order (`parts` = 1).
+    parts = 1 if br.fmt is None else br.fmt.per_word
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
-    col_ok = cols < br.dim
+    out_cols = [cols] if br.fmt is None else [quant_rows.value_columns(br.fmt, cols, k) for k in range(parts)]
+    col_oks = [oc < br.dim for oc in out_cols]
     shape = (br.bags, br.block_dim)
 
     def row_mask(ok):
@@ -235,24 +241,27 @@ def _pool_branch(
                 ok = ok & (idx < num_rows)
             rows = row_offset + idx
             if br.fmt is None:
-                tiles.append(plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0))
+                tiles.append((plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0),))
             else:  # int32 words, dequantized to fp32 here
-                tiles.append(quant_rows.load_rows(w_ref, rows, ok, cols, br.fmt, br.dim))
+                tiles.append(tuple(quant_rows.load_packed(w_ref, rows, ok, cols, br.fmt, br.dim)))
         return tiles
 
     def accumulate(s, c, tiles, ws):
-        for u, x in enumerate(tiles):
-            x = x.astype(jnp.float32)
-            if ws:
-                x = x * ws[u][:, None]
-            if accumulation == "twosum":
-                s, c = _two_sum(s, c, x)
-            else:
-                s = s + x.astype(s.dtype)
-        return s, c
+        """`s`, `c`: per part the sum and its error term; `tiles`: per step its parts."""
+        s, c = list(s), list(c)
+        for u, step in enumerate(tiles):
+            for k, x in enumerate(step):
+                x = x.astype(jnp.float32)
+                if ws:
+                    x = x * ws[u][:, None]
+                if accumulation == "twosum":
+                    s[k], c[k] = _two_sum(s[k], c[k], x)
+                else:
+                    s[k] = s[k] + x.astype(s[k].dtype)
+        return tuple(s), tuple(c)
 
-    zeros = jnp.zeros(shape, jnp.float32)
-    acc0 = jnp.zeros(shape, jnp.float64) if accumulation == "fp64" else zeros
+    zeros = (jnp.zeros(shape, jnp.float32),) * parts
+    acc0 = (jnp.zeros(shape, jnp.float64),) * parts if accumulation == "fp64" else zeros
     nbad0 = jnp.zeros((br.bags,), jnp.int32)
 
     def pool(start, length, k0, acc, ahead=None):
@@ -283,11 +292,14 @@ def _pool_branch(
 
     def finish(acc, length, bag, bag_ok):
         s, c, _ = acc
-        out = s + c if accumulation == "twosum" else s
-        if pooling == "mean":
-            out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]
-        ptr = aligned(out_base + bag * out_stride, align)[:, None] + cols[None, :]
-        plgpu.store(out_ref.at[ptr], out.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
+        base = None
+        for k in range(parts):
+            out = s[k] + c[k] if accumulation == "twosum" else s[k]
+            if pooling == "mean":
+                out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]
+            base = aligned(out_base + bag * out_stride, align)[:, None] if base is None else base
+            plgpu.store(out_ref.at[base + out_cols[k][None, :]], out.astype(out_ref.dtype),
+                        mask=bag_ok[:, None] & col_oks[k][None, :])
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
@@ -456,17 +468,22 @@ def _sequence_kernel(rows_ref, *refs, weighted, dim, stride, block_dim, block_ro
     in_range = pos < n
     rows = plgpu.load(rows_ref.at[pos], mask=in_range, other=-1)
     cols = jnp.arange(block_dim, dtype=jnp.int32)
-    col_ok = cols < dim
+    # quantized rows: a lane per word, tile k holding the values k, k + per_word, ... (`quant_rows.load_packed`)
+    out_cols = [cols] if fmt is None else [quant_rows.value_columns(fmt, cols, k) for k in range(fmt.per_word)]
+    col_oks = [oc < dim for oc in out_cols]
     ok = rows >= 0
     if fmt is None:
-        x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & (cols < stride)[None, :], other=0)
+        xs = [plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & (cols < stride)[None, :], other=0)]
     else:
-        x = quant_rows.load_rows(w_ref, rows, ok, cols, fmt, dim)
-    x = x.astype(jnp.float32)
-    if psw_ref is not None:
-        x = x * plgpu.load(psw_ref.at[pos], mask=in_range, other=0.0)[:, None]
-    plgpu.store(out_ref.at[pos[:, None], cols[None, :]], x.astype(out_ref.dtype),
-                mask=in_range[:, None] & col_ok[None, :])
+        xs = quant_rows.load_packed(w_ref, rows, ok, cols, fmt, dim)
+    w = None
+    for x, oc, col_ok in zip(xs, out_cols, col_oks):
+        x = x.astype(jnp.float32)
+        if psw_ref is not None:
+            w = plgpu.load(psw_ref.at[pos], mask=in_range, other=0.0)[:, None] if w is None else w
+            x = x * w
+        plgpu.store(out_ref.at[pos[:, None], oc[None, :]], x.astype(out_ref.dtype),
+                    mask=in_range[:, None] & col_ok[None, :])
 
 
 def sequence_forward(
@@ -485,8 +502,8 @@ def sequence_forward(
     n = rows.shape[0]
     if n == 0:
         return jnp.zeros((0, dim), output_dtype)
-    block_dim = next_pow2(dim)
-    block_rows = max(1, min(256, config.tile_elems // block_dim))
+    block_dim = next_pow2(dim if fmt is None else quant_rows.value_words(fmt, dim))
+    block_rows = max(1, min(256, config.tile_elems // next_pow2(dim)))
     kernel = functools.partial(
         _sequence_kernel, weighted=per_sample_weights is not None, dim=dim, stride=weights.shape[1],
         block_dim=block_dim, block_rows=block_rows, n=n, fmt=fmt,

@@ -2,15 +2,16 @@
 
 A storage buffer of the inference TBE (`tbe_jax.quant`) holds FBGEMM IntNBit rows (`tbe_jax.quant_format`) as
 little-endian int32 words, `RowFormat.words` per row. Value `j` of a row sits in word `header_words + j //
-per_word`, at bit `bits * (j % per_word)`: the lanes of a tile column load that word (the lanes of one word load
-one address, so one memory sector), shift and mask their value out of it and convert it to float32:
+per_word`, at bit `bits * (j % per_word)`; a value is shifted and masked out of its word and converted to float32:
 
 - int8 / int4 / int2: `q * scale + bias`, with the row's fp16 scale (low half) and bias (high half) of word 0;
 - float16: the 16-bit pattern as an fp16 value (widened); fp8: FBGEMM's HFP8 code (`quant_format.hfp8_to_float`);
 - float32: the word's bits as a float32.
 
-`load_rows` is the Pallas gather (a `[G, Dp]` float32 tile), `take_rows` the same with `jnp` (the XLA path); both
-decode with `decode`, so the kernels and the XLA path compute the same float32 values.
+`load_packed` is the Pallas gather the kernels use: each lane loads one word and unpacks its values with constant
+shifts into `per_word` tiles (value `c * per_word + k` in tile `k`, column `c`); `take_rows` is the same gather
+with `jnp` (the XLA path), in value order. Both decode a value by the same float32 operations, so the kernels
+and the XLA path compute the same values.
 """
 
 from __future__ import annotations
@@ -88,23 +89,53 @@ def decode(fmt: RowFormat, word, cols, header=None):
     return q.astype(jnp.float32) * scale[:, None] + bias[:, None]
 
 
-def load_rows(w_ref, rows, ok, cols, fmt: RowFormat, dim: int):
-    """The Pallas gather of quantized rows: `[G, Dp]` float32, row `rows[i]` of the word buffer `w_ref` where
-    `ok[i]` (zeros elsewhere), column `cols[j]` (`Dp` of them, the first `dim` the row's values).
+def value_words(fmt: RowFormat, dim: int) -> int:
+    """Words holding the `dim` values of a row (after its header)."""
+    return -(-dim // fmt.per_word)
 
-    Tile columns past `dim` whose word lies inside the row load it (their values are never stored); where a
-    tile column's word would pass the row, columns past `dim` are masked off.
+
+def load_packed(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
+    """The Pallas gather of quantized rows, one load per word: `fmt.per_word` float32 tiles `[G, Wp]`, tile `k`
+    column `c` the value `c * per_word + k` of row `rows[i]` of `w_ref` where `ok[i]` (zeros elsewhere);
+    `wcols`: the `Wp` value-word columns (`arange`, `Wp >= value_words(fmt, dim)`).
+
+    Each lane loads one word and unpacks its `per_word` values with constant shifts: an int4 row of 128
+    values is 16 loads, not the 128 of a lane per value (8 lanes loading each address), so the loads, their
+    address arithmetic and the shifts (constants here) drop by `per_word`. The caller stores tile
+    `k` to the output columns `c * per_word + k` (`value_columns`).
     """
-    widx = fmt.word_index(cols)
-    if fmt.word_index(cols.shape[0] - 1) < fmt.words:
-        mask = jnp.broadcast_to(ok[:, None], (ok.shape[0], cols.shape[0]))
+    nw = value_words(fmt, dim)
+    if wcols.shape[0] + fmt.header_words <= fmt.words:  # every tile word lies inside the row
+        mask = jnp.broadcast_to(ok[:, None], (ok.shape[0], wcols.shape[0]))
     else:
-        mask = ok[:, None] & (cols < dim)[None, :]
-    word = plgpu.load(w_ref.at[rows[:, None], widx[None, :]], mask=mask, other=0)
-    header = None
+        mask = ok[:, None] & (wcols < nw)[None, :]
+    cols = wcols + fmt.header_words if fmt.header_words else wcols
+    word = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+    scale = bias = None
     if fmt.header_words:  # masked rows read 0: scale 0 and bias 0, so they contribute zeros
         header = plgpu.load(w_ref.at[rows, jnp.zeros_like(rows)], mask=ok, other=0)
-    return decode(fmt, word, cols, header)
+        scale = fp16_bits_to_float(header)[:, None]
+        bias = fp16_bits_to_float(header >> 16)[:, None]
+    tiles = []
+    for k in range(fmt.per_word):
+        q = word >> (k * fmt.bits) if k else word
+        q = q & ((1 << fmt.bits) - 1) if fmt.bits < 32 else q
+        if fmt.bits == 32:
+            tiles.append(jax.lax.bitcast_convert_type(q, jnp.float32))
+        elif fmt.weight_dtype == "float16":
+            tiles.append(fp16_bits_to_float(q))
+        elif fmt.weight_dtype == "fp8":
+            tiles.append(quant_format.hfp8_to_float(q))
+        else:
+            tiles.append(q.astype(jnp.float32) * scale + bias)
+    return tiles
+
+
+def value_columns(fmt: RowFormat, wcols, k: int):
+    """The value (output) column of each word column `wcols` for tile `k` of `load_packed`."""
+    if fmt.per_word == 1:
+        return wcols
+    return wcols * fmt.per_word + k
 
 
 def take_rows(words, rows, fmt: RowFormat, dim: int):
