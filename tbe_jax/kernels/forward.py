@@ -202,8 +202,8 @@ def _pool_branch(
     # column c holding value `c * parts + k`; float rows are one `[G, Dp]` tile in value order (`parts` = 1).
     parts = 1 if br.fmt is None else br.fmt.per_word
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
-    out_cols = [cols] if br.fmt is None else [quant_rows.value_columns(br.fmt, cols, k) for k in range(parts)]
-    col_oks = [oc < br.dim for oc in out_cols]
+    out_cols = cols if parts == 1 else jnp.arange(br.block_dim * parts, dtype=jnp.int32)  # the stored tile's
+    col_ok = out_cols < br.dim
     shape = (br.bags, br.block_dim)
 
     def row_mask(ok):
@@ -292,14 +292,12 @@ def _pool_branch(
 
     def finish(acc, length, bag, bag_ok):
         s, c, _ = acc
-        base = None
-        for k in range(parts):
-            out = s[k] + c[k] if accumulation == "twosum" else s[k]
-            if pooling == "mean":
-                out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]
-            base = aligned(out_base + bag * out_stride, align)[:, None] if base is None else base
-            plgpu.store(out_ref.at[base + out_cols[k][None, :]], out.astype(out_ref.dtype),
-                        mask=bag_ok[:, None] & col_oks[k][None, :])
+        out = [s[k] + c[k] for k in range(parts)] if accumulation == "twosum" else s
+        out = out[0] if parts == 1 else quant_rows.interleave(out)  # quantized: back in value order
+        if pooling == "mean":
+            out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]
+        ptr = aligned(out_base + bag * out_stride, align)[:, None] + out_cols[None, :]
+        plgpu.store(out_ref.at[ptr], out.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
@@ -468,22 +466,20 @@ def _sequence_kernel(rows_ref, *refs, weighted, dim, stride, block_dim, block_ro
     in_range = pos < n
     rows = plgpu.load(rows_ref.at[pos], mask=in_range, other=-1)
     cols = jnp.arange(block_dim, dtype=jnp.int32)
-    # quantized rows: a lane per word, tile k holding the values k, k + per_word, ... (`quant_rows.load_packed`)
-    out_cols = [cols] if fmt is None else [quant_rows.value_columns(fmt, cols, k) for k in range(fmt.per_word)]
-    col_oks = [oc < dim for oc in out_cols]
+    # quantized rows: a lane per word, unpacked into per_word tiles and interleaved back (`quant_rows`)
+    out_cols = cols if fmt is None else jnp.arange(block_dim * fmt.per_word, dtype=jnp.int32)
+    col_ok = out_cols < dim
     ok = rows >= 0
     if fmt is None:
-        xs = [plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & (cols < stride)[None, :], other=0)]
+        x = plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=ok[:, None] & (cols < stride)[None, :], other=0)
     else:
-        xs = quant_rows.load_packed(w_ref, rows, ok, cols, fmt, dim)
-    w = None
-    for x, oc, col_ok in zip(xs, out_cols, col_oks):
-        x = x.astype(jnp.float32)
-        if psw_ref is not None:
-            w = plgpu.load(psw_ref.at[pos], mask=in_range, other=0.0)[:, None] if w is None else w
-            x = x * w
-        plgpu.store(out_ref.at[pos[:, None], oc[None, :]], x.astype(out_ref.dtype),
-                    mask=in_range[:, None] & col_ok[None, :])
+        x = quant_rows.load_packed(w_ref, rows, ok, cols, fmt, dim)
+        x = x[0] if len(x) == 1 else quant_rows.interleave(x)
+    x = x.astype(jnp.float32)
+    if psw_ref is not None:
+        x = x * plgpu.load(psw_ref.at[pos], mask=in_range, other=0.0)[:, None]
+    plgpu.store(out_ref.at[pos[:, None], out_cols[None, :]], x.astype(out_ref.dtype),
+                mask=in_range[:, None] & col_ok[None, :])
 
 
 def sequence_forward(

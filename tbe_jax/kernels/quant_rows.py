@@ -9,7 +9,8 @@ per_word`, at bit `bits * (j % per_word)`; a value is shifted and masked out of 
 - float32: the word's bits as a float32.
 
 `load_packed` is the Pallas gather the kernels use: each lane loads one word and unpacks its values with constant
-shifts into `per_word` tiles (value `c * per_word + k` in tile `k`, column `c`); `take_rows` is the same gather
+shifts into `per_word` tiles (value `c * per_word + k` in tile `k`, column `c`), which `interleave` puts back in
+value order (once per bag, before the store); `take_rows` is the same gather
 with `jnp` (the XLA path), in value order. Both decode a value by the same float32 operations, so the kernels
 and the XLA path compute the same values.
 """
@@ -101,8 +102,8 @@ def load_packed(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
 
     Each lane loads one word and unpacks its `per_word` values with constant shifts: an int4 row of 128
     values is 16 loads, not the 128 of a lane per value (8 lanes loading each address), so the loads, their
-    address arithmetic and the shifts (constants here) drop by `per_word`. The caller stores tile
-    `k` to the output columns `c * per_word + k` (`value_columns`).
+    address arithmetic and the shifts (constants here) drop by `per_word`. The caller sums tile
+    by tile and puts the sums in value order with `interleave` before its store.
     """
     nw = value_words(fmt, dim)
     if wcols.shape[0] + fmt.header_words <= fmt.words:  # every tile word lies inside the row
@@ -131,11 +132,22 @@ def load_packed(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
     return tiles
 
 
-def value_columns(fmt: RowFormat, wcols, k: int):
-    """The value (output) column of each word column `wcols` for tile `k` of `load_packed`."""
-    if fmt.per_word == 1:
-        return wcols
-    return wcols * fmt.per_word + k
+def interleave(tiles):
+    """`load_packed`'s tiles (or sums of them), `P` (a power of 2) of `[G, W]`, as one `[G, W * P]` tile in value
+    order: column `c * P + k` is tile `k`'s column `c`.
+
+    A tree of two-way stacks along a new last axis (Triton's `tt.join`: the pair lands in one thread's
+    registers) and one reshape, so the output store is a contiguous row as the float path's. By induction:
+    the stack of the interleaved even and odd tiles holds tile `2m + j` (m: its place among the evens or
+    odds, j: 0 even, 1 odd) at `(c * P/2 + m) * 2 + j = c * P + k`.
+    """
+    def tree(ts):
+        if len(ts) == 1:
+            return ts[0]
+        return jnp.stack([tree(ts[0::2]), tree(ts[1::2])], axis=-1)
+
+    g, w = tiles[0].shape
+    return tree(list(tiles)).reshape(g, w * len(tiles))
 
 
 def take_rows(words, rows, fmt: RowFormat, dim: int):
