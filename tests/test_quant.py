@@ -125,6 +125,26 @@ def test_every_weight_type_sum_weighted_matches_float64(rng):
     assert_close(ref(ref.set_tables(None, kern.get_tables(qp)), idx, off, psw), model, 2e-6)
 
 
+def test_one_bag_of_one_word_rows(rng):
+    """A batch of one bag per feature whose rows hold their values in one word (int4 D = 8, int8 D = 4, int2
+    D = 16, fp16 D = 2, fp8 D = 4): one-word tiles, which Triton 3.6 failed to compile as `[1, 1]` joins (a
+    segfault on the H200) before `quant_rows.tile_words` gave them two columns; pooled and sequence."""
+    specs = [tbe_jax.TableSpec(9, d) for d in (8, 4, 16, 2, 4)]
+    wts = ("int4", "int8", "int2", "float16", "fp8")
+    rows = [_rows(rng, 9, s.embedding_dim, wt, garbage=True) for s, wt in zip(specs, wts)]
+    tabs = [_np_rows(r, wt, s.embedding_dim) for r, s, wt in zip(rows, specs, wts)]
+    fmap = list(range(len(specs)))
+    idx, off, psw = _batch(rng, [9] * len(specs), [3, 0, 1, 5, 2])
+    qemb = tbe_jax.QuantizedTableBatchedEmbedding(specs, wts, output_dtype=jnp.float32, **KERNEL_KW)
+    out = qemb(qemb.from_fbgemm(rows), idx, off, psw)
+    assert_close(out, testing.numpy_pooled(tabs, fmap, [1] * len(specs), idx, off, psw, "sum", False), 2e-6)
+    for s, wt, r, t in zip(specs, wts, rows, tabs):  # pooling="none": one table of one dim per model
+        seq = tbe_jax.QuantizedTableBatchedEmbedding([s], wt, pooling="none", output_dtype=jnp.float32, **KERNEL_KW)
+        ids = np.array([4], np.int32)
+        got = seq(seq.from_fbgemm([r]), ids, np.array([0, 1], np.int32))
+        np.testing.assert_allclose(np.asarray(got, np.float64).reshape(-1), t[4], rtol=1e-6, atol=1e-6)
+
+
 def test_mean_fp16_output_and_chained_launches(rng):
     """Mean pooling, FBGEMM's default fp16 output, two buffers per launch (four chained launches)."""
     cfg = tbe_jax.ForwardConfig(segment_buffers=2)

@@ -169,8 +169,8 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
         f0 = int(pm.flist[seg.feat_base, 0])
         g = plan.group[f0]
         d = layout.dims[g]
-        width = d if fmt(g) is None else quant_rows.value_words(fmt(g), d)  # quantized: a lane per word
-        branches.append(_Branch(used.index(g), seg, d, next_pow2(width), layout.strides[g], seg.bags // tile[g], fmt(g)))
+        width = next_pow2(d) if fmt(g) is None else quant_rows.tile_words(fmt(g), d)  # quantized: a lane per word
+        branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g)))
     return used, tuple(branches), pm, feature_table(plan)
 
 
@@ -498,7 +498,7 @@ def sequence_forward(
     n = rows.shape[0]
     if n == 0:
         return jnp.zeros((0, dim), output_dtype)
-    block_dim = next_pow2(dim if fmt is None else quant_rows.value_words(fmt, dim))
+    block_dim = next_pow2(dim) if fmt is None else quant_rows.tile_words(fmt, dim)
     block_rows = max(1, min(256, config.tile_elems // next_pow2(dim)))
     kernel = functools.partial(
         _sequence_kernel, weighted=per_sample_weights is not None, dim=dim, stride=weights.shape[1],

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from tbe_jax import quant_format
 from tbe_jax.pallas_compat import plgpu
+from tbe_jax.specs import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,13 @@ def decode(fmt: RowFormat, word, cols, header=None):
 def value_words(fmt: RowFormat, dim: int) -> int:
     """Words holding the `dim` values of a row (after its header)."""
     return -(-dim // fmt.per_word)
+
+
+def tile_words(fmt: RowFormat, dim: int) -> int:
+    """The word columns of `load_packed`'s tiles: `next_pow2(value_words)`, at least 2 (Triton 3.6 crashes, a
+    segfault while compiling, on `interleave`'s join of `[1, 1]` tiles: a program of one bag of rows one word
+    long; the H200, `benchmarks/results/NOTES.md`)."""
+    return max(2, next_pow2(value_words(fmt, dim)))
 
 
 def load_packed(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
