@@ -46,47 +46,58 @@ def byte_floor_ms(case, wt: str, indices: np.ndarray, hbm_gbs: float) -> float:
     return nbytes / (hbm_gbs * 1e9) * 1e3
 
 
+def forward_config(text: str):
+    """`tbe_jax.ForwardConfig` from `"field=int,field=int"` (empty: the default)."""
+    import tbe_jax
+
+    fields = dict(kv.split("=") for kv in text.split(",") if kv)
+    return tbe_jax.ForwardConfig(**{k: int(v) for k, v in fields.items()})
+
+
 def time_cases(args) -> dict:
     import tbe_jax
 
     cases = fbgemm_quant.workload_cases(args.workloads.split(","), [int(b) for b in args.batch_sizes.split(",") if b]) \
         + fbgemm_quant.shard_cases(args.shards, args.shard_seed)
     results = []
-    for wt in args.weight_types.split(","):
-        key, qemb, qparams = None, None, None
-        for case in cases:
-            res = {"case": case.name, "wt": wt, "B": case.B, "T": len(case.rows), "dims": sorted(set(case.dims)),
-                   "rows": sum(case.rows), "mean_bag": round(float(np.mean(case.bags)), 2)}
-            try:
-                if key != (case.rows, case.dims):
-                    qemb = qparams = None
-                    specs = [tbe_jax.TableSpec(e, d) for e, d in zip(case.rows, case.dims)]
-                    emb = tbe_jax.TableBatchedEmbedding(specs, bounds_check="none")
-                    params = emb.init(jax.random.key(0))
-                    qemb, qparams = tbe_jax.quantize(emb, params, wt, output_dtype=jnp.float32)
-                    del params
-                    key = (case.rows, case.dims)
-                sets = []
-                for k in range(2):
-                    i, o, w = fbgemm_quant.case_inputs(case, k)
-                    sets.append((jnp.asarray(i, jnp.int32), jnp.asarray(o, jnp.int32),
-                                 None if w is None else jnp.asarray(w)))
-                fwd = jax.jit(lambda q, i, o, w, qemb=qemb: qemb(q, i, o, w))
+    configs = args.configs.split(";") if args.configs else [""]
+    key = None
+    for wt, config, case in ((w, c, k) for w in args.weight_types.split(",") for k in cases for c in configs):
+        res = {"case": case.name, "wt": wt, "B": case.B, "T": len(case.rows), "dims": sorted(set(case.dims)),
+               "rows": sum(case.rows), "mean_bag": round(float(np.mean(case.bags)), 2)}
+        if config:
+            res["config"] = config
+        try:
+            if key != (case.rows, case.dims, wt, config):
+                qemb = qparams = None
+                specs = [tbe_jax.TableSpec(e, d) for e, d in zip(case.rows, case.dims)]
+                emb = tbe_jax.TableBatchedEmbedding(specs, bounds_check="none")
+                params = emb.init(jax.random.key(0))
+                qemb, qparams = tbe_jax.quantize(emb, params, wt, output_dtype=jnp.float32,
+                                                 kernel_config=forward_config(config))
+                del params
+                key = (case.rows, case.dims, wt, config)
+            sets = []
+            for k in range(2):
+                i, o, w = fbgemm_quant.case_inputs(case, k)
+                sets.append((jnp.asarray(i, jnp.int32), jnp.asarray(o, jnp.int32),
+                             None if w is None else jnp.asarray(w)))
+            fwd = jax.jit(lambda q, i, o, w, qemb=qemb: qemb(q, i, o, w))
 
-                def run(k, fwd=fwd, sets=sets, q=qparams):
-                    return fwd(q, *sets[k % 2])
+            def run(k, fwd=fwd, sets=sets, q=qparams):
+                return fwd(q, *sets[k % 2])
 
-                jax.block_until_ready([run(k) for k in range(3)])
-                res["device_ms"] = round(common.device_ms(run, args.iters)[0], 5)
-                res["enqueued_ms"] = round(common.enqueued_ms(run, args.iters, args.reps), 5)
-                res["latency_ms"] = round(_latency_ms(run, args.iters), 5)
-                if wt == "int4":
-                    res["floor_ms"] = round(byte_floor_ms(case, wt, np.asarray(sets[0][0]), args.hbm_gbs), 5)
-            except Exception as exc:  # noqa: BLE001
-                res["error"] = f"{type(exc).__name__}: {exc}"[:400]
-            results.append(res)
-            print(f"{wt:>7} {case.name:<22} " + (f"device {res['device_ms']:.4f} ms  enqueued {res['enqueued_ms']:.4f}"
-                  f"  latency {res['latency_ms']:.4f}" if "error" not in res else res["error"][:200]), flush=True)
+            jax.block_until_ready([run(k) for k in range(3)])
+            res["device_ms"] = round(common.device_ms(run, args.iters)[0], 5)
+            res["enqueued_ms"] = round(common.enqueued_ms(run, args.iters, args.reps), 5)
+            res["latency_ms"] = round(_latency_ms(run, args.iters), 5)
+            if wt == "int4":
+                res["floor_ms"] = round(byte_floor_ms(case, wt, np.asarray(sets[0][0]), args.hbm_gbs), 5)
+        except Exception as exc:  # noqa: BLE001
+            res["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        results.append(res)
+        print(f"{wt:>7} {case.name:<22} {config} " + (f"device {res['device_ms']:.4f} ms  enqueued {res['enqueued_ms']:.4f}"
+              f"  latency {res['latency_ms']:.4f}" if "error" not in res else res["error"][:200]), flush=True)
     return {"results": results, "output_dtype": "float32", "bounds_check": "none", "pooling": "sum",
             "iters": args.iters, "reps": args.reps, "hbm_gbs": args.hbm_gbs}
 
@@ -126,6 +137,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--hbm-gbs", type=float, default=4000.0, help="the measured HBM copy bandwidth (GB/s)")
+    ap.add_argument("--configs", default="", help="ForwardConfig variants to time, e.g. "
+                    "'row_tile_bytes=1024;unroll=8,num_warps=2' (';' between variants; empty: the default)")
     ap.add_argument("--fbgemm", default="", help="fbgemm_quant --time's JSON: add the ratios")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
