@@ -4,7 +4,8 @@ A trained `TableBatchedEmbedding`'s tables, stored as FBGEMM's IntNBit rows (`tb
 int4 / int2 with a per-row fp16 scale and bias, FBGEMM's HFP8, fp16, fp32), looked up and pooled like the
 training TBE (same inputs, pooling, bounds modes, VBE). The forward kernel is the training forward's
 (`kernels.forward.pooled_forward`, `sequence_forward`): its gather loads the rows' int32 words and dequantizes
-them in registers (`kernels.quant_rows`), sums in fp32. The inputs take the training TBE's pipeline
+them in registers (`kernels.quant_rows`), sums in fp32; the pooled kernel has one branch per word buffer,
+shared by the dims stored there (`QuantLayout.kernel_layout`). The inputs take the training TBE's pipeline
 (`dispatch.forward` with this module's lookup: `inputs.prepare`, the bounds mode, `inputs.narrow`).
 
 `impl="xla"` (the CPU default) gathers the words with `jnp`, dequantizes them (`quant_rows.take_rows`: the

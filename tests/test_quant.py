@@ -164,6 +164,10 @@ def test_many_dims_share_a_branch_per_buffer(rng):
         jaxpr = jax.make_jaxpr(lambda p, i, o, w: qemb(p, i, o, w))(qp, idx, off, psw)
         assert sum(e.primitive.name == "pallas_call" for e in _eqns(jaxpr.jaxpr)) == 1  # one launch
         assert_close(qemb(qp, idx, off, psw), model, 2e-6)
+    sizes = [2, 3, 1, 3, 2, 1, 3, 2, 1, 2]  # VBE: a flat output, each feature's rows its own dim wide
+    idx, off, psw = _batch(rng, [specs[t].num_embeddings for t in fmap], rng.integers(0, 4, sum(sizes)), sizes=sizes)
+    assert_close(qemb(qp, idx, off, psw, batch_size_per_feature=sizes),
+                 testing.numpy_pooled(tabs, fmap, sizes, idx, off, psw, "sum", True), 2e-6)
 
 
 def test_one_bag_of_one_word_rows(rng):
@@ -429,8 +433,8 @@ def _eqns(jaxpr):
 
 def test_lowers_for_cuda_every_type():
     """Lowered for CUDA on this CPU machine (every Triton lowering rule: the shifts, masks, bit casts and int to
-    float conversions of each weight type's decode), pooled with counts and sequence; the float forward's kernel
-    has none of the decode's ops."""
+    float conversions of each weight type's decode), pooled with counts and sequence, and a buffer of three dims
+    (its dim read at run time); the float forward's kernel has none of the decode's ops."""
     from jax._src.pallas.triton import lowering as triton_lowering  # to read the Triton IR without locations
 
     kernels = []
@@ -461,6 +465,9 @@ def test_lowers_for_cuda_every_type():
         [k] = lower(pooled, words(pooled), 6 * 48, 6 * 8)
         seq = tbe_jax.QuantizedTableBatchedEmbedding(specs, WTS, pooling="none", impl="pallas")
         seq_kernels = lower(seq, words(seq), 6 * 48, 6 * 8)
+        shared = tbe_jax.QuantizedTableBatchedEmbedding([tbe_jax.TableSpec(40, d) for d in (8, 16, 24)], "int4",
+                                                        impl="pallas")  # one branch, the dim read at run time
+        [shared_kernel] = lower(shared, words(shared), 3 * 48, 3 * 8)
         emb = tbe_jax.TableBatchedEmbedding(specs[:2], weights_dtype=jnp.float16, impl="pallas")
         [float_kernel] = lower(emb, {"d16": jax.ShapeDtypeStruct((80, 16), jnp.float16)}, 96, 16)
     finally:

@@ -19,8 +19,11 @@ Quantized rows (the inference TBE, `tbe_jax.quant`): a buffer given a static
 `formats` / `fmt`) holds int32 words; its branch's gather loads each value's
 word once per lane and unpacks it to fp32 in registers (`quant_rows.load_packed`:
 `per_word` tiles, one per position in the word), and the same accumulation
-follows per tile. Buffers without a format load their rows as before:
-the same program, op for op.
+follows per tile. A quantized buffer may serve features of several dims (one
+row length in words): its branch is compiled for the largest (tile width, bags
+per program) and stores each feature's own dim, read at run time from the
+feature table (`programs.DIM`, a column only such launches have). Buffers
+without a format load their rows as before: the same program, op for op.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ class ForwardConfig:
       num_warps: warps per program.
       prefetch: load the next step's ids while this step's rows are in flight.
       num_stages: Triton software-pipelining depth.
-      segment_buffers: storage buffers (distinct dims) per launch: the kernel has one code branch per
-        buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24
+      segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
+        launch: the kernel has one code branch per buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24
         dims: 20.7 s for one launch, benchmarks/results/features-20261201-091723-*), so models with more
         buffers get one launch per `segment_buffers` of them, writing their features' columns of one output
         in place.
@@ -385,7 +388,8 @@ def pooled_forward(
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
 
     `formats`: per buffer of `layout`, the `quant_rows.RowFormat` of its int32 word rows, or None for all
-    float buffers (the training TBE).
+    float buffers (the training TBE). A quantized buffer's features may have several dims (`plan.dim`, each
+    at most what its rows hold): they share its branch.
 
     `short`: features whose bags are known to hold at most two ids (their tables' `bag_size_hint`): their
     programs take `config.short_bag_groups` sub-groups of bags.
