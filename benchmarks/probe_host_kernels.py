@@ -21,6 +21,7 @@ interp = dev.platform == "cpu"
 from jax.experimental.compute_on import compute_on
 print("compute_on signature", inspect.signature(compute_on), flush=True)
 E, D, BR = int(sys.argv[1]), int(sys.argv[2]), 32
+N_SCATTER = min(65536, E // 2)
 def t(f, *a, n=10):
     jax.block_until_ready(f(*a)); t0 = time.perf_counter()
     for _ in range(n): r = f(*a)
@@ -53,7 +54,7 @@ for n in (65536, 1048576):
     mh, md = t(g, xh, idx), t(g, xd, idx)
     print(f"pallas gather rows {n}: host-table ok={ok} {mh:.3f} ms ({n*D*2/mh/1e6:.1f} GB/s), device-table {md:.3f} ms ({n*D*2/md/1e6:.1f} GB/s), out {y.sharding.memory_kind}", flush=True)
 s = jax.jit(scatter, donate_argnums=0, out_shardings=None if interp else HOST)
-n = 65536
+n = N_SCATTER
 idx_np = np.random.default_rng(1).choice(E, n, replace=False).astype(np.int32); idx = jnp.asarray(idx_np)
 v = jnp.full((n, D), 3, jnp.float16)
 xh2 = s(xh, idx, v)
@@ -66,18 +67,29 @@ x3 = xh2; ts = []
 for k in range(5):
     t0 = time.perf_counter(); x3 = s(x3, idx, v); x3.block_until_ready(); ts.append((time.perf_counter() - t0) * 1e3)
 print("pallas scatter 65536 rows into host ms", [round(a, 3) for a in ts], flush=True)
-# compute_on host gather with the new API
+# the in-place scatter without out_shardings: where does XLA put the aliased output?
+s2 = jax.jit(scatter, donate_argnums=0)
+x4 = s2(x3, idx, v)
+print("scatter without out_shardings: out", x4.sharding.memory_kind, flush=True)
+x3 = x4 if x4.sharding.memory_kind == "pinned_host" else jax.device_put(x4, HOST)
+del x4
+# compute_on host gather: 0.10 spells it as a context manager, 0.11 as a function transform with keywords
 try:
-    kw = {}
     params = inspect.signature(compute_on).parameters
-    if "compute_type" in params:
-        kw = dict(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host) if hasattr(jax, "memory") else {}
+    take = lambda x, i: x.at[i].get(mode="promise_in_bounds")
+    if "out_memory_spaces" in params:
+        host_take = compute_on(take, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    else:
+        def host_take(x, i):
+            with compute_on("device_host"):
+                return take(x, i)
+
     @jax.jit
     def f(x, i):
-        i = jax.device_put(i, HOST)
-        with (compute_on(**kw) if kw else compute_on("device_host")):
-            rows = x.at[i].get(mode="promise_in_bounds")
-        return jax.device_put(rows, DEVS)
-    print("compute_on gather ms", t(f, x3, idx, n=3), flush=True)
-except Exception as e:
+        return jax.device_put(host_take(x, jax.device_put(i, HOST)), DEVS)
+
+    y = f(x3, idx)
+    print("compute_on gather ok", y.sharding.memory_kind, "ms", round(t(f, x3, idx, n=3), 3), "rows", idx.shape[0],
+          flush=True)
+except Exception as e:  # noqa: BLE001
     print("compute_on failed", type(e).__name__, str(e)[:300], flush=True)
