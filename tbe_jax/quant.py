@@ -4,7 +4,8 @@ A trained `TableBatchedEmbedding`'s tables, stored as FBGEMM's IntNBit rows (`tb
 int4 / int2 with a per-row fp16 scale and bias, FBGEMM's HFP8, fp16, fp32), looked up and pooled like the
 training TBE (same inputs, pooling, bounds modes, VBE). The forward kernel is the training forward's
 (`kernels.forward.pooled_forward`, `sequence_forward`): its gather loads the rows' int32 words and dequantizes
-them in registers (`kernels.quant_rows`), sums in fp32. The inputs take the training TBE's pipeline
+them in registers (`kernels.quant_rows`), sums in fp32; the pooled kernel has one branch per word buffer,
+shared by the dims stored there (`QuantLayout.kernel_layout`). The inputs take the training TBE's pipeline
 (`dispatch.forward` with this module's lookup: `inputs.prepare`, the bounds mode, `inputs.narrow`).
 
 `impl="xla"` (the CPU default) gathers the words with `jnp`, dequantizes them (`quant_rows.take_rows`: the
@@ -321,22 +322,24 @@ def _lookup(emb: QuantizedTableBatchedEmbedding, plan, count, params, per_sample
     n_bad = jnp.zeros((2,), jnp.int32)
     if indices.shape[0] == 0:  # every bag is empty
         return jnp.zeros(dispatch.out_shape(emb, plan, 0), emb.output_dtype), n_bad
-    buffers = layout.group_buffers(params)
     if emb.pooling == "none":
+        buffers = layout.group_buffers(params)
         return _sequence(emb, buffers, plan, indices, offsets, per_sample_weights), n_bad
     if not emb.uses_kernel():
-        fmts = layout.formats
+        buffers, fmts = layout.group_buffers(params), layout.formats
 
         def load(g, rows):
             return quant_rows.take_rows(buffers[layout.key(g)], rows, fmts[g], layout.dims[g])
 
         return reference.pooled_forward(buffers, layout, plan, indices, offsets, per_sample_weights,
                                         pooling=emb.pooling, output_dtype=emb.output_dtype, load=load), n_bad
+    # one kernel branch per buffer (the features of its several dims share it)
+    klayout = layout.kernel_layout
     flat = fwd_kernels.pooled_forward(
-        buffers, layout, plan, indices, offsets, per_sample_weights, pooling=emb.pooling,
+        params, klayout, layout.kernel_plan(plan), indices, offsets, per_sample_weights, pooling=emb.pooling,
         output_dtype=emb.output_dtype, check_upper=emb.bounds_check != "none", config=emb.kernel_config,
         interpret=emb.interpret, count_invalid=count, short=dispatch.short_bag_features(emb),
-        formats=layout.formats)
+        formats=klayout.formats)
     if count:
         flat, n_bad = flat
     if not plan.vbe:

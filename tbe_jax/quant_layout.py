@@ -5,11 +5,15 @@ length in int32 words (`quant_format.row_bytes(D, wt) // 4`, FBGEMM's 16-byte pa
 into one int32 buffer `[sum of their E, words]`, named `"{wt}_w{words}"` (e.g. `"int4_w4"`): one buffer per
 storage class, as the training TBE's `StorageLayout` stacks float tables of one dim.
 
-Groups (what `FeaturePlan`, the forward kernel and the XLA path see): one per (buffer, dim) pair, since a
+Groups (what `FeaturePlan`, the XLA path and `pooling="none"` see): one per (buffer, dim) pair, since a
 buffer may hold tables of several dims (int4 rows of D = 8 .. 24 are all 16 bytes). A group has a static dim
 and `RowFormat`; its rows are its buffer's. `QuantLayout` offers `StorageLayout`'s fields for the groups
-(`dims`, `strides`, `table_group`, `table_row_offset`, `key`), so `FeaturePlan.build`,
-`kernels.forward.pooled_forward` and `reference.pooled_forward` take it as they take a `StorageLayout`.
+(`dims`, `strides`, `table_group`, `table_row_offset`, `key`), so `FeaturePlan.build` and
+`reference.pooled_forward` take it as they take a `StorageLayout`.
+
+The pooled kernel sees the buffers themselves as its groups (`kernel_layout`, `kernel_plan`): one kernel
+branch per buffer, shared by the features of every dim stored there (each feature's dim is read at run time;
+`kernels.forward._schedule`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Sequence
 
 from tbe_jax import quant_format
 from tbe_jax.kernels.quant_rows import RowFormat
-from tbe_jax.specs import TableSpec
+from tbe_jax.specs import FeaturePlan, TableSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,5 +94,41 @@ class QuantLayout:
         return tuple(RowFormat(self.buffer_types[b], self.buffer_words[b]) for b in self.group_buffer)
 
     def group_buffers(self, params: dict) -> dict:
-        """`{key(g): the params' buffer of group g}`: what the kernels and the XLA path index by group."""
+        """`{key(g): the params' buffer of group g}`: what the XLA path and `pooling="none"` index by group."""
         return {self.key(g): params[self.buffer_key(b)] for g, b in enumerate(self.group_buffer)}
+
+    # -- the pooled kernel's groups: the buffers ---------------------------------------------------------------
+    @property
+    def kernel_layout(self) -> "BufferGroups":
+        """The buffers as groups (`StorageLayout`'s interface), for `kernels.forward.pooled_forward` with
+        `kernel_plan`'s plan and the params themselves as its buffers."""
+        return BufferGroups(self)
+
+    def kernel_plan(self, plan: FeaturePlan) -> FeaturePlan:
+        """`plan` (built on this layout's groups) with each feature's group its buffer (its dim stays
+        `plan.dim[f]`)."""
+        return dataclasses.replace(plan, group=tuple(self.group_buffer[g] for g in plan.group))
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferGroups:
+    """A `QuantLayout`'s buffers as the groups of the pooled kernel: group `b` is buffer `b`, keyed by its name in
+    the params; its dim is the largest of its tables' (the kernel reads each feature's at run time)."""
+
+    layout: QuantLayout
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        lay = self.layout
+        return tuple(max(d for d, gb in zip(lay.dims, lay.group_buffer) if gb == b) for b in range(lay.num_buffers))
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self.layout.buffer_words
+
+    @property
+    def formats(self) -> tuple[RowFormat, ...]:
+        return tuple(RowFormat(t, w) for t, w in zip(self.layout.buffer_types, self.layout.buffer_words))
+
+    def key(self, b: int) -> str:
+        return self.layout.buffer_key(b)

@@ -125,6 +125,51 @@ def test_every_weight_type_sum_weighted_matches_float64(rng):
     assert_close(ref(ref.set_tables(None, kern.get_tables(qp)), idx, off, psw), model, 2e-6)
 
 
+def test_many_dims_share_a_branch_per_buffer(rng):
+    """Int4 tables of eight dims (8 .. 64) in three buffers (16-, 32- and 48-byte rows): one launch whose kernel
+    has a branch per buffer (the hinted table's features: a segment of their own), each feature storing its own
+    dim's columns (read at run time) from a tile as wide as its buffer's largest dim; garbage padding, weighted
+    sum, B = 3 with empty bags; sub-groups of bags too. Matches the float64 model."""
+    from tbe_jax import dispatch
+    from tbe_jax.kernels import forward
+
+    dims = (8, 16, 24, 32, 40, 48, 56, 64)
+    specs = [tbe_jax.TableSpec(9 + t, d, bag_size_hint=1 if d == 16 else None) for t, d in enumerate(dims)]
+    fmap = [0, 1, 2, 3, 4, 5, 6, 7, 0, 6]
+    b = 3
+    rows = [_rows(rng, s.num_embeddings, s.embedding_dim, "int4", garbage=True) for s in specs]
+    tabs = [_np_rows(r, "int4", s.embedding_dim) for r, s in zip(rows, specs)]
+    lengths = rng.integers(0, 5, len(fmap) * b)
+    lengths[[0, 4, 11, 25]] = 0
+    lengths[3] = 2  # the hinted feature's bags: at most two ids (any length is correct)
+    idx, off, psw = _batch(rng, [specs[t].num_embeddings for t in fmap], lengths)
+    model = testing.numpy_pooled(tabs, fmap, [b] * len(fmap), idx, off, psw, "sum", False)
+    for cfg in (tbe_jax.ForwardConfig(), tbe_jax.ForwardConfig(max_bags=1, bag_groups=2)):
+        qemb = tbe_jax.QuantizedTableBatchedEmbedding(specs, "int4", feature_table_map=fmap, output_dtype=jnp.float32,
+                                                      kernel_config=cfg, **KERNEL_KW)
+        lay = qemb.layout
+        assert [lay.buffer_key(i) for i in range(lay.num_buffers)] == ["int4_w4", "int4_w8", "int4_w12"]
+        assert lay.kernel_layout.dims == (24, 56, 64)
+        plan = lay.kernel_plan(qemb.plan_for(len(fmap) * b + 1))
+        assert plan.group == (0, 0, 0, 1, 1, 1, 1, 2, 0, 1) and plan.dim == tuple(dims[t] for t in fmap)
+        _, branches, _, meta = forward._schedule(lay.kernel_layout, plan, cfg, range(len(fmap)),
+                                                 frozenset(dispatch.short_bag_features(qemb)), lay.kernel_layout.formats)
+        # per buffer one branch (buffer 0: a second for its hinted feature, D = 16); tiles of the largest dim
+        assert [(br.buffer, br.dim, br.block_dim, br.dyn_dim) for br in branches] == [
+            (0, 24, 4, True), (0, 24, 4, True), (1, 56, 8, True), (2, 64, 8, False)]
+        assert meta.shape == (len(fmap), 5) and meta[:, 4].tolist() == list(plan.dim)
+        if cfg.bag_groups == 2:
+            assert [br.groups for br in branches] == [2, 2, 2, 2]
+        qp = qemb.from_fbgemm(rows)
+        jaxpr = jax.make_jaxpr(lambda p, i, o, w: qemb(p, i, o, w))(qp, idx, off, psw)
+        assert sum(e.primitive.name == "pallas_call" for e in _eqns(jaxpr.jaxpr)) == 1  # one launch
+        assert_close(qemb(qp, idx, off, psw), model, 2e-6)
+    sizes = [2, 3, 1, 3, 2, 1, 3, 2, 1, 2]  # VBE: a flat output, each feature's rows its own dim wide
+    idx, off, psw = _batch(rng, [specs[t].num_embeddings for t in fmap], rng.integers(0, 4, sum(sizes)), sizes=sizes)
+    assert_close(qemb(qp, idx, off, psw, batch_size_per_feature=sizes),
+                 testing.numpy_pooled(tabs, fmap, sizes, idx, off, psw, "sum", True), 2e-6)
+
+
 def test_one_bag_of_one_word_rows(rng):
     """A batch of one bag per feature whose rows hold their values in one word (int4 D = 8, int8 D = 4, int2
     D = 16, fp16 D = 2, fp8 D = 4): one-word tiles, which Triton 3.6 failed to compile as `[1, 1]` joins (a
@@ -388,8 +433,8 @@ def _eqns(jaxpr):
 
 def test_lowers_for_cuda_every_type():
     """Lowered for CUDA on this CPU machine (every Triton lowering rule: the shifts, masks, bit casts and int to
-    float conversions of each weight type's decode), pooled with counts and sequence; the float forward's kernel
-    has none of the decode's ops."""
+    float conversions of each weight type's decode), pooled with counts and sequence, and a buffer of three dims
+    (its dim read at run time); the float forward's kernel has none of the decode's ops."""
     from jax._src.pallas.triton import lowering as triton_lowering  # to read the Triton IR without locations
 
     kernels = []
@@ -420,6 +465,9 @@ def test_lowers_for_cuda_every_type():
         [k] = lower(pooled, words(pooled), 6 * 48, 6 * 8)
         seq = tbe_jax.QuantizedTableBatchedEmbedding(specs, WTS, pooling="none", impl="pallas")
         seq_kernels = lower(seq, words(seq), 6 * 48, 6 * 8)
+        shared = tbe_jax.QuantizedTableBatchedEmbedding([tbe_jax.TableSpec(40, d) for d in (8, 16, 24)], "int4",
+                                                        impl="pallas")  # one branch, the dim read at run time
+        [shared_kernel] = lower(shared, words(shared), 3 * 48, 3 * 8)
         emb = tbe_jax.TableBatchedEmbedding(specs[:2], weights_dtype=jnp.float16, impl="pallas")
         [float_kernel] = lower(emb, {"d16": jax.ShapeDtypeStruct((80, 16), jnp.float16)}, 96, 16)
     finally:

@@ -19,8 +19,11 @@ Quantized rows (the inference TBE, `tbe_jax.quant`): a buffer given a static
 `formats` / `fmt`) holds int32 words; its branch's gather loads each value's
 word once per lane and unpacks it to fp32 in registers (`quant_rows.load_packed`:
 `per_word` tiles, one per position in the word), and the same accumulation
-follows per tile. Buffers without a format load their rows as before:
-the same program, op for op.
+follows per tile. A quantized buffer may serve features of several dims (one
+row length in words): its branch is compiled for the largest (tile width, bags
+per program) and stores each feature's own dim, read at run time from the
+feature table (`programs.DIM`, a column only such launches have). Buffers
+without a format load their rows as before: the same program, op for op.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 
 from tbe_jax.pallas_compat import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.kernels import programs, quant_rows
-from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
+from tbe_jax.kernels.programs import DIM, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 _FP32_ACCUMULATION = ("fp32", "fp64", "twosum")
 
@@ -50,8 +53,8 @@ class ForwardConfig:
       num_warps: warps per program.
       prefetch: load the next step's ids while this step's rows are in flight.
       num_stages: Triton software-pipelining depth.
-      segment_buffers: storage buffers (distinct dims) per launch: the kernel has one code branch per
-        buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24
+      segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
+        launch: the kernel has one code branch per buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24
         dims: 20.7 s for one launch, benchmarks/results/features-20261201-091723-*), so models with more
         buffers get one launch per `segment_buffers` of them, writing their features' columns of one output
         in place.
@@ -133,11 +136,12 @@ class ForwardConfig:
 class _Branch:
     buffer: int  # position of the buffer among the kernel's weight refs
     seg: programs.Segment  # its programs (prog_start, prog_end, bags per program, ...)
-    dim: int
+    dim: int  # the dim of its features (the largest, with `dyn_dim`)
     block_dim: int  # tile columns: next_pow2(dim), or of the value words for quantized rows
     stride: int  # the buffer's stored row length (>= dim; padding columns are loaded, never stored)
     groups: int = 1  # sub-groups of `bags` bags per program (`bag_groups`, or `short_bag_groups` for hinted features)
     fmt: quant_rows.RowFormat | None = None  # quantized rows: their format (None: rows of the buffer's dtype)
+    dyn_dim: bool = False  # features of several dims (quantized rows): each one's dim read from the feature table
 
     @property
     def bags(self) -> int:
@@ -149,14 +153,22 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
               formats=None):
     """Per used buffer a branch per segment of programs (the `short` features, those with bags of at most two
     ids, in a segment of their own), the program map and the feature table. `formats`: per buffer of `layout`
-    its quantized `RowFormat` (None: float rows)."""
+    its quantized `RowFormat` (None: float rows).
+
+    A quantized buffer may serve features of several dims (`plan.dim`; its rows are long enough for the
+    largest): its branches' tiles and bags per program are the largest dim's, and the feature table then
+    carries each feature's dim (`programs.DIM`) for the store mask."""
     used = sorted({plan.group[f] for f in features})
     fmt = (lambda g: None) if formats is None else (lambda g: formats[g])
-    groups, tile = [], {}
+    groups, tile, dim = [], {}, {}
     for g in used:
         feats = [f for f in features if plan.group[f] == g]
+        dims = {plan.dim[f] for f in feats}
+        if len(dims) > 1 and fmt(g) is None:
+            raise ValueError(f"float buffer {layout.key(g)} holds features of several dims {sorted(dims)}")
+        dim[g] = max(dims)
         row_bytes = None if fmt(g) is None else fmt(g).row_bytes
-        bags = cfg.bags_per_program(layout.dims[g], max(plan.batch[f] for f in feats), row_bytes)
+        bags = cfg.bags_per_program(dim[g], max(plan.batch[f] for f in feats), row_bytes)
         tile[g] = bags
         for part, sub in (([f for f in feats if f not in short], cfg.bag_groups),
                           ([f for f in feats if f in short], cfg.short_bag_groups)):
@@ -168,10 +180,11 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
     for seg in pm.segments:
         f0 = int(pm.flist[seg.feat_base, 0])
         g = plan.group[f0]
-        d = layout.dims[g]
+        d = dim[g]
         width = next_pow2(d) if fmt(g) is None else quant_rows.tile_words(fmt(g), d)  # quantized: a lane per word
-        branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g)))
-    return used, tuple(branches), pm, feature_table(plan)
+        dyn = any(plan.dim[f] != d for f in pm.flist[seg.feat_base : seg.feat_base + seg.num_feats, 0].tolist())
+        branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g), dyn))
+    return used, tuple(branches), pm, feature_table(plan, dims=any(br.dyn_dim for br in branches))
 
 
 def _two_sum(s, c, x):
@@ -183,6 +196,7 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
+    meta_cols: int,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
@@ -191,7 +205,7 @@ def _pool_branch(
     f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
 
     def feat_meta(col):
-        return plgpu.load(feat_ref.at[META_COLS * f + col])
+        return plgpu.load(feat_ref.at[meta_cols * f + col])
 
     num_rows = feat_meta(NUM_ROWS)
     row_offset = feat_meta(ROW_OFFSET)
@@ -203,7 +217,9 @@ def _pool_branch(
     parts = 1 if br.fmt is None else br.fmt.per_word
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
     out_cols = cols if parts == 1 else jnp.arange(br.block_dim * parts, dtype=jnp.int32)  # the stored tile's
-    col_ok = out_cols < br.dim
+    # A branch of several dims stores the feature's own `dim` columns; the lanes past them (row padding, or
+    # masked past the row) are summed, never stored.
+    col_ok = out_cols < (feat_meta(DIM) if br.dyn_dim else br.dim)
     shape = (br.bags, br.block_dim)
 
     def row_mask(ok):
@@ -332,7 +348,7 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align):
+                   accumulation, count_invalid, align, meta_cols):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -345,7 +361,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align,
+                align=align, meta_cols=meta_cols,
             )
 
 
@@ -372,7 +388,8 @@ def pooled_forward(
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
 
     `formats`: per buffer of `layout`, the `quant_rows.RowFormat` of its int32 word rows, or None for all
-    float buffers (the training TBE).
+    float buffers (the training TBE). A quantized buffer's features may have several dims (`plan.dim`, each
+    at most what its rows hold): they share its branch.
 
     `short`: features whose bags are known to hold at most two ids (their tables' `bag_size_hint`): their
     programs take `config.short_bag_groups` sub-groups of bags.
@@ -425,6 +442,7 @@ def pooled_forward(
         accumulation=accumulation,
         count_invalid=count_invalid,
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
+        meta_cols=feat_meta.shape[1],
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:

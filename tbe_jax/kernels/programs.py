@@ -29,11 +29,13 @@ FLIST_COLS = 3  # feature, first bag (its entry in offsets), number of bags
 # Columns of the per-feature table (`feature_table`) the kernels read a feature's facts from.
 NUM_ROWS, ROW_OFFSET, OUT_BASE, OUT_STRIDE = range(4)
 META_COLS = 4
+DIM = 4  # the table with `dims`: the feature's dim (a kernel branch serving features of several dims)
 
 
-def feature_table(plan) -> np.ndarray:
-    """Per feature of a `FeaturePlan`: (E, first row in its buffer, output base, output stride), `[F, 4]` int32."""
-    cols = [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride]
+def feature_table(plan, dims: bool = False) -> np.ndarray:
+    """Per feature of a `FeaturePlan`: (E, first row in its buffer, output base, output stride), `[F, 4]` int32;
+    with `dims`, its dim too (column `DIM`), `[F, META_COLS + 1]`."""
+    cols = [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride] + ([plan.dim] if dims else [])
     return np.stack(cols, axis=1).astype(np.int32)
 
 
