@@ -56,12 +56,12 @@ def forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_fe
     lookup on the checked int32 batch; None: this module's (the training TBE's kernels or XLA reference). The
     quantized TBE (`tbe_jax.quant`) passes its own, so its inputs take this same pipeline.
     """
-    out, report, _ = _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature,
+    out, report, _ = checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature,
                                       warn, lookup)
     return out, report
 
 
-def _checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn,
+def checked_forward(emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn,
                      lookup=None):
     """`forward`, and the batch it looked up: `(out, report, (plan, int32 indices, offsets, fp32 weights))`, the
     inputs after the checks and the bounds mode's repairs (what `inputs.validated` returns)."""
@@ -106,7 +106,7 @@ def step_forward(emb, params, indices, offsets, per_sample_weights, batch_size_p
     checked and repaired once for both halves of the step (int32 ids and offsets, the latter in the fixed-batch
     form when the batch sizes are an array; fp32 weights); `runs`: the batch's sorted runs when
     `BackwardConfig.sort_in_forward` on the kernel path (else None)."""
-    out, report, (plan, indices, offsets, per_sample_weights) = _checked_forward(
+    out, report, (plan, indices, offsets, per_sample_weights) = checked_forward(
         emb, params, indices, offsets, per_sample_weights, batch_size_per_feature, warn=False)
     runs = None
     if emb.backward_config.sort_in_forward and emb.uses_kernel() and emb.pooling != "none" and indices.shape[0]:
@@ -227,10 +227,20 @@ def _sequence(emb, params, plan, indices, offsets, per_sample_weights):
     ok = preprocess.valid_lookups(plan, indices, offsets, feat, check_upper=emb.bounds_check != "none")
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     rows = jnp.where(ok, row_offset[feat] + indices, -1)
-    return fwd_kernels.sequence_forward(
-        params[emb.layout.key(0)], rows, per_sample_weights, dim=emb.layout.dims[0],
-        output_dtype=emb.output_dtype, config=emb.kernel_config, interpret=emb.interpret,
-    )
+    if len(emb.layout.dims) == 1:
+        return fwd_kernels.sequence_forward(
+            params[emb.layout.key(0)], rows, per_sample_weights, dim=emb.layout.dims[0],
+            output_dtype=emb.output_dtype, config=emb.kernel_config, interpret=emb.interpret,
+        )
+    # tables of one dim in device and host buffers: a launch per buffer, each row from one of them
+    group = jnp.asarray(np.asarray(plan.group, np.int32))[feat]
+    out = None
+    for g in range(len(emb.layout.dims)):
+        part = fwd_kernels.sequence_forward(
+            params[emb.layout.key(g)], jnp.where(group == g, rows, -1), per_sample_weights, dim=emb.layout.dims[0],
+            output_dtype=jnp.float32, config=emb.kernel_config, interpret=emb.interpret)
+        out = part if out is None else out + part
+    return out.astype(emb.output_dtype)
 
 
 def _histogram_features(emb, plan, per_sample_weights) -> list[int]:

@@ -134,14 +134,17 @@ def sequence_forward(
     *,
     output_dtype,
 ) -> jax.Array:
-    """`pooling="none"`: one row per index, `[len(indices), D]` (all tables one D)."""
+    """`pooling="none"`: one row per index, `[len(indices), D]` (all tables one D; one buffer per location)."""
     n = indices.shape[0]
     _, feat = position_features(plan, offsets, n)
     valid = valid_lookups(plan, indices, offsets, feat)
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     rows = jnp.where(valid, row_offset[feat] + indices.astype(jnp.int32), 0)
-    w = buffers[layout.key(0)]
-    x = layout.unpad(0, jnp.take(w, rows, axis=0)).astype(jnp.float32)
+    group = jnp.asarray(np.asarray(plan.group, np.int32))[feat]
+    x = jnp.zeros((n, layout.dims[0]), jnp.float32)
+    for g in range(len(layout.dims)):
+        vals = layout.unpad(g, jnp.take(buffers[layout.key(g)], rows, axis=0, mode="clip")).astype(jnp.float32)
+        x = jnp.where((group == g)[:, None], vals, x)
     scale = valid.astype(jnp.float32)
     if per_sample_weights is not None:
         scale = jnp.where(valid, per_sample_weights.astype(jnp.float32), 0.0)

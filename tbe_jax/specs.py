@@ -13,6 +13,9 @@ from typing import Sequence
 import numpy as np
 
 
+LOCATIONS = ("device", "host", "host_cached")
+
+
 @dataclasses.dataclass(frozen=True)
 class TableSpec:
     """One embedding table: `num_embeddings` rows of `embedding_dim` values.
@@ -27,12 +30,19 @@ class TableSpec:
         histogram kernel, smaller: the generic one). Without it (the default) that
         choice is made on the device for each batch from the bag lengths. Never
         needed for correctness, nor for speed in the usual case.
+      location: where the table's rows live. "device" (default): in the GPU's memory. "host": in pinned host
+        memory, read and written in place by the kernels over the bus (no copy, no cache; for tables larger
+        than the GPU's memory, at the bus's speed). "host_cached": in pinned host memory with its hot rows in
+        an HBM cache of `cache_load_factor * E` rows (`TableBatchedEmbedding`'s `cache_load_factor`,
+        `cache_policy`; filled by `emb.prefetch`). Results never depend on it: see `docs/host_memory.md`.
+        On a CPU, "host" rows are an ordinary second buffer.
     """
 
     num_embeddings: int
     embedding_dim: int
     name: str | None = None
     bag_size_hint: int | None = None
+    location: str = "device"
 
     def __post_init__(self):
         for field in ("num_embeddings", "embedding_dim"):
@@ -47,6 +57,8 @@ class TableSpec:
             raise ValueError(
                 f"TableSpec.bag_size_hint must be None or an int >= 0, got {self.bag_size_hint!r}"
             )
+        if self.location not in LOCATIONS:
+            raise ValueError(f"TableSpec.location must be one of {LOCATIONS}, got {self.location!r}")
 
     def label(self, t: int) -> str:
         return f"table {t}" + (f" ({self.name!r})" if self.name else "")
@@ -85,17 +97,26 @@ class StorageLayout:
     nothing reads them into a result (`get_tables` drops them, `set_tables` and
     `init` write zeros there, optimizers keep them zero), so their values never
     matter. `TableBatchedEmbedding(..., pad_rows=False)` stores every buffer unpadded.
+
+    Tables in host memory (`TableSpec.location="host"`) get buffers of their own, one per D, named
+    `"d{D}_host"` (`locations[g] == "host"`); "host_cached" tables are split before a layout is built
+    (`tbe_jax.host_cache`), so a layout holds only "device" and "host" buffers.
     """
 
-    dims: tuple[int, ...]  # distinct D, in order of first appearance
+    dims: tuple[int, ...]  # D per buffer, in order of first appearance
     group_rows: tuple[int, ...]  # rows in each buffer
     table_group: tuple[int, ...]  # per table: its buffer
     table_row_offset: tuple[int, ...]  # per table: first row in its buffer
     strides: tuple[int, ...] = ()  # per buffer: its stored row length (>= its dim); () means the dims
+    locations: tuple[str, ...] = ()  # per buffer: "device" or "host"; () means all "device"
 
     def __post_init__(self):
         if not self.strides:
             object.__setattr__(self, "strides", tuple(self.dims))
+        if not self.locations:
+            object.__setattr__(self, "locations", ("device",) * len(self.dims))
+        if len(self.locations) != len(self.dims) or not set(self.locations) <= {"device", "host"}:
+            raise ValueError(f"locations {self.locations} must give 'device' or 'host' per buffer")
         if len(self.strides) != len(self.dims) or any(s < d for s, d in zip(self.strides, self.dims)):
             raise ValueError(f"strides {self.strides} must give one stored row length >= each dim {self.dims}")
 
@@ -103,17 +124,22 @@ class StorageLayout:
     def build(tables: Sequence[TableSpec], itemsize: int | None = None) -> "StorageLayout":
         """The layout of `tables`; with `itemsize` (the weights' bytes per value), rows padded as
         `padded_dim` says, else unpadded."""
-        dims: list[int] = []
+        classes: list[tuple[int, str]] = []
         rows: list[int] = []
         tgroup, toff = [], []
         for t in tables:
-            if t.embedding_dim not in dims:
-                dims.append(t.embedding_dim)
+            if t.location == "host_cached":
+                raise ValueError("a StorageLayout holds 'device' and 'host' tables; split 'host_cached' ones "
+                                 "first (tbe_jax.host_cache)")
+            c = (t.embedding_dim, t.location)
+            if c not in classes:
+                classes.append(c)
                 rows.append(0)
-            g = dims.index(t.embedding_dim)
+            g = classes.index(c)
             tgroup.append(g)
             toff.append(rows[g])
             rows[g] += t.num_embeddings
+        dims = [d for d, _ in classes]
         for g, r in enumerate(rows):
             if r >= 2**31:
                 raise ValueError(
@@ -121,10 +147,15 @@ class StorageLayout:
                     "row index of one storage buffer must stay below 2**31"
                 )
         strides = tuple(padded_dim(d, itemsize) if itemsize else d for d in dims)
-        return StorageLayout(tuple(dims), tuple(rows), tuple(tgroup), tuple(toff), strides)
+        return StorageLayout(tuple(dims), tuple(rows), tuple(tgroup), tuple(toff), strides,
+                             tuple(loc for _, loc in classes))
 
     def key(self, g: int) -> str:
-        return f"d{self.dims[g]}"
+        return f"d{self.dims[g]}" + ("_host" if self.locations[g] == "host" else "")
+
+    def on_host(self, g: int) -> bool:
+        """Buffer `g` lives in host memory (its tables' `location="host"`)."""
+        return self.locations[g] == "host"
 
     @property
     def padded(self) -> bool:

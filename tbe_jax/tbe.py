@@ -8,6 +8,7 @@ dispatch of `tbe_jax.dispatch` (the differentiable lookup and the fused optimize
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, dispatch, inputs, optim, vbe
+from tbe_jax import bounds, dispatch, inputs, memory, optim, vbe
 from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
@@ -65,6 +66,11 @@ class TableBatchedEmbedding:
       histogram_config: `tbe_jax.HistogramConfig`; None for defaults.
       backward_config: `tbe_jax.BackwardConfig` for the sorted-run backward
         kernels (`apply_gradients`, `tbe_jax.train_step`, `jax.grad`); None for defaults.
+      cache_load_factor: tables with `location="host_cached"`: the HBM cache holds about this share of each
+        such table's rows (default 0.2, as FBGEMM's); see `tbe_jax.host_cache`.
+      cache_policy: which cached row a miss replaces: "lru" (default: the least recently prefetched) or
+        "lfu" (the least often used since it was cached).
+      cache_ways: slots per cache set (a row may live in any slot of its set; default 16).
       pad_rows: store the rows of a dim whose byte length is not a multiple of 16
         padded to 16 bytes when that costs at most 1/8 more memory (default True;
         e.g. fp16 D = 36, 44, ..., 124), so the kernels move them with 16-byte
@@ -84,6 +90,15 @@ class TableBatchedEmbedding:
       (2, 12)
     """
 
+    def __new__(cls, tables=(), *args, **kwargs):
+        # A model with tables behind an HBM cache is a `HostCachedEmbedding` (the same API, plus `prefetch`).
+        if cls is TableBatchedEmbedding and any(getattr(t, "location", None) == "host_cached"
+                                                for t in (tables if isinstance(tables, (list, tuple)) else ())):
+            from tbe_jax.host_cache import HostCachedEmbedding  # it builds on this module
+
+            cls = HostCachedEmbedding
+        return super().__new__(cls)
+
     def __init__(
         self,
         tables: Sequence[TableSpec],
@@ -100,6 +115,9 @@ class TableBatchedEmbedding:
         histogram_config: hist_kernels.HistogramConfig | None = None,
         backward_config: bwd_kernels.BackwardConfig | None = None,
         pad_rows: bool = True,
+        cache_load_factor: float = 0.2,
+        cache_policy: str = "lru",
+        cache_ways: int = 16,
     ):
         if isinstance(tables, TableSpec):
             raise TypeError("tables must be a sequence of TableSpec (wrap a single table in a list)")
@@ -154,7 +172,22 @@ class TableBatchedEmbedding:
             raise TypeError("backward_config must be a tbe_jax.BackwardConfig")
         self.backward_config = backward_config or bwd_kernels.BackwardConfig()
         self.pad_rows = bool(pad_rows)
-        self.layout = StorageLayout.build(tables, self.weights_dtype.itemsize if self.pad_rows else None)
+        if isinstance(cache_load_factor, bool) or not isinstance(cache_load_factor, (int, float)) or not (
+                0 < cache_load_factor <= 1):
+            raise ValueError(f"cache_load_factor must be a number in (0, 1], got {cache_load_factor!r}")
+        if cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"cache_policy must be 'lru' or 'lfu', got {cache_policy!r}")
+        if isinstance(cache_ways, bool) or not isinstance(cache_ways, int) or cache_ways < 1:
+            raise ValueError(f"cache_ways must be a positive int, got {cache_ways!r}")
+        self.cache_load_factor, self.cache_policy, self.cache_ways = float(cache_load_factor), cache_policy, cache_ways
+        if impl == "xla" and jax.default_backend() == "gpu" and any(t.location != "device" for t in tables):
+            raise ValueError("tables in host memory are read by the Pallas kernels (XLA's ops cannot read host "
+                             "memory on a GPU): use impl='auto' or 'pallas'")
+        # "host_cached" tables are split into two inner tables (`tbe_jax.host_cache`); here they stand as "host"
+        # tables, for the feature plans of the outer batch.
+        self.layout = StorageLayout.build(
+            [t if t.location != "host_cached" else dataclasses.replace(t, location="host") for t in tables],
+            self.weights_dtype.itemsize if self.pad_rows else None)
 
     # -- identity: hashable, usable as a static jit argument -------------------
     def _key(self):
@@ -162,6 +195,7 @@ class TableBatchedEmbedding:
             self.tables, self.feature_table_map, self.pooling, self.weights_dtype.name,
             self.output_dtype.name, self.bounds_check, self.impl, self.interpret, self.kernel_config,
             self.use_histogram, self.histogram_config, self.backward_config, self.pad_rows,
+            self.cache_load_factor, self.cache_policy, self.cache_ways,
         )
 
     # A static argument of every jitted call: hashed and compared on each call, so the hash is computed once
@@ -215,7 +249,8 @@ class TableBatchedEmbedding:
         ok = self.use_histogram and self.pooling != "none" and not weighted and not vbe
         out = []
         for t in self.feature_table_map:
-            if not (ok and hist_kernels.eligible(self.tables[t], self.weights_dtype, self.output_dtype)):
+            if not (ok and self.tables[t].location == "device"
+                    and hist_kernels.eligible(self.tables[t], self.weights_dtype, self.output_dtype)):
                 out.append("generic")
             elif backward:
                 out.append("histogram")
@@ -235,8 +270,9 @@ class TableBatchedEmbedding:
         out = {}
         for g in range(len(self.layout.dims)):
             rows = tuple(spec.num_embeddings for t, spec in enumerate(self.tables) if self.layout.table_group[t] == g)
-            out[self.layout.key(g)] = _init_buffer(jax.random.fold_in(key, g), rows, self.layout.dims[g],
-                                                   self.layout.strides[g], self.weights_dtype.name)
+            buf = _init_buffer(jax.random.fold_in(key, g), rows, self.layout.dims[g], self.layout.strides[g],
+                               self.weights_dtype.name)
+            out[self.layout.key(g)] = memory.to_host(buf) if self.layout.on_host(g) else buf
         return out
 
     def get_tables(self, params: dict) -> list[jax.Array]:
@@ -246,7 +282,7 @@ class TableBatchedEmbedding:
         for t, spec in enumerate(self.tables):
             g = self.layout.table_group[t]
             r0 = self.layout.table_row_offset[t]
-            out.append(self.layout.unpad(g, params[self.layout.key(g)][r0 : r0 + spec.num_embeddings]))
+            out.append(self.layout.unpad(g, memory.rows(params[self.layout.key(g)], r0, spec.num_embeddings)))
         return out
 
     def set_tables(self, params: dict | None, tables: Sequence[jax.Array]) -> dict:
@@ -262,6 +298,14 @@ class TableBatchedEmbedding:
             groups[self.layout.table_group[t]].append(arr)
         out = {}
         for g, parts in enumerate(groups):
+            if self.layout.on_host(g):  # stacked on the host, then placed there (never whole on the device)
+                parts = [memory.to_numpy(p) for p in parts]
+                buf = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+                extra = self.layout.strides[g] - self.layout.dims[g]
+                if buf.ndim == 2 and extra:
+                    buf = np.pad(buf, ((0, 0), (0, extra)))
+                out[self.layout.key(g)] = memory.to_host(buf)
+                continue
             buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
             out[self.layout.key(g)] = buf if buf.ndim == 1 else self.layout.pad(g, buf)
         return out
@@ -375,7 +419,12 @@ class TableBatchedEmbedding:
         row-wise forms); see `tbe_jax.optim`."""
         self.check_optimizer(opt)
         self.check_params(params)
-        return opt.init(params)
+        state = opt.init(params)
+        host = {self.layout.key(g) for g in range(len(self.layout.dims)) if self.layout.on_host(g)}
+        if not host:
+            return state
+        slots = tuple({k: memory.to_host(v) if k in host else v for k, v in tree.items()} for tree in opt.slots(state))
+        return opt.state_type(*slots, state.count)
 
     def get_state(self, opt_state, name: str) -> list[jax.Array]:
         """Per table, its slice of the optimizer state's field `name` (`"momentum"`, `"momentum1"` or
@@ -390,7 +439,7 @@ class TableBatchedEmbedding:
             g = self.layout.table_group[t]
             buf = tree[self.layout.key(g)]
             r0 = self.layout.table_row_offset[t]
-            part = buf[r0 : r0 + spec.num_embeddings]
+            part = memory.rows(buf, r0, spec.num_embeddings)
             out.append(part if part.ndim == 1 else self.layout.unpad(g, part))
         return out
 

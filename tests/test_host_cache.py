@@ -1,0 +1,249 @@
+"""Tables in host memory (`location="host"`) and behind an HBM cache (`location="host_cached"`, issue 40).
+
+Every check is against the all-device model: the same tables with `location="device"`, given the same tables,
+batches and output gradients. Tables and optimizer states must be bitwise equal after every step, whatever was
+prefetched (the cache changes speed only); pooled outputs equal to fp32 rounding (a bag mixing cached and
+uncached rows is summed in two parts). On a CPU the host buffers are ordinary arrays (`tbe_jax.memory`); the
+kernels run in interpret mode where `impl` says "pallas".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tbe_jax
+from tbe_jax import host_cache
+
+ROWS = (50, 30, 40, 64)
+DIMS = (8, 4, 8, 12)
+LOCS = ("host_cached", "device", "host", "host_cached")
+FMAP = (0, 1, 2, 0, 3)
+
+
+def _specs(locations=LOCS):
+    return [tbe_jax.TableSpec(e, d, name=f"t{i}", location=loc)
+            for i, (e, d, loc) in enumerate(zip(ROWS, DIMS, locations))]
+
+
+def _pair(impl="xla", pooling="sum", policy="lru", load_factor=0.3, ways=4, **kw):
+    """(the embedding under test, the all-device one)."""
+    common = dict(feature_table_map=FMAP, impl=impl, interpret=impl == "pallas", pooling=pooling, **kw)
+    emb = tbe_jax.TableBatchedEmbedding(_specs(), cache_load_factor=load_factor, cache_policy=policy,
+                                        cache_ways=ways, **common)
+    ref = tbe_jax.TableBatchedEmbedding(_specs(("device",) * 4), **common)
+    return emb, ref
+
+
+def _batch(rng, b=5, max_len=5, weighted=False, pad=3, hot=None):
+    """A random batch (feature-major offsets, `pad` padding ids past the bags); `hot` draws ids from the first
+    `hot` rows of each table."""
+    lens = rng.integers(0, max_len, len(FMAP) * b)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    ids = []
+    for f, t in enumerate(FMAP):
+        hi = ROWS[t] if hot is None else min(hot, ROWS[t])
+        ids.append(rng.integers(0, hi, lens[f * b:(f + 1) * b].sum()))
+    ids = np.concatenate(ids + [rng.integers(0, 3, pad)]).astype(np.int32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, ids.shape[0]).astype(np.float32)) if weighted else None
+    return jnp.asarray(ids), jnp.asarray(off), w
+
+
+def _same(emb, ref, params, rparams, state=None, rstate=None):
+    for t, (a, b) in enumerate(zip(emb.get_tables(params), ref.get_tables(rparams))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"table {t}")
+    if state is not None:
+        name = state._fields[0]
+        for t, (a, b) in enumerate(zip(emb.get_state(state, name), ref.get_state(rstate, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"state of table {t}")
+
+
+def _train(emb, ref, opt, steps, *, prefetch="state", seed=0, weighted=False, ahead=False, hot=None):
+    """`steps` optimizer steps on both; `prefetch`: "state" (with the optimizer state), "params" (without) or
+    None; `ahead`: prefetch batch k+1 before step k. Returns the last params and the cache stats seen."""
+    rng = np.random.default_rng(seed)
+    params = emb.init(jax.random.key(seed))
+    rparams = ref.set_tables(None, emb.get_tables(params))
+    state, rstate = emb.init_opt_state(params, opt), ref.init_opt_state(rparams, opt)
+    batches = [_batch(rng, weighted=weighted, hot=hot) for _ in range(steps + 1)]
+
+    def fetch(p, s, k):
+        if prefetch == "state":
+            return emb.prefetch(p, batches[k][0], batches[k][1], opt_state=s)
+        if prefetch == "params":
+            return emb.prefetch(p, batches[k][0], batches[k][1]), s
+        return p, s
+
+    stats = []
+    if ahead:
+        params, state = fetch(params, state, 0)
+    for k in range(steps):
+        params, state = fetch(params, state, k + 1 if ahead else k)
+        stats.append([int(v) for v in emb.cache_stats(params).values()])
+        idx, off, w = batches[k]
+        out, rout = emb(params, idx, off, w), ref(rparams, idx, off, w)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(rout), rtol=1e-6, atol=1e-6)
+        g = jnp.asarray(rng.standard_normal(out.shape).astype(np.float32))
+        params, state = emb.apply_gradients(params, state, opt, idx, off, g, w)
+        rparams, rstate = ref.apply_gradients(rparams, rstate, opt, idx, off, g, w)
+        _same(emb, ref, params, rparams, state if len(state._fields) > 1 else None, rstate)
+    return params, stats
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("prefetch", ["state", "params", None])
+def test_training_matches_the_all_device_model(policy, prefetch):
+    emb, ref = _pair(policy=policy)
+    _, stats = _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 6, prefetch=prefetch, hot=20)
+    fills = sum(s[2] for s in stats)
+    assert (fills > 0) == (prefetch is not None)
+
+
+def test_evictions_write_back_changed_rows_and_states():
+    # a cache of one 4-way set per table, batches over 20 rows: every prefetch evicts rows trained before
+    emb, ref = _pair(load_factor=0.01)
+    _, stats = _train(emb, ref, tbe_jax.Adam(learning_rate=0.05), 8, hot=20)
+    assert sum(s[3] for s in stats) > 0  # rows written back to host memory
+    assert all(s[2] <= 2 * 4 for s in stats)  # at most the two cached tables' 4 slots each
+
+
+def test_prefetch_one_batch_ahead():
+    emb, ref = _pair(load_factor=0.5)
+    _, stats = _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 5, ahead=True, hot=25)
+    assert sum(s[1] for s in stats) > 0  # later batches hit rows prefetched for earlier ones
+
+
+@pytest.mark.parametrize("pooling,weighted", [("mean", False), ("sum", True)])
+def test_pooling_and_weights(pooling, weighted):
+    emb, ref = _pair(pooling=pooling)
+    _train(emb, ref, tbe_jax.SGD(learning_rate=0.1), 3, weighted=weighted)
+
+
+def test_kernels_in_interpret_mode():
+    emb, ref = _pair(impl="pallas", load_factor=0.2)
+    _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 3, hot=15)
+
+
+def test_train_step_and_sequence_pooling():
+    emb = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, embedding_dim=8) for s in _specs()],
+                                        feature_table_map=FMAP, pooling="none", impl="xla", cache_load_factor=0.5,
+                                        cache_ways=4)
+    ref = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, location="device") for s in emb.tables],
+                                        feature_table_map=FMAP, pooling="none", impl="xla")
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
+    rng = np.random.default_rng(3)
+    params = emb.init(jax.random.key(1))
+    rparams = ref.set_tables(None, emb.get_tables(params))
+    state, rstate = emb.init_opt_state(params, opt), ref.init_opt_state(rparams, opt)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(e, p, s, idx, off):
+        res = tbe_jax.train_step(lambda _, out: jnp.sum(jnp.sin(out)), None,
+                                 tbe_jax.SparseLookup(e, opt, p, s, idx, off))
+        return res.params, res.opt_state, res.outputs
+
+    for k in range(3):
+        idx, off, _ = _batch(rng, hot=20)
+        params, state = emb.prefetch(params, idx, off, opt_state=state)
+        params, state, out = step(emb, params, state, idx, off)
+        rparams, rstate, rout = step(ref, rparams, rstate, idx, off)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(rout))
+        _same(emb, ref, params, rparams, state, rstate)
+
+
+def test_variable_batch_sizes():
+    emb, ref = _pair(load_factor=0.5)
+    rng = np.random.default_rng(5)
+    sizes = (3, 1, 4, 2, 5)
+    lens = rng.integers(0, 4, sum(sizes))
+    off = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    base = np.concatenate([[0], np.cumsum(sizes)])
+    idx = jnp.asarray(np.concatenate([rng.integers(0, ROWS[t], lens[base[f]:base[f + 1]].sum())
+                                      for f, t in enumerate(FMAP)]).astype(np.int32))
+    params = emb.init(jax.random.key(2))
+    rparams = ref.set_tables(None, emb.get_tables(params))
+    params = emb.prefetch(params, idx, off, batch_size_per_feature=sizes)
+    out = emb(params, idx, off, batch_size_per_feature=sizes)
+    rout = ref(rparams, idx, off, batch_size_per_feature=sizes)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(rout), rtol=1e-6, atol=1e-6)
+    opt = tbe_jax.SGD(learning_rate=0.5)
+    g = jnp.asarray(rng.standard_normal(out.shape).astype(np.float32))
+    params, _ = emb.apply_gradients(params, emb.init_opt_state(params, opt), opt, idx, off, g,
+                                    batch_size_per_feature=sizes)
+    rparams, _ = ref.apply_gradients(rparams, ref.init_opt_state(rparams, opt), opt, idx, off, g,
+                                     batch_size_per_feature=sizes)
+    _same(emb, ref, params, rparams)
+
+
+def test_layout_and_directory():
+    emb, _ = _pair(load_factor=0.3, ways=4)
+    assert isinstance(emb, host_cache.HostCachedEmbedding) and isinstance(emb, tbe_jax.TableBatchedEmbedding)
+    cl = emb.cache_layout
+    assert cl.tables == (0, 3) and cl.slots == (16, 20)  # 0.3 * 50 -> 15 -> 4 sets; 0.3 * 64 -> 20 -> 5 sets
+    keys = sorted(emb.init(jax.random.key(0)))
+    assert keys == ["cache", "d12", "d12_host", "d4", "d8", "d8_host"]
+    assert hash(emb) != hash(_pair(load_factor=0.5)[0]) and emb == _pair(load_factor=0.3, ways=4)[0]
+    # an unprefetched batch is served from host memory: no slot filled, the same result
+    params = emb.init(jax.random.key(0))
+    assert int(jnp.max(params["cache"]["slot_of_row"])) == -1
+
+
+def test_host_location_without_cache():
+    specs = [tbe_jax.TableSpec(40, 8, location="host"), tbe_jax.TableSpec(30, 8)]
+    emb = tbe_jax.TableBatchedEmbedding(specs, impl="pallas", interpret=True)
+    assert type(emb) is tbe_jax.TableBatchedEmbedding
+    assert [emb.layout.key(g) for g in range(2)] == ["d8_host", "d8"]
+    ref = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, location="device") for s in specs], impl="pallas",
+                                        interpret=True)
+    params = emb.init(jax.random.key(0))
+    rparams = ref.set_tables(None, emb.get_tables(params))
+    idx = jnp.asarray([1, 5, 39, 0, 29, 7], jnp.int32)
+    off = jnp.asarray([0, 2, 3, 5, 6], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(emb(params, idx, off)), np.asarray(ref(rparams, idx, off)))
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
+    g = jnp.ones((2, 16), jnp.float32)
+    p, s = emb.apply_gradients(params, emb.init_opt_state(params, opt), opt, idx, off, g)
+    rp, rs = ref.apply_gradients(rparams, ref.init_opt_state(rparams, opt), opt, idx, off, g)
+    _same(emb, ref, p, rp, s, rs)
+
+
+def test_bad_cache_options_and_sharding_are_refused():
+    with pytest.raises(ValueError, match="cache_load_factor"):
+        tbe_jax.TableBatchedEmbedding(_specs(), cache_load_factor=0)
+    with pytest.raises(ValueError, match="cache_policy"):
+        tbe_jax.TableBatchedEmbedding(_specs(), cache_policy="fifo")
+    with pytest.raises(ValueError, match="location"):
+        tbe_jax.TableSpec(10, 4, location="disk")
+    emb, _ = _pair()
+    with pytest.raises(NotImplementedError, match="host_cached"):
+        emb.shard(None)
+    params = emb.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="cache"):
+        emb.check_params({k: v for k, v in params.items() if k != "cache"} | {"cache": {}})
+
+
+def test_checkpoint_round_trip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    emb, ref = _pair(load_factor=0.5)
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
+    rng = np.random.default_rng(7)
+    params = emb.init(jax.random.key(0))
+    state = emb.init_opt_state(params, opt)
+    idx, off, _ = _batch(rng, hot=20)
+    params, state = emb.prefetch(params, idx, off, opt_state=state)
+    g = jnp.ones(emb(params, idx, off).shape, jnp.float32)
+    params, state = emb.apply_gradients(params, state, opt, idx, off, g)
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "c", {"p": params, "s": state})
+    ck.wait_until_finished()
+    back = ck.restore(tmp_path / "c", jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), {"p": params, "s": state}))
+    for a, b in zip(emb.get_tables(back["p"]), emb.get_tables(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(emb.get_momentum(back["s"]), emb.get_momentum(params and state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
