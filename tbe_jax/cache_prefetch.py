@@ -1,0 +1,139 @@
+"""The host tier's prefetch (`tbe_jax.host_cache`): a batch's missing rows of the cached tables brought into
+their sets' victim slots (LRU or LFU), the evicted changed rows (and states) written back to host memory first;
+work proportional to the batch, never to the tables."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax import bounds, inputs, preprocess
+from tbe_jax.cache_layout import CACHE, NEVER, STATE_ROWS
+from tbe_jax.cache_route import batch_facts
+from tbe_jax.kernels.copy_rows import copy_rows
+
+# -- prefetch ---------------------------------------------------------------------------------------------------------
+def set_hash(rows):
+    """A row's set hash (rows within their table): a multiplicative hash, so neighbouring ids spread over sets."""
+    return (rows.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)) >> jnp.uint32(7)
+
+
+def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
+    emb.check_params(params)
+    plan, indices, offsets, _ = inputs.validated(emb, params, indices, offsets, None, bpf)
+    n = indices.shape[0]
+    d = dict(params[CACHE])
+    if n == 0:
+        return params if opt_state is None else (params, opt_state)
+    offsets, _ = bounds.repair_offsets(offsets, n)
+    cl = emb.cache_layout
+    r_total, c_total, ways = cl.total_rows, cl.total_slots, cl.ways
+    facts = batch_facts(emb, plan)
+    _, feat = preprocess.position_features(plan, offsets, n)
+    valid = preprocess.valid_lookups(plan, indices, offsets, feat)
+    ci = jnp.asarray(facts.ci)[feat]
+    is_c = valid & (ci >= 0)
+    row_base = jnp.asarray(cl.base("rows")[:-1].astype(np.int32))
+    crow = jnp.where(is_c, row_base[jnp.maximum(ci, 0)] + jnp.where(is_c, indices, 0), r_total)
+
+    # distinct rows: sorted, each at its first position (`first`), with its count of lookups
+    srt = jnp.sort(crow)
+    prev = jnp.concatenate([jnp.full((1,), -1, srt.dtype), srt[:-1]])
+    first = (srt != prev) & (srt < r_total)
+    seg = jnp.cumsum(first.astype(jnp.int32)) - 1
+    uses = jax.ops.segment_sum((srt < r_total).astype(jnp.int32), jnp.maximum(seg, 0), num_segments=n)
+    uses = uses[jnp.maximum(seg, 0)]
+    row = jnp.where(first, srt, 0)
+    slot = jnp.where(first, d["slot_of_row"][row], -1)
+    hit = first & (slot >= 0)
+    miss = first & (slot < 0)
+    tick = d["tick"] + 1
+    hslot = jnp.where(hit, slot, c_total)
+    score = d["score"]
+    score = score.at[hslot].add(uses, mode="drop") if emb.cache_policy == "lfu" else \
+        score.at[hslot].set(tick, mode="drop")
+    stamp = d["stamp"].at[hslot].set(tick, mode="drop")
+
+    # each miss: its set, its rank among the batch's misses of that set, the victim way of that rank
+    t = jnp.sum(row[:, None] >= jnp.asarray(cl.base("rows")[1:-1].astype(np.int32))[None, :], axis=1,
+                dtype=jnp.int32) if len(cl.tables) > 1 else jnp.zeros_like(row)
+    local = row - row_base[t]
+    sets = jnp.asarray(np.asarray(cl.sets, np.uint32))
+    gset = jnp.asarray(cl.base("sets")[:-1].astype(np.int32))[t] + (set_hash(local) % sets[t]).astype(jnp.int32)
+    key = jnp.where(miss, gset, jnp.int32(NEVER))
+    order = jnp.argsort(key, stable=True)
+    ks = key[order]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    start = jax.lax.cummax(jnp.where(ks != jnp.concatenate([jnp.full((1,), -1, ks.dtype), ks[:-1]]), pos, 0))
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(pos - start)
+    way_slots = gset[:, None] * ways + jnp.arange(ways, dtype=jnp.int32)[None, :]
+    way_slots = jnp.where(miss[:, None], way_slots, 0)
+    w_row = d["row_of_slot"][way_slots]
+    locked = stamp[way_slots] >= tick - 1  # this batch's hits and the previous prefetch's rows
+    if opt_state is None:  # without the states, only slots whose state is in host memory may go
+        locked = locked | (d["state_ok"][way_slots] > 0)
+    w_key = jnp.where(locked, NEVER, jnp.where(w_row < 0, jnp.iinfo(jnp.int32).min, score[way_slots]))
+    w_order = jnp.argsort(w_key, axis=1, stable=True)
+    pick = jnp.take_along_axis(w_order, jnp.minimum(rank, ways - 1)[:, None], axis=1)[:, 0]
+    ok = miss & (rank < ways) & (jnp.take_along_axis(w_key, pick[:, None], axis=1)[:, 0] < NEVER)
+    victim = jnp.where(ok, gset * ways + pick, c_total)
+    old = jnp.where(ok, d["row_of_slot"][jnp.minimum(victim, c_total - 1)], -1)
+    back = ok & (old >= 0) & (d["dirty"][jnp.minimum(victim, c_total - 1)] > 0)
+
+    # rows (and states) out of and into the cache, per inner buffer pair of a cached table's dim
+    inner_p = emb.inner_params(params)
+    inner_s = None if opt_state is None else emb.inner_state(opt_state)
+    inner_p, inner_s = move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok)
+    stats = jnp.stack([jnp.sum(first, dtype=jnp.int32), jnp.sum(hit, dtype=jnp.int32),
+                       jnp.sum(ok, dtype=jnp.int32), jnp.sum(back, dtype=jnp.int32)])
+
+    gone = jnp.where(ok & (old >= 0), old, r_total)
+    d["slot_of_row"] = d["slot_of_row"].at[gone].set(-1, mode="drop").at[jnp.where(ok, row, r_total)].set(
+        victim, mode="drop")
+    d["row_of_slot"] = d["row_of_slot"].at[victim].set(row, mode="drop")
+    d["score"] = score.at[victim].set(uses if emb.cache_policy == "lfu" else jnp.broadcast_to(tick, (n,)),
+                                      mode="drop")
+    d["stamp"] = stamp.at[victim].set(tick, mode="drop")
+    d["dirty"] = d["dirty"].at[victim].set(0, mode="drop")
+    d["state_ok"] = d["state_ok"].at[victim].set(int(opt_state is not None), mode="drop")
+    d["tick"] = tick
+    d["stats"] = stats
+    params = {**inner_p, CACHE: d}
+    if opt_state is None:
+        return params
+    rows_of = jnp.where(ok, row, -1)
+    outer = emb.outer_state(inner_s, opt_state)
+    fields = opt_state._fields[:-1]
+    outer = type(opt_state)(*[{**getattr(outer, f), STATE_ROWS: getattr(outer, f)[STATE_ROWS].at[victim].set(
+        rows_of, mode="drop")} for f in fields], outer.count)
+    return params, outer
+
+
+def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
+    """Write the evicted changed rows (`back`: slot `victim` -> host row `old`) and fill the misses (host row `row`
+    -> slot `victim`, where `ok`), with their states when `inner_s` is given: per pair of inner buffers (the cache
+    parts and the host parts of one dim), one copy out and one copy in per array. `t`: each miss's cached
+    table."""
+    cl, lay = emb.cache_layout, emb.inner.layout
+    kernel = emb.uses_kernel()
+    slot_fields = () if inner_s is None else inner_s._fields[:-1]
+    slots = {f: dict(getattr(inner_s, f)) for f in slot_fields}
+    pairs = [(lay.table_group[c], lay.table_group[h]) for c, h in zip(cl.cache_part, cl.host_part)]
+    c_off = np.asarray([lay.table_row_offset[c] - int(b) for c, b in zip(cl.cache_part, cl.base("slots"))], np.int32)
+    h_off = np.asarray([lay.table_row_offset[h] - int(b) for h, b in zip(cl.host_part, cl.base("rows"))], np.int32)
+    c_rows_all = victim + jnp.asarray(c_off)[t]  # the victim slot's row in its cache buffer
+    h_old = old + jnp.asarray(h_off)[t]  # the evicted row's row in its host buffer
+    h_new = row + jnp.asarray(h_off)[t]  # the miss's row in its host buffer
+    for pair in sorted(set(pairs)):
+        mine = jnp.asarray(np.asarray([p == pair for p in pairs]))[t] & ok
+        c_rows = jnp.where(mine, c_rows_all, -1)
+        wb_dst = jnp.where(mine & back, h_old, -1)
+        fill_src = jnp.where(mine, h_new, -1)
+        kc, kh = lay.key(pair[0]), lay.key(pair[1])
+        for tree in [inner_p] + [slots[f] for f in slot_fields]:
+            tree[kh] = copy_rows(tree[kh], tree[kc], wb_dst, c_rows, kernel=kernel, interpret=emb.interpret)
+            tree[kc] = copy_rows(tree[kc], tree[kh], c_rows, fill_src, kernel=kernel, interpret=emb.interpret)
+    if inner_s is not None:
+        inner_s = type(inner_s)(*[slots[f] for f in slot_fields], inner_s.count)
+    return inner_p, inner_s
