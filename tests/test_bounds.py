@@ -175,6 +175,11 @@ def test_forward_with_report_is_silent_and_counts(impl):
         assert int(rep.invalid_indices) == 3 and int(rep.repaired_offsets) == 1, mode
     model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, off, None, "sum", False)
     assert_close(quiet, model, 1e-6)
+    # The training step's report counts the invalid ids in the default mode too (issue 36 item 3).
+    quiet_emb, opt = _emb("ignore", **kw), tbe_jax.SGD(0.1)
+    res = jax.jit(lambda p, s: tbe_jax.train_step(lambda _, o: jnp.sum(o), None, tbe_jax.SparseLookup(
+        quiet_emb, opt, p, s, idx, off)))(params, quiet_emb.init_opt_state(params, opt))
+    assert int(res.report.invalid_indices) == 3
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
