@@ -10,7 +10,7 @@ from jax.experimental import checkify
 
 import tbe_jax
 from tbe_jax import testing
-from conftest import KERNEL_KW, ON_GPU, assert_close, specs, tables_f64
+from conftest import KERNEL_KW, assert_close, specs, tables_f64
 
 TABLES = specs([10, 20], [8, 16])
 
@@ -189,7 +189,9 @@ def test_default_mode_clamps_offsets_the_same_everywhere(impl, pooling):
     # the end): in the default mode every impl, the lookup and the update use the clamped bags, read nothing past
     # `indices`, and count the two malformed entries; decreasing offsets are memory-safe and counted. Mean pooling
     # divides by the clamped bag's length everywhere (the XLA path and the update divided by the raw offsets
-    # difference until 2026-12-04: bag 0 here by 5, not 2, on the XLA forward and on both impls' updates).
+    # difference until 2026-12-04: bag 0 here by 5, not 2, on the XLA forward and on both impls' updates; compiled,
+    # the sorted-run update's keys kernel until 2026-12-05, which interpret mode checks in test_backward's
+    # test_lookup_keys_kernel[mean-clamped]: here interpret mode takes runs.lookup_keys' XLA arm).
     kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
     emb = _emb("ignore", pooling=pooling, **kw)
     params = emb.init(jax.random.key(0))
@@ -204,9 +206,6 @@ def test_default_mode_clamps_offsets_the_same_everywhere(impl, pooling):
     model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, clamped, None, pooling, False)
     assert_close(out, model, 1e-6)
     assert int(rep.repaired_offsets) == 2 and int(rep.invalid_indices) == 0
-    if impl == "kernel" and pooling == "mean" and ON_GPU:
-        pytest.xfail("compiled, the sorted-run update's keys kernel (kernels/keys.py) divides a mean bag by the raw "
-                     "offsets difference, not the clamped length (interpret mode takes runs.lookup_keys' XLA arm)")
     opt = tbe_jax.RowwiseAdagrad(0.1)
     state = emb.init_opt_state(params, opt)
     g = np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)
