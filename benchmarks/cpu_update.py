@@ -5,7 +5,8 @@
 
 One table of E rows, D=32, a batch of B=256 bags of 4 ids (1024 lookups, uniform), jitted with the tables and
 state donated (as a training loop does); the median of `--iters` steps, blocked every step. `--tt`: also a
-`tt_jax.TTEmbeddingBag` of the same rows (ranks 16, 16; its `apply_gradients` on the XLA path).
+`tt_jax.TTEmbeddingBag` of the same rows (ranks 16, 16; its `apply_gradients` on the XLA path). `--train-step`:
+also the whole `tbe_jax.train_step` (the lookup, a loss `sum(out * g)` and the sparse update, in one jitted step).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ import tbe_jax
 from tbe_jax import reference
 
 
-def _step_fn(emb, opt, dense):
+def _step_fn(emb, opt, dense, train=False):
+    if train:
+        def train_step(p, s, i, o, g):
+            res = tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None, tbe_jax.SparseLookup(emb, opt, p, s, i, o))
+            return res.params, res.opt_state
+        return train_step
     if not dense:
         return lambda p, s, i, o, g: emb.apply_gradients(p, s, opt, i, o, g)
 
@@ -45,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--dense-max", type=int, default=4_000_000, help="largest E also run densely")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--tt", action="store_true", help="also the TT table's step")
+    ap.add_argument("--train-step", action="store_true", help="also the whole tbe_jax.train_step (lookup + update)")
     args = ap.parse_args(argv)
     opts = {"sgd": tbe_jax.SGD(0.01), "rowwise_adagrad": tbe_jax.RowwiseAdagrad(0.01), "adam": tbe_jax.Adam(0.01)}
     rng = np.random.default_rng(0)
@@ -54,12 +61,13 @@ def main(argv=None):
         emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(e, d)], impl="xla")
         for name in args.opts.split(","):
             opt = opts[name]
-            for dense in (False, True):
+            for kind in ("sparse", "dense") + (("train_step",) if args.train_step else ()):
+                dense = kind == "dense"
                 if dense and e > args.dense_max:
                     continue
                 params = emb.init(jax.random.key(0))
                 state = emb.init_opt_state(params, opt)
-                step = jax.jit(_step_fn(emb, opt, dense), donate_argnums=(0, 1))
+                step = jax.jit(_step_fn(emb, opt, dense, kind == "train_step"), donate_argnums=(0, 1))
                 idx = jnp.asarray(rng.integers(0, e, b * ln).astype(np.int32))
                 off = jnp.arange(0, b * ln + 1, ln, dtype=jnp.int32)
                 g = jnp.asarray(rng.standard_normal((b, d)).astype(np.float32))
@@ -70,7 +78,7 @@ def main(argv=None):
                     params, state = jax.block_until_ready(step(params, state, idx, off, g))
                     times.append((time.perf_counter() - t0) * 1e3)
                 row = {"rows": e, "dim": d, "batch": b, "lookups": b * ln, "opt": name,
-                       "update": "dense" if dense else "sparse", "ms": round(statistics.median(times), 3)}
+                       "update": kind, "ms": round(statistics.median(times), 3)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.tt:
@@ -103,6 +111,10 @@ def main(argv=None):
         sp = {r["rows"]: r["ms"] for r in rows if r["opt"] == name and r["update"] == "sparse"}
         lo, hi = min(sp), max(sp)
         summary[name] = {"sparse_ms": sp, f"ratio_{hi}_over_{lo}": round(sp[hi] / sp[lo], 2)}
+        ts = {r["rows"]: r["ms"] for r in rows if r["opt"] == name and r["update"] == "train_step"}
+        if ts:
+            summary[name]["train_step_ms"] = ts
+            summary[name][f"train_step_ratio_{hi}_over_{lo}"] = round(ts[hi] / ts[lo], 2)
         tt = {r["rows"]: r["ms"] for r in rows if r["opt"] == name and r["update"] == "tt"}
         if tt:
             summary[name]["tt_ms"] = tt

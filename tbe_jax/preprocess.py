@@ -49,6 +49,14 @@ def bag_feature(plan: FeaturePlan, bag: jax.Array) -> jax.Array:
     return jnp.searchsorted(bag_base, bag, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
+def bag_lengths(offsets, n: int):
+    """Per bag, its length as float32: `max(clip(offsets[i+1], 0, n) - clip(offsets[i], 0, n), 0)`, the extent the
+    kernels clamp each bag to (`kernels.programs.bag_extent`), so that mean pooling divides by the same length on
+    every impl and in the update. For valid offsets, their differences."""
+    c = jnp.clip(offsets, 0, n)
+    return jnp.maximum(c[1:] - c[:-1], 0).astype(jnp.float32)
+
+
 def in_bags(offsets, n: int):
     """Per position of `n` ids: inside a bag (`offsets[0] <= p < offsets[-1]`)."""
     pos = jnp.arange(n, dtype=offsets.dtype)
@@ -74,8 +82,7 @@ def lookup_coefficients(plan: FeaturePlan, indices, offsets, per_sample_weights,
     bag, feat = position_features(plan, offsets, indices.shape[0])
     coef = valid_lookups(plan, indices, offsets, feat).astype(jnp.float32)
     if pooling == "mean":
-        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
-        coef = coef / jnp.maximum(lengths, 1.0)[bag]
+        coef = coef / jnp.maximum(bag_lengths(offsets, indices.shape[0]), 1.0)[bag]
     scale = coef if per_sample_weights is None else jnp.where(coef > 0, coef * per_sample_weights, 0.0)
     return bag, feat, coef, scale
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from tbe_jax.preprocess import (  # noqa: F401  (`reference.<name>` keeps working)
     bag_feature,
+    bag_lengths,
     group_lookups,
     lookup_coefficients,
     output_rows,
@@ -60,7 +61,7 @@ def pooled_forward(
     scale = valid.astype(jnp.float32)
     if per_sample_weights is not None:  # masked: a NaN weight on padding contributes nothing
         scale = jnp.where(valid, per_sample_weights.astype(jnp.float32), 0.0)
-    lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+    lengths = bag_lengths(offsets, n)  # clamped to [0, n] as the kernels do
     row_offset = jnp.asarray(np.asarray(plan.row_offset, np.int32))
     group = np.asarray(plan.group, np.int32)
     batch = np.asarray(plan.batch, np.int64)

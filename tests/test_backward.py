@@ -512,11 +512,13 @@ def test_exclusive_scan(rng, rows, width):
     assert [int(t[0]) for t in tot] == counts.sum(axis=0).tolist()
 
 
-@pytest.mark.parametrize("case", ["sum", "mean-weighted", "vbe", "sequence", "dropped"])
+@pytest.mark.parametrize("case", ["sum", "mean-weighted", "mean-clamped", "vbe", "sequence", "dropped"])
 def test_lookup_keys_kernel(rng, case):
     """kernels.keys (each lookup's bag by a binary search in offsets) against the XLA ops of runs.lookup_keys
     (the offsets' histogram and prefix sum): keys, output offsets and scales equal, over two programs (N > block)
-    with a partial last one, ids out of range, empty bags, positions before the first bag and past the last."""
+    with a partial last one, ids out of range, empty bags, positions before the first bag and past the last.
+    mean-clamped: offsets starting below 0 and ending past N (the default mode's input), so a mean scale is 1 over
+    the clamped length (`preprocess.bag_lengths`, `kernels.programs.bag_extent`), not the raw difference."""
     rows = [7, 700, 3, 50]
     dims = [8] * 4 if case == "sequence" else [4, 8, 4, 16]
     emb = tbe_jax.TableBatchedEmbedding(specs(rows, dims), pooling="none" if case == "sequence" else "sum")
@@ -527,12 +529,14 @@ def test_lookup_keys_kernel(rng, case):
     off[0] = 2  # positions 0, 1 in no bag
     off[len(off) // 2] = off[len(off) // 2 - 1]  # an empty bag
     idx = np.concatenate([idx, rng.integers(0, 3, 37).astype(np.int32)])  # padding past offsets[-1]
+    if case == "mean-clamped":  # first and last bags partly outside [0, N]: no position before or past the bags
+        off[0], off[-1] = -5, len(idx) + 9
     plan = emb.plan_for(len(off), batch if case == "vbe" else None)
     if case == "dropped":
         plan = runs_lib.without_features(plan, [1])
     if case != "sequence":
         assert len(idx) > CFG.keys_block
-    kw = dict(pooling="mean" if case == "mean-weighted" else "sum", sequence=case == "sequence")
+    kw = dict(pooling="mean" if case.startswith("mean") else "sum", sequence=case == "sequence")
     args = (jnp.asarray(idx), jnp.asarray(off), None if w is None else jnp.asarray(np.concatenate([w, w[:37]])))
     want = jax.jit(lambda *a: runs_lib.lookup_keys(emb.layout, plan, *a, **kw))(*args)
     got = jax.jit(lambda *a: runs_lib.lookup_keys(emb.layout, plan, *a, kernel=True, interpret=KERNEL_KW["interpret"],

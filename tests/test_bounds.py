@@ -175,15 +175,25 @@ def test_forward_with_report_is_silent_and_counts(impl):
         assert int(rep.invalid_indices) == 3 and int(rep.repaired_offsets) == 1, mode
     model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, off, None, "sum", False)
     assert_close(quiet, model, 1e-6)
+    # The training step's report counts the invalid ids in the default mode too (issue 36 item 3).
+    quiet_emb, opt = _emb("ignore", **kw), tbe_jax.SGD(0.1)
+    res = jax.jit(lambda p, s: tbe_jax.train_step(lambda _, o: jnp.sum(o), None, tbe_jax.SparseLookup(
+        quiet_emb, opt, p, s, idx, off)))(params, quiet_emb.init_opt_state(params, opt))
+    assert int(res.report.invalid_indices) == 3
 
 
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("impl", ["xla", "kernel"])
-def test_default_mode_clamps_offsets_the_same_everywhere(impl):
+def test_default_mode_clamps_offsets_the_same_everywhere(impl, pooling):
     # Offsets that never decrease but start below 0 and end past len(indices) (the kernels used to read the ids past
     # the end): in the default mode every impl, the lookup and the update use the clamped bags, read nothing past
-    # `indices`, and count the two malformed entries; decreasing offsets are memory-safe and counted.
+    # `indices`, and count the two malformed entries; decreasing offsets are memory-safe and counted. Mean pooling
+    # divides by the clamped bag's length everywhere (the XLA path and the update divided by the raw offsets
+    # difference until 2026-12-04: bag 0 here by 5, not 2, on the XLA forward and on both impls' updates; compiled,
+    # the sorted-run update's keys kernel until 2026-12-05, which interpret mode checks in test_backward's
+    # test_lookup_keys_kernel[mean-clamped]: here interpret mode takes runs.lookup_keys' XLA arm).
     kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
-    emb = _emb("ignore", **kw)
+    emb = _emb("ignore", pooling=pooling, **kw)
     params = emb.init(jax.random.key(0))
     idx = np.array([1, 2, 3, 4, 5, 6], np.int32)
     off = np.array([-3, 2, 4, 4, 9], np.int32)
@@ -193,7 +203,7 @@ def test_default_mode_clamps_offsets_the_same_everywhere(impl):
         warnings.simplefilter("error", RuntimeWarning)  # silent in this mode
         out, rep = jax.jit(emb.forward_with_report)(params, idx, off)
         jax.effects_barrier()
-    model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, clamped, None, "sum", False)
+    model = testing.numpy_pooled(tables_f64(emb, params), [0, 1], [2, 2], idx, clamped, None, pooling, False)
     assert_close(out, model, 1e-6)
     assert int(rep.repaired_offsets) == 2 and int(rep.invalid_indices) == 0
     opt = tbe_jax.RowwiseAdagrad(0.1)

@@ -46,10 +46,10 @@ def _params():
                                        for s in SPECS])
 
 
-def _model(idx, off):
+def _model(idx, off, pooling="sum"):
     """Float64 model: ids outside [0, N_t) contribute nothing."""
     full = [reference.numpy_rows(c, s) for c, s in zip(_emb().get_cores(_params()), SPECS)]
-    return testing.numpy_pooled(full, [0, 1], [BATCH, BATCH], idx, off, None, "sum", False)
+    return testing.numpy_pooled(full, [0, 1], [BATCH, BATCH], idx, off, None, pooling, False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,19 +174,31 @@ def test_warning_repairs_offsets():
     assert_close(out, _model(idx, fixed), 2e-6)
 
 
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_default_mode_clamps_offsets(impl):
-    # Non-decreasing offsets that start below 0 and end past len(indices): the same clamped bags on both impls,
-    # silently; the pooling kernel reads no id past the end.
+def test_default_mode_clamps_offsets(impl, pooling):
+    # Non-decreasing offsets that start below 0 (the second case: two entries) and end past len(indices): the same
+    # clamped bags on both impls, lookup and update, silently; the pooling kernel reads no id past the end. Until
+    # 2026-12-04 the update (both impls) and the XLA mean lookup divided a mean bag by the raw offsets difference,
+    # and the update put the ids of a bag starting at a negative offset inside the batch into the last bag.
     idx = np.array([1, 2, 3, 4, 5, 0, 1, 2, 3, 4], np.int32)
-    off = np.array([-2, 4, 4, 9, 14], np.int32)
-    clamped = np.array([0, 4, 4, 9, 10], np.int32)
-    emb = _emb(impl)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        out = jax.jit(lambda c, i, o: emb({"cores": c}, i, o))(_params()["cores"], idx, off)
-        jax.effects_barrier()
-    assert_close(out, _model(idx, clamped), 2e-6)
+    emb = _emb(impl, pooling=pooling)
+    lookup = jax.jit(lambda c, i, o: emb({"cores": c}, i, o))
+    opt = tt_jax.SGD(0.5)
+    params = _params()
+    state = emb.init_opt_state(params, opt)
+    g = G_OUT + 0.25
+    for off, clamped in (([-2, 4, 4, 9, 14], [0, 4, 4, 9, 10]), ([-3, -1, 4, 9, 14], [0, 0, 4, 9, 10])):
+        off, clamped = np.array(off, np.int32), np.array(clamped, np.int32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            out = lookup(params["cores"], idx, off)
+            jax.effects_barrier()
+        assert_close(out, _model(idx, clamped, pooling), 2e-6)
+        got = emb.apply_gradients(params, state, opt, idx, off, g)
+        want = emb.apply_gradients(params, state, opt, idx, clamped, g)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # -- "fatal" ---------------------------------------------------------------------------------------------------

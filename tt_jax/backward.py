@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tbe_jax.preprocess import bag_lengths
 from tt_jax import params, prefix
 
 _HI = jax.lax.Precision.HIGHEST
@@ -68,7 +69,8 @@ def position_bags(offsets, n):
     or before it, by a histogram and a prefix sum (no binary search: jnp.searchsorted's default is a device
     while loop that syncs with the host on GPU)."""
     nb = offsets.shape[0] - 1
-    bag = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[offsets[1:-1]].add(1, mode="drop"))
+    # Clamped to [0, n] first, as the kernels clamp bags: a negative start would otherwise index from the end.
+    bag = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[jnp.clip(offsets[1:-1], 0, n)].add(1, mode="drop"))
     return jnp.minimum(bag, nb - 1)
 
 
@@ -85,8 +87,7 @@ def lookup_grads(g_out, offsets, n, *, batch, features_col0, dim, pooling):
     idx = ((bag - feat * batch) * total + col)[:, None] + jnp.arange(dim, dtype=jnp.int32)[None, :]
     gy = jnp.take(g_out.reshape(-1).astype(jnp.float32), idx, mode="clip")
     if pooling == "mean":
-        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
-        coef = 1.0 / jnp.maximum(lengths, 1.0)[bag]
+        coef = 1.0 / jnp.maximum(bag_lengths(offsets, n), 1.0)[bag]
     else:
         coef = jnp.ones((n,), jnp.float32)
     return gy, coef

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tbe_jax.preprocess import bag_lengths
+
 
 def digits(ids: jax.Array, p_shapes) -> list[jax.Array]:
     """Mixed-radix digits of `ids`, first (most significant) first."""
@@ -74,7 +76,7 @@ def pooled(all_cores, specs, indices, offsets, per_sample_weights, *, pooling: s
     bag = jnp.clip(jnp.searchsorted(offsets, pos, side="right").astype(jnp.int32) - 1, 0, nf * batch - 1)
     feat = bag // batch
     in_bag = (pos >= offsets[0]) & (pos < offsets[-1])
-    lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+    lengths = bag_lengths(offsets, n)  # clamped to [0, n] as the kernels do
     scale = in_bag.astype(jnp.float32)
     if per_sample_weights is not None:
         scale = scale * per_sample_weights.astype(jnp.float32)

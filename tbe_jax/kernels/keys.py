@@ -86,10 +86,10 @@ def _keys_kernel(idx_ref, off_ref, feat_ref, first_bag_ref, *refs, n, num_bags, 
     plgpu.store(src_ref.at[p], src, mask=live)
     if scale_ref:
         scale = valid.astype(jnp.float32)
-        if mean:
-            length = (plgpu.load(off_ref.at[bag + 1], mask=live, other=1)
-                      - plgpu.load(off_ref.at[bag], mask=live, other=0))
-            scale = scale / jnp.maximum(length, 1).astype(jnp.float32)
+        if mean:  # 1 over the bag's length clamped to [0, n], as kernels.programs.bag_extent (the forward) clamps
+            start = jnp.clip(plgpu.load(off_ref.at[bag], mask=live, other=0), 0, n)
+            end = jnp.clip(plgpu.load(off_ref.at[bag + 1], mask=live, other=1), start, n)
+            scale = scale / jnp.maximum(end - start, 1).astype(jnp.float32)
         if weighted:
             scale = scale * plgpu.load(w_ref.at[p], mask=live, other=0.0)
         plgpu.store(scale_ref[0].at[p], scale, mask=live)

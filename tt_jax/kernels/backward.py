@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax.pallas_compat import row_align
+from tbe_jax.preprocess import bag_lengths
 from tt_jax import params, prefix
 from tt_jax.backward import feature_col0, position_bags
 from tt_jax.kernels.config import TTBackwardConfig, TTForwardConfig, TTKernelConfig
@@ -59,8 +60,7 @@ def _lookup_sources(plan, offsets, per_sample_weights, *, batch, col0, total, po
     src = (bag - feat * batch) * total + jnp.asarray(np.asarray(col0, np.int32))[feat]
     coef = None
     if pooling == "mean":
-        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
-        coef = 1.0 / jnp.maximum(lengths, 1.0)[bag]
+        coef = 1.0 / jnp.maximum(bag_lengths(offsets, plan.perm.shape[0]), 1.0)[bag]
     scale = coef
     if per_sample_weights is not None:
         w = per_sample_weights.astype(jnp.float32)[plan.perm]
