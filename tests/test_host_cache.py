@@ -20,6 +20,8 @@ import pytest
 import tbe_jax
 from tbe_jax import host_cache
 
+ON_GPU = jax.default_backend() == "gpu"
+XLA = "auto" if ON_GPU else "xla"  # on a GPU host tables need the kernels (XLA's ops cannot read host memory)
 ROWS = (50, 30, 40, 64)
 DIMS = (8, 4, 8, 12)
 LOCS = ("host_cached", "device", "host", "host_cached")
@@ -31,9 +33,9 @@ def _specs(locations=LOCS):
             for i, (e, d, loc) in enumerate(zip(ROWS, DIMS, locations))]
 
 
-def _pair(impl="xla", pooling="sum", policy="lru", load_factor=0.3, ways=4, **kw):
+def _pair(impl=XLA, pooling="sum", policy="lru", load_factor=0.3, ways=4, **kw):
     """(the embedding under test, the all-device one)."""
-    common = dict(feature_table_map=FMAP, impl=impl, interpret=impl == "pallas", pooling=pooling, **kw)
+    common = dict(feature_table_map=FMAP, impl=impl, interpret=impl == "pallas" and not ON_GPU, pooling=pooling, **kw)
     emb = tbe_jax.TableBatchedEmbedding(_specs(), cache_load_factor=load_factor, cache_policy=policy,
                                         cache_ways=ways, **common)
     ref = tbe_jax.TableBatchedEmbedding(_specs(("device",) * 4), **common)
@@ -131,10 +133,10 @@ def test_kernels_in_interpret_mode():
 
 def test_train_step_and_sequence_pooling():
     emb = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, embedding_dim=8) for s in _specs()],
-                                        feature_table_map=FMAP, pooling="none", impl="xla", cache_load_factor=0.5,
+                                        feature_table_map=FMAP, pooling="none", impl=XLA, cache_load_factor=0.5,
                                         cache_ways=4)
     ref = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, location="device") for s in emb.tables],
-                                        feature_table_map=FMAP, pooling="none", impl="xla")
+                                        feature_table_map=FMAP, pooling="none", impl=XLA)
     opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
     rng = np.random.default_rng(3)
     params = emb.init(jax.random.key(1))
@@ -195,11 +197,11 @@ def test_layout_and_directory():
 
 def test_host_location_without_cache():
     specs = [tbe_jax.TableSpec(40, 8, location="host"), tbe_jax.TableSpec(30, 8)]
-    emb = tbe_jax.TableBatchedEmbedding(specs, impl="pallas", interpret=True)
+    emb = tbe_jax.TableBatchedEmbedding(specs, impl="pallas", interpret=not ON_GPU)
     assert type(emb) is tbe_jax.TableBatchedEmbedding
     assert [emb.layout.key(g) for g in range(2)] == ["d8_host", "d8"]
     ref = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, location="device") for s in specs], impl="pallas",
-                                        interpret=True)
+                                        interpret=not ON_GPU)
     params = emb.init(jax.random.key(0))
     rparams = ref.set_tables(None, emb.get_tables(params))
     idx = jnp.asarray([1, 5, 39, 0, 29, 7], jnp.int32)
@@ -247,3 +249,27 @@ def test_checkpoint_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(emb.get_momentum(back["s"]), emb.get_momentum(params and state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="pinned host memory is a GPU backend's (on a CPU the host buffers are plain)")
+def test_host_buffers_stay_in_pinned_host_memory_under_jit():
+    emb, _ = _pair(load_factor=0.5)
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
+    params = emb.init(jax.random.key(0))
+    state = emb.init_opt_state(params, opt)
+    host = {k for k in params if k.endswith("_host")}
+    assert host and all(params[k].sharding.memory_kind == "pinned_host" for k in host)
+    assert all(state.momentum[k].sharding.memory_kind == "pinned_host" for k in host)
+    rng = np.random.default_rng(0)
+    idx, off, _ = _batch(rng, hot=20)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, s, g):
+        p, s = emb.prefetch(p, idx, off, opt_state=s)
+        return emb.apply_gradients(p, s, opt, idx, off, g)
+
+    g = jnp.ones(emb(params, idx, off).shape, jnp.float32)
+    params, state = step(params, state, g)
+    kinds = {k: params[k].sharding.memory_kind for k in host}
+    assert all(v == "pinned_host" for v in kinds.values()), kinds
+    assert all(state.momentum[k].sharding.memory_kind == "pinned_host" for k in host)

@@ -1,0 +1,142 @@
+"""The host tier (issue 40): a training step with tables in host memory, against the same model in HBM.
+
+For each case: `--tables` tables of `--rows` rows x `--dim` (fp16 by default), batch `--batch`, `--bag` ids per bag,
+Zipf ids (alpha in `--alphas`, ranks permuted per table), row-wise Adagrad, a step that is `tbe_jax.train_step`
+on batch k (loss sum(out * g)); the host_cached step also prefetches batch k+1 (with the optimizer state) in the
+same jitted program, as a pipeline one batch ahead would. Cases: "device" (all HBM), "host" (no cache: every row
+over the bus), "host_cached" at each `--load-factors` and policy. Reported per case: ms per step (enqueued,
+median of `--reps` runs of `--iters` steps, donated), its ratio to the all-HBM step, the prefetch's hit rate
+(hits / distinct cached rows requested), fills and write-backs per step and the bytes they move over the bus.
+
+  python -m benchmarks host_cache --rows 4000000 --tables 8 --batch 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+
+
+def _sets(args, alpha, n_sets, seed=0):
+    from tbe_jax import testing
+
+    rng = np.random.default_rng(seed)
+    perms = [np.random.default_rng(1000 + t).permutation(args.rows) for t in range(args.tables)] if alpha > 1 else None
+    out = []
+    for _ in range(n_sets):
+        idx, off, _ = testing.make_batch(rng, [args.rows] * args.tables, [args.batch] * args.tables,
+                                         [args.bag] * args.tables, alpha=alpha, weighted=False, perms=perms)
+        g = rng.standard_normal((args.batch, args.tables * args.dim), dtype=np.float32)
+        out.append((jnp.asarray(idx), jnp.asarray(off), jnp.asarray(g)))
+    return out
+
+
+def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
+    import tbe_jax
+
+    dtype = jnp.dtype(args.dtype)
+    specs = [tbe_jax.TableSpec(args.rows, args.dim, location=location) for _ in range(args.tables)]
+    emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=dtype, cache_load_factor=load_factor,
+                                        cache_policy=policy, interpret=common.interpret())
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=1e-8)
+    t0 = time.perf_counter()
+    params = emb.init(jax.random.key(0))
+    state = emb.init_opt_state(params, opt)
+    jax.block_until_ready((params, state))
+    init_s = time.perf_counter() - t0
+    cached = location == "host_cached"
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, idx, off, g, nidx, noff):
+        if cached:
+            params, state = emb.prefetch(params, nidx, noff, opt_state=state)
+        res = tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None,
+                                 tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
+        return res.params, res.opt_state
+
+    n = len(sets)
+    if cached:
+        params, state = jax.jit(lambda p, s, i, o: emb.prefetch(p, i, o, opt_state=s), donate_argnums=(0, 1))(
+            params, state, sets[0][0], sets[0][1])
+    stats = []
+    t0 = time.perf_counter()
+    carry = (params, state)
+    for k in range(n):  # warm-up (compile) over every set, as the timed loop runs them
+        carry = step(*carry, *sets[k], *sets[(k + 1) % n][:2])
+        if cached:
+            stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
+    jax.block_until_ready(carry)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        for i in range(args.iters):
+            k = i % n
+            carry = step(*carry, *sets[k], *sets[(k + 1) % n][:2])
+        jax.block_until_ready(carry)
+        times.append((time.perf_counter() - t0) * 1e3 / args.iters)
+    if cached:
+        stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
+    row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
+    out = {"location": location, "alpha": alpha, "ms": float(np.median(times)), "init_s": round(init_s, 2),
+           "warmup_s": round(compile_s, 2)}
+    if cached:
+        s = np.asarray(stats[len(stats) // 2:], np.float64)  # after the cache warmed up
+        req, hits, fills, wb = s.mean(axis=0)
+        out.update(load_factor=load_factor, policy=policy, hit_rate=float(hits / max(req, 1)),
+                   requested_per_step=float(req), fills_per_step=float(fills), writebacks_per_step=float(wb),
+                   bus_mb_per_step=float((fills + wb) * row_bytes / 1e6),
+                   cache_rows=int(emb.cache_layout.total_slots))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks host_cache", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--batch", type=int, default=16384)
+    ap.add_argument("--bag", type=int, default=20)
+    ap.add_argument("--alphas", type=float, nargs="*", default=[1.05, 1.2])
+    ap.add_argument("--load-factors", type=float, nargs="*", default=[0.2, 0.05])
+    ap.add_argument("--policies", nargs="*", default=["lru"])
+    ap.add_argument("--locations", nargs="*", default=["device", "host_cached", "host"])
+    ap.add_argument("--sets", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    cases = []
+    for alpha in args.alphas:
+        sets = _sets(args, alpha, args.sets)
+        base = None
+        for loc in args.locations:
+            variants = [(lf, p) for lf in args.load_factors for p in args.policies] if loc == "host_cached" \
+                else [(0.2, "lru")]
+            for lf, pol in variants:
+                r = _case(args, loc, alpha, sets, lf, pol)
+                if loc == "device":
+                    base = r["ms"]
+                r["vs_device"] = r["ms"] / base if base else None
+                cases.append(r)
+                extra = (f" lf {lf} {pol}: hit {r['hit_rate']:.3f}, fills {r['fills_per_step']:.0f}, "
+                         f"write-backs {r['writebacks_per_step']:.0f}, {r['bus_mb_per_step']:.1f} MB/step"
+                         if loc == "host_cached" else "")
+                print(f"alpha {alpha} {loc:12s} {r['ms']:8.3f} ms/step  x{r['vs_device'] or 0:.2f} of HBM{extra}",
+                      flush=True)
+    config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "dtype", "batch", "bag", "sets", "iters", "reps")}
+    path = common.save("host-cache", {"meta": common.meta(), "config": config, "cases": cases}, args.out)
+    print("saved", path)
+
+
+if __name__ == "__main__":
+    main()
