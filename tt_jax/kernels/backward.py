@@ -49,10 +49,10 @@ from tt_jax.kernels.groups import group_pass, packed_dp1
 from tt_jax.kernels.rows import tt_rows
 from tt_jax.kernels.segsum import segment_sum, sorted_runs
 
-__all__ = ["dense_core_grads", "group_grads"]
+__all__ = ["dense_core_grads", "group_grads", "lookup_sources"]
 
 
-def _lookup_sources(plan, offsets, per_sample_weights, *, batch, col0, total, pooling):
+def lookup_sources(plan, offsets, per_sample_weights, *, batch, col0, total, pooling):
     """Per sorted lookup: its output-gradient offset in the flat `[B * total]` g, scale, and coef."""
     bag = position_bags(offsets, plan.perm.shape[0])[plan.perm]
     feat = bag // batch
@@ -82,7 +82,7 @@ def group_grads(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, offs
     total = g_out.shape[1]
     stacked = [jnp.asarray(c, jnp.float32).reshape(-1) for c in cores]
     # 1. d_rows (and the per-sample-weight gradient).
-    src, scale, coef = _lookup_sources(plan, offsets, per_sample_weights, batch=batch, col0=col0, total=total,
+    src, scale, coef = lookup_sources(plan, offsets, per_sample_weights, batch=batch, col0=col0, total=total,
                                        pooling=pooling)
     data = {"src": src, "g": g_out.reshape(-1).astype(jnp.float32)}
     if scale is not None:
