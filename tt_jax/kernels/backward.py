@@ -154,16 +154,15 @@ def dense_core_grads(cores, specs, feature_table_map, plans, offsets, per_sample
     d per_sample_weights or None). Same contract as `tt_jax.backward.pooled_vjp`. `config`: the forward's (the
     plans were built with its `forward_config`) and the backward's knobs."""
     forward_config, backward_config = config.forward_config, config.backward_config
-    groups = prefix.stack_tables(specs, feature_table_map)
+    groups = forward_config.stack_tables(specs, feature_table_map)
     if len(groups) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(groups)} table groups")
     col0 = feature_col0(specs, feature_table_map)
-    all_groups = params.groups(specs)
     d_cores = [[None] * len(cs) for cs in cores]
     want_psw = want_psw and per_sample_weights is not None
     d_psw = None
     for (layout, _), plan in zip(groups, plans):
-        g = all_groups.index(layout)
+        g = params.group_index(specs, layout)
         grads, dp = group_grads(layout, cores[g], plan, offsets, per_sample_weights, g_out, batch=batch, col0=col0,
                                 pooling=pooling, want_psw=want_psw, config=backward_config,
                                 forward_config=forward_config, interpret=interpret)
