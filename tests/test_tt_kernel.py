@@ -16,15 +16,7 @@ import tt_jax
 from conftest import KERNEL_KW, ON_GPU, assert_close
 from tbe_jax import testing
 from tt_jax import prefix, reference
-from tt_jax.kernels import pool, prefix_c, rows
 from tt_jax.kernels.forward import TTKernelConfig
-
-
-
-def force_wide_addresses(monkeypatch):
-    """Lower the 64-bit address threshold of every forward kernel module, so the wide paths run."""
-    for module in (rows, prefix_c, pool):
-        monkeypatch.setattr(module, "_INT32_MAX", 100)
 
 
 # The default GPU dot is TF32x3: a NumPy emulation of it on these shapes gave 1-2e-7 relative to max |ref|, as
@@ -144,13 +136,11 @@ def test_features_share_tables(rng):
 
 # Interpret mode discharges the kernel outside the kernel's x64 scope, and jnp indexing warns about its int64 ids.
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
-def test_huge_table_paths(rng, monkeypatch):
-    # Stacked tables with 2**31 rows or more sort two int32 keys (table, id) instead of one (forced here through
-    # the config), and buffers of 2**31 elements or more need 64-bit addresses in the kernels (forced here by
-    # lowering the limit).
-    force_wide_addresses(monkeypatch)
+def test_huge_table_paths(rng):
+    # Stacked tables with 2**31 rows or more sort two int32 keys (table, id) instead of one, and buffers of 2**31
+    # elements or more need 64-bit addresses in the kernels: both forced here through the config.
     specs = [T3, T3]  # two tables of one group: stacked cores, per-item table decode
-    config = cfg(chunk=4, packed_key_limit=0)
+    config = cfg(chunk=4, packed_key_limit=0, force_int64_addressing=True)
     emb = tt_jax.TTEmbeddingBag(specs, config=config, **KERNEL_KW)
     params = make_params(emb, rng)
     idx, off, psw = skewed_batch(rng, specs, 4, (0, 9), False)
@@ -334,7 +324,7 @@ def test_workload_a_shape_on_gpu(rng, schedule):
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests compile the kernels for real")
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
 @pytest.mark.parametrize("case", ["a-queue", "T4-static-weighted", "tables-queue-wide", "T2-grid"])
-def test_triton_lowering_for_gpu(case, monkeypatch):
+def test_triton_lowering_for_gpu(case):
     # Without a GPU, lower for CUDA anyway: every Triton lowering rule the kernels need runs (the compiled
     # queue path, a while_loop with an atomic, cannot run in interpret mode). PTX compilation is not covered.
     from tt_jax.kernels.forward import pooled_forward
@@ -346,9 +336,7 @@ def test_triton_lowering_for_gpu(case, monkeypatch):
         "tables-queue-wide": ([T3, T3_OTHER, R64], "queue", True),
         "T2-grid": ([T2], "grid", False),
     }[case]
-    if case.endswith("wide"):
-        force_wide_addresses(monkeypatch)
-    config = TTKernelConfig(schedule=schedule)
+    config = TTKernelConfig(schedule=schedule, force_int64_addressing=case.endswith("wide"))
     batch, n = 32, 640
     ftm = tuple(range(len(specs)))
 

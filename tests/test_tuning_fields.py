@@ -3,8 +3,8 @@
 For each of `BackwardConfig`'s run classes, segments and preprocessing block sizes, `HistogramConfig.head` and the
 TT plan's block sizes: a non-default value reaches the kernels (their grids and tile shapes in the traced program)
 and gives the reference's result; two configs differing only in it are different cache keys; bad values raise.
-The TT plan's sort-key limits: cache keys and bad values here, their effect in tests/test_tt_kernel.py and
-tests/test_tt_plan.py.
+The TT plan's sort-key limits and the TT kernels' forced 64-bit addressing: cache keys and bad values here, their
+effect in tests/test_tt_kernel.py and tests/test_tt_plan.py.
 """
 
 import dataclasses
@@ -227,7 +227,8 @@ FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConf
           (tbe_jax.BackwardConfig, dict(rank_sort_block_i=32)), (tbe_jax.BackwardConfig, dict(rank_sort_block_j=512)),
           (tbe_jax.BackwardConfig, dict(rank_sort_merge_block=128)), (histogram.HistogramConfig, dict(head=128)),
           (TTKernelConfig, dict(plan_block=512)), (TTKernelConfig, dict(plan_scan_chunk=512)),
-          (TTKernelConfig, dict(packed_key_limit=1000)), (TTKernelConfig, dict(reorder_key_limit=0))]
+          (TTKernelConfig, dict(packed_key_limit=1000)), (TTKernelConfig, dict(reorder_key_limit=0)),
+          (TTKernelConfig, dict(force_int64_addressing=True))]
 
 
 def _compiled_forwards(cls, configs) -> list[int]:
@@ -287,6 +288,7 @@ def test_field_is_part_of_the_cache_key(cls, kw):
     (TTKernelConfig, dict(plan_scan_chunk=0), "plan_scan_chunk must be a positive int"),
     (TTForwardConfig, dict(packed_key_limit=-1), r"packed_key_limit must be an int in \[0, 2\*\*31 - 1\]"),
     (TTKernelConfig, dict(reorder_key_limit=2**31), r"reorder_key_limit must be an int in \[0, 2\*\*31 - 1\]"),
+    (TTKernelConfig, dict(force_int64_addressing=1), "force_int64_addressing must be a bool"),
 ])
 def test_bad_values_raise(cls, kw, match):
     with pytest.raises(ValueError, match=match):

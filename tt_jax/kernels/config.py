@@ -78,6 +78,9 @@ class TTForwardConfig:
       reorder_key_limit: T = 3 sorts by the digits (i2, i1, i3) while every table's p1 p2 p3 stays below this,
         else by (i1, i2, i3) (`StackedTables.prefix_digits`; default 2**31 - 1, also the most). Lower only to
         run the plain order on small tables (tests).
+      force_int64_addressing: 64-bit address arithmetic in the rows, packed-prefix and pooling kernels even where
+        every buffer holds fewer than 2**31 elements (default False: they switch to it at 2**31 by
+        themselves). For tests of the wide paths on small inputs; slower.
     """
 
     schedule: str = "static"
@@ -97,6 +100,7 @@ class TTForwardConfig:
     plan_scan_chunk: int = 1024
     packed_key_limit: int = _KEY_MAX
     reorder_key_limit: int = _KEY_MAX
+    force_int64_addressing: bool = False
 
     def __post_init__(self):
         cls = type(self).__name__
@@ -116,6 +120,8 @@ class TTForwardConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _KEY_MAX:
                 raise ValueError(f"{cls}.{name} must be an int in [0, 2**31 - 1], got {v!r}")
+        if not isinstance(self.force_int64_addressing, bool):
+            raise ValueError(f"{cls}.force_int64_addressing must be a bool, got {self.force_int64_addressing!r}")
 
     @staticmethod
     def get_default() -> "TTForwardConfig":
@@ -224,6 +230,7 @@ class TTKernelConfig:
     plan_scan_chunk: int = 1024
     packed_key_limit: int = _KEY_MAX
     reorder_key_limit: int = _KEY_MAX
+    force_int64_addressing: bool = False
 
     def __post_init__(self):
         self.forward_config  # noqa: B018  (each part validates its fields)
