@@ -427,8 +427,8 @@ def time_cases(args) -> dict:
                 for k in range(5):
                     run(k)
                 torch.cuda.synchronize()
-                res["kernel_ms"] = round(sweep._kernel_ms(run, args.iters), 5)
-                res["events_ms"] = round(sweep._event_ms(run, args.iters, args.reps), 5)
+                res["kernel_ms"] = round(sweep.torch_kernel_ms(run, args.iters), 5)
+                res["events_ms"] = round(sweep.torch_event_ms(run, args.iters, args.reps), 5)
                 res["latency_ms"] = round(_latency_ms(run, args.iters), 5)
             except Exception as exc:  # noqa: BLE001
                 res["error"] = f"{type(exc).__name__}: {exc}"[:400]

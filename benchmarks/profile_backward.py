@@ -50,7 +50,7 @@ def main(argv=None):
         res["sort_stable"] = t(lambda k: jax.lax.sort((k, jnp.arange(n, dtype=jnp.int32)), num_keys=1,
                                                       is_stable=True), idx)
         res["sort_unstable"] = t(lambda k: jax.lax.sort((k, jnp.arange(n, dtype=jnp.int32)), num_keys=1), idx)
-        res["compact_n"] = t(lambda k: runs_lib._compact(k % 3 == 0, n, n), idx)
+        res["compact_n"] = t(lambda k: runs_lib.compact_indices(k % 3 == 0, n, n), idx)
         res["build_runs"] = t(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None), idx, off)
         runs = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(idx, off)
         res["task_ranges"] = t(lambda r: bwd.task_ranges(r, emb.layout, n, emb.backward_config), runs)

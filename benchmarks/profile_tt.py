@@ -78,7 +78,7 @@ def main(argv=None):
             t("bwd_total_dense_grads", lambda c, p, o, g: kb.dense_core_grads(
                 c, specs, ftm, [p], o, None, g, batch=batch, pooling="sum", want_psw=False, config=cfg,
                 interpret=interpret), all_cores, plan, off, g_out)
-            srcs = lambda p, o: kb._lookup_sources(p, o, None, batch=batch, col0=col0, total=total,  # noqa: E731
+            srcs = lambda p, o: kb.lookup_sources(p, o, None, batch=batch, col0=col0, total=total,  # noqa: E731
                                                    pooling="sum")
             t("bwd_lookup_sources", srcs, plan, off)
             src, _, _ = jax.jit(srcs)(plan, off)

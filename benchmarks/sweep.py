@@ -264,7 +264,7 @@ def _fbgemm_module(shard: Shard):
         pooling_mode=PoolingMode.SUM, bounds_check_mode=BoundsCheckMode.NONE, device=torch.device("cuda"))
 
 
-def _kernel_ms(run, iters: int) -> float:
+def torch_kernel_ms(run, iters: int) -> float:
     """Summed CUDA activity per call (torch profiler), as FBGEMM's benchmarks report kernel time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -283,7 +283,8 @@ def _kernel_ms(run, iters: int) -> float:
     return total_us / 1e3 / iters
 
 
-def _event_ms(run, iters: int, reps: int) -> float:
+def torch_event_ms(run, iters: int, reps: int) -> float:
+    """Median over `reps` of the CUDA-event time per call of `iters` calls of `run(k)` (torch)."""
     import torch
 
     samples = []
@@ -335,10 +336,10 @@ def _fbgemm_measure(mod, inputs, res, iters, reps, sets):
         run_fwd(k)
         run_fwdbwd(k)
     torch.cuda.synchronize()
-    res["fwd_kernel"] = _kernel_ms(run_fwd, iters)
-    res["fwdbwd_kernel"] = _kernel_ms(run_fwdbwd, iters)
-    res["fwd_events"] = _event_ms(run_fwd, iters, reps)
-    res["fwdbwd_events"] = _event_ms(run_fwdbwd, iters, reps)
+    res["fwd_kernel"] = torch_kernel_ms(run_fwd, iters)
+    res["fwdbwd_kernel"] = torch_kernel_ms(run_fwdbwd, iters)
+    res["fwd_events"] = torch_event_ms(run_fwd, iters, reps)
+    res["fwdbwd_events"] = torch_event_ms(run_fwdbwd, iters, reps)
     res["bwd_kernel"] = res["fwdbwd_kernel"] - res["fwd_kernel"]
 
 

@@ -1,4 +1,5 @@
-"""The main job (`make demo`): a multi-table TBE on a synthetic batch.
+"""A forward check (`make check-demo`; `make demo` trains the DLRM of `examples/dlrm`): a multi-table TBE on a
+synthetic batch.
 
 Builds tables of very different sizes and dims, looks up and pools a synthetic
 FBGEMM-format batch, checks the result against the float64 NumPy model and the

@@ -189,7 +189,7 @@ class Optimizer:
     # Flattening runs on every call of a jitted function taking the optimizer (a Python callback of the pytree
     # registry): the split into leaves and static fields is computed once per instance (the object is immutable)
     # and kept beside the fields, so a call pays two attribute reads (~20 us less host time per call measured on
-    # the H200's host, `benchmarks/results/dispatch-20261202-*`).
+    # the H200's host, `benchmarks/results/archive/dispatch-20261202-*`).
     def tree_flatten(self):
         aux = self.__dict__.get("_tree_aux")
         if aux is None:

@@ -113,7 +113,7 @@ def class_bases(layout: StorageLayout) -> np.ndarray:
     return np.asarray([bases[buffers[0]] for _, buffers in width_classes(layout)] + [bases[-1]], np.int64)
 
 
-def _compact(mask: jax.Array, size: int, fill: int) -> tuple[jax.Array, jax.Array]:
+def compact_indices(mask: jax.Array, size: int, fill: int) -> tuple[jax.Array, jax.Array]:
     """Indices where `mask` holds, in order, padded to `size` with `fill`; and their count."""
     n = mask.shape[0]
     slot = jnp.cumsum(mask.astype(jnp.int32)) - 1
@@ -242,18 +242,18 @@ def build_runs(
         seg_edges = edges[0].reshape(len(bounds), 3) if bounds else None
     else:
         is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
-        starts, num_runs = _compact(is_start, n, n)
+        starts, num_runs = compact_indices(is_start, n, n)
         n_valid = jnp.sum((skey < total).astype(jnp.int32))
         run_start = jnp.concatenate([starts, jnp.full((1,), n, jnp.int32)])
         run_start = jnp.where(jnp.arange(n + 1) < num_runs, run_start, n_valid)
         run_len = run_start[1:] - run_start[:-1]
         run_key = jnp.where(jnp.arange(n) < num_runs, skey[jnp.minimum(run_start[:-1], n - 1)], total)
         live = jnp.arange(n) < num_runs
-        big, n_big = _compact(live & (run_len > small), n_big_max, n)
+        big, n_big = compact_indices(live & (run_len > small), n_big_max, n)
         big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
-        mid_at, n_mid = _compact((big_len > small) & (big_len < long_run), n_big_max, n_big_max - 1)
+        mid_at, n_mid = compact_indices((big_len > small) & (big_len < long_run), n_big_max, n_big_max - 1)
         mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
-        long_at, n_long = _compact(big_len >= long_run, n_long_max, n_big_max - 1)
+        long_at, n_long = compact_indices(big_len >= long_run, n_long_max, n_big_max - 1)
         long = jnp.where(jnp.arange(n_long_max) < n_long, big[long_at], n)
     n_small = num_runs - n_big
     at = jnp.minimum(long, n - 1)

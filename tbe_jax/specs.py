@@ -76,7 +76,7 @@ def padded_dim(dim: int, itemsize: int) -> int:
     with 16-byte vector instructions; other rows with 8- or 4-byte ones. On the H200 the backward's
     update of fp16 rows of dims = 4 mod 8 took 1.3x the time of the next dim's aligned rows
     (0.166 against 0.128 ms for the dims 68..124 of the dims 4..128 model,
-    benchmarks/results/narrow64-backward-20261201-2328). Small dims (fp16 D = 4, 12, 20, 28) stay
+    benchmarks/results/archive/narrow64-backward-20261201-2328). Small dims (fp16 D = 4, 12, 20, 28) stay
     unpadded: padding them would cost 14-100% more memory.
     """
     vec = max(1, 16 // int(itemsize))

@@ -16,15 +16,7 @@ import tt_jax
 from conftest import KERNEL_KW, ON_GPU, assert_close
 from tbe_jax import testing
 from tt_jax import prefix, reference
-from tt_jax.kernels import pool, prefix_c, rows
 from tt_jax.kernels.forward import TTKernelConfig
-
-
-
-def force_wide_addresses(monkeypatch):
-    """Lower the 64-bit address threshold of every forward kernel module, so the wide paths run."""
-    for module in (rows, prefix_c, pool):
-        monkeypatch.setattr(module, "_INT32_MAX", 100)
 
 
 # The default GPU dot is TF32x3: a NumPy emulation of it on these shapes gave 1-2e-7 relative to max |ref|, as
@@ -144,32 +136,38 @@ def test_features_share_tables(rng):
 
 # Interpret mode discharges the kernel outside the kernel's x64 scope, and jnp indexing warns about its int64 ids.
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
-def test_huge_table_paths(rng, monkeypatch):
+def test_huge_table_paths(rng):
     # Stacked tables with 2**31 rows or more sort two int32 keys (table, id) instead of one, and buffers of 2**31
-    # elements or more need 64-bit addresses in the kernels: both forced here by lowering the limits.
-    monkeypatch.setattr(prefix, "_PACKED_LIMIT", 0)
-    force_wide_addresses(monkeypatch)
+    # elements or more need 64-bit addresses in the kernels: both forced here through the config.
     specs = [T3, T3]  # two tables of one group: stacked cores, per-item table decode
-    emb = tt_jax.TTEmbeddingBag(specs, config=cfg(chunk=4), **KERNEL_KW)
+    config = cfg(chunk=4, packed_key_limit=0, force_int64_addressing=True)
+    emb = tt_jax.TTEmbeddingBag(specs, config=config, **KERNEL_KW)
     params = make_params(emb, rng)
     idx, off, psw = skewed_batch(rng, specs, 4, (0, 9), False)
     check(emb, params, idx, off, psw, 4)
 
 
-def test_sort_order_rule(monkeypatch):
+def test_sort_order_rule():
     # T = 3 sorts by (i2, i1, i3) unless a table's p1 p2 p3 reaches the limit, or the larger key range (p1 p2 p3
     # per table instead of N) would turn the one packed key into two; T = 2 and 4 keep (i1, ..., i_{T-1}).
-    layout = prefix.StackedTables((0, 1), (T3, T3_OTHER))
+    def layout(**limits):
+        return prefix.StackedTables((0, 1), (T3, T3_OTHER), **limits)
+
     spans = math.prod(T3.p_shapes) + math.prod(T3_OTHER.p_shapes)
     rows = T3.num_embeddings + T3_OTHER.num_embeddings
-    assert layout.prefix_digits == (1, 0) and layout.key_base == (0, 220, spans) and layout.packed
+    assert layout().prefix_digits == (1, 0) and layout().key_base == (0, 220, spans) and layout().packed
     assert prefix.StackedTables((0,), (T4,)).prefix_digits == (0, 1, 2)
-    monkeypatch.setattr(prefix, "_PACKED_LIMIT", rows + 1)  # packed with N, not with p1 p2 p3
-    assert layout.prefix_digits == (0, 1) and layout.key_base[-1] == rows and layout.packed
-    monkeypatch.setattr(prefix, "_PACKED_LIMIT", 1)  # two keys either way: reorder
-    assert layout.prefix_digits == (1, 0)
-    monkeypatch.setattr(prefix, "_REORDER_LIMIT", math.prod(T3.p_shapes))
-    assert layout.prefix_digits == (0, 1)
+    small = layout(packed_limit=rows + 1)  # packed with N, not with p1 p2 p3
+    assert small.prefix_digits == (0, 1) and small.key_base[-1] == rows and small.packed
+    assert layout(packed_limit=1).prefix_digits == (1, 0)  # two keys either way: reorder
+    assert not layout(packed_limit=1).packed
+    assert layout(packed_limit=1, reorder_limit=math.prod(T3.p_shapes)).prefix_digits == (0, 1)
+    # The config's fields set them (the plans of `flow_plans` and both backwards use these layouts).
+    config = TTKernelConfig(packed_key_limit=rows + 1, reorder_key_limit=7).forward_config
+    (got, _), = config.stack_tables((T3, T3_OTHER), (0, 1))
+    assert got == layout(packed_limit=rows + 1, reorder_limit=7) and got != layout()
+    with pytest.raises(ValueError, match="packed_limit must be an int in"):
+        layout(packed_limit=2**31)
 
 
 @pytest.mark.parametrize("prefix_reuse,chunk", [(True, 3), (True, 0), (False, 3)])
@@ -223,13 +221,14 @@ def test_flow_plan(rng, prefix_reuse, chunk):
 
 
 @pytest.mark.parametrize("reorder", [True, False])
-def test_grad_through_pallas_matches_xla(rng, monkeypatch, reorder):
+def test_grad_through_pallas_matches_xla(rng, reorder):
     # reorder False: the plan sorts by (i1, i2, i3) (keys of 2**31 or more, forced here), so the packed kernels
     # take the items in an order sorted by i2 (forward and backward) and the backward's first core needs no sort.
-    if not reorder:
-        monkeypatch.setattr(prefix, "_REORDER_LIMIT", 0)
     specs = [T3]
-    kernel = tt_jax.TTEmbeddingBag(specs, pooling="mean", config=cfg(), **KERNEL_KW)
+    config = cfg() if reorder else cfg(reorder_key_limit=0)
+    (layout, _), = config.forward_config.stack_tables(specs, (0,))
+    assert layout.prefix_digits == ((1, 0) if reorder else (0, 1))
+    kernel = tt_jax.TTEmbeddingBag(specs, pooling="mean", config=config, **KERNEL_KW)
     xla = tt_jax.TTEmbeddingBag(specs, pooling="mean", impl="xla")
     params = make_params(kernel, rng)
     idx, off, psw = skewed_batch(rng, specs, 3, (0, 8), True)
@@ -325,7 +324,7 @@ def test_workload_a_shape_on_gpu(rng, schedule):
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the other tests compile the kernels for real")
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64:UserWarning")
 @pytest.mark.parametrize("case", ["a-queue", "T4-static-weighted", "tables-queue-wide", "T2-grid"])
-def test_triton_lowering_for_gpu(case, monkeypatch):
+def test_triton_lowering_for_gpu(case):
     # Without a GPU, lower for CUDA anyway: every Triton lowering rule the kernels need runs (the compiled
     # queue path, a while_loop with an atomic, cannot run in interpret mode). PTX compilation is not covered.
     from tt_jax.kernels.forward import pooled_forward
@@ -337,9 +336,7 @@ def test_triton_lowering_for_gpu(case, monkeypatch):
         "tables-queue-wide": ([T3, T3_OTHER, R64], "queue", True),
         "T2-grid": ([T2], "grid", False),
     }[case]
-    if case.endswith("wide"):
-        force_wide_addresses(monkeypatch)
-    config = TTKernelConfig(schedule=schedule)
+    config = TTKernelConfig(schedule=schedule, force_int64_addressing=case.endswith("wide"))
     batch, n = 32, 640
     ftm = tuple(range(len(specs)))
 

@@ -3,6 +3,8 @@
 For each of `BackwardConfig`'s run classes, segments and preprocessing block sizes, `HistogramConfig.head` and the
 TT plan's block sizes: a non-default value reaches the kernels (their grids and tile shapes in the traced program)
 and gives the reference's result; two configs differing only in it are different cache keys; bad values raise.
+The TT plan's sort-key limits and the TT kernels' forced 64-bit addressing: cache keys and bad values here, their
+effect in tests/test_tt_kernel.py and tests/test_tt_plan.py.
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ import tt_jax
 from tbe_jax import dispatch, runs as runs_lib, testing
 from tbe_jax.kernels import backward as bwd, histogram, scan
 from tt_jax import prefix
+from tt_jax.kernels import plan as plan_kernels
 from tt_jax.kernels.config import TTForwardConfig, TTKernelConfig
 from conftest import KERNEL_KW, assert_close, specs, tables_f64, tolerance
 
@@ -193,8 +196,10 @@ def test_tt_plan_block_sizes(rng):
     assert n > 64
 
     def build(fused, interpret, **kw):
-        return lambda i, o: prefix.build_flow(layout, i, o, features=feats, feature_table_map=(0,), batch=30,
-                                              chunk=4, fused=fused, interpret=interpret, **kw)
+        common = dict(features=feats, feature_table_map=(0,), batch=30, chunk=4)
+        if not fused:
+            return lambda i, o: prefix.build_flow(layout, i, o, **common)
+        return lambda i, o: plan_kernels.build_flow(layout, i, o, interpret=interpret, **common, **kw)
 
     # Traced for the GPU: the config's sizes reach the three passes and the scans.
     config = TTKernelConfig(plan_block=64, plan_scan_chunk=8)
@@ -207,7 +212,7 @@ def test_tt_plan_block_sizes(rng):
     assert default["tt_plan_count"][0] == (n // 1024 + 1,)
     # Run: the same plan as the XLA bookkeeping.
     want = jax.jit(build(False, False))(idx, off)
-    got = jax.jit(build(True, KERNEL_KW["interpret"], plan_block=64, plan_scan_chunk=8))(idx, off)
+    got = jax.jit(build(True, KERNEL_KW["interpret"], block=64, scan_chunk=8))(idx, off)
     for name, a, b in zip(want._fields, want, got):
         if a is not None:
             np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
@@ -221,7 +226,9 @@ FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConf
           (tbe_jax.BackwardConfig, dict(rank_sort_max=1000)), (tbe_jax.BackwardConfig, dict(rank_sort_interpret=True)),
           (tbe_jax.BackwardConfig, dict(rank_sort_block_i=32)), (tbe_jax.BackwardConfig, dict(rank_sort_block_j=512)),
           (tbe_jax.BackwardConfig, dict(rank_sort_merge_block=128)), (histogram.HistogramConfig, dict(head=128)),
-          (TTKernelConfig, dict(plan_block=512)), (TTKernelConfig, dict(plan_scan_chunk=512))]
+          (TTKernelConfig, dict(plan_block=512)), (TTKernelConfig, dict(plan_scan_chunk=512)),
+          (TTKernelConfig, dict(packed_key_limit=1000)), (TTKernelConfig, dict(reorder_key_limit=0)),
+          (TTKernelConfig, dict(force_int64_addressing=True))]
 
 
 def _compiled_forwards(cls, configs) -> list[int]:
@@ -279,6 +286,9 @@ def test_field_is_part_of_the_cache_key(cls, kw):
     (histogram.HistogramConfig, dict(head=2048, ids_per_step=4), "would reach 512"),
     (TTForwardConfig, dict(plan_block=1000), "plan_block must be a power of 2"),
     (TTKernelConfig, dict(plan_scan_chunk=0), "plan_scan_chunk must be a positive int"),
+    (TTForwardConfig, dict(packed_key_limit=-1), r"packed_key_limit must be an int in \[0, 2\*\*31 - 1\]"),
+    (TTKernelConfig, dict(reorder_key_limit=2**31), r"reorder_key_limit must be an int in \[0, 2\*\*31 - 1\]"),
+    (TTKernelConfig, dict(force_int64_addressing=1), "force_int64_addressing must be a bool"),
 ])
 def test_bad_values_raise(cls, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -161,6 +161,8 @@ def group_backward(layout: prefix.StackedTables, stacked_cores, plan: prefix.Flo
 
 
 def _groups(specs, feature_table_map, plans):
+    # The default sort limits: this backward reads the layouts' geometry only (core bases, shapes), never the sort
+    # rule the plans were built under (the plans carry the decoded core rows).
     groups = prefix.stack_tables(specs, feature_table_map)
     if len(groups) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(groups)} table groups")
@@ -198,13 +200,12 @@ def pooled_vjp(cores, specs, feature_table_map, plans, offsets, per_sample_weigh
       offsets: `[F * B + 1]` int32; g_out: `[B, sum D]`.
     """
     col0 = feature_col0(specs, feature_table_map)
-    all_groups = params.groups(specs)
     d_cores = [[None] * len(cs) for cs in cores]
     d_psw = None
     if per_sample_weights is not None:
         d_psw = jnp.zeros(per_sample_weights.shape, jnp.float32)
     for (layout, _), plan in zip(_groups(specs, feature_table_map, plans), plans):
-        g = all_groups.index(layout)
+        g = params.group_index(specs, layout)
         contribs, rows, gy, coef = _group_inputs(
             layout, plan, cores[g], offsets, per_sample_weights, g_out, batch=batch, col0=col0, pooling=pooling,
             want_rows=per_sample_weights is not None)
@@ -245,10 +246,9 @@ def touched_core_grads(cores, specs, feature_table_map, plans, offsets, per_samp
     touches (padding ids = the stacked P), or None for a group no feature reads. Each touched slice appears
     once, with its gradient summed over the batch."""
     col0 = feature_col0(specs, feature_table_map)
-    all_groups = params.groups(specs)
     out = [[None] * len(cs) for cs in cores]
     for (layout, _), plan in zip(_groups(specs, feature_table_map, plans), plans):
-        g = all_groups.index(layout)
+        g = params.group_index(specs, layout)
         contribs, _, _, _ = _group_inputs(layout, plan, cores[g], offsets, per_sample_weights, g_out, batch=batch,
                                           col0=col0, pooling=pooling, want_rows=False)
         out[g] = [_aggregate(c, shape[0]) for shape, c in zip(stacked_shapes(layout), contribs)]
@@ -282,5 +282,5 @@ def touched_slices(specs, feature_table_map, plans):
         last_id = meta[:, nc][group_of_row] + plan.row_suffix
         masks.append(jnp.zeros((p_stacked[-1],), bool).at[jnp.where(live_row, last_id, p_stacked[-1])].set(
             True, mode="drop"))
-        out[all_groups.index(layout)] = masks
+        out[params.group_index(specs, layout)] = masks
     return out

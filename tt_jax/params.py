@@ -28,7 +28,8 @@ import numpy as np
 
 from tt_jax import prefix
 
-__all__ = ["check", "group_cores", "groups", "stack", "stacked_shapes", "tables_to_params", "unstack"]
+__all__ = ["check", "group_cores", "group_index", "groups", "stack", "stacked_shapes", "tables_to_params",
+           "unstack"]
 
 _CONVERT = "convert per-table cores with params = emb.set_cores(None, per_table_cores)"
 
@@ -79,10 +80,16 @@ def unstack(specs, stacked) -> list[list[jax.Array]]:
     return out
 
 
+def group_index(specs, layout: prefix.StackedTables) -> int:
+    """The index in `groups(specs)` of `layout`, a group of `prefix.stack_tables(specs, ...)`: the group of the
+    same tables (whatever its sort limits)."""
+    return [g.tables for g in groups(specs)].index(layout.tables)
+
+
 def group_cores(specs, layout: prefix.StackedTables, cores):
     """The stacked cores (per core) of `layout`, a group of `prefix.stack_tables(specs, ...)`, in the params'
     `cores` (per group of `groups(specs)`, per core)."""
-    return cores[groups(specs).index(layout)]
+    return cores[group_index(specs, layout)]
 
 
 def tables_to_params(specs, cores: Sequence[Sequence]) -> dict:

@@ -9,7 +9,9 @@ over programs.
 
 Two plans: `build` (one table, the unfused XLA `rows_by_prefix` baseline) and
 `build_flow` (the fused kernel's: several tables stacked by `StackedTables`,
-one int32-key sort, a flat work-item table and the lookup -> distinct-row map).
+one int32-key sort, a flat work-item table and the lookup -> distinct-row map;
+the fused forward runs its bookkeeping after the sort as Pallas passes,
+`tt_jax.kernels.plan.build_flow`, which builds on this module).
 """
 
 from __future__ import annotations
@@ -89,9 +91,7 @@ def rows_by_prefix(cores, spec, plan: PrefixPlan) -> jax.Array:
 # The fused kernel's plan: several tables, one sort, items in a flat table.
 # -----------------------------------------------------------------------------
 
-_SENTINEL = 2**31 - 1  # sort key of lookups that produce no row (sorts last)
-_PACKED_LIMIT = _SENTINEL  # packed keys must stay below this (tests lower it to force two-key sorts)
-_REORDER_LIMIT = _SENTINEL  # digits are reordered when every table's keys stay below this (tests lower it)
+SENTINEL = 2**31 - 1  # sort key of lookups that produce no row (sorts last; `tt_jax.kernels.plan` reads it too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +110,23 @@ class StackedTables:
     Attributes:
       tables: the global table ids of the group, in stacking order.
       specs: their specs.
+      packed_limit: the one packed int32 key is sorted while every key stays below this (default and most
+        2**31 - 1, the int32 format's limit; `TTForwardConfig.packed_key_limit`, lowered by tests to run the
+        two-key sort on small tables).
+      reorder_limit: T = 3 reorders the digits only while every table's p1 p2 p3 stays below this (default and
+        most 2**31 - 1; `TTForwardConfig.reorder_key_limit`, lowered by tests to run the plain order).
     """
 
     tables: tuple[int, ...]
     specs: tuple
+    packed_limit: int = SENTINEL
+    reorder_limit: int = SENTINEL
 
     def __post_init__(self):
+        for name in ("packed_limit", "reorder_limit"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not 0 <= v <= SENTINEL:
+                raise ValueError(f"StackedTables.{name} must be an int in [0, 2**31 - 1], got {v!r}")
         s0 = self.specs[0]
         for s in self.specs[1:]:
             if s.q_shapes != s0.q_shapes or s.ranks != s0.ranks:
@@ -155,10 +166,9 @@ class StackedTables:
         them in, with no second sort. Other T: (i1, ..., i_{T-1})."""
         t = self.num_cores
         spans = [math.prod(s.p_shapes) for s in self.specs]
-        limit = min(_PACKED_LIMIT, _SENTINEL)
         # Not where the larger key range (p1 p2 p3 per table instead of N) would cost the one-key sort.
-        loses_packing = sum(s.num_embeddings for s in self.specs) < limit <= sum(spans)
-        if t == 3 and max(spans) < _REORDER_LIMIT and not loses_packing:
+        loses_packing = sum(s.num_embeddings for s in self.specs) < self.packed_limit <= sum(spans)
+        if t == 3 and max(spans) < self.reorder_limit and not loses_packing:
             return (1, 0)
         return tuple(range(t - 1))
 
@@ -181,15 +191,18 @@ class StackedTables:
 
     @property
     def packed(self) -> bool:
-        return self.key_base[-1] < min(_PACKED_LIMIT, _SENTINEL)
+        return self.key_base[-1] < self.packed_limit
 
     @property
     def total_rows(self) -> int:
         return sum(s.num_embeddings for s in self.specs)
 
 
-def stack_tables(specs, feature_table_map) -> list[tuple[StackedTables, tuple[int, ...]]]:
-    """Tables grouped by (q_shapes, ranks), each with the features that read it (in feature order)."""
+def stack_tables(specs, feature_table_map, *, packed_limit: int = SENTINEL, reorder_limit: int = SENTINEL
+                 ) -> list[tuple[StackedTables, tuple[int, ...]]]:
+    """Tables grouped by (q_shapes, ranks), each with the features that read it (in feature order).
+    `packed_limit`, `reorder_limit`: the groups' sort rule (`StackedTables`; `TTForwardConfig.packed_key_limit`,
+    `reorder_key_limit`)."""
     groups: dict = {}
     for t, s in enumerate(specs):
         groups.setdefault((s.q_shapes, s.ranks), []).append(t)
@@ -197,14 +210,15 @@ def stack_tables(specs, feature_table_map) -> list[tuple[StackedTables, tuple[in
     for tables in groups.values():
         feats = tuple(f for f, t in enumerate(feature_table_map) if t in tables)
         if feats:
-            out.append((StackedTables(tuple(tables), tuple(specs[t] for t in tables)), feats))
+            out.append((StackedTables(tuple(tables), tuple(specs[t] for t in tables), packed_limit=packed_limit,
+                                      reorder_limit=reorder_limit), feats))
     return out
 
 
 def core_groups(specs) -> tuple[StackedTables, ...]:
     """The groups the params store their cores by (`tt_jax.params`): every table, grouped by (q_shapes, ranks)
-    as `stack_tables` groups them, in the same order (a group of `stack_tables(specs, ftm)` is one of these, those
-    no feature reads left out)."""
+    as `stack_tables` groups them, in the same order (a group of `stack_tables(specs, ftm)` has the `tables` of
+    one of these, those no feature reads left out; its sort limits may differ), with the default sort limits."""
     return tuple(layout for layout, _ in stack_tables(specs, tuple(range(len(specs)))))
 
 
@@ -283,11 +297,75 @@ def capacity(layout: StackedTables, n: int) -> int:
     return max(1, min(n, layout.total_rows))
 
 
+def _table_const(values):
+    """Per local table a value -> an int32 array to gather from."""
+    return jnp.asarray(np.asarray(values, np.int32))
+
+
 def _feature_of(offsets, n, nf, batch):
     """Feature of each of `n` positions: +1 at every feature's first offset, prefix-summed."""
     starts = offsets[batch : nf * batch : batch]
     feat = jnp.cumsum(jnp.zeros((n,), jnp.int32).at[starts].add(1, mode="drop"))
     return jnp.minimum(feat, nf - 1)
+
+
+class SortedLookups(NamedTuple):
+    """The sort of `build_flow` (`sort_lookups`): what its bookkeeping, XLA or Pallas (`tt_jax.kernels.plan`),
+    starts from."""
+
+    key: jax.Array  # [N] int32, sorted: the primary key (`SENTINEL` for lookups that produce no row)
+    key2: jax.Array | None  # [N] int32: the table key of the two-key sort (whose primary key is the local table)
+    tab: jax.Array | None  # [N] int32: with one packed key over stacked tables, each sorted lookup's local table
+    perm: jax.Array  # [N] int32: the lookup positions in sorted order
+
+
+def sort_lookups(
+    layout: StackedTables,
+    indices: jax.Array,  # [N] int32
+    offsets: jax.Array,  # [F * B + 1] int32, all features
+    *,
+    features: tuple[int, ...],
+    feature_table_map: tuple[int, ...],
+    batch: int,
+) -> SortedLookups:
+    """`build_flow`'s sort (arguments as there): one int32 key per lookup (its table's `key_base` plus
+    `sort_key`), or two (local table, key) where the group's keys reach `layout.packed_limit`."""
+    n = indices.shape[0]
+    nf = len(feature_table_map)
+    ids = indices.astype(jnp.int32)
+    offsets = offsets.astype(jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    live = (pos >= offsets[0]) & (pos < offsets[-1])
+    local_of_table = {t: k for k, t in enumerate(layout.tables)}
+    local = [local_of_table.get(feature_table_map[f], -1) if f in features else -1 for f in range(nf)]
+    specs = layout.specs
+
+    # Per sorted lookup a primary key (`SENTINEL` for lookups that produce no row), a second key or None, and its
+    # local table or None (one table, or the two-key sort where the primary key is the table).
+    key2 = tab = None
+    if len(specs) == 1:
+        # One table: the key is the id (its digits reordered, `sort_key`); prefix and last digit follow by division.
+        if nf == 1:
+            lt_ok = True
+        else:
+            lt_ok = jnp.asarray(np.asarray([x >= 0 for x in local]))[_feature_of(offsets, n, nf, batch)]
+        valid = live & lt_ok & (ids >= 0) & (ids < specs[0].num_embeddings)
+        key = sort_key(layout, ids, specs[0].p_shapes)
+        key1, perm = jax.lax.sort((jnp.where(valid, key, SENTINEL), pos), num_keys=1)
+    else:
+        lt = _table_const(local)[_feature_of(offsets, n, nf, batch)]
+        safe = jnp.maximum(lt, 0)
+        valid = live & (lt >= 0) & (ids >= 0) & (ids < _table_const([s.num_embeddings for s in specs])[safe])
+        tkey = sort_key(layout, ids, [_table_const([s.p_shapes[c] for s in specs])[safe] for c in range(len(
+            specs[0].p_shapes))])
+        if layout.packed:
+            key_base = _table_const(layout.key_base[:-1])
+            key1, perm = jax.lax.sort((jnp.where(valid, key_base[safe] + tkey, SENTINEL), pos), num_keys=1)
+            tab = jnp.where(key1 != SENTINEL, safe[perm], 0)
+        else:
+            key1, key2, perm = jax.lax.sort(
+                (jnp.where(valid, lt, SENTINEL), jnp.where(valid, tkey, SENTINEL), pos), num_keys=2)
+    return SortedLookups(key1, key2, tab, perm)
 
 
 def build_flow(
@@ -300,10 +378,6 @@ def build_flow(
     batch: int,
     chunk: int = 64,
     prefix_reuse: bool = True,
-    fused: bool = False,
-    interpret: bool = False,
-    plan_block: int | None = None,
-    plan_scan_chunk: int | None = None,
 ) -> FlowPlan:
     """Sort, unique, prefix groups, work items and the lookup -> distinct row map (FlowTT 3.3).
 
@@ -311,74 +385,29 @@ def build_flow(
     `[offsets[0], offsets[-1])`, or with ids outside `[0, N_table)` produce no
     row (`inverse` -1). `chunk` caps the distinct rows of an item (0: whole
     prefix groups); with `prefix_reuse` False every distinct row is its own item
-    (the "unique only" ablation: the kernel recomputes each row's prefix). `fused`: the bookkeeping after the
-    sort in three Pallas passes (`tt_jax.kernels.plan`, the same outputs) instead of ~15 XLA ops; `interpret`:
-    those passes in Pallas interpret mode; `plan_block`, `plan_scan_chunk`: their block sizes
-    (`TTForwardConfig`'s fields; None: its defaults).
+    (the "unique only" ablation: the kernel recomputes each row's prefix). The sort is `sort_lookups`; the
+    bookkeeping after it here is ~15 XLA ops, the definition that `tt_jax.kernels.plan.build_flow` (the same
+    plan, that bookkeeping in three Pallas passes: the fused forward's) is tested against.
     """
     n = indices.shape[0]
-    nf = len(feature_table_map)
     cap = capacity(layout, n)
-    ids = indices.astype(jnp.int32)
-    offsets = offsets.astype(jnp.int32)
-    pos = jnp.arange(n, dtype=jnp.int32)
-    live = (pos >= offsets[0]) & (pos < offsets[-1])
-    local_of_table = {t: k for k, t in enumerate(layout.tables)}
-    local = [local_of_table.get(feature_table_map[f], -1) if f in features else -1 for f in range(nf)]
     specs = layout.specs
+    pos = jnp.arange(n, dtype=jnp.int32)
 
-    def table_const(values):  # per local table -> int32 array to gather from
-        return jnp.asarray(np.asarray(values, np.int32))
-
-    # The sort: per sorted lookup a primary key (`_SENTINEL` for lookups that produce no row), a second key or
-    # None, and its local table or None (one table, or the two-key sort where the primary key is the table).
-    key_base = table_const(layout.key_base[:-1])
-    key2 = tab = None
-    if len(specs) == 1:
-        # One table: the key is the id (its digits reordered, `sort_key`); prefix and last digit follow by division.
-        if nf == 1:
-            lt_ok = True
-        else:
-            lt_ok = jnp.asarray(np.asarray([x >= 0 for x in local]))[_feature_of(offsets, n, nf, batch)]
-        valid = live & lt_ok & (ids >= 0) & (ids < specs[0].num_embeddings)
-        key = sort_key(layout, ids, specs[0].p_shapes)
-        key1, perm = jax.lax.sort((jnp.where(valid, key, _SENTINEL), pos), num_keys=1)
-    else:
-        lt = table_const(local)[_feature_of(offsets, n, nf, batch)]
-        safe = jnp.maximum(lt, 0)
-        valid = live & (lt >= 0) & (ids >= 0) & (ids < table_const([s.num_embeddings for s in specs])[safe])
-        tkey = sort_key(layout, ids, [table_const([s.p_shapes[c] for s in specs])[safe] for c in range(len(
-            specs[0].p_shapes))])
-        if layout.packed:
-            key1, perm = jax.lax.sort((jnp.where(valid, key_base[safe] + tkey, _SENTINEL), pos), num_keys=1)
-            tab = jnp.where(key1 != _SENTINEL, safe[perm], 0)
-        else:
-            key1, key2, perm = jax.lax.sort(
-                (jnp.where(valid, lt, _SENTINEL), jnp.where(valid, tkey, _SENTINEL), pos), num_keys=2)
-    if fused:
-        from tt_jax.kernels import plan as plan_kernels
-        from tt_jax.kernels.config import TTForwardConfig
-
-        default = TTForwardConfig()
-        (inverse, row_suffix, row_start, sorted_row, item_meta, num_items, group_meta, num_rows,
-         num_groups) = plan_kernels.bookkeeping(
-            layout, key1, key2, tab, perm, cap=cap, chunk=chunk, prefix_reuse=prefix_reuse, interpret=interpret,
-            block=default.plan_block if plan_block is None else plan_block,
-            scan_chunk=default.plan_scan_chunk if plan_scan_chunk is None else plan_scan_chunk)
-        return FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows, num_groups, inverse, perm, sorted_row,
-                        row_start, group_meta)
-    valid_s = key1 != _SENTINEL
+    key1, key2, tab, perm = sort_lookups(layout, indices, offsets, features=features,
+                                         feature_table_map=feature_table_map, batch=batch)
+    valid_s = key1 != SENTINEL
     same_row = key1[1:] == key1[:-1]
     if len(specs) == 1:
         t_s, id_s, pt, pre_base = None, key1, specs[0].p_shapes[-1], 0
     else:
         if key2 is None:
-            t_s, id_s = tab, key1 - key_base[tab]
+            t_s, id_s = tab, key1 - _table_const(layout.key_base[:-1])[tab]
         else:
             t_s, id_s = jnp.where(valid_s, key1, 0), key2
             same_row = same_row & (key2[1:] == key2[:-1])
-        pt = table_const([s.p_shapes[-1] for s in specs])[t_s]
-        pre_base = table_const(layout.prefix_base[:-1])[t_s]
+        pt = _table_const([s.p_shapes[-1] for s in specs])[t_s]
+        pre_base = _table_const(layout.prefix_base[:-1])[t_s]
     pre_s = pre_base + id_s // pt
     suf_s = id_s % pt
     first = jnp.ones((1,), bool)
@@ -411,9 +440,6 @@ def _meta_table(layout: StackedTables, new_item, pre_s, t_s, uid, num_rows, cap)
     """The flat item table of `FlowPlan.item_meta` for items starting where `new_item` (sorted lookups)."""
     specs = layout.specs
 
-    def table_const(values):
-        return jnp.asarray(np.asarray(values, np.int32))
-
     iid = jnp.cumsum(new_item.astype(jnp.int32)) - 1
     num_items = jnp.sum(new_item.astype(jnp.int32))
     islot = jnp.where(new_item, iid, cap + 1)
@@ -425,16 +451,16 @@ def _meta_table(layout: StackedTables, new_item, pre_s, t_s, uid, num_rows, cap)
         rest = item_pre
     else:
         k = jnp.zeros((cap,), jnp.int32).at[islot].set(t_s, mode="drop")  # the item's local table
-        rest = item_pre - table_const(layout.prefix_base[:-1])[k]
+        rest = item_pre - _table_const(layout.prefix_base[:-1])[k]
     t_cores = layout.num_cores
     cols = [None] * (t_cores - 1)
     for t in reversed(layout.prefix_digits):  # least significant first
         radix = [s.p_shapes[t] for s in specs]
-        r = radix[0] if k is None else table_const(radix)[k]
-        base = 0 if k is None else table_const(layout.core_base[t][:-1])[k]
+        r = radix[0] if k is None else _table_const(radix)[k]
+        base = 0 if k is None else _table_const(layout.core_base[t][:-1])[k]
         cols[t] = base + rest % r
         rest = rest // r
-    last_base = jnp.zeros((cap,), jnp.int32) if k is None else table_const(layout.core_base[-1][:-1])[k]
+    last_base = jnp.zeros((cap,), jnp.int32) if k is None else _table_const(layout.core_base[-1][:-1])[k]
     meta = jnp.stack([item_first[:-1]] + cols + [last_base], axis=1)
     sentinel = jnp.concatenate([item_first[-1:], jnp.zeros((t_cores,), jnp.int32)])
     return jnp.concatenate([meta.reshape(-1), sentinel]), num_items

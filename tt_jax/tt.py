@@ -295,8 +295,8 @@ class TTEmbeddingBag:
             )
 
     def flow_plans(self, batch, indices, offsets):
-        """Per table group of `prefix.stack_tables`, the `FlowPlan` of this batch (validated int32 inputs of
-        `batch` samples per feature): the sort the forward and the backward share."""
+        """Per table group (`TTForwardConfig.stack_tables`), the `FlowPlan` of this batch (validated int32 inputs
+        of `batch` samples per feature): the sort the forward and the backward share."""
         return flow_plans(self.specs, self.feature_table_map, indices, offsets, batch=batch, config=self.config)
 
     # -- training ----------------------------------------------------------------

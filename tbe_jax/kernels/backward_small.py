@@ -64,7 +64,7 @@ def _small_segment(*, rng_ref, hyper_ref, run_start_ref, run_key_ref, src_ref, s
             # in the block lie between those of its first and last runs (two scalar loads instead of a
             # cross-lane reduction per buffer). Loaded here, before the gather, not where they are used:
             # issued after it, they add a memory round trip to every block (dims 4..128: 0.424 -> 0.331 ms
-            # of w128 small-run kernels, benchmarks/results/preload-20261201-1223-*).
+            # of w128 small-run kernels, benchmarks/results/archive/preload-20261201-1223-*).
             k0 = plgpu.load(run_key_ref.at[r0])
             k1 = plgpu.load(run_key_ref.at[jnp.minimum(r0 + block, hi) - 1])
         dim = seg.dim_of(key)

@@ -46,32 +46,30 @@ class ForwardConfig:
     """Block sizes and launch knobs of the pooled forward kernel.
 
     Attributes:
-      tile_elems: elements of the `[G, Dp]` tile gathered per step; `G` (bags per
+      tile_elems: elements of the `[G, Dp]` tile gathered per step (default 256); `G` (bags per
         program) is `tile_elems // Dp`, clipped to `[1, max_bags]` and to the batch.
-      max_bags: upper bound on bags per program.
-      unroll: steps (rows per bag) whose loads are issued together.
-      num_warps: warps per program.
-      prefetch: load the next step's ids while this step's rows are in flight.
-      num_stages: Triton software-pipelining depth.
+      max_bags: upper bound on bags per program (default 64).
+      unroll: steps (rows per bag) whose loads are issued together (default 4).
+      num_warps: warps per program (default 1).
+      prefetch: load the next step's ids while this step's rows are in flight (default True).
+      num_stages: Triton software-pipelining depth (default 1).
       segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
-        launch: the kernel has one code branch per buffer, and Triton's compile time grows faster than linearly with the branches (32 tables of 24
-        dims: 20.7 s for one launch, benchmarks/results/features-20261201-091723-*), so models with more
-        buffers get one launch per `segment_buffers` of them, writing their features' columns of one output
-        in place.
+        launch (default 8): the kernel has one code branch per buffer, and Triton's compile time grows faster
+        than linearly with the branches, so models with more buffers get one launch per `segment_buffers` of
+        them, writing their features' columns of one output in place.
       bag_groups: sub-groups of `G` bags each program owns (default 1). The first row of every bag of the
         program's `G * bag_groups` bags is loaded at once, then the sub-groups' remaining rows run one
         sub-group after the other: one-id bags (the small tables of a DLRM) pay a program's fixed cost once
         per `G * bag_groups` bags, while long bags get fewer, longer programs. 2 suits models whose
-        features mostly have one or two ids per bag (MLPerf's DLRMv2 tables); with long bags it costs
-        6-35% (benchmarks/results/probe-bag-groups-*.json).
+        features mostly have one or two ids per bag (MLPerf's DLRMv2 tables) and slows long bags
+        (measurements: docs/kernels.md).
       short_bag_groups: `bag_groups` for the features whose table's `bag_size_hint` is at most 2 (bags known
-        to hold one or two ids): they get a segment of programs of their own.
+        to hold one or two ids): they get a segment of programs of their own (default 2).
       fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
         FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
         "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
-        within 2 ulp of the exact sum of any bag (`tests/test_accuracy.py`). On the H200
-        fp64 accumulators cost 1.2-2.1x the fp32 forward on fp32 shards
-        (`benchmarks/results/probe-forward-20261202*.json`). fp16/bf16 weights always sum in fp32.
+        within 2 ulp of the exact sum of any bag (`tests/test_accuracy.py`), slower than "fp32" (their cost:
+        docs/kernels.md). fp16/bf16 weights always sum in fp32.
       row_tile_bytes: quantized rows (`tbe_jax.quantize`): stored bytes of the rows a step gathers. Their `G`
         is the larger of the float rule's `tile_elems // Dp` and `row_tile_bytes // next_pow2(row bytes)`
         (an int4 row of D = 128 is 80 bytes: 4 bags where an fp16 row gets 2), at most `row_tile_elems // Dp`.

@@ -73,7 +73,7 @@ class HistogramConfig:
         `[bags, C, 16]` packed tile at 2048 elements (`resolved_ids_per_step`:
         C = 8 for bags = 16; with one warp, C = 8 measured 0.070 ms on the H200
         `smalltable` against 0.091 for C = 16 at 2 warps and 0.115 for C = 32 at
-        4 warps, `benchmarks/results/histsweep2-20261129-1808-*`).
+        4 warps, `benchmarks/results/archive/histsweep2-20261129-1808-*`).
       lookahead: steps of ids loaded ahead of the one being counted (0: none; each
         step's load then waits a full memory latency). Bytes in flight per
         program: `(lookahead + 1) * bags * C * 4`.

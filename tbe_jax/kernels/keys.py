@@ -3,13 +3,14 @@
 `runs.lookup_keys` gives each lookup p its linear key (its row in the key space, or `total` when invalid), the flat
 offset of its bag's pooled output row, and its scale. In XLA ops (a histogram of the offsets, its prefix sum for
 each lookup's bag, the keys and offsets) that took ~0.045 ms in seven kernels for the 2.6M lookups of the `base`
-preset on the H200 (`benchmarks/results/keys18-backward-20261201-2303`). Here each program takes `block` consecutive
-positions (`BackwardConfig.keys_block`), finds their bags by binary search in `offsets`, then their features (a
-division for one batch size, else a search in the features' first bags), and writes the key, the offset and the
-scale. The search has two levels: a two-lane search over all offsets for the block's first and last positions, then
-each lane's search between those two counts (a few steps: a block spans few bags). One level, every lane searching
-all offsets (~18 dependent steps on the whole block's registers), took 0.044 ms; two levels take 0.026 ms, and the
-backward step went 0.743 -> 0.725 ms on `base`, 0.547 -> 0.530 on `zipf` (`keys18b-backward-20261201-2321`).
+preset on the H200 (`benchmarks/results/archive/keys18-backward-20261201-2303`). Here each program takes `block`
+consecutive positions (`BackwardConfig.keys_block`), finds their bags by binary search in `offsets`, then their
+features (a division for one batch size, else a search in the features' first bags), and writes the key, the offset
+and the scale. The search has two levels: a two-lane search over all offsets for the block's first and last
+positions, then each lane's search between those two counts (a few steps: a block spans few bags). One level, every
+lane searching all offsets (~18 dependent steps on the whole block's registers), took 0.044 ms; two levels take
+0.026 ms, and the backward step went 0.743 -> 0.725 ms on `base`, 0.547 -> 0.530 on `zipf`
+(`keys18b-backward-20261201-2321`).
 
 The bags follow the histogram form's definition (`preprocess.position_features`: `searchsorted(offsets, p,
 "right") - 1`, clipped to the bags); the two agree on every partition of the positions, that is on non-decreasing

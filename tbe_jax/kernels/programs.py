@@ -171,7 +171,7 @@ def const(values) -> jax.Array:
     XLA's GPU compiler turns a constant array whose values are an arithmetic progression (one or two values,
     `[0, 128]`, `arange(F) * B`...) into an iota expression, which then runs as a kernel of its own before
     the Pallas call on every step (an extra launch: ~10 us of host time per call on the H200's host,
-    `benchmarks/results/dispatch-20261202-before.json`). Kernels read only the entries they know of, so
+    `benchmarks/results/archive/dispatch-20261202-before.json`). Kernels read only the entries they know of, so
     such a table gets a tail that breaks the progression.
     """
     a = np.asarray(values, np.int64).reshape(-1)

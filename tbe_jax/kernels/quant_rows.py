@@ -99,7 +99,7 @@ def value_words(fmt: RowFormat, dim: int) -> int:
 def tile_words(fmt: RowFormat, dim: int) -> int:
     """The word columns of `load_packed`'s tiles: `next_pow2(value_words)`, at least 2 (Triton 3.6 crashes, a
     segfault while compiling, on `interleave`'s join of `[1, 1]` tiles: a program of one bag of rows one word
-    long; the H200, `benchmarks/results/NOTES.md`)."""
+    long; the H200, `benchmarks/NOTES.md`)."""
     return max(2, next_pow2(value_words(fmt, dim)))
 
 

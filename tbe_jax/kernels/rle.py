@@ -5,7 +5,7 @@ run, each run's key, the number of runs and of valid lookups, and the lists of
 mid and long runs. In XLA ops that is a chain of ~15 small kernels (two
 prefix sums, two scatters, concatenations, gathers), each a pass over N lookups
 and a launch; on the H200 they took ~0.2 ms of a 0.7 ms backward
-(`benchmarks/results/trace-backward-*`). Here:
+(`benchmarks/results/archive/trace-backward-*`). Here:
 
 1. `_count_kernel`: per block of `block` sorted lookups (`BackwardConfig.rle_block`), count run starts
    (key differs from the previous one and is valid), starts of runs longer

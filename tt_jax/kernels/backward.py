@@ -50,10 +50,10 @@ from tt_jax.kernels.groups import group_pass, packed_dp1
 from tt_jax.kernels.rows import tt_rows
 from tt_jax.kernels.segsum import segment_sum, sorted_runs
 
-__all__ = ["dense_core_grads", "group_grads"]
+__all__ = ["dense_core_grads", "group_grads", "lookup_sources"]
 
 
-def _lookup_sources(plan, offsets, per_sample_weights, *, batch, col0, total, pooling):
+def lookup_sources(plan, offsets, per_sample_weights, *, batch, col0, total, pooling):
     """Per sorted lookup: its output-gradient offset in the flat `[B * total]` g, scale, and coef."""
     bag = position_bags(offsets, plan.perm.shape[0])[plan.perm]
     feat = bag // batch
@@ -82,7 +82,7 @@ def group_grads(layout: prefix.StackedTables, cores, plan: prefix.FlowPlan, offs
     total = g_out.shape[1]
     stacked = [jnp.asarray(c, jnp.float32).reshape(-1) for c in cores]
     # 1. d_rows (and the per-sample-weight gradient).
-    src, scale, coef = _lookup_sources(plan, offsets, per_sample_weights, batch=batch, col0=col0, total=total,
+    src, scale, coef = lookup_sources(plan, offsets, per_sample_weights, batch=batch, col0=col0, total=total,
                                        pooling=pooling)
     data = {"src": src, "g": g_out.reshape(-1).astype(jnp.float32)}
     if scale is not None:
@@ -154,16 +154,15 @@ def dense_core_grads(cores, specs, feature_table_map, plans, offsets, per_sample
     d per_sample_weights or None). Same contract as `tt_jax.backward.pooled_vjp`. `config`: the forward's (the
     plans were built with its `forward_config`) and the backward's knobs."""
     forward_config, backward_config = config.forward_config, config.backward_config
-    groups = prefix.stack_tables(specs, feature_table_map)
+    groups = forward_config.stack_tables(specs, feature_table_map)
     if len(groups) != len(plans):
         raise ValueError(f"{len(plans)} plans for {len(groups)} table groups")
     col0 = feature_col0(specs, feature_table_map)
-    all_groups = params.groups(specs)
     d_cores = [[None] * len(cs) for cs in cores]
     want_psw = want_psw and per_sample_weights is not None
     d_psw = None
     for (layout, _), plan in zip(groups, plans):
-        g = all_groups.index(layout)
+        g = params.group_index(specs, layout)
         grads, dp = group_grads(layout, cores[g], plan, offsets, per_sample_weights, g_out, batch=batch, col0=col0,
                                 pooling=pooling, want_psw=want_psw, config=backward_config,
                                 forward_config=forward_config, interpret=interpret)

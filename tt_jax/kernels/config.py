@@ -12,6 +12,7 @@ import dataclasses
 import jax
 
 from tbe_jax.pallas_compat import plgpu, sm_count
+from tt_jax import prefix
 
 SCHEDULES = ("queue", "static", "grid")
 PRECISIONS = {  # `precision` -> the fp32 dot algorithm on the GPU
@@ -22,6 +23,7 @@ PRECISIONS = {  # `precision` -> the fp32 dot algorithm on the GPU
     "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
 }
 GROUP_KERNELS = ("tiles3", "general")
+_KEY_MAX = prefix.SENTINEL  # int32 sort keys stay below this: the key limits' default and maximum
 BACKWARD_IMPLS = ("pallas", "xla")
 
 
@@ -70,6 +72,15 @@ class TTForwardConfig:
         1024, a power of 2).
       plan_scan_chunk: rows per step of the single-program prefix sums over those passes' block counts
         (`tbe_jax.kernels.scan`; default 1024, a power of 2).
+      packed_key_limit: the plan sorts one packed int32 key per lookup while a table group's sort keys stay below
+        this, else two keys (table, key), more slowly (`prefix.StackedTables`; default 2**31 - 1, the int32
+        limit, also the most). Lower only to run the two-key sort on small tables (tests).
+      reorder_key_limit: T = 3 sorts by the digits (i2, i1, i3) while every table's p1 p2 p3 stays below this,
+        else by (i1, i2, i3) (`StackedTables.prefix_digits`; default 2**31 - 1, also the most). Lower only to
+        run the plain order on small tables (tests).
+      force_int64_addressing: 64-bit address arithmetic in the rows, packed-prefix and pooling kernels even where
+        every buffer holds fewer than 2**31 elements (default False: they switch to it at 2**31 by
+        themselves). For tests of the wide paths on small inputs; slower.
     """
 
     schedule: str = "static"
@@ -87,6 +98,9 @@ class TTForwardConfig:
     prefix_c_max_bytes: int = 256 << 20
     plan_block: int = 1024
     plan_scan_chunk: int = 1024
+    packed_key_limit: int = _KEY_MAX
+    reorder_key_limit: int = _KEY_MAX
+    force_int64_addressing: bool = False
 
     def __post_init__(self):
         cls = type(self).__name__
@@ -102,6 +116,12 @@ class TTForwardConfig:
             raise ValueError(f"{cls}.num_programs must be None or a positive int, got {self.num_programs!r}")
         if not isinstance(self.prefix_c_max_bytes, int) or self.prefix_c_max_bytes < 0:
             raise ValueError(f"{cls}.prefix_c_max_bytes must be an int >= 0, got {self.prefix_c_max_bytes!r}")
+        for name in ("packed_key_limit", "reorder_key_limit"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _KEY_MAX:
+                raise ValueError(f"{cls}.{name} must be an int in [0, 2**31 - 1], got {v!r}")
+        if not isinstance(self.force_int64_addressing, bool):
+            raise ValueError(f"{cls}.force_int64_addressing must be a bool, got {self.force_int64_addressing!r}")
 
     @staticmethod
     def get_default() -> "TTForwardConfig":
@@ -115,6 +135,12 @@ class TTForwardConfig:
         if p is None:
             p = sm_count() * self.programs_per_sm
         return max(1, min(p, max_items))
+
+    def stack_tables(self, specs, feature_table_map) -> list:
+        """`prefix.stack_tables` under this config's sort rule (`packed_key_limit`, `reorder_key_limit`): the
+        table groups of the plans built with it, which the forward's and the backward's kernels read."""
+        return prefix.stack_tables(specs, feature_table_map, packed_limit=self.packed_key_limit,
+                                   reorder_limit=self.reorder_key_limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +228,9 @@ class TTKernelConfig:
     prefix_c_max_bytes: int = 256 << 20
     plan_block: int = 1024
     plan_scan_chunk: int = 1024
+    packed_key_limit: int = _KEY_MAX
+    reorder_key_limit: int = _KEY_MAX
+    force_int64_addressing: bool = False
 
     def __post_init__(self):
         self.forward_config  # noqa: B018  (each part validates its fields)

@@ -51,7 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tt_jax import params, prefix
-from tt_jax.kernels.config import PRECISIONS, TTBackwardConfig, TTForwardConfig, TTKernelConfig
+from tt_jax.kernels import plan as plan_kernels
+from tt_jax.kernels.config import PRECISIONS, TTBackwardConfig, TTForwardConfig, TTKernelConfig, forward_part
 from tt_jax.kernels.pool import tt_pool
 from tt_jax.kernels.prefix_c import packed_prefix_products, prefix_c_size
 from tt_jax.kernels.rows import tt_rows
@@ -69,19 +70,25 @@ class TTForwardResult(NamedTuple):
     """What `pooled_forward` returns (a pair: `out, plans = pooled_forward(...)` unpacks it)."""
 
     out: jax.Array  # [B, sum_f D_f] float32
-    plans: tuple  # per table group of `prefix.stack_tables`, its `prefix.FlowPlan` (the backward's residuals)
+    plans: tuple  # per table group of `config.stack_tables`, its `prefix.FlowPlan` (the backward's residuals)
 
 
 def flow_plans(specs, feature_table_map: tuple[int, ...], indices, offsets, *, batch: int,
                config: TTKernelConfig | TTForwardConfig, fused: bool = False, interpret: bool = False):
-    """Per table group of `prefix.stack_tables` (in order), the batch's `FlowPlan` (`fused`: see
-    `prefix.build_flow`)."""
-    return tuple(
-        prefix.build_flow(layout, indices, offsets, features=feats, feature_table_map=feature_table_map,
-                          batch=batch, chunk=config.chunk, prefix_reuse=config.prefix_reuse, fused=fused,
-                          interpret=interpret, plan_block=config.plan_block, plan_scan_chunk=config.plan_scan_chunk)
-        for layout, feats in prefix.stack_tables(specs, feature_table_map)
-    )
+    """Per table group of `config.stack_tables` (in order), the batch's `FlowPlan`: `prefix.build_flow`, or with
+    `fused` `tt_jax.kernels.plan.build_flow` (the same plan, its bookkeeping in Pallas passes; `interpret`: in
+    interpret mode)."""
+    config = forward_part(config)
+    out = []
+    for layout, feats in config.stack_tables(specs, feature_table_map):
+        kw = dict(features=feats, feature_table_map=feature_table_map, batch=batch, chunk=config.chunk,
+                  prefix_reuse=config.prefix_reuse)
+        if fused:
+            out.append(plan_kernels.build_flow(layout, indices, offsets, interpret=interpret, block=config.plan_block,
+                                               scan_chunk=config.plan_scan_chunk, **kw))
+        else:
+            out.append(prefix.build_flow(layout, indices, offsets, **kw))
+    return tuple(out)
 
 
 def plan_stats(plans) -> list[dict]:
@@ -129,7 +136,7 @@ def pooled_forward(
     plans = list(flow_plans(specs, feature_table_map, indices, offsets, batch=batch, config=config,
                             fused=True, interpret=interpret))
     c_budget = config.prefix_c_max_bytes
-    for k, ((layout, feats), plan) in enumerate(zip(prefix.stack_tables(specs, feature_table_map), plans)):
+    for k, ((layout, feats), plan) in enumerate(zip(config.stack_tables(specs, feature_table_map), plans)):
         group = [jnp.asarray(c, jnp.float32).reshape(-1) for c in params.group_cores(specs, layout, cores)]
         c_size = prefix_c_size(layout, plan.row_suffix.shape[0], config)
         if c_size is not None and 4 * c_size <= c_budget:

@@ -1,4 +1,4 @@
-"""The FlowPlan's bookkeeping after the sort in Pallas passes (`prefix.build_flow(fused=True)`).
+"""The FlowPlan's bookkeeping after the sort in Pallas passes (`build_flow`, the fused forward's plan).
 
 After `build_flow`'s one sort, XLA would derive the distinct rows, prefix groups and work items with two prefix
 sums over the lookups, a prefix sum per item table, ~8 scatters and two concatenations: ~15 small kernels, each a
@@ -15,7 +15,8 @@ is stored between passes):
    Slots past the counts get the fill values, each slot by the block whose index range holds it, so every output
    element is written exactly once: no initialisation, no atomics, the same result run to run.
 
-Matches the XLA bookkeeping of `prefix.build_flow` exactly (tests/test_tt_plan.py). The sort stays in XLA.
+Matches the XLA bookkeeping of `prefix.build_flow` exactly (tests/test_tt_plan.py). The sort stays in XLA
+(`prefix.sort_lookups`, shared by both).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import numpy as np
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.scan import exclusive_scan
 from tbe_jax.specs import next_pow2
+from tt_jax import prefix
+from tt_jax.kernels.config import TTForwardConfig
 from tt_jax.kernels.tiles import masked_store
 
-_SENTINEL = 2**31 - 1  # `prefix._SENTINEL`: the sort key of lookups that produce no row
 _COUNTS = 3  # per block: new rows, new groups, valid lookups
 
 
@@ -90,11 +92,11 @@ def _fields(keys, consts_ref, j, live, *, consts: _Consts):
     """Per sorted lookup j: (produces a row, its row's key parts, prefix, last digit, local table), from the sort's
     keys (`bookkeeping`'s key, key2, tab) as `prefix.build_flow` derives them."""
     key_ref, key2_ref, tab_ref = keys
-    k = _load(key_ref, j, live, _SENTINEL)
-    valid = k != _SENTINEL
+    k = _load(key_ref, j, live, prefix.SENTINEL)
+    valid = k != prefix.SENTINEL
     if key2_ref is not None:  # two-key sort: (table, table key)
         t = jnp.where(valid, k, 0)
-        local = _load(key2_ref, j, live, _SENTINEL)
+        local = _load(key2_ref, j, live, prefix.SENTINEL)
         row = (k, local)
     elif tab_ref is not None:  # one packed key over stacked tables
         t = _load(tab_ref, j, live)
@@ -220,9 +222,10 @@ def _write_kernel(*refs, n, cap, chunk, prefix_reuse, t_cores, digits, whole_gro
 
 def bookkeeping(layout, key, key2, tab, perm, *, cap: int, chunk: int, prefix_reuse: bool, interpret: bool,
                 block: int, scan_chunk: int):
-    """`build_flow`'s outputs after the sort, from the sorted keys (`key`: the primary key, `_SENTINEL` for lookups
-    that produce no row; `key2`: the table key of a two-key sort, whose primary key is the table; `tab`: with one
-    packed key over stacked tables, each sorted lookup's local table) and `perm`: (inverse, row_suffix, row_start,
+    """`build_flow`'s outputs after the sort, from the sorted keys (`prefix.SortedLookups`: `key`: the primary
+    key, `prefix.SENTINEL` for lookups that produce no row; `key2`: the table key of a two-key sort, whose primary
+    key is the table; `tab`: with one packed key over stacked tables, each sorted lookup's local table) and
+    `perm`: (inverse, row_suffix, row_start,
     sorted_row, item_meta, num_items, group_meta, num_rows, num_groups); group_meta is item_meta when items are
     whole groups. The per-lookup flags (new row, new group), prefix and last digit are derived in each pass from
     the keys (a lookup and the one before it), never stored. `block`: sorted lookups per program, `scan_chunk`: rows
@@ -267,3 +270,23 @@ def bookkeeping(layout, key, key2, tab, perm, *, cap: int, chunk: int, prefix_re
     group_meta = item_meta if whole_groups else outs[5]
     return (inverse, row_suffix, row_start, sorted_row, item_meta, num_items.reshape(()), group_meta,
             num_rows.reshape(()), num_groups.reshape(()))
+
+
+def build_flow(layout, indices, offsets, *, features: tuple[int, ...], feature_table_map: tuple[int, ...],
+               batch: int, chunk: int = 64, prefix_reuse: bool = True, interpret: bool = False,
+               block: int | None = None, scan_chunk: int | None = None) -> prefix.FlowPlan:
+    """`prefix.build_flow` (same arguments, the same plan) with its bookkeeping after the sort
+    (`prefix.sort_lookups`) in the Pallas passes of `bookkeeping` instead of ~15 XLA ops: the fused forward's
+    plan. `interpret`: Pallas interpret mode; `block`, `scan_chunk`: `TTForwardConfig.plan_block`,
+    `plan_scan_chunk` (None: their defaults)."""
+    default = TTForwardConfig()
+    cap = prefix.capacity(layout, indices.shape[0])
+    key, key2, tab, perm = prefix.sort_lookups(layout, indices, offsets, features=features,
+                                               feature_table_map=feature_table_map, batch=batch)
+    (inverse, row_suffix, row_start, sorted_row, item_meta, num_items, group_meta, num_rows,
+     num_groups) = bookkeeping(
+        layout, key, key2, tab, perm, cap=cap, chunk=chunk, prefix_reuse=prefix_reuse, interpret=interpret,
+        block=default.plan_block if block is None else block,
+        scan_chunk=default.plan_scan_chunk if scan_chunk is None else scan_chunk)
+    return prefix.FlowPlan(item_meta, num_items.reshape(1), row_suffix, num_rows, num_groups, inverse, perm,
+                           sorted_row, row_start, group_meta)

@@ -17,8 +17,7 @@ from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.programs import bag_extent
 from tbe_jax.specs import next_pow2
 from tt_jax.kernels.config import TTForwardConfig
-from tt_jax.kernels.tiles import INT32_MAX as _INT32_MAX
-from tt_jax.kernels.tiles import masked_store
+from tt_jax.kernels.tiles import INT32_MAX, masked_store
 
 # Columns of the pooling kernel's per-feature table: the feature's index, its first output column.
 _FEAT_COLS = 2
@@ -81,7 +80,7 @@ def tt_pool(
     interpret: bool,
 ) -> jax.Array:
     """Writes the `features`' columns of the flat `[B * total_dim]` pooled output."""
-    wide = max(batch * total_dim, rows.shape[0]) >= _INT32_MAX
+    wide = config.force_int64_addressing or max(batch * total_dim, rows.shape[0]) >= INT32_MAX
     bags = max(1, min(config.pool_bags, next_pow2(batch)))
     per_feature = -(-batch // bags)
     feat = jnp.asarray(np.asarray([(f, col0[f]) for f in features], np.int32).reshape(-1))

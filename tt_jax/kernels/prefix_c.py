@@ -20,8 +20,7 @@ from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.specs import next_pow2
 from tt_jax import prefix
 from tt_jax.kernels.config import PRECISIONS, TTForwardConfig
-from tt_jax.kernels.tiles import INT32_MAX as _INT32_MAX
-from tt_jax.kernels.tiles import dot_pad, for_each_i2_run, i2_window, masked_store, matmul
+from tt_jax.kernels.tiles import INT32_MAX, dot_pad, for_each_i2_run, i2_window, masked_store, matmul
 
 
 def prefix_c_size(layout: prefix.StackedTables, cap: int, config: TTForwardConfig) -> int | None:
@@ -83,9 +82,9 @@ def packed_prefix_products(cores: list[jax.Array], plan: prefix.FlowPlan, layout
     order = []
     if not ordered:
         live = jnp.arange(bound, dtype=jnp.int32) < plan.num_items[0]
-        key = jnp.where(live, plan.item_meta.reshape(cap + 1, 4)[:bound, 2], _INT32_MAX)
+        key = jnp.where(live, plan.item_meta.reshape(cap + 1, 4)[:bound, 2], INT32_MAX)
         order = [jax.lax.sort((key, jnp.arange(bound, dtype=jnp.int32)), num_keys=1, is_stable=True)[1]]
-    wide = max([size] + [c.shape[0] for c in cores[:2]]) >= _INT32_MAX
+    wide = config.force_int64_addressing or max([size] + [c.shape[0] for c in cores[:2]]) >= INT32_MAX
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]
     kernel = functools.partial(_packed_prefix_kernel, q=q, r=r, pack=pack, q1p=q1p, k_p=dot_pad(r[1]),
                                n_p=dot_pad(q[1] * r[2]), wide=wide, ordered=ordered, precision=precision,

@@ -16,8 +16,8 @@ from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tt_jax import prefix
 from tt_jax.kernels.config import PRECISIONS, TTForwardConfig
 from tt_jax.kernels.prefix_c import prefix_c_size
-from tt_jax.kernels.tiles import INT32_MAX as _INT32_MAX
-from tt_jax.kernels.tiles import Tiles, load_last, load_suffixes, masked_store, matmul, prefix_loads
+from tt_jax.kernels.tiles import (INT32_MAX, Tiles, load_last, load_suffixes, masked_store, matmul,
+                                  prefix_loads)
 
 
 def _prefix_product(ops, tl: Tiles, precision):
@@ -139,7 +139,8 @@ def tt_rows(
     c_size = prefix_c_size(layout, cap, config) if c_in is not None else None
     if c_in is not None and c_size is None:
         raise ValueError("tt_rows(c_in=...) needs T = 3 cores and prefix reuse")
-    wide = max([cap * tl.dim, c_size or 0] + [c.shape[0] for c in cores]) >= _INT32_MAX
+    wide = (config.force_int64_addressing
+            or max([cap * tl.dim, c_size or 0] + [c.shape[0] for c in cores]) >= INT32_MAX)
     tl = dataclasses.replace(tl, wide=wide)
     programs = config.programs(cap)
     precision = jax.lax.Precision.HIGHEST if interpret else PRECISIONS[config.precision]

@@ -9,7 +9,6 @@ lanes harmless; `i2_window` / `for_each_i2_run` walk a window of members sorted 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +16,7 @@ import numpy as np
 
 from tbe_jax.pallas_compat import pl, plgpu
 from tbe_jax.specs import next_pow2
-
-if TYPE_CHECKING:  # annotations only: `prefix` imports `kernels.plan`, which imports this module
-    from tt_jax import prefix
+from tt_jax import prefix
 
 INT32_MAX = 2**31 - 1  # buffers this long or longer need 64-bit addresses in the kernels
 
