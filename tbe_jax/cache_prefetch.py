@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, inputs, preprocess
+from tbe_jax import bounds, inputs, memory, preprocess
 from tbe_jax.cache_layout import CACHE, NEVER, STATE_ROWS
 from tbe_jax.cache_route import batch_facts
 from tbe_jax.kernels.copy_rows import copy_rows
@@ -132,7 +132,8 @@ def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
         fill_src = jnp.where(mine, h_new, -1)
         kc, kh = lay.key(pair[0]), lay.key(pair[1])
         for tree in [inner_p] + [slots[f] for f in slot_fields]:
-            tree[kh] = copy_rows(tree[kh], tree[kc], wb_dst, c_rows, kernel=kernel, interpret=emb.interpret)
+            tree[kh] = memory.keep_on_host(copy_rows(tree[kh], tree[kc], wb_dst, c_rows, kernel=kernel,
+                                                     interpret=emb.interpret))
             tree[kc] = copy_rows(tree[kc], tree[kh], c_rows, fill_src, kernel=kernel, interpret=emb.interpret)
     if inner_s is not None:
         inner_s = type(inner_s)(*[slots[f] for f in slot_fields], inner_s.count)

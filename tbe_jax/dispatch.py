@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, inputs, preprocess, reference, runs as runs_lib, sparse_update, vbe
+from tbe_jax import bounds, inputs, memory, preprocess, reference, runs as runs_lib, sparse_update, vbe
 from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
@@ -297,6 +297,10 @@ def _update(emb, plan, opt, hyper, params, slots, indices, offsets, per_sample_w
                 params, slots, emb.layout, plan, hist, indices, offsets, g32, opt, hyper,
                 pooling=emb.pooling, config=emb.histogram_config, interpret=emb.interpret,
             )
+        host = [emb.layout.key(g) for g in range(len(emb.layout.dims)) if emb.layout.on_host(g)]
+        if host and opt is not None:  # buffers in host memory, updated in place, stay there
+            params = {k: memory.keep_on_host(v) if k in host else v for k, v in params.items()}
+            slots = tuple({k: memory.keep_on_host(v) if k in host else v for k, v in d.items()} for d in slots)
         return params, slots
     return sparse_update.apply_gradients(
         params, slots, emb.layout, plan, indices, offsets, per_sample_weights,

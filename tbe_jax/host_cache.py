@@ -145,7 +145,7 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         rows = memory.to_numpy(slot_rows)[s0:s1] - int(cl.base("rows")[i])
         live = rows >= 0
         base[rows[live]] = cache[np.flatnonzero(live)]
-        return jnp.asarray(base)
+        return base
 
     def _inner_of(self, t: int) -> int:
         return split_tables(self.tables[: t + 1], self.cache_load_factor, self.cache_ways)[2][t]
@@ -158,7 +158,7 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         for t, arr in enumerate(tables):
             if t in cl.tables:
                 i = cl.tables.index(t)
-                inner[cl.host_part[i]] = np.asarray(memory.to_numpy(arr), self.weights_dtype)
+                inner[cl.host_part[i]] = arr
                 inner[cl.cache_part[i]] = np.zeros((cl.slots[i], self.tables[t].embedding_dim), self.weights_dtype)
             else:
                 inner[self._inner_of(t)] = arr

@@ -43,15 +43,22 @@ def to_host(x):
     return jax.device_put(x, host_sharding())
 
 
+def keep_on_host(x):
+    """Inside a jitted program: the result of a kernel that wrote a host buffer in place, marked to stay in host
+    memory (without it XLA refuses to return a host buffer from the program, error E1200, or would move it).
+    Outside a GPU backend, `x`."""
+    return jax.device_put(x, host_sharding()) if host_memory() else x
+
+
 def to_numpy(x) -> np.ndarray:
     """A concrete array's values on the host (a pinned host array is read without a device copy)."""
     return np.asarray(jax.device_get(x))
 
 
 def rows(buf, start: int, count: int):
-    """Rows `[start, start + count)` of a storage buffer: a slice of the array, or of its values read on the host
-    when it lives in host memory (XLA cannot slice a pinned host array on the device); returned as an array in
-    the same memory."""
+    """Rows `[start, start + count)` of a storage buffer: a slice of the array, or, for a buffer in host memory,
+    a NumPy array of those rows (read on the host: XLA cannot slice a pinned host array, and the rows of a table
+    larger than the GPU's memory must not come back through it)."""
     if not on_host(buf):
         return buf[start : start + count]
-    return to_host(to_numpy(buf)[start : start + count])
+    return to_numpy(buf)[start : start + count]

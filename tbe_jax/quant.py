@@ -16,6 +16,8 @@ Inference only: no gradients, no optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from collections.abc import Mapping
 from typing import Sequence
@@ -260,6 +262,14 @@ def quantize(emb: TableBatchedEmbedding, params, weight_dtype, *, output_dtype=j
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     if not isinstance(emb, TableBatchedEmbedding):
         raise TypeError(f"emb must be a tbe_jax.TableBatchedEmbedding, got {type(emb).__name__}")
+    if any(t.location != "device" for t in emb.tables):
+        # Tables in host memory (`location`): their merged rows, as an all-device embedding's (the serving tables
+        # live on the device; a quantized host tier is not built).
+        dev = TableBatchedEmbedding([dataclasses.replace(t, location="device") for t in emb.tables],
+                                    feature_table_map=emb.feature_table_map, pooling=emb.pooling,
+                                    weights_dtype=emb.weights_dtype, bounds_check=emb.bounds_check, impl=emb.impl,
+                                    interpret=emb.interpret, kernel_config=emb.kernel_config, pad_rows=emb.pad_rows)
+        emb, params = dev, dev.set_tables(None, emb.get_tables(params))
     qemb = QuantizedTableBatchedEmbedding(
         emb.tables, weight_dtype, feature_table_map=emb.feature_table_map, pooling=emb.pooling,
         output_dtype=output_dtype, bounds_check=emb.bounds_check, impl=emb.impl if impl is None else impl,

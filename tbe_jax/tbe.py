@@ -298,7 +298,7 @@ class TableBatchedEmbedding:
             groups[self.layout.table_group[t]].append(arr)
         out = {}
         for g, parts in enumerate(groups):
-            if self.layout.on_host(g):  # stacked on the host, then placed there (never whole on the device)
+            if self.layout.on_host(g) and inputs.is_concrete(*parts):  # stacked on the host, placed there
                 parts = [memory.to_numpy(p) for p in parts]
                 buf = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
                 extra = self.layout.strides[g] - self.layout.dims[g]
@@ -307,7 +307,8 @@ class TableBatchedEmbedding:
                 out[self.layout.key(g)] = memory.to_host(buf)
                 continue
             buf = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-            out[self.layout.key(g)] = buf if buf.ndim == 1 else self.layout.pad(g, buf)
+            buf = buf if buf.ndim == 1 else self.layout.pad(g, buf)
+            out[self.layout.key(g)] = memory.keep_on_host(buf) if self.layout.on_host(g) else buf
         return out
 
     # -- forward -----------------------------------------------------------------

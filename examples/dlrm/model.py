@@ -78,6 +78,8 @@ class DLRMConfig:
     dcn_layers: int = 3  # cross layers ("dcn")
     dcn_rank: int = 512  # their rank ("dcn")
     matmul_precision: str = "default"  # `precision=` of every dense matmul ("default": the backend's)
+    host_tables: int = 0  # the K largest TBE tables kept in host memory behind an HBM cache ("host_cached")
+    cache_load_factor: float = 0.2  # their caches' share of their rows
 
     def __post_init__(self):
         if self.interaction not in ("dot", "dcn"):
@@ -253,9 +255,13 @@ class DLRM:
         largest = sorted(range(len(rows)), key=lambda f: (-rows[f], f))[:k]
         self.tt_features = tuple(sorted(largest))
         self.tbe_features = tuple(f for f in range(len(rows)) if f not in self.tt_features)
-        specs = [tbe_jax.TableSpec(rows[f], config.embedding_dim, name=f"C{f + 1}") for f in self.tbe_features]
+        # The K largest TBE tables in host memory behind an HBM cache (`--host-tables`): prefetched in the step.
+        host = set(sorted(self.tbe_features, key=lambda f: (-rows[f], f))[:config.host_tables])
+        specs = [tbe_jax.TableSpec(rows[f], config.embedding_dim, name=f"C{f + 1}",
+                                   location="host_cached" if f in host else "device") for f in self.tbe_features]
         self.emb = tbe_jax.TableBatchedEmbedding(specs, pooling="sum", weights_dtype=config.weights_dtype,
-                                                 impl=config.impl, interpret=interpret)
+                                                 impl=config.impl, interpret=interpret,
+                                                 cache_load_factor=config.cache_load_factor)
         self.emb_unsharded = self.emb
         self.mesh, self.axis_name = mesh, axis_name
         if mesh is not None:
@@ -461,6 +467,9 @@ class DLRM:
         """One `tbe_jax.train_step`: the loss, the dense gradient (for optax) and the embeddings' new
         params and optimizer states (`opt`: the embedding optimizer, or `{"tbe": ..., "tt": ...}`)."""
         loss_fn = functools.partial(self.loss, batch=batch)
+        if self.config.host_tables and self.tt is None and self.mesh is None:  # this batch's rows into the cache
+            emb_params, emb_state = self.emb.prefetch(emb_params, batch["indices"], batch["offsets"],
+                                                      opt_state=emb_state)
         return tbe_jax.train_step(loss_fn, dense_params, self.sparse_lookups(emb_params, emb_state, opt, batch))
 
 

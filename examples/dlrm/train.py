@@ -322,6 +322,11 @@ def parse_args(argv=None):
                          "low-rank cross network, Adagrad everywhere, TF32 matmuls, MLPerf's fixed bag sizes)")
     ap.add_argument("--dense-opt", choices=DENSE_OPTIMIZERS, default=None,
                     help="optimizer of the dense part (default: adam for dlrm, adagrad for dcnv2)")
+    ap.add_argument("--host-tables", type=int, default=0,
+                    help="keep the K largest embedding tables in host memory behind an HBM cache (location "
+                         "'host_cached'; one device, no TT tables)")
+    ap.add_argument("--cache-load-factor", type=float, default=0.2,
+                    help="with --host-tables: each cache's share of its table's rows (default 0.2)")
     ap.add_argument("--emb-dtype", choices=("float32", "float16"), default="float32",
                     help="the tables' storage dtype (the TBE's weights_dtype; default float32)")
     ap.add_argument("--matmul-precision", default=None,
@@ -436,6 +441,10 @@ def main(argv=None) -> dict:
                                matmul_precision=args.matmul_precision)
     if args.tt_tables:
         config = dataclasses.replace(config, tt_tables=args.tt_tables, tt_ranks=(args.tt_rank, args.tt_rank))
+    if args.host_tables:
+        if args.tt_tables or mesh is not None:
+            raise SystemExit("--host-tables runs on one device without --tt-tables")
+        config = dataclasses.replace(config, host_tables=args.host_tables, cache_load_factor=args.cache_load_factor)
     model = DLRM(config, mesh=mesh)
     tt_args = (args.tt_lr, args.tt_opt) if args.tt_tables else (None, "rowwise_adagrad")
     built = build(model, args.lr, args.emb_lr, *tt_args, dense_opt=args.dense_opt)
@@ -524,8 +533,8 @@ def main(argv=None) -> dict:
     peak_init = peak_memory()
     n_dense = sum(x.size for x in jax.tree_util.tree_leaves(state.dense_params))
     tbe_params = state.emb_params if model.tt is None else state.emb_params["tbe"]
-    n_emb = sum(x.size for x in tbe_params.values())
-    if mesh is not None:  # the sharded storage pads each device's buffers: count the tables' own rows
+    n_emb = sum(x.size for x in jax.tree_util.tree_leaves(tbe_params))
+    if mesh is not None or args.host_tables:  # sharded storage pads, a cache repeats rows: the tables' own rows
         n_emb = sum(t.num_embeddings * t.embedding_dim for t in emb.tables)
     mem = model.table_bytes()
     arch = ("DCN v2: bottom MLP, x0 = [bottom, 26 pooled] of width "
