@@ -9,6 +9,8 @@ from tbe_jax.optim import (
     SGD, Adagrad, AdagradState, Adam, AdamState, Lamb, Optimizer, PartialRowwiseAdam,
     PartialRowwiseLamb, RowwiseAdagrad, RowwiseAdagradState, SGDState,
 )
+from tbe_jax.host_cache import HostCachedEmbedding
+from tbe_jax.placement import plan_locations
 from tbe_jax.quant import QuantizedTableBatchedEmbedding, quantize
 from tbe_jax.sharding import ShardedTableBatchedEmbedding, ShardingPlan, plan_sharding, shard
 from tbe_jax.specs import TableSpec
@@ -18,8 +20,8 @@ from tbe_jax.vbe import VariableBatchSizes
 
 __all__ = [
     "Adagrad", "AdagradState", "Adam", "AdamState", "BackwardConfig", "BoundsReport", "ForwardConfig",
-    "HistogramConfig", "Lamb", "Optimizer", "PartialRowwiseAdam", "PartialRowwiseLamb", "QuantizedTableBatchedEmbedding", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "ShardedTableBatchedEmbedding", "ShardingPlan", "SparseLookup",
-    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "plan_sharding",
+    "HistogramConfig", "HostCachedEmbedding", "Lamb", "Optimizer", "PartialRowwiseAdam", "PartialRowwiseLamb", "QuantizedTableBatchedEmbedding", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "ShardedTableBatchedEmbedding", "ShardingPlan", "SparseLookup",
+    "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "plan_locations", "plan_sharding",
     "quantize", "shard", "train_step",
 ]
 __version__ = "0.2.0"

@@ -163,11 +163,9 @@ def shard_core(core, mesh, axis_name: str = "data", plan=None, capacity=None):
 
 
 def opt_init(core, opt, params):
-    """A sparse layer's optimizer state for `params`: `opt.init(params)`, or for a sharded core its
-    `init_opt_state` (the state sharded like the params, on the mesh)."""
-    if is_sharded(core):
-        return core.init_opt_state(params, opt)
-    return opt.init(params)
+    """A sparse layer's optimizer state for `params`: the core's `init_opt_state` (a sharded core's is sharded
+    like the params; tables in host memory keep their state there, a cache's has its rows)."""
+    return core.init_opt_state(params, opt)
 
 
 @functools.lru_cache(maxsize=256)

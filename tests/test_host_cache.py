@@ -273,3 +273,73 @@ def test_host_buffers_stay_in_pinned_host_memory_under_jit():
     kinds = {k: params[k].sharding.memory_kind for k in host}
     assert all(v == "pinned_host" for v in kinds.values()), kinds
     assert all(state.momentum[k].sharding.memory_kind == "pinned_host" for k in host)
+
+
+def test_plan_locations_moves_the_coldest_bytes_first():
+    specs = [tbe_jax.TableSpec(1000, 16, name="hot"), tbe_jax.TableSpec(100_000, 16, name="big"),
+             tbe_jax.TableSpec(50_000, 16, name="mid"), tbe_jax.TableSpec(10, 16, name="tiny")]
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
+    row = 16 * 2 + 4
+    dev = [s.num_embeddings * row for s in specs]
+    got = tbe_jax.plan_locations(specs, sum(dev), weights_dtype="float16", optimizer=opt)
+    assert [s.location for s in got] == ["device"] * 4  # everything fits
+    got = tbe_jax.plan_locations(specs, sum(dev) - 1, weights_dtype="float16", optimizer=opt)
+    assert [s.location for s in got] == ["device", "host_cached", "device", "device"]  # the largest goes first
+    # lookups make "mid" the coldest per byte: it goes before "big"
+    got = tbe_jax.plan_locations(specs, sum(dev) - 1, weights_dtype="float16", optimizer=opt,
+                                 lookups=[10, 100, 1, 1])
+    assert [s.location for s in got] == ["device", "device", "host_cached", "device"]
+    got = tbe_jax.plan_locations(specs, 0, weights_dtype="float16", optimizer=opt)
+    assert [s.location for s in got] == ["host"] * 4
+    budget = 400_000
+    got = tbe_jax.plan_locations(specs, budget, weights_dtype="float16", optimizer=opt)
+    used = sum(tbe_jax.placement.hbm_bytes(s, s.location, itemsize=2, optimizer=opt) for s in got)
+    assert used <= budget and "host_cached" in [s.location for s in got]
+    emb = tbe_jax.TableBatchedEmbedding(got, weights_dtype=jnp.float16, impl=XLA)  # a model built from the plan
+    assert emb.init(jax.random.key(0))["cache"]["slot_of_row"].shape[0] > 0
+
+
+def test_demo_with_host_tables_learns_as_the_all_device_model():
+    from examples.dlrm import train
+
+    args = ["--size", "tiny", "--steps", "20", "--eval-quantized", "", "--time-steps", "0"]
+    dev = train.main(args)
+    host = train.main(args + ["--host-tables", "3", "--cache-load-factor", "0.3"])
+    assert abs(host["auc_after"] - dev["auc_after"]) < 1e-3
+    assert host["auc_after"] > host["auc_before"] + 0.05
+
+
+def test_linen_layer_with_host_tables_trains_as_the_all_device_one():
+    nn = pytest.importorskip("flax.linen")
+    from tbe_jax.linen import FUSED_COLLECTION, TableBatchedEmbed
+    from tbe_jax.linen import train_step as linen_step
+
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.2)
+
+    def model(specs):
+        class M(nn.Module):
+            @nn.compact
+            def __call__(self, idx, off):
+                return TableBatchedEmbed(specs, feature_table_map=FMAP, impl=XLA, optimizer=opt,
+                                         cache_load_factor=0.5, cache_ways=4, name="embed")(idx, off)
+        return M()
+
+    m, r = model(_specs()), model(_specs(("device",) * 4))
+    rng = np.random.default_rng(11)
+    idx, off, _ = _batch(rng, hot=20)
+    v = m.init(jax.random.key(0), idx, off)
+    core, rcore = TableBatchedEmbed(_specs(), feature_table_map=FMAP, impl=XLA, cache_load_factor=0.5,
+                                    cache_ways=4).tbe, TableBatchedEmbed(_specs(("device",) * 4),
+                                                                         feature_table_map=FMAP, impl=XLA).tbe
+    rv = r.init(jax.random.key(0), idx, off)
+    rv[FUSED_COLLECTION]["embed"]["embedding"] = rcore.set_tables(
+        None, core.get_tables(v[FUSED_COLLECTION]["embed"]["embedding"]))
+    # the layer's tables prefetched through its core (with the state): then trained by the helper
+    fused = v[FUSED_COLLECTION]["embed"]
+    fused["embedding"], fused["opt_state"] = core.prefetch(fused["embedding"], idx, off, opt_state=fused["opt_state"])
+    for vv, mm in ((v, m), (rv, r)):
+        res = linen_step(lambda var, i, o, mm=mm: jnp.sum(jnp.tanh(mm.apply(var, i, o))), vv, idx, off)
+        vv.update(res.variables)
+    for a, b in zip(core.get_tables(v[FUSED_COLLECTION]["embed"]["embedding"]),
+                    rcore.get_tables(rv[FUSED_COLLECTION]["embed"]["embedding"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
+
+import numpy as np
+
+import tbe_jax
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -42,7 +47,7 @@ def test_sharding_snippet_runs():
     ns: dict = {}
     (code,) = _section_code("### Several GPUs: `tbe_jax.shard`")
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102
-    assert [t.shape for t in ns["tables"]] == [(1000, 16), (50, 16), (300, 8)]
+    assert [t.shape for t in ns["sharded"].get_tables(ns["params"])] == [(1000, 16), (50, 16), (300, 8)]
     assert int(ns["opt_state"].count) == 1 and float(ns["loss"]) > 0
 
 
@@ -61,3 +66,14 @@ def test_quickstart_and_tt_snippets_run():
     ns = {}
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102
     assert ns["out"].shape == (2, 32)
+
+
+def test_host_memory_snippet_runs():
+    ns: dict = {}
+    (code,) = _section_code("### Tables larger than the GPU's memory")
+    exec(compile(code, str(README), "exec"), ns)  # noqa: S102
+    emb = ns["emb"]
+    assert ns["out"].shape == (1, 48) and int(emb.cache_stats(ns["params"])["fills"]) == 2
+    dev = tbe_jax.TableBatchedEmbedding([dataclasses.replace(t, location="device") for t in emb.tables])
+    ref = dev(dev.set_tables(None, emb.get_tables(ns["params"])), ns["indices"], ns["offsets"])
+    np.testing.assert_allclose(np.asarray(ns["out"]), np.asarray(ref), rtol=1e-6, atol=1e-7)
