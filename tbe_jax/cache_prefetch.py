@@ -51,8 +51,11 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     tick = d["tick"] + 1
     hslot = jnp.where(hit, slot, c_total)
     score = d["score"]
-    score = score.at[hslot].add(uses, mode="drop") if emb.cache_policy == "lfu" else \
-        score.at[hslot].set(tick, mode="drop")
+    if emb.cache_policy == "lfu":  # lookups since the fill, saturating (a hot row stays hot, never wraps)
+        hot = score[jnp.minimum(hslot, c_total - 1)]
+        score = score.at[hslot].set(hot + jnp.minimum(uses, NEVER - 1 - hot), mode="drop")
+    else:
+        score = score.at[hslot].set(tick, mode="drop")
     stamp = d["stamp"].at[hslot].set(tick, mode="drop")
 
     # each miss: its set, its rank among the batch's misses of that set, the victim way of that rank

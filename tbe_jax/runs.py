@@ -80,17 +80,22 @@ def row_parity(dim: int) -> int:
 def width_classes(layout: StorageLayout) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The storage buffers grouped by width class `next_pow2(D)`: `((width, buffers), ...)`,
     widths ascending; each class's buffers by `row_parity` of their stored row length (`layout.strides`,
-    descending), then in layout order.
+    descending), then in layout order. Buffers in host memory (`layout.locations`) form classes of their own,
+    after every device class (a kernel launch never aliases host and device buffers together: XLA refuses to
+    return such a launch's device outputs, error E1200).
 
     The key space concatenates the buffers in this order (`group_bases`), so every
     class's rows, hence its runs and its mid/long task lists, form one contiguous
     range, and so do the rows of its buffers of one parity: the backward serves each
     (class, parity) with one launch per kernel kind.
     """
-    widths = sorted({next_pow2(d) for d in layout.dims})
-    return tuple((w, tuple(sorted((g for g, d in enumerate(layout.dims) if next_pow2(d) == w),
-                                  key=lambda g: -row_parity(layout.strides[g]))))
-                 for w in widths)
+    out = []
+    for loc in ("device", "host"):  # buffers in host memory after the device's: each launch serves one kind
+        mine = [g for g in range(len(layout.dims)) if layout.locations[g] == loc]
+        for w in sorted({next_pow2(layout.dims[g]) for g in mine}):
+            out.append((w, tuple(sorted((g for g in mine if next_pow2(layout.dims[g]) == w),
+                                        key=lambda g: -row_parity(layout.strides[g])))))
+    return tuple(out)
 
 
 def group_bases(layout: StorageLayout) -> np.ndarray:

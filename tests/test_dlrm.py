@@ -372,3 +372,13 @@ def test_dcnv2_trains_toward_the_oracle_and_its_cross_layer(tmp_path):
         assert z["indices"].shape == (256 * 214,) and z["indices"].dtype == np.int32
         assert z["offsets"].shape == (26 * 256 + 1,) and z["offsets"][-1] == 256 * 214
         assert z["dense"].shape == (256, 13) and z["labels"].shape == (256,) and z["labels"].dtype == np.float32
+
+
+def test_demo_with_host_tables_learns_as_the_all_device_model():
+    # here, not in test_host_cache.py: the demo's programs compile in this file's worker only (two xdist
+    # workers writing one persistent-cache entry at once crashed the process)
+    args = ["--size", "tiny", "--steps", "20", "--eval-quantized", "", "--time-steps", "0"]
+    dev = train.main(args)
+    host = train.main(args + ["--host-tables", "3", "--cache-load-factor", "0.3"])
+    assert abs(host["auc_after"] - dev["auc_after"]) < 1e-3
+    assert host["auc_after"] > host["auc_before"] + 0.05

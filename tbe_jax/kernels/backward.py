@@ -128,7 +128,6 @@ def fused_update(
     # segments measured slower (dims-trace-20261201-0907-onelaunch vs -0914-segments).
     segs = run_segments(layout, config)
     buffers = [g for seg in segs for g in seg.buffers]
-    width = max(seg.width for seg in segs)
 
     def aliased(kernel, name, grid, args, buffers=buffers, compiler_params=params, extra=()):
         """Launch `kernel` with the state of `buffers` aliased in place; `extra`: more outputs (shapes) after the
@@ -170,13 +169,19 @@ def fused_update(
                 sum(programs), [rng, hyper, runs.run_start, runs.run_key] + common,
                 [g for seg in group for g in seg.buffers],
                 plgpu.CompilerParams(num_warps=max(warps), num_stages=1))
-    part_shape = jax.ShapeDtypeStruct((max_chunks, width), jnp.float32)
     p_mc = max(p_mid, p_long)
-    part, = aliased(functools.partial(mid_chunk_kernel, opt=opt, segs=segs, k=k, programs=p_mc, scaled=scaled,
-                                      prefetch=prefetch, align=align, long_run=long_run),
-                    "tbe_backward_mid_runs_chunks", p_mc,
-                    [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
-                    extra=[part_shape])
-    aliased(functools.partial(long_kernel, opt=opt, segs=segs, programs=p_long),
-            "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part])
+    # One mid/chunk launch and one long-run launch per memory kind (device segments, then host ones: each kind's
+    # segments are contiguous in key order, `runs.width_classes`); a device-only model has one of each.
+    for loc in dict.fromkeys(seg.location for seg in segs):
+        mine = tuple(seg for seg in segs if seg.location == loc)
+        bufs = [g for seg in mine for g in seg.buffers]
+        part_shape = jax.ShapeDtypeStruct((max_chunks, max(seg.width for seg in mine)), jnp.float32)
+        part, = aliased(functools.partial(mid_chunk_kernel, opt=opt, segs=mine, k=k, programs=p_mc, scaled=scaled,
+                                          prefetch=prefetch, align=align, long_run=long_run),
+                        "tbe_backward_mid_runs_chunks", p_mc,
+                        [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
+                        bufs, extra=[part_shape])
+        aliased(functools.partial(long_kernel, opt=opt, segs=mine, programs=p_long),
+                "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part],
+                bufs)
     return new_w, new_s

@@ -44,6 +44,7 @@ class RunSegment:
     bases: tuple[int, ...]  # their first keys (ascending)
     ends: tuple[int, ...]  # one past their last keys
     strides: tuple[int, ...]  # their stored row lengths (`StorageLayout.strides`)
+    location: str = "device"  # where its buffers live (`StorageLayout.locations`): one kind per segment
 
     @property
     def single(self) -> bool:
@@ -74,10 +75,10 @@ class RunSegment:
 
 def small_launches(segs, merge_width: int) -> list[tuple[RunSegment, ...]]:
     """The segments (ascending width) grouped by small-run launch: each segment of width `merge_width` or less
-    joins the launch of the segment before it."""
+    joins the launch of the segment before it, if that one's buffers live in the same memory."""
     groups = []
     for seg in segs:
-        if groups and seg.width <= merge_width:
+        if groups and seg.width <= merge_width and groups[-1][-1].location == seg.location:
             groups[-1] += (seg,)
         else:
             groups.append((seg,))
@@ -110,7 +111,7 @@ def run_segments(layout: StorageLayout, config: BackwardConfig) -> list[RunSegme
                 segs.append(RunSegment(len(segs), w, part, tuple(layout.dims[g] for g in part),
                                      tuple(int(bases[g]) for g in part),
                                      tuple(int(bases[g]) + layout.group_rows[g] for g in part),
-                                     tuple(layout.strides[g] for g in part)))
+                                     tuple(layout.strides[g] for g in part), layout.locations[part[0]]))
     return segs
 
 
