@@ -240,14 +240,15 @@ def test_checkpoint_round_trip(tmp_path):
     params, state = emb.prefetch(params, idx, off, opt_state=state)
     g = jnp.ones(emb(params, idx, off).shape, jnp.float32)
     params, state = emb.apply_gradients(params, state, opt, idx, off, g)
-    ck = ocp.StandardCheckpointer()
-    ck.save(tmp_path / "c", {"p": params, "s": state})
-    ck.wait_until_finished()
-    back = ck.restore(tmp_path / "c", jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), {"p": params, "s": state}))
+    # closed on leaving (an open checkpointer keeps threads that outlive the test)
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "c", {"p": params, "s": state})
+        ck.wait_until_finished()
+        back = ck.restore(tmp_path / "c", jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), {"p": params, "s": state}))
     for a, b in zip(emb.get_tables(back["p"]), emb.get_tables(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for a, b in zip(emb.get_momentum(back["s"]), emb.get_momentum(params and state)):
+    for a, b in zip(emb.get_momentum(back["s"]), emb.get_momentum(state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
