@@ -169,3 +169,19 @@ _HEAVY_FIRST = ("test_backward.py", "test_sharding.py", "test_tt_grad.py", "test
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: within a file, the written order
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test file, drop JAX's compiled programs (`jax.clear_caches`).
+
+    Each compiled XLA:CPU program keeps a few memory mappings of JIT code until it is freed; a worker that keeps
+    every program of its share of the suite passed the kernel's limit of 65,530 mappings (`vm.max_map_count`)
+    and crashed inside XLA (a segfault or abort while compiling or serializing a program, 2026-12-05). Programs
+    are shared within a file (`--dist loadfile`), rarely across files; the persistent cache reloads them.
+    """
+    yield
+    jax.clear_caches()
+    import gc
+
+    gc.collect()
