@@ -375,8 +375,6 @@ def test_dcnv2_trains_toward_the_oracle_and_its_cross_layer(tmp_path):
 
 
 def test_demo_with_host_tables_learns_as_the_all_device_model():
-    # here, not in test_host_cache.py: the demo's programs compile in this file's worker only (two xdist
-    # workers writing one persistent-cache entry at once crashed the process)
     args = ["--size", "tiny", "--steps", "20", "--eval-quantized", "", "--time-steps", "0"]
     dev = train.main(args)
     host = train.main(args + ["--host-tables", "3", "--cache-load-factor", "0.3"])
