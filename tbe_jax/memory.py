@@ -36,8 +36,8 @@ def to_host(x):
 
     Concrete arrays are copied there; under a trace this is the in-program placement of the value (the
     output of the program stays in host memory)."""
-    if not host_memory():  # a copy: a donated view of NumPy memory would let XLA write into memory NumPy frees
-        return jax.numpy.array(x)
+    if not host_memory():
+        return jax.numpy.asarray(x)
     if on_host(x):
         return x
     return jax.device_put(x, host_sharding())

@@ -287,9 +287,7 @@ class TableBatchedEmbedding:
 
     def set_tables(self, params: dict | None, tables: Sequence[jax.Array]) -> dict:
         """Params holding `tables` (one `[E_t, D_t]` array per table), cast to weights_dtype."""
-        # copies (`jnp.array`), never views of the caller's NumPy memory: the buffers get donated to in-place
-        # updates, and a donated view would let XLA write into memory NumPy frees
-        return self.pack([jnp.array(arr, self.weights_dtype) for arr in checked_tables(self.tables, tables)])
+        return self.pack([jnp.asarray(arr, self.weights_dtype) for arr in checked_tables(self.tables, tables)])
 
     def pack(self, per_table: Sequence[jax.Array]) -> dict:
         """Storage buffers from one array per table (`[E_t, D_t]`, or `[E_t]` for a row-wise state field):
