@@ -76,26 +76,31 @@ def route(emb, facts: Facts, directory, indices, offsets, per_sample_weights, tr
 
     # the second block: the cached features' bags, packed after offsets[-1]
     j = len(facts.cached)
-    starts = jnp.stack([offsets[plan.bag_base[f]] for f in facts.cached]) if j else jnp.zeros((0,), offsets.dtype)
-    ends = jnp.stack([offsets[plan.bag_base[f] + plan.batch[f]] for f in facts.cached]) if j else starts
-    cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((ends - starts).astype(jnp.int32))])
+    # static per cached feature: its first bag and bag count; per second-block bag: its bag and its feature's rank
+    first_bag = np.asarray([plan.bag_base[f] for f in facts.cached], np.int32)
+    nbags = np.asarray([plan.batch[f] for f in facts.cached], np.int32)
+    bag_of = np.concatenate([np.arange(b, b + k, dtype=np.int32) for b, k in zip(first_bag, nbags)] +
+                            [np.zeros((0,), np.int32)])
+    rank_of = np.repeat(np.arange(j, dtype=np.int32), nbags)
+    starts = offsets[jnp.asarray(first_bag)].astype(jnp.int32)  # one gather each, whatever the feature count
+    ends = offsets[jnp.asarray(first_bag + nbags)].astype(jnp.int32)
+    cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ends - starts)])
     base2 = offsets[-1].astype(jnp.int32)
     p = jnp.arange(2 * n, dtype=jnp.int32)
     q = p - base2
-    k = jnp.sum(q[:, None] >= cum[None, 1:], axis=1, dtype=jnp.int32) if j else jnp.zeros_like(q)
+    if j <= 64:  # each position's cached feature: compares against the features' ends, or a sorted search
+        k = jnp.sum(q[:, None] >= cum[None, 1:], axis=1, dtype=jnp.int32) if j else jnp.zeros_like(q)
+    else:
+        k = jnp.searchsorted(cum[1:], q, side="right", method="sort").astype(jnp.int32)
     kc = jnp.minimum(k, max(j - 1, 0))
     second = (q >= 0) & (q < cum[-1]) if j else jnp.zeros_like(q, bool)
     src2 = (starts[kc].astype(jnp.int32) + q - cum[kc]) if j else q
     src = jnp.where(p < base2, p, jnp.where(second, src2, -1))
     srcc = jnp.clip(src, 0, max(n - 1, 0))
     ids = jnp.where(src < 0, -1, jnp.where(p < base2, id_cache[srcc], id_host[srcc])) if n else indices
-    pieces = [offsets[:-1].astype(jnp.int32)]
-    for i, f in enumerate(facts.cached):
-        b0 = plan.bag_base[f]
-        pieces.append(offsets[b0 : b0 + plan.batch[f]].astype(jnp.int32) - starts[i].astype(jnp.int32) + base2
-                      + cum[i])
-    pieces.append((base2 + cum[-1])[None])
-    inner_off = jnp.concatenate(pieces)
+    rank = jnp.asarray(rank_of)
+    second_off = offsets[jnp.asarray(bag_of)].astype(jnp.int32) - starts[rank] + base2 + cum[rank]
+    inner_off = jnp.concatenate([offsets[:-1].astype(jnp.int32), second_off, (base2 + cum[-1])[None]])
     psw = None
     if per_sample_weights is not None and n:
         psw = jnp.where(src >= 0, per_sample_weights[srcc], 0.0)

@@ -334,3 +334,22 @@ def test_linen_layer_with_host_tables_trains_as_the_all_device_one():
     for a, b in zip(core.get_tables(v[FUSED_COLLECTION]["embed"]["embedding"]),
                     rcore.get_tables(rv[FUSED_COLLECTION]["embed"]["embedding"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_many_features_of_cached_tables():
+    # 70 features reading cached tables: the sorted search that places the second block's positions
+    specs = [tbe_jax.TableSpec(40, 4, location="host_cached"), tbe_jax.TableSpec(30, 4)]
+    fmap = [i % 2 for i in range(140)]
+    emb = tbe_jax.TableBatchedEmbedding(specs, feature_table_map=fmap, impl=XLA, cache_load_factor=0.5,
+                                        cache_ways=4)
+    ref = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, location="device") for s in specs],
+                                        feature_table_map=fmap, impl=XLA)
+    rng = np.random.default_rng(2)
+    lens = rng.integers(0, 3, 140 * 2)
+    off = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    idx = jnp.asarray(rng.integers(0, 30, int(lens.sum())).astype(np.int32))
+    params = emb.init(jax.random.key(0))
+    rparams = ref.set_tables(None, emb.get_tables(params))
+    params = emb.prefetch(params, idx, off)
+    np.testing.assert_allclose(np.asarray(emb(params, idx, off)), np.asarray(ref(rparams, idx, off)),
+                               rtol=1e-6, atol=1e-6)
