@@ -2,13 +2,10 @@
 
     python -m benchmarks.probe_host_steps
 """
-import functools
 import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import tbe_jax
 
 

@@ -53,19 +53,19 @@ class HostCachedEmbedding(TableBatchedEmbedding):
     Built by `TableBatchedEmbedding(tables, ...)` when a table has `location="host_cached"`: the same API, plus
     `prefetch` and `cache_stats`. `inner` is the `TableBatchedEmbedding` of its storage (each cached table's cache
     and host parts, the other tables as given); `layout` is `inner.layout` (the buffers of `params`, besides
-    `params["cache"]`); `cache_layout` the cached tables' sets and slots.
+    `params["cache"]`); `cache_layout` the cached tables' sets and slots; `inner_of[t]` table t's inner table
+    (a cached table's cache part).
     """
 
     def __init__(self, tables, **kwargs):
         super().__init__(tables, **kwargs)
         if self.pooling == "none" and len({t.embedding_dim for t in self.tables}) != 1:
             raise ValueError('pooling="none" needs every table to have one embedding_dim')
-        inner_tables, self.cache_layout, inner_of = split_tables(self.tables, self.cache_load_factor,
-                                                                self.cache_ways)
+        inner_tables, self.cache_layout, self.inner_of = split_tables(self.tables, self.cache_load_factor,
+                                                                     self.cache_ways)
         cl = self.cache_layout
         extra = [cl.host_part[cl.tables.index(t)] for t in self.feature_table_map if t in cl.tables]
-        fmap = tuple(inner_of[t] for t in self.feature_table_map) + tuple(extra)
-        self.cached_features = tuple(f for f, t in enumerate(self.feature_table_map) if t in cl.tables)
+        fmap = tuple(self.inner_of[t] for t in self.feature_table_map) + tuple(extra)
         self.inner = TableBatchedEmbedding(
             inner_tables, feature_table_map=fmap, pooling=self.pooling, weights_dtype=self.weights_dtype,
             output_dtype=jnp.float32, bounds_check="ignore", impl=self.impl, interpret=self.interpret,
@@ -129,26 +129,22 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         """Per table its `[E_t, D_t]` rows: a cached table's host rows with the cache's rows over them."""
         self.check_params(params, check_dtype=False)
         parts = self.inner.get_tables(self.inner_params(params))
-        return [self._merged(params[CACHE]["row_of_slot"], parts, t, lambda i: parts[i])
-                for t in range(len(self.tables))]
+        return [self._merged(params[CACHE]["row_of_slot"], parts, t) for t in range(len(self.tables))]
 
-    def _merged(self, slot_rows, parts, t, part):
+    def _merged(self, slot_rows, parts, t):
         """Table t's values: a plain table's inner table, a cached one's host part with its cached rows over it
-        (`part(i)`: inner table i's per-row values, rows or a state field)."""
+        (`parts`: per inner table its per-row values, rows or a state field)."""
         cl = self.cache_layout
         if t not in cl.tables:
-            return part(self._inner_of(t))
+            return parts[self.inner_of[t]]
         i = cl.tables.index(t)
-        base = memory.to_numpy(part(cl.host_part[i])).copy()
-        cache = memory.to_numpy(part(cl.cache_part[i]))
+        base = memory.to_numpy(parts[cl.host_part[i]]).copy()
+        cache = memory.to_numpy(parts[cl.cache_part[i]])
         s0, s1 = int(cl.base("slots")[i]), int(cl.base("slots")[i + 1])
         rows = memory.to_numpy(slot_rows)[s0:s1] - int(cl.base("rows")[i])
         live = rows >= 0
         base[rows[live]] = cache[np.flatnonzero(live)]
         return base
-
-    def _inner_of(self, t: int) -> int:
-        return split_tables(self.tables[: t + 1], self.cache_load_factor, self.cache_ways)[2][t]
 
     def set_tables(self, params, tables) -> dict:
         """Params holding `tables` (in their host parts; the cache empty), cast to weights_dtype."""
@@ -161,7 +157,7 @@ class HostCachedEmbedding(TableBatchedEmbedding):
                 inner[cl.host_part[i]] = arr
                 inner[cl.cache_part[i]] = np.zeros((cl.slots[i], self.tables[t].embedding_dim), self.weights_dtype)
             else:
-                inner[self._inner_of(t)] = arr
+                inner[self.inner_of[t]] = arr
         return {**self.inner.set_tables(None, inner), CACHE: self.empty_cache()}
 
     def init_opt_state(self, params, opt):
@@ -188,7 +184,7 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         them."""
         parts = self.inner.get_state(self.inner_state(opt_state), name)
         rows = getattr(opt_state, name)[STATE_ROWS]
-        return [self._merged(rows, parts, t, lambda i: parts[i]) for t in range(len(self.tables))]
+        return [self._merged(rows, parts, t) for t in range(len(self.tables))]
 
     def written_buffers(self) -> frozenset:
         """The keys of `params` a prefetch writes: the cache directory and the buffers of the cached tables' two
