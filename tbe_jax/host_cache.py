@@ -138,7 +138,8 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         if t not in cl.tables:
             return parts[self.inner_of[t]]
         i = cl.tables.index(t)
-        base = memory.to_numpy(parts[cl.host_part[i]]).copy()
+        base = memory.to_numpy(parts[cl.host_part[i]])
+        base = base if base.flags.writeable else base.copy()  # a host buffer's rows come back as a fresh array
         cache = memory.to_numpy(parts[cl.cache_part[i]])
         s0, s1 = int(cl.base("slots")[i]), int(cl.base("slots")[i + 1])
         rows = memory.to_numpy(slot_rows)[s0:s1] - int(cl.base("rows")[i])

@@ -9,7 +9,10 @@ buffer is an ordinary array: the same programs, a second buffer.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 HOST_KIND = "pinned_host"
@@ -51,14 +54,41 @@ def keep_on_host(x):
 
 
 def to_numpy(x) -> np.ndarray:
-    """A concrete array's values on the host (a pinned host array is read without a device copy)."""
+    """A concrete array's values on the host, as a NumPy array. Never a view of a pinned host array: jaxlib caches
+    the NumPy view of such an array on the array itself, and that view (an external reference) makes every later
+    donation of the array fail ("Donation requested for buffer with external reference"), the next prefetch or
+    step included. Host buffers are therefore read through a device copy of their rows (`rows`)."""
+    if on_host(x):
+        return rows(x, 0, x.shape[0])
     return np.asarray(jax.device_get(x))
+
+
+READ_CHUNK_BYTES = 1 << 28  # rows of a host buffer read per device copy (`rows`): 256 MiB of HBM at a time
 
 
 def rows(buf, start: int, count: int):
     """Rows `[start, start + count)` of a storage buffer: a slice of the array, or, for a buffer in host memory,
-    a NumPy array of those rows (read on the host: XLA cannot slice a pinned host array, and the rows of a table
-    larger than the GPU's memory must not come back through it)."""
+    a NumPy array of those rows, copied by a kernel into HBM `READ_CHUNK_BYTES` at a time and from there to the
+    host (XLA cannot slice a pinned host array, the rows of a table larger than the GPU's memory must not come
+    back through it at once, and a NumPy view would block the buffer's donation: `to_numpy`)."""
     if not on_host(buf):
         return buf[start : start + count]
-    return to_numpy(buf)[start : start + count]
+    out = np.empty((count,) + tuple(buf.shape[1:]), buf.dtype)
+    row_bytes = max(1, buf.dtype.itemsize * int(np.prod(buf.shape[1:], dtype=np.int64)))
+    chunk = max(1, min(count, READ_CHUNK_BYTES // row_bytes))
+    chunk = 1 << (chunk.bit_length() - 1) if chunk < count else chunk  # few distinct programs
+    for s in range(0, count, chunk):
+        n = min(chunk, count - s)
+        out[s : s + n] = np.asarray(_read_rows(buf, np.int32(start + s), count=chunk))[:n]
+    return out
+
+
+@functools.partial(jax.jit, static_argnames="count")
+def _read_rows(buf, start, *, count: int):
+    """`count` rows of the host buffer `buf` from row `start` (rows past its end: zeros), in device memory."""
+    from tbe_jax.kernels.copy_rows import copy_rows  # the kernels import this module's neighbours
+
+    ids = start + jnp.arange(count, dtype=jnp.int32)
+    src = jnp.where(ids < buf.shape[0], ids, -1)
+    dst = jnp.zeros((count,) + tuple(buf.shape[1:]), buf.dtype)
+    return copy_rows(dst, buf, jnp.arange(count, dtype=jnp.int32), src, kernel=True)

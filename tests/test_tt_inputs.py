@@ -198,7 +198,8 @@ def test_default_mode_clamps_offsets(impl, pooling):
         got = emb.apply_gradients(params, state, opt, idx, off, g)
         want = emb.apply_gradients(params, state, opt, idx, clamped, g)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            # one ulp apart on the GPU (XLA fuses the mean's division differently for the two offset arrays)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-7, atol=1e-7)
 
 
 # -- "fatal" ---------------------------------------------------------------------------------------------------
