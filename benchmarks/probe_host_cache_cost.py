@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tbe_jax
+from benchmarks import common
 from tbe_jax import memory
 
 
@@ -138,6 +139,18 @@ def part_b(args):
                 ms, carry = _time(jf, carry, sets, args.iters)
             st = [int(v) for v in emb.cache_stats(carry[0]).values()]
             print(f"B {name}: {ms:.3f} ms per call (stats {st})", flush=True)
+            if args.profile and not outs:
+                box = [carry]
+
+                def run(i, jf=jf):
+                    box[0] = jf(*box[0], *sets[i % len(sets)])
+                    return box[0]
+
+                total, names = common.device_ms(run, args.iters, top=10)
+                carry = box[0]
+                print(f"B {name}: device {total:.3f} ms per call; largest:", flush=True)
+                for k, v in names.items():
+                    print(f"      {v:.4f} ms  {k[:100]}", flush=True)
         except Exception as e:  # noqa: BLE001
             tb = "".join(traceback.format_tb(e.__traceback__)[-4:]).replace("\n", " | ")[-600:]
             print(f"B {name}: FAIL {type(e).__name__}: {str(e)[:400]} at {tb}", flush=True)
@@ -155,6 +168,7 @@ def main(argv=None):
     ap.add_argument("--tables", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--profile", action="store_true", help="each program's largest kernels (device time)")
     args = ap.parse_args(argv)
     print(jax.devices(), jax.__version__, flush=True)
     if memory.host_memory():

@@ -19,6 +19,13 @@ def set_hash(rows):
     return (rows.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)) >> jnp.uint32(7)
 
 
+def fill_cap(emb, n: int) -> int:
+    """How many of a batch's misses (`n` lookups) a prefetch may fill: `emb.cache_max_fills`, by default 1/16 of
+    the lookups (at least 1024); never more than the lookups or the cache's slots. Static."""
+    cap = emb.cache_max_fills or max(1024, n // 16)
+    return max(1, min(cap, n, emb.cache_layout.total_slots))
+
+
 def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     emb.check_params(params)
     plan, indices, offsets, _ = inputs.validated(emb, params, indices, offsets, None, bpf)
@@ -48,6 +55,7 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     slot = jnp.where(first, d["slot_of_row"][row], -1)
     hit = first & (slot >= 0)
     miss = first & (slot < 0)
+    requested, hits = jnp.sum(first, dtype=jnp.int32), jnp.sum(hit, dtype=jnp.int32)
     tick = d["tick"] + 1
     hslot = jnp.where(hit, slot, c_total)
     score = d["score"]
@@ -57,6 +65,14 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     else:
         score = score.at[hslot].set(tick, mode="drop")
     stamp = d["stamp"].at[hslot].set(tick, mode="drop")
+
+    # the misses, compacted: the first `m` in row order go on (`fill_cap`); the rest stay in host memory
+    m = fill_cap(emb, n)
+    mpos = jnp.cumsum(miss.astype(jnp.int32)) - 1
+    src = jnp.zeros((m,), jnp.int32).at[jnp.where(miss & (mpos < m), mpos, m)].set(
+        jnp.arange(n, dtype=jnp.int32), mode="drop")
+    miss = jnp.arange(m, dtype=jnp.int32) < jnp.sum(miss, dtype=jnp.int32)
+    row, uses, n = jnp.where(miss, row[src], 0), uses[src], m
 
     # each miss: its set, its rank among the batch's misses of that set, the victim way of that rank
     t = jnp.sum(row[:, None] >= jnp.asarray(cl.base("rows")[1:-1].astype(np.int32))[None, :], axis=1,
@@ -88,8 +104,7 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     inner_p = emb.inner_params(params)
     inner_s = None if opt_state is None else emb.inner_state(opt_state)
     inner_p, inner_s = move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok)
-    stats = jnp.stack([jnp.sum(first, dtype=jnp.int32), jnp.sum(hit, dtype=jnp.int32),
-                       jnp.sum(ok, dtype=jnp.int32), jnp.sum(back, dtype=jnp.int32)])
+    stats = jnp.stack([requested, hits, jnp.sum(ok, dtype=jnp.int32), jnp.sum(back, dtype=jnp.int32)])
 
     gone = jnp.where(ok & (old >= 0), old, r_total)
     d["slot_of_row"] = d["slot_of_row"].at[gone].set(-1, mode="drop").at[jnp.where(ok, row, r_total)].set(
@@ -134,10 +149,19 @@ def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
         wb_dst = jnp.where(mine & back, h_old, -1)
         fill_src = jnp.where(mine, h_new, -1)
         kc, kh = lay.key(pair[0]), lay.key(pair[1])
+        live = jnp.arange(c_rows.shape[0], dtype=jnp.int32)
         for tree in [inner_p] + [slots[f] for f in slot_fields]:
-            tree[kh] = memory.keep_on_host(copy_rows(tree[kh], tree[kc], wb_dst, c_rows, kernel=kernel,
-                                                     interpret=emb.interpret))
-            tree[kc] = copy_rows(tree[kc], tree[kh], c_rows, fill_src, kernel=kernel, interpret=emb.interpret)
+            # The changed victims' rows are staged in HBM, the misses fill their slots, then the staged rows go to
+            # the host part. Each copy takes what the previous one made (`after`), so XLA keeps this order and
+            # writes each buffer in place: a write-back first would leave the fill's read of the host part
+            # unordered against a step's later in-place update of it in the same program, and XLA copied the
+            # whole host part to keep the value read (2 GB: 465 ms a step, `probe_host_cache_cost`).
+            stage = copy_rows(jnp.zeros((c_rows.shape[0],) + tree[kc].shape[1:], tree[kc].dtype), tree[kc],
+                              jnp.where(wb_dst >= 0, live, -1), c_rows, kernel=kernel, interpret=emb.interpret)
+            tree[kc] = copy_rows(tree[kc], tree[kh], c_rows, fill_src, kernel=kernel, interpret=emb.interpret,
+                                 after=(stage,))
+            tree[kh] = memory.keep_on_host(copy_rows(tree[kh], stage, wb_dst, live, kernel=kernel,
+                                                     interpret=emb.interpret, after=(tree[kc],)))
     if inner_s is not None:
         inner_s = type(inner_s)(*[slots[f] for f in slot_fields], inner_s.count)
     return inner_p, inner_s

@@ -71,6 +71,9 @@ class TableBatchedEmbedding:
       cache_policy: which cached row a miss replaces: "lru" (default: the least recently prefetched) or
         "lfu" (the least often used since it was cached).
       cache_ways: slots per cache set (a row may live in any slot of its set; default 16).
+      cache_max_fills: at most this many missing rows get a cache slot per `prefetch` (the first ones in row
+        order; the others are served from host memory and may be filled by a later prefetch). None (default):
+        1/16 of the batch's lookups, at least 1024. Bounds the prefetch's work and bus traffic per batch.
       pad_rows: store the rows of a dim whose byte length is not a multiple of 16
         padded to 16 bytes when that costs at most 1/8 more memory (default True;
         e.g. fp16 D = 36, 44, ..., 124), so the kernels move them with 16-byte
@@ -118,6 +121,7 @@ class TableBatchedEmbedding:
         cache_load_factor: float = 0.2,
         cache_policy: str = "lru",
         cache_ways: int = 16,
+        cache_max_fills: int | None = None,
     ):
         if isinstance(tables, TableSpec):
             raise TypeError("tables must be a sequence of TableSpec (wrap a single table in a list)")
@@ -180,6 +184,10 @@ class TableBatchedEmbedding:
         if isinstance(cache_ways, bool) or not isinstance(cache_ways, int) or cache_ways < 1:
             raise ValueError(f"cache_ways must be a positive int, got {cache_ways!r}")
         self.cache_load_factor, self.cache_policy, self.cache_ways = float(cache_load_factor), cache_policy, cache_ways
+        if cache_max_fills is not None and (isinstance(cache_max_fills, bool) or not isinstance(cache_max_fills, int)
+                                            or cache_max_fills < 1):
+            raise ValueError(f"cache_max_fills must be None or a positive int, got {cache_max_fills!r}")
+        self.cache_max_fills = cache_max_fills
         if impl == "xla" and jax.default_backend() == "gpu" and any(t.location != "device" for t in tables):
             raise ValueError("tables in host memory are read by the Pallas kernels (XLA's ops cannot read host "
                              "memory on a GPU): use impl='auto' or 'pallas'")
@@ -195,7 +203,7 @@ class TableBatchedEmbedding:
             self.tables, self.feature_table_map, self.pooling, self.weights_dtype.name,
             self.output_dtype.name, self.bounds_check, self.impl, self.interpret, self.kernel_config,
             self.use_histogram, self.histogram_config, self.backward_config, self.pad_rows,
-            self.cache_load_factor, self.cache_policy, self.cache_ways,
+            self.cache_load_factor, self.cache_policy, self.cache_ways, self.cache_max_fills,
         )
 
     # A static argument of every jitted call: hashed and compared on each call, so the hash is computed once

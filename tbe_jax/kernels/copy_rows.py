@@ -6,6 +6,10 @@ copied). Either buffer may live in pinned host memory: the kernel then reads or 
 which no XLA op can do (`tbe_jax.memory`). Rows are `[R, W]` (table rows, element-wise optimizer state) or `[R]`
 (row-wise state). Distinct `dst_rows` (>= 0) are assumed: two copies into one row would race.
 
+`after`: arrays the kernel takes and ignores, so that XLA runs the copy after whatever made them. The host
+tier's prefetch orders its write-back into a host part after the fill that read that part, so that XLA need not
+copy the whole part to keep the value the fill read (`tbe_jax.cache_prefetch`).
+
 Without the kernels (`kernel=False`: the XLA path on a CPU) the same copy is one gather and one scatter.
 """
 
@@ -20,8 +24,9 @@ from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.specs import next_pow2
 
 
-def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, dst_ref, *, n: int, block: int, width: int | None):
+def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, *refs, n: int, block: int, width: int | None):
     del dst_in_ref  # aliased to dst_ref
+    dst_ref = refs[-1]  # after the `after` operands (ignored)
     i = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
     live = i < n
     d = plgpu.load(dst_rows_ref.at[i], mask=live, other=-1)
@@ -42,8 +47,9 @@ def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, dst_ref, *, n: int,
 
 
 def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: bool,
-              interpret: bool = False, block_elems: int = 4096) -> jax.Array:
-    """`dst` with rows `dst_rows[i]` set to `src`'s rows `src_rows[i]` (pairs with a negative id skipped)."""
+              interpret: bool = False, block_elems: int = 4096, after: tuple = ()) -> jax.Array:
+    """`dst` with rows `dst_rows[i]` set to `src`'s rows `src_rows[i]` (pairs with a negative id skipped), copied
+    after the arrays `after` exist (see the module doc)."""
     if dst.ndim != src.ndim or dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
         raise ValueError(f"copy_rows: rows of {src.dtype}{list(src.shape)} do not fit {dst.dtype}{list(dst.shape)}")
     n = dst_rows.shape[0]
@@ -58,6 +64,7 @@ def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax
     width = None if dst.ndim == 1 else dst.shape[1]
     block = max(1, min(256, block_elems // next_pow2(width or 1)))
     block = 1 << (block.bit_length() - 1)  # a power of 2
+    after = tuple(after)
     return pallas_call(
         functools.partial(_kernel, n=n, block=block, width=width),
         out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
@@ -66,4 +73,4 @@ def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tbe_copy_rows",
-    )(dst_rows, src_rows, src, dst)
+    )(dst_rows, src_rows, src, dst, *after)
