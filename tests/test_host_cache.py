@@ -114,6 +114,16 @@ def test_evictions_write_back_changed_rows_and_states():
     assert all(s[2] <= 2 * 4 for s in stats)  # at most the two cached tables' 4 slots each
 
 
+def test_fills_capped_per_prefetch():
+    # cache_max_fills=3: at most 3 rows filled per prefetch (the rest read from host memory), the same training
+    emb, ref = _pair(load_factor=0.5, cache_max_fills=3)
+    _, stats = _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 4, hot=25)
+    assert all(s[2] <= 3 for s in stats) and sum(s[2] for s in stats) > 0
+    assert all(s[0] > 3 for s in stats)  # more distinct rows requested than the cap
+    with pytest.raises(ValueError, match="cache_max_fills"):
+        _pair(cache_max_fills=0)
+
+
 def test_prefetch_one_batch_ahead():
     emb, ref = _pair(load_factor=0.5)
     _, stats = _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 5, ahead=True, hot=25)
@@ -274,6 +284,11 @@ def test_host_buffers_stay_in_pinned_host_memory_under_jit():
     kinds = {k: params[k].sharding.memory_kind for k in host}
     assert all(v == "pinned_host" for v in kinds.values()), kinds
     assert all(state.momentum[k].sharding.memory_kind == "pinned_host" for k in host)
+    # reading the tables and states back leaves the buffers donatable (a NumPy view of a pinned host array,
+    # which jaxlib keeps on the array, would make the next donation fail)
+    emb.get_tables(params), emb.get_momentum(state)
+    params, state = step(params, state, g)
+    params, state = emb.prefetch(params, idx, off, opt_state=state)  # the eager prefetch donates too
 
 
 def test_plan_locations_moves_the_coldest_bytes_first():
@@ -353,3 +368,24 @@ def test_many_features_of_cached_tables():
     params = emb.prefetch(params, idx, off)
     np.testing.assert_allclose(np.asarray(emb(params, idx, off)), np.asarray(ref(rparams, idx, off)),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [None, 5, 16])
+def test_copy_rows_kernel(width):
+    # the kernel against the XLA copy: skipped pairs (a negative id on either side), rows of any width, and the
+    # `after` operands taking no part in the result
+    rng = np.random.default_rng(width or 0)
+    shape = lambda r: (r,) if width is None else (r, width)  # noqa: E731
+    dst = jnp.asarray(rng.standard_normal(shape(40)).astype(np.float32))
+    src = jnp.asarray(rng.standard_normal(shape(30)).astype(np.float32))
+    dst_rows = rng.permutation(40)[:300 // 10].astype(np.int32)
+    src_rows = rng.integers(0, 30, dst_rows.shape[0]).astype(np.int32)
+    dst_rows[::7], src_rows[3::5] = -1, -1
+    want = np.asarray(dst).copy()
+    ok = (dst_rows >= 0) & (src_rows >= 0)
+    want[dst_rows[ok]] = np.asarray(src)[src_rows[ok]]
+    from tbe_jax.kernels.copy_rows import copy_rows
+    for kernel in (False, True):
+        got = copy_rows(dst, src, jnp.asarray(dst_rows), jnp.asarray(src_rows), kernel=kernel,
+                        interpret=kernel and not ON_GPU, block_elems=64, after=(src * 2, jnp.ones(3)))
+        np.testing.assert_array_equal(np.asarray(got), want)
