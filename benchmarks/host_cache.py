@@ -5,8 +5,9 @@ Zipf ids (alpha in `--alphas`, ranks permuted per table), row-wise Adagrad, a st
 on batch k (loss sum(out * g)); the host_cached step also prefetches batch k+1 (with the optimizer state) in the
 same jitted program, as a pipeline one batch ahead would. Cases: "device" (all HBM), "host" (no cache: every row
 over the bus), "host_cached" at each `--load-factors` and policy. Reported per case: ms per step (enqueued,
-median of `--reps` runs of `--iters` steps, donated), its ratio to the all-HBM step, the prefetch's hit rate
-(hits / distinct cached rows requested), fills and write-backs per step and the bytes they move over the bus.
+median of `--reps` runs of `--iters` steps, donated; `--sets` batches, one gradient), its ratio to the all-HBM
+step, the hit rates (of the distinct cached rows requested, and of the lookups: FBGEMM's), fills and write-backs
+per step and the bytes they move over the bus.
 
   python -m benchmarks host_cache --rows 4000000 --tables 8 --batch 16384
 """
@@ -24,17 +25,18 @@ import numpy as np
 from benchmarks import common
 
 
-def _sets(args, alpha, n_sets, seed=0):
+def batch_sets(args, alpha, n_sets, seed=0):
+    """`n_sets` batches (ids, offsets, and one output gradient shared by all)."""
     from tbe_jax import testing
 
     rng = np.random.default_rng(seed)
     perms = [np.random.default_rng(1000 + t).permutation(args.rows) for t in range(args.tables)] if alpha > 1 else None
     out = []
+    g = jnp.asarray(rng.standard_normal((args.batch, args.tables * args.dim), dtype=np.float32))
     for _ in range(n_sets):
         idx, off, _ = testing.make_batch(rng, [args.rows] * args.tables, [args.batch] * args.tables,
                                          [args.bag] * args.tables, alpha=alpha, weighted=False, perms=perms)
-        g = rng.standard_normal((args.batch, args.tables * args.dim), dtype=np.float32)
-        out.append((jnp.asarray(idx), jnp.asarray(off), jnp.asarray(g)))
+        out.append((jnp.asarray(idx), jnp.asarray(off), g))
     return out
 
 
@@ -89,8 +91,9 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
            "warmup_s": round(compile_s, 2)}
     if cached:
         s = np.asarray(stats[len(stats) // 2:], np.float64)  # after the cache warmed up
-        req, hits, fills, wb = s.mean(axis=0)
+        req, hits, fills, wb, lookups, lookup_hits = s.mean(axis=0)
         out.update(load_factor=load_factor, policy=policy, hit_rate=float(hits / max(req, 1)),
+                   lookup_hit_rate=float(lookup_hits / max(lookups, 1)),
                    requested_per_step=float(req), fills_per_step=float(fills), writebacks_per_step=float(wb),
                    bus_mb_per_step=float((fills + wb) * row_bytes / 1e6),
                    cache_rows=int(emb.cache_layout.total_slots))
@@ -110,14 +113,14 @@ def main(argv=None):
     ap.add_argument("--load-factors", type=float, nargs="*", default=[0.2, 0.05])
     ap.add_argument("--policies", nargs="*", default=["lru"])
     ap.add_argument("--locations", nargs="*", default=["device", "host_cached", "host"])
-    ap.add_argument("--sets", type=int, default=8)
+    ap.add_argument("--sets", type=int, default=48)
     ap.add_argument("--iters", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     cases = []
     for alpha in args.alphas:
-        sets = _sets(args, alpha, args.sets)
+        sets = batch_sets(args, alpha, args.sets)
         base = None
         for loc in args.locations:
             variants = [(lf, p) for lf in args.load_factors for p in args.policies] if loc == "host_cached" \
@@ -128,7 +131,7 @@ def main(argv=None):
                     base = r["ms"]
                 r["vs_device"] = r["ms"] / base if base else None
                 cases.append(r)
-                extra = (f" lf {lf} {pol}: hit {r['hit_rate']:.3f}, fills {r['fills_per_step']:.0f}, "
+                extra = (f" lf {lf} {pol}: hit {r['hit_rate']:.3f} of rows, {r['lookup_hit_rate']:.3f} of lookups, fills {r['fills_per_step']:.0f}, "
                          f"write-backs {r['writebacks_per_step']:.0f}, {r['bus_mb_per_step']:.1f} MB/step"
                          if loc == "host_cached" else "")
                 print(f"alpha {alpha} {loc:12s} {r['ms']:8.3f} ms/step  x{r['vs_device'] or 0:.2f} of HBM{extra}",

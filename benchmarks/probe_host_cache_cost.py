@@ -93,10 +93,10 @@ def _time(f, carry, batches, iters):
 
 
 def part_b(args):
-    from benchmarks.host_cache import _sets
+    from benchmarks.host_cache import batch_sets
 
     ns = types.SimpleNamespace(rows=args.rows, tables=args.tables, batch=args.batch, bag=20, dim=128)
-    sets = _sets(ns, 1.05, 4)
+    sets = batch_sets(ns, 1.05, 4)
     specs = [tbe_jax.TableSpec(args.rows, 128, location="host_cached") for _ in range(args.tables)]
     emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=jnp.float16, cache_load_factor=0.2)
     opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=1e-8)

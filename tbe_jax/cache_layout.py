@@ -10,7 +10,9 @@ import numpy as np
 
 CACHE = "cache"  # params' key of the cache directory
 STATE_ROWS = "cache_rows"  # each optimizer slot's key of the rows its cache states belong to
-STATS = ("requested", "hits", "fills", "writebacks")  # `params["cache"]["stats"]`: the last prefetch's counts
+# `params["cache"]["stats"]`: the last prefetch's counts: distinct cached rows requested, those already cached,
+# rows filled, rows written back; the batch's lookups of cached tables, and those whose row was already cached
+STATS = ("requested", "hits", "fills", "writebacks", "lookups", "lookup_hits")
 NEVER = np.int32(np.iinfo(np.int32).max)
 
 
@@ -66,3 +68,16 @@ def split_tables(tables, load_factor: float, ways: int):
         inner.append(dataclasses.replace(spec, location="host", bag_size_hint=None))
     return tuple(inner), CacheLayout(tuple(cached), tuple(rows), tuple(slots), ways, tuple(cpart), tuple(hpart)), \
         tuple(of)
+
+
+def checked_cache_options(load_factor, policy, ways, max_fills):
+    """`TableBatchedEmbedding`'s cache arguments, checked: (load_factor as a float, policy, ways, max_fills)."""
+    if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) or not 0 < load_factor <= 1:
+        raise ValueError(f"cache_load_factor must be a number in (0, 1], got {load_factor!r}")
+    if policy not in ("lru", "lfu"):
+        raise ValueError(f"cache_policy must be 'lru' or 'lfu', got {policy!r}")
+    if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
+        raise ValueError(f"cache_ways must be a positive int, got {ways!r}")
+    if max_fills is not None and (isinstance(max_fills, bool) or not isinstance(max_fills, int) or max_fills < 1):
+        raise ValueError(f"cache_max_fills must be None or a positive int, got {max_fills!r}")
+    return float(load_factor), policy, ways, max_fills

@@ -56,6 +56,8 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     hit = first & (slot >= 0)
     miss = first & (slot < 0)
     requested, hits = jnp.sum(first, dtype=jnp.int32), jnp.sum(hit, dtype=jnp.int32)
+    lookups = jnp.sum(jnp.where(first, uses, 0), dtype=jnp.int32)
+    lookup_hits = jnp.sum(jnp.where(hit, uses, 0), dtype=jnp.int32)
     tick = d["tick"] + 1
     hslot = jnp.where(hit, slot, c_total)
     score = d["score"]
@@ -104,7 +106,8 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     inner_p = emb.inner_params(params)
     inner_s = None if opt_state is None else emb.inner_state(opt_state)
     inner_p, inner_s = move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok)
-    stats = jnp.stack([requested, hits, jnp.sum(ok, dtype=jnp.int32), jnp.sum(back, dtype=jnp.int32)])
+    stats = jnp.stack([requested, hits, jnp.sum(ok, dtype=jnp.int32), jnp.sum(back, dtype=jnp.int32), lookups,
+                       lookup_hits])
 
     gone = jnp.where(ok & (old >= 0), old, r_total)
     d["slot_of_row"] = d["slot_of_row"].at[gone].set(-1, mode="drop").at[jnp.where(ok, row, r_total)].set(

@@ -195,7 +195,9 @@ class HostCachedEmbedding(TableBatchedEmbedding):
 
     def cache_stats(self, params) -> dict:
         """The last prefetch's counts (device scalars): rows `requested` (distinct cached rows of the batch),
-        `hits`, `fills` (rows copied in), `writebacks` (changed rows copied out)."""
+        `hits` (of those, the ones already cached), `fills` (rows copied in), `writebacks` (changed rows copied
+        out), `lookups` (the batch's lookups of cached tables) and `lookup_hits` (those whose row was already
+        cached: `lookup_hits / lookups` is the hit rate FBGEMM reports)."""
         return dict(zip(STATS, params[CACHE]["stats"]))
 
     # -- lookups ----------------------------------------------------------------------------------------------------

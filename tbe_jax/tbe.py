@@ -22,6 +22,7 @@ from tbe_jax import bounds, dispatch, inputs, memory, optim, vbe
 from tbe_jax.kernels import backward as bwd_kernels
 from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
+from tbe_jax.cache_layout import checked_cache_options
 from tbe_jax.inputs import as_array, id_array, static_sizes
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, checked_tables
 
@@ -176,18 +177,8 @@ class TableBatchedEmbedding:
             raise TypeError("backward_config must be a tbe_jax.BackwardConfig")
         self.backward_config = backward_config or bwd_kernels.BackwardConfig()
         self.pad_rows = bool(pad_rows)
-        if isinstance(cache_load_factor, bool) or not isinstance(cache_load_factor, (int, float)) or not (
-                0 < cache_load_factor <= 1):
-            raise ValueError(f"cache_load_factor must be a number in (0, 1], got {cache_load_factor!r}")
-        if cache_policy not in ("lru", "lfu"):
-            raise ValueError(f"cache_policy must be 'lru' or 'lfu', got {cache_policy!r}")
-        if isinstance(cache_ways, bool) or not isinstance(cache_ways, int) or cache_ways < 1:
-            raise ValueError(f"cache_ways must be a positive int, got {cache_ways!r}")
-        self.cache_load_factor, self.cache_policy, self.cache_ways = float(cache_load_factor), cache_policy, cache_ways
-        if cache_max_fills is not None and (isinstance(cache_max_fills, bool) or not isinstance(cache_max_fills, int)
-                                            or cache_max_fills < 1):
-            raise ValueError(f"cache_max_fills must be None or a positive int, got {cache_max_fills!r}")
-        self.cache_max_fills = cache_max_fills
+        (self.cache_load_factor, self.cache_policy, self.cache_ways,
+         self.cache_max_fills) = checked_cache_options(cache_load_factor, cache_policy, cache_ways, cache_max_fills)
         if impl == "xla" and jax.default_backend() == "gpu" and any(t.location != "device" for t in tables):
             raise ValueError("tables in host memory are read by the Pallas kernels (XLA's ops cannot read host "
                              "memory on a GPU): use impl='auto' or 'pallas'")
