@@ -92,3 +92,48 @@ def _read_rows(buf, start, *, count: int):
     src = jnp.where(ids < buf.shape[0], ids, -1)
     dst = jnp.zeros((count,) + tuple(buf.shape[1:]), buf.dtype)
     return copy_rows(dst, buf, jnp.arange(count, dtype=jnp.int32), src, kernel=True)
+
+
+def host_full(shape, dtype, value=0):
+    """An array of `value` placed in host memory (pinned, on a GPU backend) without passing through the GPU's
+    memory: a NumPy array placed there (`np.zeros` maps no memory until read, and reading maps the zero page)."""
+    dtype = jnp.dtype(dtype)
+    return to_host(np.zeros(shape, dtype) if value == 0 else np.full(shape, value, dtype))
+
+
+def host_blocks(shape, dtype, block: int, key, draw):
+    """A `[rows, width]` host buffer made block by block, as `tbe.blocked_draw` makes a device one: block i is
+    `draw(fold_in(key, i), r0)` (`block` rows from row `r0`, the last block ending at the last row), computed on
+    the device and written into place (`write_rows`). The GPU's memory then holds one block at a time."""
+    rows = shape[0]
+    buf = host_full(shape, dtype)
+    for i in range(-(-rows // block)):
+        r0 = np.int32(min(i * block, rows - block))
+        buf = write_rows(buf, draw(jax.random.fold_in(key, i), r0), r0)
+    return buf
+
+
+def write_rows(buf, vals, start):
+    """`buf` (a host buffer, donated) with rows `[start, start + len(vals))` set to `vals`, in place."""
+    return _write_rows(buf, vals, np.int32(start))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(buf, vals, start):
+    from tbe_jax.kernels.copy_rows import copy_rows
+
+    n = vals.shape[0]
+    at = jnp.arange(n, dtype=jnp.int32)
+    return keep_on_host(copy_rows(buf, vals.astype(buf.dtype), start + at, at, kernel=host_memory()))
+
+
+def host_opt_slots(opt, params: dict) -> tuple:
+    """`opt.init(params)`'s slot trees (`opt.slots`) for buffers in host memory, made there (`host_full`): the
+    shapes from `jax.eval_shape`, each array's constant starting value from the state of a one-row buffer."""
+    shapes = opt.slots(jax.eval_shape(opt.init, params))
+    one = opt.slots(opt.init({k: jnp.zeros((1,) + tuple(v.shape[1:]), v.dtype) for k, v in params.items()}))
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(one)):  # a traced start value
+        return tuple({k: to_host(jnp.full(s.shape, o[k].reshape(-1)[0], s.dtype)) for k, s in tree.items()}
+                     for tree, o in zip(shapes, one))
+    return tuple({k: host_full(s.shape, s.dtype, np.asarray(o[k]).reshape(-1)[0]) for k, s in tree.items()}
+                 for tree, o in zip(shapes, one))

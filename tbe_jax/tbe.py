@@ -3,8 +3,7 @@
 The class holds the configuration, the storage layout and the public API (a `tbe_jax.core.SparseCore`); its
 calls run the input pipeline of `tbe_jax.inputs` (checks, bounds mode, int32 narrowing) and the kernel / XLA
 dispatch of `tbe_jax.dispatch` (the differentiable lookup and the fused optimizer step). `init`'s blocked draw
-(`blocked_draw`, `init_rows`) is shared with `tbe_jax.sharding`.
-"""
+(`blocked_draw`, `init_rows`) is shared with `tbe_jax.sharding`."""
 
 from __future__ import annotations
 
@@ -65,21 +64,20 @@ class TableBatchedEmbedding:
       use_histogram: let eligible small tables take the histogram path (counts x
         table on tensor cores); see `plan()`. False forces the generic kernel.
       histogram_config: `tbe_jax.HistogramConfig`; None for defaults.
-      backward_config: `tbe_jax.BackwardConfig` for the sorted-run backward
-        kernels (`apply_gradients`, `tbe_jax.train_step`, `jax.grad`); None for defaults.
+      backward_config: `tbe_jax.BackwardConfig` for the sorted-run backward kernels (`apply_gradients`,
+        `tbe_jax.train_step`, `jax.grad`); None for defaults.
       cache_load_factor: tables with `location="host_cached"`: the HBM cache holds about this share of each
         such table's rows (default 0.2, as FBGEMM's); see `tbe_jax.host_cache`.
       cache_policy: which cached row a miss replaces: "lru" (default: the least recently prefetched) or
         "lfu" (the least often used since it was cached).
       cache_ways: slots per cache set (a row may live in any slot of its set; default 16).
-      cache_max_fills: at most this many missing rows get a cache slot per `prefetch` (the first ones in row
-        order; the others are served from host memory and may be filled by a later prefetch). None (default):
-        1/16 of the batch's lookups, at least 1024. Bounds the prefetch's work and bus traffic per batch.
-      pad_rows: store the rows of a dim whose byte length is not a multiple of 16
-        padded to 16 bytes when that costs at most 1/8 more memory (default True;
-        e.g. fp16 D = 36, 44, ..., 124), so the kernels move them with 16-byte
-        vector instructions. Only the storage buffers' shapes see it (`layout.strides`);
-        `get_tables`, `set_tables`, `get_state` and every result are per table, unpadded.
+      cache_max_fills: at most this many misses get a cache slot per `prefetch` (the first in row order; the
+        others are read from host memory, and a later prefetch may fill them). None (default): 1/16 of the
+        batch's lookups, at least 1024.
+      pad_rows: store the rows of a dim whose byte length is not a multiple of 16 padded to 16 bytes when that
+        costs at most 1/8 more memory (default True; e.g. fp16 D = 36, 44, ..., 124), so the kernels move them
+        with 16-byte vector instructions. Only the storage buffers' shapes see it (`layout.strides`); `get_tables`,
+        `set_tables`, `get_state` and every result are per table, unpadded.
 
     The object is immutable and hashable: pass it as a static argument to `jit`.
 
@@ -261,17 +259,16 @@ class TableBatchedEmbedding:
     def init(self, key: jax.Array) -> dict:
         """Tables drawn uniform in `[-1/sqrt(E_t), 1/sqrt(E_t)]` (FBGEMM's default).
 
-        One jitted program per storage buffer, whatever the number of tables: each row's
-        bound comes from its table's size (a per-table array, repeated on the device). A
-        buffer of more than `INIT_BLOCK` elements is drawn in blocks of rows, each into
-        place, so the scratch memory is one block's (`blocked_draw`).
+        One jitted program per storage buffer, whatever the number of tables: each row's bound comes from its
+        table's size (a per-table array, repeated on the device). A buffer of more than `INIT_BLOCK` elements is
+        drawn in blocks of rows, each into place (in host memory for a host buffer), so the scratch memory is
+        one block's (`blocked_draw`).
         """
-        out = {}
-        for g in range(len(self.layout.dims)):
-            rows = tuple(spec.num_embeddings for t, spec in enumerate(self.tables) if self.layout.table_group[t] == g)
-            buf = _init_buffer(jax.random.fold_in(key, g), rows, self.layout.dims[g], self.layout.strides[g],
-                               self.weights_dtype.name)
-            out[self.layout.key(g)] = memory.to_host(buf) if self.layout.on_host(g) else buf
+        out, lay = {}, self.layout
+        for g in range(len(lay.dims)):
+            rows = tuple(spec.num_embeddings for t, spec in enumerate(self.tables) if lay.table_group[t] == g)
+            out[lay.key(g)] = _init_buffer(jax.random.fold_in(key, g), rows, lay.dims[g], lay.strides[g],
+                                           self.weights_dtype.name, lay.on_host(g))
         return out
 
     def get_tables(self, params: dict) -> list[jax.Array]:
@@ -419,12 +416,12 @@ class TableBatchedEmbedding:
         row-wise forms); see `tbe_jax.optim`."""
         self.check_optimizer(opt)
         self.check_params(params)
-        state = opt.init(params)
         host = {self.layout.key(g) for g in range(len(self.layout.dims)) if self.layout.on_host(g)}
+        state = opt.init({k: v for k, v in params.items() if k not in host})
         if not host:
             return state
-        slots = tuple({k: memory.to_host(v) if k in host else v for k, v in tree.items()} for tree in opt.slots(state))
-        return opt.state_type(*slots, state.count)
+        host_slots = memory.host_opt_slots(opt, {k: params[k] for k in host})  # made in host memory
+        return opt.state_type(*[{**d, **h} for d, h in zip(opt.slots(state), host_slots)], state.count)
 
     def get_state(self, opt_state, name: str) -> list[jax.Array]:
         """Per table, its slice of the optimizer state's field `name` (`"momentum"`, `"momentum1"` or
@@ -545,22 +542,25 @@ class TableBatchedEmbedding:
         return dispatch.step_update(self, params, opt_state, opt, residuals, grad_output)
 
 
-# Elements drawn at a time by `init`: a buffer larger than this is drawn block by block into its place (a loop on
-# the device), so init's scratch memory is that of one block (XLA keeps a draw's random bits and fp32 values: on
-# the CPU a one-draw buffer needed 8x its own size in scratch, 8.2 GB for a 1 GB fp16 buffer), not of the buffer.
+# Elements drawn at a time by `init`: a larger buffer is drawn block by block into its place, so init's scratch
+# memory is one block's (XLA keeps a draw's random bits and fp32 values: 8.2 GB for a 1 GB fp16 buffer on a CPU).
 INIT_BLOCK = 1 << 24
 
 
-def _init_buffer(key, rows: tuple, dim: int, stride: int, dtype: str):
+def _init_buffer(key, rows: tuple, dim: int, stride: int, dtype: str, host: bool = False):
     """One storage buffer: rows of table t uniform in +-1/sqrt(E_t), its padding columns (past `dim`) zero. A
-    buffer of at most INIT_BLOCK elements is one draw (the values are those of the unpadded buffer's draw);
-    a larger one is drawn in blocks of rows, block i from `fold_in(key, i)`."""
-    starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int32)
-    bounds = (1.0 / np.sqrt(np.asarray(rows, np.float64))).astype(np.float32)
-    # The per-table arrays are arguments, not constants, so XLA does not constant-fold a
-    # buffer-sized row -> table map at compile time.
+    buffer of at most INIT_BLOCK elements is one draw (the values are those of the unpadded buffer's draw), a
+    larger one blocks of rows, block i from `fold_in(key, i)`; `host`: placed in host memory (a large one written
+    there block by block, never whole in the GPU's memory). The per-table arrays are arguments, not constants,
+    so XLA does not constant-fold a buffer-sized row -> table map at compile time."""
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int32))
+    bounds = jnp.asarray((1.0 / np.sqrt(np.asarray(rows, np.float64))).astype(np.float32))
     block = max(1, INIT_BLOCK // max(dim, 1))
-    return _init_draw(key, jnp.asarray(starts), jnp.asarray(bounds), sum(rows), dim, stride, dtype, block)
+    if host and sum(rows) > block:
+        return memory.host_blocks((sum(rows), stride), dtype, block, key,
+                                  lambda k, r0: _init_block(k, starts, bounds, r0, block, dim, stride, dtype))
+    buf = _init_draw(key, starts, bounds, sum(rows), dim, stride, dtype, block)
+    return memory.to_host(buf) if host else buf
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
@@ -595,3 +595,6 @@ def init_rows(key, starts, bounds, r0, n: int, dim: int, stride: int, dtype):
     u = jax.random.uniform(key, (n, dim), jnp.float32, -1.0, 1.0)
     w = (u * bounds[table][:, None]).astype(dtype)
     return w if stride == dim else jnp.pad(w, ((0, 0), (0, stride - dim)))
+
+
+_init_block = jax.jit(init_rows, static_argnums=(4, 5, 6, 7))  # one block of `blocked_draw`, its start traced

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
-from tbe_jax import host_cache
+from tbe_jax import host_cache, memory
 
 ON_GPU = jax.default_backend() == "gpu"
 XLA = "auto" if ON_GPU else "xla"  # on a GPU host tables need the kernels (XLA's ops cannot read host memory)
@@ -389,3 +389,34 @@ def test_copy_rows_kernel(width):
         got = copy_rows(dst, src, jnp.asarray(dst_rows), jnp.asarray(src_rows), kernel=kernel,
                         interpret=kernel and not ON_GPU, block_elems=64, after=(src * 2, jnp.ones(3)))
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("opt", [tbe_jax.Adagrad(learning_rate=0.1, initial_accumulator_value=0.25),
+                                 tbe_jax.RowwiseAdagrad(learning_rate=0.1, initial_accumulator_value=0.5)])
+def test_host_buffers_init_in_place_like_device_ones(monkeypatch, opt):
+    # A host buffer larger than one init block is made in host memory and drawn block by block into place
+    # (`memory.host_blocks`: it may not fit the GPU), with the device buffer's values; its optimizer state is made
+    # in host memory too, with the optimizer's start value.
+    from tbe_jax import tbe as tbe_module
+
+    monkeypatch.setattr(tbe_module, "INIT_BLOCK", 64)  # the d8 buffers (90 rows): blocks of 8 rows, 12 of them
+    written = []
+    monkeypatch.setattr(memory, "write_rows", lambda buf, vals, r0, f=memory.write_rows: written.append(int(r0))
+                        or f(buf, vals, r0))
+    locs = ("host", "host", "device")
+    specs = [tbe_jax.TableSpec(e, d, location=loc) for e, d, loc in zip((50, 40, 30), (8, 8, 4), locs)]
+    emb = tbe_jax.TableBatchedEmbedding(specs, impl=XLA)
+    ref = tbe_jax.TableBatchedEmbedding([dataclasses.replace(s, location="device") for s in specs], impl=XLA)
+    params, rparams = emb.init(jax.random.key(4)), ref.init(jax.random.key(4))
+    assert params["d8_host"].shape == (90, 8) and written == [0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 82]
+    for a, b in zip(emb.get_tables(params), ref.get_tables(rparams)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state, rstate = emb.init_opt_state(params, opt), ref.init_opt_state(rparams, opt)
+    assert sorted(state.momentum) == sorted(params)
+    assert state.momentum["d8_host"].shape == rstate.momentum["d8"].shape
+    for a, b in zip(emb.get_momentum(state), ref.get_momentum(rstate)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(np.asarray(emb.get_momentum(state)[0]).min()) == opt.initial_accumulator_value
+    if ON_GPU:
+        assert params["d8_host"].sharding.memory_kind == "pinned_host"
+        assert state.momentum["d8_host"].sharding.memory_kind == "pinned_host"
