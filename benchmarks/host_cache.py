@@ -4,12 +4,16 @@ For each case: `--tables` tables of `--rows` rows x `--dim` (fp16 by default), b
 Zipf ids (alpha in `--alphas`, ranks permuted per table), row-wise Adagrad, a step that is `tbe_jax.train_step`
 on batch k (loss sum(out * g)); the host_cached step also prefetches batch k+1 (with the optimizer state) in the
 same jitted program, as a pipeline one batch ahead would. Cases: "device" (all HBM), "host" (no cache: every row
-over the bus), "host_cached" at each `--load-factors` and policy. Reported per case: ms per step (enqueued,
-median of `--reps` runs of `--iters` steps, donated; `--sets` batches, one gradient), its ratio to the all-HBM
-step, the hit rates (of the distinct cached rows requested, and of the lookups: FBGEMM's), fills and write-backs
-per step and the bytes they move over the bus.
+over the bus), "host_cached" at each `--load-factors` and policy, "planned" (`tbe_jax.plan_locations` under
+`--hbm-budget-gb`: a model larger than HBM). Reported per case: ms per step (enqueued, median of `--reps` runs of
+`--iters` steps, donated; `--sets` batches, one gradient), lookups/s and ns per lookup against the "device" case's
+(run at `--baseline-rows` when the model does not fit), the hit rates (of the distinct cached rows requested, and
+of the lookups: FBGEMM's), fills and write-backs per step and the bytes they move over the bus, HBM in use and
+the process's resident host memory.
 
   python -m benchmarks host_cache --rows 4000000 --tables 8 --batch 16384
+  python -m benchmarks host_cache --tables 16 --rows 44000000 --locations device planned --baseline-rows 4000000 \
+      --hbm-budget-gb 120 --alphas 1.05 --load-factors 0.2      # ~180 GB of tables and state on an H200
 """
 
 from __future__ import annotations
@@ -40,20 +44,36 @@ def batch_sets(args, alpha, n_sets, seed=0):
     return out
 
 
+def _memory() -> dict:
+    """GB of HBM in use (and its peak) on the first device, and of this process's resident host memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    rss = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    return {"hbm_gb": stats.get("bytes_in_use", 0) / 1e9, "hbm_peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9,
+            "host_rss_gb": rss / 1e9}
+
+
 def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     import tbe_jax
 
     dtype = jnp.dtype(args.dtype)
-    specs = [tbe_jax.TableSpec(args.rows, args.dim, location=location) for _ in range(args.tables)]
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=1e-8)
+    specs = [tbe_jax.TableSpec(args.rows, args.dim, location=location if location != "planned" else "device")
+             for _ in range(args.tables)]
+    if location == "planned":  # the planner's choice under the HBM budget
+        specs = tbe_jax.plan_locations(specs, int(args.hbm_budget_gb * 1e9), weights_dtype=dtype, optimizer=opt,
+                                       cache_load_factor=load_factor)
     emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=dtype, cache_load_factor=load_factor,
                                         cache_policy=policy, interpret=common.interpret())
-    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.01, eps=1e-8)
     t0 = time.perf_counter()
     params = emb.init(jax.random.key(0))
     state = emb.init_opt_state(params, opt)
     jax.block_until_ready((params, state))
     init_s = time.perf_counter() - t0
-    cached = location == "host_cached"
+    cached = any(t.location == "host_cached" for t in specs)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, state, idx, off, g, nidx, noff):
@@ -87,8 +107,12 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     if cached:
         stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
     row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
-    out = {"location": location, "alpha": alpha, "ms": float(np.median(times)), "init_s": round(init_s, 2),
-           "warmup_s": round(compile_s, 2)}
+    ms = float(np.median(times))
+    lookups = args.batch * args.bag * args.tables
+    out = {"location": location, "alpha": alpha, "rows": args.rows, "ms": ms, "init_s": round(init_s, 2),
+           "warmup_s": round(compile_s, 2), "lookups_per_s": lookups / ms * 1e3, "ns_per_lookup": ms * 1e6 / lookups,
+           "locations": [t.location for t in specs],
+           "table_gb": args.tables * args.rows * (args.dim * dtype.itemsize + 4) / 1e9, **_memory()}
     if cached:
         s = np.asarray(stats[len(stats) // 2:], np.float64)  # after the cache warmed up
         req, hits, fills, wb, lookups, lookup_hits = s.mean(axis=0)
@@ -116,6 +140,11 @@ def main(argv=None):
     ap.add_argument("--sets", type=int, default=48)
     ap.add_argument("--iters", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hbm-budget-gb", type=float, default=60.0,
+                    help='location "planned": tbe_jax.plan_locations under this HBM budget')
+    ap.add_argument("--baseline-rows", type=int, default=0,
+                    help='rows per table of the "device" case (default --rows): a model that fits HBM, compared '
+                         "per lookup with a larger one")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     cases = []
@@ -123,20 +152,27 @@ def main(argv=None):
         sets = batch_sets(args, alpha, args.sets)
         base = None
         for loc in args.locations:
-            variants = [(lf, p) for lf in args.load_factors for p in args.policies] if loc == "host_cached" \
-                else [(0.2, "lru")]
+            variants = [(lf, p) for lf in args.load_factors for p in args.policies] \
+                if loc in ("host_cached", "planned") else [(0.2, "lru")]
             for lf, pol in variants:
-                r = _case(args, loc, alpha, sets, lf, pol)
+                if loc == "device" and args.baseline_rows and args.baseline_rows != args.rows:
+                    small = argparse.Namespace(**{**vars(args), "rows": args.baseline_rows})
+                    r = _case(small, loc, alpha, batch_sets(small, alpha, args.sets), lf, pol)
+                else:
+                    r = _case(args, loc, alpha, sets, lf, pol)
                 if loc == "device":
-                    base = r["ms"]
-                r["vs_device"] = r["ms"] / base if base else None
+                    base = r["ns_per_lookup"]
+                r["vs_device"] = r["ns_per_lookup"] / base if base else None
                 cases.append(r)
-                extra = (f" lf {lf} {pol}: hit {r['hit_rate']:.3f} of rows, {r['lookup_hit_rate']:.3f} of lookups, fills {r['fills_per_step']:.0f}, "
+                extra = (f" lf {lf} {pol}: hit {r['hit_rate']:.3f} of rows, {r['lookup_hit_rate']:.3f} of lookups, "
+                         f"fills {r['fills_per_step']:.0f}, "
                          f"write-backs {r['writebacks_per_step']:.0f}, {r['bus_mb_per_step']:.1f} MB/step"
-                         if loc == "host_cached" else "")
-                print(f"alpha {alpha} {loc:12s} {r['ms']:8.3f} ms/step  x{r['vs_device'] or 0:.2f} of HBM{extra}",
-                      flush=True)
-    config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "dtype", "batch", "bag", "sets", "iters", "reps")}
+                         if "hit_rate" in r else "")
+                print(f"alpha {alpha} {loc:12s} {r['ms']:8.3f} ms/step  x{r['vs_device'] or 0:.2f} of HBM per lookup"
+                      f"{extra}; HBM {r['hbm_gb']:.1f} GB, host RSS {r['host_rss_gb']:.1f} GB", flush=True)
+                jax.clear_caches()
+    config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "dtype", "batch", "bag", "sets", "iters", "reps",
+                                            "hbm_budget_gb", "baseline_rows")}
     path = common.save("host-cache", {"meta": common.meta(), "config": config, "cases": cases}, args.out)
     print("saved", path)
 
