@@ -174,6 +174,14 @@ def _sparse_layers(model, *, by_id: bool) -> dict:
     return {id(node): tuple(path) for path, node in found} if by_id else {tuple(path): node for path, node in found}
 
 
+def _replace(var, value) -> None:
+    """Set a variable's value without reading the old one (it may have been donated: the eager `prefetch`)."""
+    if hasattr(var, "set_value"):
+        var.set_value(value)
+    else:  # flax < 0.11
+        var.value = value
+
+
 class SparseEmbedBase(nnx.Module):
     """The NNX layer, generic over its functional core: a subclass names the core's `LayerOptions`
     (its class attribute `_OPTIONS = TBE_OPTIONS`), which give its `__init__` (the
@@ -226,7 +234,7 @@ class SparseEmbedBase(nnx.Module):
             have = self.embedding[n]
             if tuple(v.shape) != tuple(have.shape) or v.dtype != have.dtype:
                 raise ValueError(f"params[{n!r}] must be {have.dtype}{list(have.shape)}, got {v.dtype}{list(v.shape)}")
-            have[...] = v
+            _replace(have, v)
 
     def _check_sparse(self):
         if self.optimizer is None:
@@ -248,7 +256,7 @@ class SparseEmbedBase(nnx.Module):
             if tuple(v.shape) != tuple(have.shape) or jnp.dtype(v.dtype) != jnp.dtype(have.dtype):
                 raise ValueError(f"opt_state[{n!r}] must be {have.dtype}{list(have.shape)}, "
                                  f"got {v.dtype}{list(v.shape)}")
-            have[...] = v
+            _replace(have, v)
 
     def __call__(self, indices, offsets, per_sample_weights=None, **options):
         options = self._OPTIONS.lookup_options(options)
@@ -290,6 +298,21 @@ class TableBatchedEmbed(SparseEmbedBase):
     """
 
     _OPTIONS = TBE_OPTIONS
+
+    def prefetch(self, indices, offsets, **options) -> None:
+        """Tables with `location="host_cached"`: bring this batch's rows of them into the HBM cache (with their
+        optimizer state in sparse mode), as `TableBatchedEmbedding.prefetch` does; call it before the batch's
+        step (it may run one batch ahead), inside a jitted function or outside one. Options:
+        `batch_size_per_feature`, `max_batch_size`."""
+        if not hasattr(self._core, "prefetch"):
+            raise TypeError("prefetch: this layer has no table with location='host_cached'")
+        params = self.get_params()
+        if self.optimizer is None:
+            self.set_params(self._core.prefetch(params, indices, offsets, **options))
+            return
+        params, state = self._core.prefetch(params, indices, offsets, opt_state=self.get_opt_state(), **options)
+        self.set_params(params)
+        self.set_opt_state(state)
 
 
 class Quantized(nnx.Variable):

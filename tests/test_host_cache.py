@@ -420,3 +420,37 @@ def test_host_buffers_init_in_place_like_device_ones(monkeypatch, opt):
     if ON_GPU:
         assert params["d8_host"].sharding.memory_kind == "pinned_host"
         assert state.momentum["d8_host"].sharding.memory_kind == "pinned_host"
+
+
+def test_nnx_layer_prefetches_and_trains_as_the_all_device_one():
+    nnx = pytest.importorskip("flax.nnx")
+    from tbe_jax.nnx import TableBatchedEmbed
+    from tbe_jax.nnx import train_step as nnx_step
+
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.2)
+    layer = TableBatchedEmbed(_specs(), feature_table_map=FMAP, impl=XLA, optimizer=opt, cache_load_factor=0.5,
+                              cache_ways=4, rngs=nnx.Rngs(0))
+    ref = TableBatchedEmbed(_specs(("device",) * 4), feature_table_map=FMAP, impl=XLA, optimizer=opt,
+                            rngs=nnx.Rngs(0))
+    ref.set_params(ref.tbe.set_tables(None, layer.tbe.get_tables(layer.get_params())))
+
+    @nnx.jit
+    def step(m, idx, off):
+        m.prefetch(idx, off)  # inside the jitted step, before the lookup
+        return nnx_step(lambda mm, i, o: jnp.sum(jnp.tanh(mm(i, o))), m, idx, off)[0]
+
+    rng = np.random.default_rng(12)
+    for k in range(3):
+        idx, off, _ = _batch(rng, hot=20)
+        if k == 1:  # and eagerly, outside a jitted function
+            layer.prefetch(idx, off)
+        step(layer, idx, off)
+        nnx_step(lambda mm, i, o: jnp.sum(jnp.tanh(mm(i, o))), ref, idx, off)
+    assert sum(int(v) for v in layer.tbe.cache_stats(layer.get_params()).values()) > 0
+    for a, b in zip(layer.tbe.get_tables(layer.get_params()), ref.tbe.get_tables(ref.get_params())):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    for a, b in zip(layer.tbe.get_momentum(layer.get_opt_state()), ref.tbe.get_momentum(ref.get_opt_state())):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    plain = TableBatchedEmbed(_specs(("device",) * 4), feature_table_map=FMAP, impl=XLA, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="host_cached"):
+        plain.prefetch(idx, off)
