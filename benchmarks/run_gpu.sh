@@ -26,6 +26,11 @@
 #   quant-fbgemm (420 s; FBGEMM with --inference unpacked first) FBGEMM's IntNBit TBE: our rows' bytes and its
 #              forward (--check), then its forward timed on the same cases -> fbgemm-quant-{check,time}.json;
 #              then `python -m benchmarks bench_quant`'s ratios from the two files (`bench_quant.with_fbgemm`)
+#   host       (400 s) the host tier: its test file compiled, then `host_cache` (device / host_cached at lf 0.2 and
+#              0.05, alphas 1.05 and 1.2) -> host-tests.log, host-cache-*.json, host.log
+#   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
+#   host-big   (560 s) a model larger than HBM (16 x 44M x 128 fp16 + state, the planner under $HBM_BUDGET_GB,
+#              default 120: an H200) against the all-HBM model at 4M rows per table -> host-cache-*.json, host-big.log
 #   sharding   (400 s; 2+ GPUs) the sharded test files compiled, then weak scaling (table and row plans, default and
 #              per-feature capacity) -> sharding-tests.log, sharding-*.json, sharding.log
 # Older stages (A/Bs of switches since removed, one-off traces) are in this file's git history.
@@ -62,6 +67,15 @@ for stage in "$@"; do
         | tee "$OUT/dlrm.log" | tail -4 ;;
     features) timeout 280 python3 -m benchmarks features --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/features.log" | tail -12 ;;
+    host) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_host_cache.py > "$OUT/host-tests.log" 2>&1
+        tail -3 "$OUT/host-tests.log"
+        timeout 240 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
+    host-fbgemm) timeout 300 python3 -m benchmarks fbgemm_cache --rows 1000000 --tables 8 --out "$OUT" 2>&1 \
+        | grep -v Warning | tee "$OUT/host-fbgemm.log" ;;
+    host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows 44000000 --locations device planned \
+          --baseline-rows 4000000 --hbm-budget-gb "${HBM_BUDGET_GB:-120}" --alphas 1.05 --load-factors 0.2 \
+          --sets 16 --iters 8 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-big.log" ;;
     sharding) n=$(nvidia-smi -L | wc -l)
         if [ "$n" -lt 2 ]; then echo "sharding needs 2+ GPUs, found $n"; continue; fi
         timeout 200 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
@@ -84,6 +98,6 @@ for stage in "$@"; do
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
         timeout 270 python3 -m benchmarks fbgemm_quant --time --shards "${QUANT_SHARDS:-10}" \
           --out "$OUT/fbgemm-quant-time.json" 2>&1 | grep -v Warning >> "$OUT/quant-fbgemm.log"; tail -5 "$OUT/quant-fbgemm.log" ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm sharding)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-fbgemm host-big sharding)" ;;
   esac
 done
