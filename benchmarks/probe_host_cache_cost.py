@@ -2,7 +2,7 @@
 and which reads of a pinned host array block its later donation.
 
 Part A: a pinned host array is donated to an identity program after each way of reading it (NumPy view, device_get,
-`memory.rows`): OK or the error. Part B: a model of `--tables` host_cached tables (`--rows` x 128 fp16, load factor
+`memory.rows`, an orbax save): OK or the error. Part B: a model of `--tables` host_cached tables (`--rows` x 128 fp16, load factor
 0.2, B 16384, 20 ids a bag, Zipf 1.05); the prefetch alone, the step alone and both in one program, each jitted and
 donated: the compiled program's instructions on the host buffer's shape (a copy of it would show there) and its
 time; then the prefetch traced without the in-program host placement of its write-back (`memory.keep_on_host`
@@ -57,6 +57,20 @@ def part_a():
     r = memory.rows(x, 5, 100)
     ok = np.array_equal(r, np.arange(4096 * 8, dtype=np.float32).reshape(4096, 8)[5:105])
     print("A after memory.rows(x) (equal:", ok, ") ->", _donate(x)[0], flush=True)
+    try:  # a checkpoint between steps: does orbax leave a view on the array (then the next step cannot donate it)?
+        import tempfile
+
+        import orbax.checkpoint as ocp
+
+        x = fresh()
+        with tempfile.TemporaryDirectory() as d:
+            ckpt = ocp.StandardCheckpointer()
+            ckpt.save(d + "/c", {"x": x})
+            ckpt.wait_until_finished()
+        gc.collect()
+        print("A after an orbax save ->", _donate(x)[0], flush=True)
+    except ImportError:
+        print("A orbax not installed", flush=True)
     x = fresh()
     y = jax.jit(lambda a: a, out_shardings=memory.host_sharding())(x)
     print("A identity jit (no donation) aliases:", y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer(), flush=True)
