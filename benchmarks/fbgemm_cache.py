@@ -113,13 +113,19 @@ def main(argv=None):
         sets = _batches(args, alpha)
         base = None
         for location, lf in [("device", 0.2)] + [("managed_caching", lf) for lf in args.load_factors]:
-            r = {"alpha": alpha, **_case(args, location, sets, lf)}
+            try:
+                r = {"alpha": alpha, **_case(args, location, sets, lf)}
+            except Exception as e:  # one failing case must not lose the others' numbers
+                print(f"alpha {alpha} {location} lf {lf}: failed: {type(e).__name__}: {e}", flush=True)
+                cases.append({"alpha": alpha, "location": location, "load_factor": lf, "error": repr(e)})
+                continue
             base = r["ms"] if location == "device" else base
             r["vs_device"] = r["ms"] / base if base else None
             cases.append(r)
             hit = f", row hit rate {r['row_hit_rate']:.3f}" if "row_hit_rate" in r else ""
+            misses = f", unique misses/step {r['unique_misses_per_step']:.0f}" if "unique_misses_per_step" in r else ""
             print(f"alpha {alpha} {location:16s} lf {lf}: {r['ms']:.3f} ms/step (kernels {r['kernel_ms']:.3f}) "
-                  f"x{r['vs_device']:.2f}{hit}", flush=True)
+                  f"x{r['vs_device']:.2f}{hit}{misses}", flush=True)
     meta = common.meta()
     try:
         import fbgemm_gpu

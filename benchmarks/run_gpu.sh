@@ -6,7 +6,7 @@
 #   bash benchmarks/run_gpu.sh presets optimizers
 #   bash benchmarks/run_gpu.sh sharding          (on a machine with 2+ GPUs)
 # Stages (limit):
-#   tests      (400 s) the whole suite compiled, 8 workers, -v so a cut run still names its failures -> tests.log
+#   tests      (520 s) the whole suite compiled, 12 workers, -v so a cut run still names its failures -> tests.log
 #   presets    (570 s) forward then backward on the anchors' presets (make bench) -> forward-*.json,
 #              backward-*.json, presets.log
 #   sweep      (560 s) 240 drawn shard shapes against FBGEMM (FBGEMM from ../shared/fbgemm; its own budget 530 s)
@@ -51,7 +51,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in "$@"; do
   echo "== $stage $(date -u +%H:%M:%S)"
   case "$stage" in
-    tests) timeout 400 python3 -m pytest -v -n 8 -p no:benchmark tests > "$OUT/tests.log" 2>&1
+    tests) timeout 520 python3 -m pytest -v -n 12 -p no:benchmark tests > "$OUT/tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -12 ;;
     presets) timeout 570 python3 -m benchmarks presets --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/presets.log" \
         | grep "^|" ;;
