@@ -7,8 +7,8 @@
   checked once for both;
 - `sorted_runs`: the sorted runs of a batch's lookups, which the backward kernels read (`step_forward` builds
   them in the forward when `BackwardConfig.sort_in_forward`);
-- `jit_forward`, `jit_apply`, `jit_step_forward`: eager calls (outside `jit`) as one jitted program each, and
-  `eager_args`, `static_bpf`, their arguments;
+- `jit_forward`, `jit_apply`, `jit_step_forward`, `jit_step_update`: eager calls (outside `jit`) as one jitted
+  program each, and `eager_args`, `static_bpf`, their arguments;
 - `out_shape`: a batch's output shape.
 
 The way down of a batch's `indices` (each stop once, in this order):
@@ -130,6 +130,11 @@ def step_update(emb, params, opt_state, opt, residuals, grad_output):
     """`emb.step_update`: the optimizer step on `step_forward`'s checked batch (not checked again), `(params,
     opt_state, invalid_indices)`."""
     indices, offsets, per_sample_weights, batch_size_per_feature, report, runs = residuals
+    if inputs.is_concrete(*jax.tree_util.tree_leaves((params, opt_state, opt, residuals, grad_output))):
+        # Eager (a layer's `train_step` outside `jit`): one program, as `jit_apply`. Op by op, each kernel that
+        # updates a host buffer in place would be a program of its own returning that buffer outside host memory.
+        return jit_step_update(params, opt_state, opt, (indices, offsets, per_sample_weights, report, runs),
+                               grad_output, emb=emb, static_bpf=batch_size_per_feature)
     emb.check_optimizer(opt)
     emb.check_params(params)
     opt.check_state(opt_state, params)
@@ -339,6 +344,13 @@ def jit_apply(indices, offsets, per_sample_weights, dyn_bpf, params, opt_state, 
     bpf = dyn_bpf if dyn_bpf is not None else static_bpf
     return apply_gradients(emb, params, opt_state, opt, indices, offsets, grad_output, per_sample_weights, bpf,
                            backward_config)
+
+
+@functools.partial(jax.jit, static_argnames=("emb", "static_bpf"))
+def jit_step_update(params, opt_state, opt, arrays, grad_output, *, emb, static_bpf):
+    indices, offsets, per_sample_weights, report, runs = arrays
+    return step_update(emb, params, opt_state, opt, (indices, offsets, per_sample_weights, static_bpf, report, runs),
+                       grad_output)
 
 
 # -- differentiation -------------------------------------------------------------
