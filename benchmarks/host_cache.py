@@ -106,6 +106,10 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         times.append((time.perf_counter() - t0) * 1e3 / args.iters)
     if cached:
         stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
+    kernels = None
+    if args.profile:  # per-kernel device time of the step (the carry is donated: this comes last)
+        psets = [(*sets[k], *sets[(k + 1) % n][:2]) for k in range(min(n, 8))]
+        kernels = common.profile(lambda c, *a: step(*c, *a), carry, psets, args.profile)
     row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
     ms = float(np.median(times))
     lookups = args.batch * args.bag * args.tables
@@ -113,6 +117,10 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
            "warmup_s": round(compile_s, 2), "lookups_per_s": lookups / ms * 1e3, "ns_per_lookup": ms * 1e6 / lookups,
            "locations": [t.location for t in specs],
            "table_gb": args.tables * args.rows * (args.dim * dtype.itemsize + 4) / 1e9, **_memory()}
+    if kernels is not None:
+        out["device_ms"] = sum(v["ms"] for v in kernels.values())
+        out["device_ms_by_kind"] = _by_kind(kernels)
+        out["kernels"] = {k: v for k, v in list(kernels.items())[:30]}
     if cached:
         s = np.asarray(stats[len(stats) // 2:], np.float64)  # after the cache warmed up
         req, hits, fills, wb, lookups, lookup_hits = s.mean(axis=0)
@@ -121,6 +129,17 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
                    requested_per_step=float(req), fills_per_step=float(fills), writebacks_per_step=float(wb),
                    bus_mb_per_step=float((fills + wb) * row_bytes / 1e6),
                    cache_rows=int(emb.cache_layout.total_slots))
+    return out
+
+
+def _by_kind(kernels: dict) -> dict:
+    """Device ms per step of the profile's kernels by kind: the row copies, our other Pallas kernels, sorts, the
+    rest of XLA's (gathers, scatters, fusions)."""
+    out = {"copy_rows": 0.0, "pallas": 0.0, "sort": 0.0, "xla": 0.0}
+    for name, v in kernels.items():
+        kind = ("copy_rows" if "copy_rows" in name else "sort" if "sort" in name.lower() or "cub::" in name
+                else "pallas" if name.startswith(("tbe_", "prefix_scan")) else "xla")
+        out[kind] += v["ms"]
     return out
 
 
@@ -145,6 +164,8 @@ def main(argv=None):
     ap.add_argument("--baseline-rows", type=int, default=0,
                     help='rows per table of the "device" case (default --rows): a model that fits HBM, compared '
                          "per lookup with a larger one")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also trace this many steps: device ms per step, by kernel and by kind")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     cases = []
@@ -170,6 +191,10 @@ def main(argv=None):
                          if "hit_rate" in r else "")
                 print(f"alpha {alpha} {loc:12s} {r['ms']:8.3f} ms/step  x{r['vs_device'] or 0:.2f} of HBM per lookup"
                       f"{extra}; HBM {r['hbm_gb']:.1f} GB, host RSS {r['host_rss_gb']:.1f} GB", flush=True)
+                if "kernels" in r:
+                    print(f"  device {r['device_ms']:.3f} ms/step: " +
+                          ", ".join(f"{k} {v:.3f}" for k, v in r["device_ms_by_kind"].items()), flush=True)
+                    common.print_kernels(r["kernels"], 14)
                 jax.clear_caches()
     config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "dtype", "batch", "bag", "sets", "iters", "reps",
                                             "hbm_budget_gb", "baseline_rows")}
