@@ -96,12 +96,13 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
             stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
     jax.block_until_ready(carry)
     compile_s = time.perf_counter() - t0
-    times = []
+    times, enq = [], []
     for _ in range(args.reps):
         t0 = time.perf_counter()
         for i in range(args.iters):
             k = i % n
             carry = step(*carry, *sets[k], *sets[(k + 1) % n][:2])
+        enq.append((time.perf_counter() - t0) * 1e3 / args.iters)  # the host's time to enqueue a step
         jax.block_until_ready(carry)
         times.append((time.perf_counter() - t0) * 1e3 / args.iters)
     if cached:
@@ -113,12 +114,14 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
     ms = float(np.median(times))
     lookups = args.batch * args.bag * args.tables
-    out = {"location": location, "alpha": alpha, "rows": args.rows, "ms": ms, "init_s": round(init_s, 2),
+    out = {"location": location, "alpha": alpha, "rows": args.rows, "ms": ms, "enqueue_ms": float(np.median(enq)),
+           "init_s": round(init_s, 2),
            "warmup_s": round(compile_s, 2), "lookups_per_s": lookups / ms * 1e3, "ns_per_lookup": ms * 1e6 / lookups,
            "locations": [t.location for t in specs],
            "table_gb": args.tables * args.rows * (args.dim * dtype.itemsize + 4) / 1e9, **_memory()}
     if kernels is not None:
         out["device_ms"] = sum(v["ms"] for v in kernels.values())
+        out["launches_per_step"] = sum(v["calls_per_step"] for v in kernels.values())
         out["device_ms_by_kind"] = _by_kind(kernels)
         out["kernels"] = {k: v for k, v in list(kernels.items())[:30]}
     if cached:
@@ -192,7 +195,8 @@ def main(argv=None):
                 print(f"alpha {alpha} {loc:12s} {r['ms']:8.3f} ms/step  x{r['vs_device'] or 0:.2f} of HBM per lookup"
                       f"{extra}; HBM {r['hbm_gb']:.1f} GB, host RSS {r['host_rss_gb']:.1f} GB", flush=True)
                 if "kernels" in r:
-                    print(f"  device {r['device_ms']:.3f} ms/step: " +
+                    print(f"  host enqueue {r['enqueue_ms']:.3f} ms/step; {r['launches_per_step']:.0f} launches; "
+                          f"device {r['device_ms']:.3f} ms/step: " +
                           ", ".join(f"{k} {v:.3f}" for k, v in r["device_ms_by_kind"].items()), flush=True)
                     common.print_kernels(r["kernels"], 14)
                 jax.clear_caches()
