@@ -30,7 +30,8 @@
 #              0.05, alphas 1.05 and 1.2) -> host-tests.log, host-cache-*.json, host.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
 #   host-big   (560 s) a model larger than HBM (16 x 44M x 128 fp16 + state, the planner under $HBM_BUDGET_GB,
-#              default 120: an H200) against the all-HBM model at 4M rows per table -> host-cache-*.json, host-big.log
+#              default 120: an H200) against the all-HBM model at 4M rows per table -> host-cache-*.json, host-big.log;
+#              on an H100 (80 GB HBM, 128 GB host RAM): HOST_BIG_ROWS=22000000 HBM_BUDGET_GB=55 (~92 GB)
 #   sharding   (400 s; 2+ GPUs) the sharded test files compiled, then weak scaling (table and row plans, default and
 #              per-feature capacity) -> sharding-tests.log, sharding-*.json, sharding.log
 # Older stages (A/Bs of switches since removed, one-off traces) are in this file's git history.
@@ -73,7 +74,8 @@ for stage in "$@"; do
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
     host-fbgemm) timeout 300 python3 -m benchmarks fbgemm_cache --rows 1000000 --tables 8 --out "$OUT" 2>&1 \
         | grep -v Warning | tee "$OUT/host-fbgemm.log" ;;
-    host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows 44000000 --locations device planned \
+    host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows "${HOST_BIG_ROWS:-44000000}" \
+          --locations device planned \
           --baseline-rows 4000000 --hbm-budget-gb "${HBM_BUDGET_GB:-120}" --alphas 1.05 --load-factors 0.2 \
           --sets 16 --iters 8 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-big.log" ;;
     sharding) n=$(nvidia-smi -L | wc -l)

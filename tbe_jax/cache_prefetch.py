@@ -19,6 +19,28 @@ def set_hash(rows):
     return (rows.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)) >> jnp.uint32(7)
 
 
+def run_lengths(srt, first, limit):
+    """Per position of the sorted `srt`: where `first` (a run's first position), the run's length, counting no
+    value `>= limit` (those sort last); 0 elsewhere. One reverse scan for the next run's start (a segment sum
+    over sorted runs is a scatter-add whose adds collide on each run's slot)."""
+    n = srt.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    start = jax.lax.cummin(jnp.where(first | (srt >= limit), pos, n), reverse=True)  # next start at or after p
+    after = jnp.concatenate([start[1:], jnp.full((1,), n, jnp.int32)])  # ... strictly after p
+    return jnp.where(first, after - pos, 0)
+
+
+def stable_pick(keys, rank):
+    """Per row of `keys` `[m, w]`: the column of its `rank`-th smallest key, ties in column order (column `rank`
+    of a stable argsort of the row), from the w x w compares of the row: no sort."""
+    w = keys.shape[1]
+    col = jnp.arange(w, dtype=jnp.int32)
+    k, other = keys[:, :, None], keys[:, None, :]
+    before = (other < k) | ((other == k) & (col[None, None, :] < col[None, :, None]))  # column j before column i
+    place = jnp.sum(before, axis=2, dtype=jnp.int32)  # each column's place in the stable order
+    return jnp.argmax(place == rank[:, None], axis=1).astype(jnp.int32)
+
+
 def fill_cap(emb, n: int) -> int:
     """How many of a batch's misses (`n` lookups) a prefetch may fill: `emb.cache_max_fills`, by default 1/16 of
     the lookups (at least 1024); never more than the lookups or the cache's slots. Static."""
@@ -48,9 +70,7 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     srt = jnp.sort(crow)
     prev = jnp.concatenate([jnp.full((1,), -1, srt.dtype), srt[:-1]])
     first = (srt != prev) & (srt < r_total)
-    seg = jnp.cumsum(first.astype(jnp.int32)) - 1
-    uses = jax.ops.segment_sum((srt < r_total).astype(jnp.int32), jnp.maximum(seg, 0), num_segments=n)
-    uses = uses[jnp.maximum(seg, 0)]
+    uses = run_lengths(srt, first, r_total)
     row = jnp.where(first, srt, 0)
     slot = jnp.where(first, d["slot_of_row"][row], -1)
     hit = first & (slot >= 0)
@@ -95,8 +115,7 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     if opt_state is None:  # without the states, only slots whose state is in host memory may go
         locked = locked | (d["state_ok"][way_slots] > 0)
     w_key = jnp.where(locked, NEVER, jnp.where(w_row < 0, jnp.iinfo(jnp.int32).min, score[way_slots]))
-    w_order = jnp.argsort(w_key, axis=1, stable=True)
-    pick = jnp.take_along_axis(w_order, jnp.minimum(rank, ways - 1)[:, None], axis=1)[:, 0]
+    pick = stable_pick(w_key, jnp.minimum(rank, ways - 1))
     ok = miss & (rank < ways) & (jnp.take_along_axis(w_key, pick[:, None], axis=1)[:, 0] < NEVER)
     victim = jnp.where(ok, gset * ways + pick, c_total)
     old = jnp.where(ok, d["row_of_slot"][jnp.minimum(victim, c_total - 1)], -1)

@@ -454,3 +454,21 @@ def test_nnx_layer_prefetches_and_trains_as_the_all_device_one():
     plain = TableBatchedEmbed(_specs(("device",) * 4), feature_table_map=FMAP, impl=XLA, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="host_cached"):
         plain.prefetch(idx, off)
+
+
+def test_prefetch_helpers_match_numpy():
+    from tbe_jax.cache_prefetch import run_lengths, stable_pick
+
+    rng = np.random.default_rng(5)
+    for n, limit in ((1, 5), (7, 3), (200, 40), (64, 1)):
+        v = np.sort(np.where(rng.random(n) < 0.2, limit, rng.integers(0, limit, n))).astype(np.int32)
+        first = (v != np.concatenate([[-1], v[:-1]])) & (v < limit)
+        want = np.zeros(n, np.int32)
+        vals, starts, counts = np.unique(v, return_index=True, return_counts=True)
+        want[starts[vals < limit]] = counts[vals < limit]
+        np.testing.assert_array_equal(np.asarray(run_lengths(jnp.asarray(v), jnp.asarray(first), limit)), want)
+    keys = rng.integers(0, 4, (300, 16)).astype(np.int32)  # many ties
+    keys[:5] = np.iinfo(np.int32).max
+    rank = rng.integers(0, 16, 300).astype(np.int32)
+    want = np.take_along_axis(np.argsort(keys, axis=1, kind="stable"), rank[:, None], axis=1)[:, 0]
+    np.testing.assert_array_equal(np.asarray(stable_pick(jnp.asarray(keys), jnp.asarray(rank))), want)
