@@ -115,9 +115,40 @@ def merge(emb, facts: Facts, out, src, n):
     dst = extra_columns(emb, facts)
     if plan.vbe:
         size = plan.out_size
-        return out[:size].at[dst].add(out[size:])
+        return _add_at(out[:size], dst, out[size:], axis=0)
     w = int(sum(plan.dim))
-    return out[:, :w].at[:, dst].add(out[:, w:])
+    return _add_at(out[:, :w], dst, out[:, w:], axis=1)
+
+
+def _runs(dst: np.ndarray) -> list[tuple[int, int]]:
+    """`dst` (static, ascending) as maximal runs of consecutive values: [(first value, length)]."""
+    cut = np.flatnonzero(np.diff(dst) != 1) + 1
+    return [(int(r[0]), len(r)) for r in np.split(dst, cut) if len(r)]
+
+
+def _add_at(base, dst: np.ndarray, extra, axis: int):
+    """`base.at[dst].add(extra)` along `axis`, for static ascending `dst`: as slices when `dst` is a few runs of
+    consecutive positions (cached features next to each other: one fused pass, no scatter), else the scatter
+    (many runs: the trace stays one op whatever the feature count). The same fp32 adds either way."""
+    runs = _runs(dst)
+    if len(runs) > 16:
+        return base.at[(slice(None),) * axis + (dst,)].add(extra)
+    take = lambda x, a, b: jax.lax.slice_in_dim(x, a, b, axis=axis)  # noqa: E731
+    pieces, cur, e = [], 0, 0
+    for a, k in runs:
+        pieces += [take(base, cur, a), take(base, a, a + k) + take(extra, e, e + k)]
+        cur, e = a + k, e + k
+    pieces.append(take(base, cur, base.shape[axis]))
+    return jnp.concatenate([p for p in pieces if p.shape[axis]], axis=axis)
+
+
+def _gather_runs(x, dst: np.ndarray, axis: int):
+    """`x` with its positions `dst` (static, ascending) appended along `axis`: slices for a few runs, else a
+    gather."""
+    runs = _runs(dst)
+    if len(runs) > 16:
+        return jnp.concatenate([x, jnp.take(x, jnp.asarray(dst), axis=axis)], axis=axis)
+    return jnp.concatenate([x] + [jax.lax.slice_in_dim(x, a, a + k, axis=axis) for a, k in runs], axis=axis)
 
 
 def extra_columns(emb, facts: Facts) -> np.ndarray:
@@ -143,10 +174,7 @@ def inner_grad(emb, facts, g, n):
     if isinstance(facts, NoneFacts):
         src = facts.src
         return jnp.where((src >= 0)[:, None], g[jnp.clip(src, 0, max(g.shape[0] - 1, 0))], 0.0)
-    dst = extra_columns(emb, facts)
-    if facts.plan.vbe:
-        return jnp.concatenate([g, g[dst]])
-    return jnp.concatenate([g, g[:, dst]], axis=1)
+    return _gather_runs(g, extra_columns(emb, facts), axis=0 if facts.plan.vbe else 1)
 
 
 def lookup(emb, plan, count, params, per_sample_weights, indices, offsets):

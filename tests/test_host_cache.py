@@ -472,3 +472,19 @@ def test_prefetch_helpers_match_numpy():
     rank = rng.integers(0, 16, 300).astype(np.int32)
     want = np.take_along_axis(np.argsort(keys, axis=1, kind="stable"), rank[:, None], axis=1)[:, 0]
     np.testing.assert_array_equal(np.asarray(stable_pick(jnp.asarray(keys), jnp.asarray(rank))), want)
+
+
+@pytest.mark.parametrize("dst", [[5, 6, 7, 8], [0, 1, 2, 5, 6, 9], list(range(0, 40, 2))])  # 1, 3 and 20 runs
+def test_merge_helpers_equal_the_scatter(dst):
+    from tbe_jax.cache_route import _add_at, _gather_runs
+
+    rng = np.random.default_rng(len(dst))
+    dst = np.asarray(dst, np.int32)
+    for axis, shape in ((0, (40,)), (1, (3, 40))):
+        base = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        extra = jnp.asarray(rng.standard_normal(shape[:axis] + (len(dst),)).astype(np.float32))
+        idx = (slice(None),) * axis + (dst,)
+        np.testing.assert_array_equal(np.asarray(_add_at(base, dst, extra, axis)),
+                                      np.asarray(base.at[idx].add(extra)))
+        np.testing.assert_array_equal(np.asarray(_gather_runs(base, dst, axis)),
+                                      np.asarray(jnp.concatenate([base, jnp.take(base, dst, axis=axis)], axis)))
