@@ -31,6 +31,7 @@ Traces and probes (per-kernel time, one question each):
   probe_forward   ForwardConfig variants on chosen sweep shards, device time
   probe_step_memory  XLA memory analysis of the compiled DCNv2 step at MLPerf sizes (tables not allocated)
   probe_repair    the default mode's offsets repair and id counts
+  probe_copy_rows  the host tier's row copies alone (fills, stages, write-backs), device time and GB/s
   probe_ranksort  the counting-rank sort against XLA's sort
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
   kernel_resources  registers, spills and SASS size of the backward's kernels (no GPU needed; needs triton)
@@ -62,6 +63,7 @@ SUITES = {
     "cpu_update": "benchmarks.cpu_update",
     "host_cache": "benchmarks.host_cache",
     "fbgemm_cache": "benchmarks.fbgemm_cache",
+    "probe_copy_rows": "benchmarks.probe_copy_rows",
     "dlrm_model": "benchmarks.dlrm_model",
     "dlrm_compare": "benchmarks.dlrm_compare",
     "trace_backward": "benchmarks.trace_backward",

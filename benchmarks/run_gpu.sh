@@ -29,7 +29,9 @@
 #   host       (400 s) the host tier: its test file compiled, then `host_cache` (device / host_cached at lf 0.2 and
 #              0.05, alphas 1.05 and 1.2) -> host-tests.log, host-cache-*.json, host.log
 #   host-profile (300 s) the host_cached step at alpha 1.2, lf 0.2, 48 batches, with its per-kernel profile over the
-#              same batches (device ms by kind, host enqueue time, launches) -> host-cache-*.json, host-profile.log
+#              same batches (device ms by kind, host enqueue time, launches), then each row copy of the prefetch
+#              alone (probe_copy_rows: fills, stages, write-backs) -> host-cache-*.json, probe-copy-rows-*.json,
+#              host-profile.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
 #   host-big   (560 s) a model larger than HBM (16 x 44M x 128 fp16 + state, the planner under $HBM_BUDGET_GB,
 #              default 120: an H200) against the all-HBM model at 4M rows per table -> host-cache-*.json, host-big.log;
@@ -75,7 +77,8 @@ for stage in "$@"; do
         timeout 240 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
     host-profile) timeout 300 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
-          --alphas 1.2 --load-factors 0.2 --profile 24 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-profile.log" ;;
+          --alphas 1.2 --load-factors 0.2 --profile 24 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-profile.log"
+        timeout 150 python3 -m benchmarks probe_copy_rows --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/host-profile.log" ;;
     host-fbgemm) timeout 300 python3 -m benchmarks fbgemm_cache --rows 1000000 --tables 8 --out "$OUT" 2>&1 \
         | grep -v Warning | tee "$OUT/host-fbgemm.log" ;;
     host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows "${HOST_BIG_ROWS:-44000000}" \

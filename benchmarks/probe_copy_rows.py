@@ -1,0 +1,100 @@
+"""Issue 40: the row copies of the host tier's prefetch, alone (`tbe_jax.kernels.copy_rows`), device time per copy.
+
+Session 33 measured the cached step 1.5 ms slower with ~77k more evicted rows written back a step (~20 MB: ~13
+GB/s, slower than the fills). This times each copy the prefetch makes, on its own, at the sizes of the
+benchmark's model (`python -m benchmarks host_cache`): `--count` random rows of a `--rows` x `--dim` fp16 table and of
+its row-wise fp32 state, between a pinned host buffer and an HBM one, in both directions:
+
+- "fill": host -> HBM (a miss's row into its cache slot);
+- "write-back": HBM -> host (an evicted changed row to its host row), destinations in random order and sorted;
+- "stage": HBM -> HBM (the changed victims' rows staged before the fill);
+
+with the fraction `--live` of the `--count` pairs live (the others -1, as in the prefetch, whose copies run over
+the fill cap's pairs whatever the misses). Reports ms per copy and GB/s of the live rows.
+
+    python -m benchmarks probe_copy_rows --rows 1000000 --count 162000 --live 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from tbe_jax import memory
+from tbe_jax.kernels.copy_rows import copy_rows
+
+
+def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret):
+    """Times `copy_rows` into a fresh buffer from `make_dst()` (donated, so written in place)."""
+    dst = make_dst()
+    on_host = memory.on_host(dst)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def f(d, s, dr, sr):
+        out = copy_rows(d, s, dr, sr, kernel=True, interpret=interpret)
+        return memory.keep_on_host(out) if on_host else out  # a host buffer written in place stays there
+
+    box = [f(dst, src, dst_rows, src_rows)]
+    jax.block_until_ready(box)
+
+    def run(i):
+        box[0] = f(box[0], src, dst_rows, src_rows)
+        return box[0]
+
+    ms, kernels = common.device_ms(run, iters, top=3)
+    live = int(jnp.sum((dst_rows >= 0) & (src_rows >= 0)))
+    row_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * src.dtype.itemsize
+    gbps = live * row_bytes / (ms * 1e6) if ms else 0.0
+    print(f"{name:34s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
+    del box
+    return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks probe_copy_rows", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the host buffer")
+    ap.add_argument("--cache-rows", type=int, default=200_000, help="rows of the HBM buffer")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--count", type=int, default=162_000, help="pairs per copy (the prefetch's fill cap)")
+    ap.add_argument("--live", type=float, default=0.5, help="the fraction of the pairs that copy")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    interpret = common.interpret()
+    rng = np.random.default_rng(0)
+    n = args.count
+    live = rng.random(n) < args.live
+    host_rows = np.where(live, rng.choice(args.rows, n, replace=False), -1).astype(np.int32)
+    cache_rows = np.where(live, rng.choice(args.cache_rows, n, replace=False), -1).astype(np.int32)
+    order = np.argsort(np.where(live, host_rows, args.rows), kind="stable")
+    hr, cr = jnp.asarray(host_rows), jnp.asarray(cache_rows)
+    hr_sorted = jnp.asarray(host_rows[order])
+    cases = []
+    arange = jnp.arange(n, dtype=jnp.int32)
+    for width, dtype, what in ((args.dim, jnp.float16, "rows"), (None, jnp.float32, "row-wise state")):
+        shape = (lambda r: (r, width)) if width else (lambda r: (r,))  # noqa: E731
+        host = memory.host_full(shape(args.rows), dtype, 1)  # the host part (a fill's source)
+        cache = jnp.ones(shape(args.cache_rows), dtype)  # the cache part (the stage's source)
+        stage = jnp.ones(shape(n), dtype)  # the staged rows (a write-back's source)
+        new_host = lambda: memory.host_full(shape(args.rows), dtype)  # noqa: E731
+        cases += [
+            _case(f"fill ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host, cr, hr, args.iters,
+                  interpret),
+            _case(f"stage ({what})", lambda: jnp.zeros(shape(n), dtype), cache, arange, cr, args.iters, interpret),
+            _case(f"write-back ({what})", new_host, stage, hr, arange, args.iters, interpret),
+            _case(f"write-back, sorted rows ({what})", new_host, stage, hr_sorted, jnp.asarray(order.astype(np.int32)),
+                  args.iters, interpret),
+        ]
+        del host, cache, stage
+    print("saved", common.save("probe-copy-rows", {"meta": common.meta(), "config": vars(args), "cases": cases},
+                               args.out))
+
+
+if __name__ == "__main__":
+    main()
