@@ -120,10 +120,12 @@ def merge(emb, facts: Facts, out, src, n):
     return _add_at(out[:, :w], dst, out[:, w:], axis=1)
 
 
-def _runs(dst: np.ndarray) -> list[tuple[int, int]]:
-    """`dst` (static, ascending) as maximal runs of consecutive values: [(first value, length)]."""
+def _runs(dst: np.ndarray) -> list[tuple[int, int]] | None:
+    """`dst` (static, ascending) as maximal runs of consecutive values, [(first value, length)], when there are at
+    most 16 of them (slices then); None for more (one scatter or gather keeps the trace small)."""
     cut = np.flatnonzero(np.diff(dst) != 1) + 1
-    return [(int(r[0]), len(r)) for r in np.split(dst, cut) if len(r)]
+    runs = [(int(r[0]), len(r)) for r in np.split(dst, cut) if len(r)]
+    return runs if len(runs) <= 16 else None
 
 
 def _add_at(base, dst: np.ndarray, extra, axis: int):
@@ -131,7 +133,7 @@ def _add_at(base, dst: np.ndarray, extra, axis: int):
     consecutive positions (cached features next to each other: one fused pass, no scatter), else the scatter
     (many runs: the trace stays one op whatever the feature count). The same fp32 adds either way."""
     runs = _runs(dst)
-    if len(runs) > 16:
+    if runs is None:
         return base.at[(slice(None),) * axis + (dst,)].add(extra)
     take = lambda x, a, b: jax.lax.slice_in_dim(x, a, b, axis=axis)  # noqa: E731
     pieces, cur, e = [], 0, 0
@@ -146,7 +148,7 @@ def _gather_runs(x, dst: np.ndarray, axis: int):
     """`x` with its positions `dst` (static, ascending) appended along `axis`: slices for a few runs, else a
     gather."""
     runs = _runs(dst)
-    if len(runs) > 16:
+    if runs is None:
         return jnp.concatenate([x, jnp.take(x, jnp.asarray(dst), axis=axis)], axis=axis)
     return jnp.concatenate([x] + [jax.lax.slice_in_dim(x, a, a + k, axis=axis) for a, k in runs], axis=axis)
 
