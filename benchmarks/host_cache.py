@@ -146,7 +146,27 @@ def _by_kind(kernels: dict) -> dict:
     return out
 
 
+def allow_large_memory() -> dict:
+    """XLA's allocators' limits raised, where unset, before the GPU backend starts: HBM to 95% of the card
+    (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75) and pinned host memory to 85% of the host's RAM
+    (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, default 64 GB): a model larger than HBM needs both (session 34's first
+    two runs of the 183 GB model stopped on them). Returns what it set."""
+    import os
+
+    want = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+    try:
+        with open("/proc/meminfo") as f:
+            total_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+        want["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(total_kb * 0.85 / 2**20))
+    except (OSError, StopIteration, ValueError):
+        pass
+    set_now = {k: v for k, v in want.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now
+
+
 def main(argv=None):
+    allow_large_memory()
     ap = argparse.ArgumentParser(prog="python -m benchmarks host_cache", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tables", type=int, default=8)

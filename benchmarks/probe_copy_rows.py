@@ -5,7 +5,8 @@ GB/s, slower than the fills). This times each copy the prefetch makes, on its ow
 benchmark's model (`python -m benchmarks host_cache`): `--count` random rows of a `--rows` x `--dim` fp16 table and of
 its row-wise fp32 state, between a pinned host buffer and an HBM one, in both directions:
 
-- "fill": host -> HBM (a miss's row into its cache slot);
+- "fill": host -> HBM (a miss's row into its cache slot), sources in random order and sorted (the prefetch's
+  order: its misses come in row order);
 - "write-back": HBM -> host (an evicted changed row to its host row), destinations in random order and sorted;
 - "stage": HBM -> HBM (the changed victims' rows staged before the fill);
 
@@ -86,6 +87,8 @@ def main(argv=None):
         cases += [
             _case(f"fill ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host, cr, hr, args.iters,
                   interpret),
+            _case(f"fill, sorted rows ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host,
+                  jnp.asarray(cache_rows[order]), hr_sorted, args.iters, interpret),
             _case(f"stage ({what})", lambda: jnp.zeros(shape(n), dtype), cache, arange, cr, args.iters, interpret),
             _case(f"write-back ({what})", new_host, stage, hr, arange, args.iters, interpret),
             _case(f"write-back, sorted rows ({what})", new_host, stage, hr_sorted, jnp.asarray(order.astype(np.int32)),

@@ -34,7 +34,8 @@
 #              host-profile.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
 #   host-big   (560 s) a model larger than HBM (16 x 44M x 128 fp16 + state, the planner under $HBM_BUDGET_GB,
-#              default 120: an H200) against the all-HBM model at 4M rows per table -> host-cache-*.json, host-big.log;
+#              default 120: an H200; host_cache raises XLA's HBM and pinned-host limits itself) against the
+#              all-HBM model at 4M rows per table -> host-cache-*.json, host-big.log;
 #              on an H100 (80 GB HBM, 128 GB host RAM): HOST_BIG_ROWS=22000000 HBM_BUDGET_GB=55 (~92 GB)
 #   sharding   (400 s; 2+ GPUs) the sharded test files compiled, then weak scaling (table and row plans, default and
 #              per-feature capacity) -> sharding-tests.log, sharding-*.json, sharding.log

@@ -32,13 +32,19 @@ def run_lengths(srt, first, limit):
 
 def stable_pick(keys, rank):
     """Per row of `keys` `[m, w]`: the column of its `rank`-th smallest key, ties in column order (column `rank`
-    of a stable argsort of the row), from the w x w compares of the row: no sort."""
+    of a stable argsort of the row), from the w x w compares of the row: no sort. Written as w element-wise
+    steps over `[m, w]` (one loop fusion): the same compares as a `[m, w, w]` reduce, which XLA's GPU emitter ran
+    at 1.25 ms on an H100 for the benchmark's 164k x 16 (its largest XLA kernel of the cached step)."""
     w = keys.shape[1]
-    col = jnp.arange(w, dtype=jnp.int32)
-    k, other = keys[:, :, None], keys[:, None, :]
-    before = (other < k) | ((other == k) & (col[None, None, :] < col[None, :, None]))  # column j before column i
-    place = jnp.sum(before, axis=2, dtype=jnp.int32)  # each column's place in the stable order
-    return jnp.argmax(place == rank[:, None], axis=1).astype(jnp.int32)
+    col = jnp.arange(w, dtype=jnp.int32)[None, :]
+    place = jnp.zeros(keys.shape, jnp.int32)  # each column's place in the stable order
+    for j in range(w):  # column j before column i: a smaller key, or an equal one in an earlier column
+        kj = keys[:, j : j + 1]
+        place = place + ((kj < keys) | ((kj == keys) & (j < col))).astype(jnp.int32)
+    pick = jnp.zeros(keys.shape[:1], jnp.int32)  # the one column whose place is `rank`
+    for i in range(w):
+        pick = pick + jnp.where(place[:, i] == rank, i, 0)
+    return pick
 
 
 def fill_cap(emb, n: int) -> int:
@@ -115,6 +121,7 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     if opt_state is None:  # without the states, only slots whose state is in host memory may go
         locked = locked | (d["state_ok"][way_slots] > 0)
     w_key = jnp.where(locked, NEVER, jnp.where(w_row < 0, jnp.iinfo(jnp.int32).min, score[way_slots]))
+    w_key = jax.lax.optimization_barrier(w_key)  # made once: fused into `stable_pick`, its gathers ran w times
     pick = stable_pick(w_key, jnp.minimum(rank, ways - 1))
     ok = miss & (rank < ways) & (jnp.take_along_axis(w_key, pick[:, None], axis=1)[:, 0] < NEVER)
     victim = jnp.where(ok, gset * ways + pick, c_total)
@@ -169,7 +176,12 @@ def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
         mine = jnp.asarray(np.asarray([p == pair for p in pairs]))[t] & ok
         c_rows = jnp.where(mine, c_rows_all, -1)
         wb_dst = jnp.where(mine & back, h_old, -1)
-        fill_src = jnp.where(mine, h_new, -1)
+        fill_src = jnp.where(mine, h_new, -1)  # ascending (the misses come in row order)
+        # The write-backs in host row order: each block of the copy then writes nearby host rows. Random rows of
+        # a 2 GB pinned buffer went over the bus at 16 GB/s, sorted ones at 44 (`probe_copy_rows`, H100).
+        wb_dst, wb_src = jax.lax.sort((jnp.where(wb_dst >= 0, wb_dst, jnp.iinfo(jnp.int32).max), c_rows),
+                                      num_keys=1)
+        wb_dst = jnp.where(wb_dst < jnp.iinfo(jnp.int32).max, wb_dst, -1)
         kc, kh = lay.key(pair[0]), lay.key(pair[1])
         live = jnp.arange(c_rows.shape[0], dtype=jnp.int32)
         for tree in [inner_p] + [slots[f] for f in slot_fields]:
@@ -178,12 +190,15 @@ def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
             # writes each buffer in place: a write-back first would leave the fill's read of the host part
             # unordered against a step's later in-place update of it in the same program, and XLA copied the
             # whole host part to keep the value read (2 GB: 465 ms a step, `probe_host_cache_cost`).
+            what = "rows" if tree is inner_p else "state"
             stage = copy_rows(jnp.zeros((c_rows.shape[0],) + tree[kc].shape[1:], tree[kc].dtype), tree[kc],
-                              jnp.where(wb_dst >= 0, live, -1), c_rows, kernel=kernel, interpret=emb.interpret)
+                              jnp.where(wb_dst >= 0, live, -1), wb_src, kernel=kernel, interpret=emb.interpret,
+                              name=f"stage_{what}")
             tree[kc] = copy_rows(tree[kc], tree[kh], c_rows, fill_src, kernel=kernel, interpret=emb.interpret,
-                                 after=(stage,))
+                                 after=(stage,), name=f"fill_{what}")
             tree[kh] = memory.keep_on_host(copy_rows(tree[kh], stage, wb_dst, live, kernel=kernel,
-                                                     interpret=emb.interpret, after=(tree[kc],)))
+                                                     interpret=emb.interpret, after=(tree[kc],),
+                                                     name=f"write_back_{what}"))
     if inner_s is not None:
         inner_s = type(inner_s)(*[slots[f] for f in slot_fields], inner_s.count)
     return inner_p, inner_s

@@ -467,11 +467,13 @@ def test_prefetch_helpers_match_numpy():
         vals, starts, counts = np.unique(v, return_index=True, return_counts=True)
         want[starts[vals < limit]] = counts[vals < limit]
         np.testing.assert_array_equal(np.asarray(run_lengths(jnp.asarray(v), jnp.asarray(first), limit)), want)
-    keys = rng.integers(0, 4, (300, 16)).astype(np.int32)  # many ties
-    keys[:5] = np.iinfo(np.int32).max
-    rank = rng.integers(0, 16, 300).astype(np.int32)
-    want = np.take_along_axis(np.argsort(keys, axis=1, kind="stable"), rank[:, None], axis=1)[:, 0]
-    np.testing.assert_array_equal(np.asarray(stable_pick(jnp.asarray(keys), jnp.asarray(rank))), want)
+    for w in (16, 4, 1):
+        keys = rng.integers(0, 4, (300, w)).astype(np.int32)  # many ties
+        keys[:5] = np.iinfo(np.int32).max
+        keys[5:9] = np.iinfo(np.int32).min
+        rank = rng.integers(0, w, 300).astype(np.int32)
+        want = np.take_along_axis(np.argsort(keys, axis=1, kind="stable"), rank[:, None], axis=1)[:, 0]
+        np.testing.assert_array_equal(np.asarray(stable_pick(jnp.asarray(keys), jnp.asarray(rank))), want)
 
 
 @pytest.mark.parametrize("dst", [[5, 6, 7, 8], [0, 1, 2, 5, 6, 9], list(range(0, 40, 2))])  # 1, 3 and 20 runs

@@ -47,9 +47,10 @@ def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, *refs, n: int, bloc
 
 
 def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: bool,
-              interpret: bool = False, block_elems: int = 4096, after: tuple = ()) -> jax.Array:
+              interpret: bool = False, block_elems: int = 4096, after: tuple = (), name: str = "") -> jax.Array:
     """`dst` with rows `dst_rows[i]` set to `src`'s rows `src_rows[i]` (pairs with a negative id skipped), copied
-    after the arrays `after` exist (see the module doc)."""
+    after the arrays `after` exist (see the module doc). `name`: a suffix of the kernel's name (a profile then
+    tells a fill from a write-back)."""
     if dst.ndim != src.ndim or dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
         raise ValueError(f"copy_rows: rows of {src.dtype}{list(src.shape)} do not fit {dst.dtype}{list(dst.shape)}")
     n = dst_rows.shape[0]
@@ -72,5 +73,5 @@ def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax
         input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="tbe_copy_rows",
+        name="tbe_copy_rows" + (f"_{name}" if name else ""),
     )(dst_rows, src_rows, src, dst, *after)
