@@ -122,6 +122,11 @@ class ShardedTableBatchedEmbedding:
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        placed = sorted({t.location for t in emb.tables} - {"device"})
+        if placed:  # the shards are HBM buffers: a host table would silently move to HBM (and may not fit)
+            raise NotImplementedError(
+                f"tables with location {placed} are not sharded yet (a shard lives in HBM): shard the device tables "
+                "and keep these in a TableBatchedEmbedding of their own on one device")
         n = int(mesh.shape[axis_name])
         if not isinstance(plan, ShardingPlan):
             plan = plan_sharding(emb, n, plan)

@@ -348,3 +348,15 @@ def test_tt_linen_feature_table_map_not_truncated():
     assert TTEmbeddingBag(SPECS, feature_table_map=(0, 1), impl="xla").tt.feature_table_map == (0, 1)
     with pytest.raises(TypeError, match=r"feature_table_map"):
         TTEmbeddingBag(SPECS, feature_table_map=(0, 1.5), impl="xla", mesh=mesh())
+
+
+@pytest.mark.parametrize("location", ["host", "host_cached"])
+def test_tables_in_host_memory_are_refused(location):
+    """Was: a "host" table sharded silently became an HBM shard (a model sized for host memory would not fit);
+    "host_cached" raised a bare NotImplementedError. Both now say what to do."""
+    tables = [tbe_jax.TableSpec(37, 8), tbe_jax.TableSpec(50, 4, location=location)]
+    emb = tbe_jax.TableBatchedEmbedding(tables)
+    with pytest.raises(NotImplementedError, match=r"not sharded yet .*keep these in a TableBatchedEmbedding"):
+        tbe_jax.shard(emb, mesh(), "data") if location == "host" else emb.shard(mesh(), "data")
+    with pytest.raises(NotImplementedError, match="not sharded yet"):
+        tbe_jax.shard(emb.inner if location == "host_cached" else emb, mesh(), "data")
