@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import jax
@@ -64,8 +65,10 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     specs = [tbe_jax.TableSpec(args.rows, args.dim, location=location if location != "planned" else "device")
              for _ in range(args.tables)]
     if location == "planned":  # the planner's choice under the HBM budget
+        host_gb = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")  # as `allow_large_memory` set it
         specs = tbe_jax.plan_locations(specs, int(args.hbm_budget_gb * 1e9), weights_dtype=dtype, optimizer=opt,
-                                       cache_load_factor=load_factor)
+                                       cache_load_factor=load_factor,
+                                       host_budget=int(float(host_gb) * 2**30) if host_gb else None)
     emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=dtype, cache_load_factor=load_factor,
                                         cache_policy=policy, interpret=common.interpret())
     t0 = time.perf_counter()
@@ -151,8 +154,6 @@ def allow_large_memory() -> dict:
     (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75) and pinned host memory to 85% of the host's RAM
     (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, default 64 GB): a model larger than HBM needs both (session 34's first
     two runs of the 183 GB model stopped on them). Returns what it set."""
-    import os
-
     want = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
     try:
         with open("/proc/meminfo") as f:

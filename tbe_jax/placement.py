@@ -5,6 +5,10 @@ The HBM a table costs by location (weights, optimizer state, cache directory):
 - "host_cached": its cache, `C * (row + state)` with `C = cache_slots(E)`, plus the directory (`slot_of_row`, 4
   bytes a row, and 20 bytes a slot);
 - "host": nothing.
+
+In host memory (`host_bytes`), a "host" or "host_cached" table takes all of its rows and state, `E * (row +
+state)` (pinned: the host's RAM, and XLA's pinned-host allocator, 64 GB unless `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`
+says more); a "device" one nothing.
 """
 
 from __future__ import annotations
@@ -39,16 +43,26 @@ def hbm_bytes(spec: TableSpec, location: str, *, itemsize: int, optimizer=None, 
     return 0
 
 
+def host_bytes(spec: TableSpec, location: str, *, itemsize: int, optimizer=None) -> int:
+    """The pinned host memory `spec` takes at `location` (see the module doc)."""
+    if location == "device":
+        return 0
+    row = padded_dim(spec.embedding_dim, itemsize) * itemsize + state_bytes_per_row(optimizer, spec.embedding_dim)
+    return spec.num_embeddings * row
+
+
 def plan_locations(tables: Sequence[TableSpec], hbm_budget: int, *, weights_dtype="float32", optimizer=None,
                    lookups: Sequence[float] | None = None, cache_load_factor: float = 0.2,
-                   cache_ways: int = 16) -> list[TableSpec]:
+                   cache_ways: int = 16, host_budget: int | None = None) -> list[TableSpec]:
     """`tables` with a `location` each so that together they take at most `hbm_budget` bytes of HBM.
 
     Tables stay on the device while they fit. Over budget, the coldest bytes move first: tables in increasing
     order of `lookups[t] / bytes` (expected lookups per step, e.g. ids per sample; without `lookups`, the largest
     tables first) become "host_cached"; if every one of them cached is still over budget, they become "host" in
     the same order. Raises ValueError if even that does not fit (the budget is below the tables left on the
-    device, which is then zero). The given `location`s are ignored; the result is deterministic.
+    device, which is then zero). `host_budget`: bytes of pinned host memory the tables may take (`host_bytes`);
+    a plan over it raises ValueError instead of failing at `init` (the 183 GB model of `docs/host_memory.md` took
+    92 GB of an H200 host's 125 GB). The given `location`s are ignored; the result is deterministic.
     """
     itemsize = np.dtype(weights_dtype).itemsize
     n = len(tables)
@@ -68,4 +82,9 @@ def plan_locations(tables: Sequence[TableSpec], hbm_budget: int, *, weights_dtyp
             loc[i] = stage
     if total > hbm_budget:
         raise ValueError(f"the tables need {total} bytes of HBM even all in host memory; the budget is {hbm_budget}")
+    if host_budget is not None:
+        host = sum(host_bytes(t, l, itemsize=itemsize, optimizer=optimizer) for t, l in zip(tables, loc))
+        if host > host_budget:
+            raise ValueError(f"under {hbm_budget} bytes of HBM the tables need {host} bytes of host memory; the "
+                             f"host budget is {host_budget}")
     return [dataclasses.replace(t, location=l) for t, l in zip(tables, loc)]

@@ -313,6 +313,12 @@ def test_plan_locations_moves_the_coldest_bytes_first():
     assert used <= budget and "host_cached" in [s.location for s in got]
     emb = tbe_jax.TableBatchedEmbedding(got, weights_dtype=jnp.float16, impl=XLA)  # a model built from the plan
     assert emb.init(jax.random.key(0))["cache"]["slot_of_row"].shape[0] > 0
+    # a host budget: the plan's host bytes (every row and state of the tables off the device) must fit it
+    host = sum(tbe_jax.placement.host_bytes(s, s.location, itemsize=2, optimizer=opt) for s in got)
+    assert host == sum(d for d, s in zip(dev, got) if s.location != "device")
+    assert tbe_jax.plan_locations(specs, budget, weights_dtype="float16", optimizer=opt, host_budget=host) == got
+    with pytest.raises(ValueError, match="host budget"):
+        tbe_jax.plan_locations(specs, budget, weights_dtype="float16", optimizer=opt, host_budget=host - 1)
 
 
 def test_linen_layer_with_host_tables_trains_as_the_all_device_one():
