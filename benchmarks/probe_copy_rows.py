@@ -10,10 +10,19 @@ its row-wise fp32 state, between a pinned host buffer and an HBM one, in both di
 - "write-back": HBM -> host (an evicted changed row to its host row), destinations in random order and sorted;
 - "stage": HBM -> HBM (the changed victims' rows staged before the fill);
 
+- "fill + write-back, one kernel": both copies of a prefetch in one launch (its first blocks fill, the rest write
+  back; disjoint host rows, as a prefetch's misses and evictions are), to see whether the bus carries the two
+  directions at once (the library runs them one after the other today);
+- "..., fresh rows": the same, cycling `--fresh` different row sets over the iterations (a step's rows change
+  every step; the GPU's translations of the host pages then do not stay warm);
+
 with the fraction `--live` of the `--count` pairs live (the others -1, as in the prefetch, whose copies run over
 the fill cap's pairs whatever the misses). Reports ms per copy and GB/s of the live rows.
 
-    python -m benchmarks probe_copy_rows --rows 1000000 --count 162000 --live 0.5
+    python -m benchmarks probe_copy_rows --rows 8000000 --count 162000 --live 0.5
+
+Session 34 (H100): at 8M host rows, random rows crossed at 16 GB/s and sorted ones at 45, both directions; at 1M
+rows (256 MB) both orders ran at 51 (`results/probe-copy-rows-20261205-*`).
 """
 
 from __future__ import annotations
@@ -28,10 +37,14 @@ import numpy as np
 from benchmarks import common
 from tbe_jax import memory
 from tbe_jax.kernels.copy_rows import copy_rows
+from tbe_jax.pallas_compat import pallas_call, pl, plgpu
+from tbe_jax.specs import next_pow2
 
 
-def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret):
-    """Times `copy_rows` into a fresh buffer from `make_dst()` (donated, so written in place)."""
+def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
+    """Times `copy_rows` into a fresh buffer from `make_dst()` (donated, so written in place); with `more`
+    (further `(dst_rows, src_rows)` pairs), cycling the row sets over the iterations."""
+    row_sets = [(dst_rows, src_rows), *more]
     dst = make_dst()
     on_host = memory.on_host(dst)
 
@@ -44,27 +57,117 @@ def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret):
     jax.block_until_ready(box)
 
     def run(i):
-        box[0] = f(box[0], src, dst_rows, src_rows)
+        box[0] = f(box[0], src, *row_sets[(i + 1) % len(row_sets)])
         return box[0]
 
     ms, kernels = common.device_ms(run, iters, top=3)
     live = int(jnp.sum((dst_rows >= 0) & (src_rows >= 0)))
     row_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * src.dtype.itemsize
     gbps = live * row_bytes / (ms * 1e6) if ms else 0.0
-    print(f"{name:34s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
+    print(f"{name:44s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
     del box
     return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
+
+
+def _copy_block(dst_ref, src_ref, d_rows_ref, s_rows_ref, b, *, n, block, width):
+    i = b * block + jnp.arange(block, dtype=jnp.int32)
+    live = i < n
+    d = plgpu.load(d_rows_ref.at[i], mask=live, other=-1)
+    s = plgpu.load(s_rows_ref.at[i], mask=live, other=-1)
+    ok = (d >= 0) & (s >= 0)
+    d = jnp.where(ok, d, dst_ref.shape[0])
+    s = jnp.where(ok, s, 0)
+    if width is None:
+        plgpu.store(dst_ref.at[d], plgpu.load(src_ref.at[s], mask=ok, other=0), mask=ok)
+        return
+    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)
+    m = ok[:, None] & (cols < width)[None, :]
+    v = plgpu.load(src_ref.at[s[:, None], cols[None, :]], mask=m, other=0)
+    plgpu.store(dst_ref.at[d[:, None], cols[None, :]], v, mask=m)
+
+
+def _fused_kernel(fd, fs, wd, ws, host_in, stage, cache_in, cache_out, host_out, *, n, block, width, nb):
+    del host_in, cache_in  # aliased to host_out, cache_out
+    pid = pl.program_id(0)
+    kw = dict(n=n, block=block, width=width)
+    pl.when(pid < nb)(lambda: _copy_block(cache_out, host_out, fd, fs, pid, **kw))  # fill: host -> cache
+    pl.when(pid >= nb)(lambda: _copy_block(host_out, stage, wd, ws, pid - nb, **kw))  # write-back: stage -> host
+
+
+def fill_and_write_back(cache, host, stage, fill_dst, fill_src, wb_dst, wb_src, *, interpret=False):
+    """One launch: `cache[fill_dst] = host[fill_src]` and `host[wb_dst] = stage[wb_src]` (host rows of the two
+    disjoint; pairs with a negative id skipped); `(cache, host)`, both written in place."""
+    n = fill_dst.shape[0]
+    width = None if cache.ndim == 1 else cache.shape[1]
+    block = max(1, min(256, 4096 // next_pow2(width or 1)))
+    nb = pl.cdiv(n, block)
+    return pallas_call(
+        functools.partial(_fused_kernel, n=n, block=block, width=width, nb=nb),
+        out_shape=(jax.ShapeDtypeStruct(cache.shape, cache.dtype), jax.ShapeDtypeStruct(host.shape, host.dtype)),
+        grid=(2 * nb,),
+        input_output_aliases={6: 0, 4: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="probe_fill_and_write_back",
+    )(fill_dst, fill_src, wb_dst, wb_src, host, stage, cache)
+
+
+def _fused_case(name, cache_rows_n, make_host, stage, row_sets, iters, interpret):
+    """Times `fill_and_write_back` (cache and host donated), cycling `row_sets` (fill_dst, fill_src, wb_dst,
+    wb_src) over the iterations."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def f(c, h, *rows):
+        c, h = fill_and_write_back(c, h, stage, *rows, interpret=interpret)
+        return c, memory.keep_on_host(h) if memory.on_host(h) else h
+
+    box = [f(jnp.zeros((cache_rows_n,) + stage.shape[1:], stage.dtype), make_host(), *row_sets[0])]
+    jax.block_until_ready(box)
+    k = [0]
+
+    def run(i):
+        k[0] += 1
+        box[0] = f(*box[0], *row_sets[k[0] % len(row_sets)])
+        return box[0]
+
+    ms, kernels = common.device_ms(run, iters, top=3)
+    live = int(jnp.sum((row_sets[0][0] >= 0) & (row_sets[0][1] >= 0)) + jnp.sum(row_sets[0][2] >= 0))
+    row_bytes = int(np.prod(stage.shape[1:], dtype=np.int64)) * stage.dtype.itemsize
+    gbps = live * row_bytes / (ms * 1e6) if ms else 0.0
+    print(f"{name:44s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
+    del box
+    return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
+
+
+def _row_sets(rng, args, sets):
+    """`sets` draws of (fill_dst, fill_src, wb_dst, wb_src): fills from and write-backs to disjoint host rows
+    (each sorted, as the prefetch orders them), into / from distinct cache slots and stage rows."""
+    n = args.count
+    out = []
+    for _ in range(sets):
+        live = rng.random(n) < args.live
+        both = rng.choice(args.rows, 2 * n, replace=False)
+        fill_src = np.sort(np.where(live, both[:n], args.rows))
+        fill_src = np.where(fill_src < args.rows, fill_src, -1)
+        fill_dst = np.where(fill_src >= 0, rng.choice(args.cache_rows, n, replace=False), -1)
+        wb_dst = np.sort(np.where(live, both[n:], args.rows))
+        wb_dst = np.where(wb_dst < args.rows, wb_dst, -1)
+        wb_src = np.arange(n)
+        out.append(tuple(jnp.asarray(a.astype(np.int32)) for a in (fill_dst, fill_src, wb_dst, wb_src)))
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks probe_copy_rows", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=1_000_000, help="rows of the host buffer")
-    ap.add_argument("--cache-rows", type=int, default=200_000, help="rows of the HBM buffer")
+    ap.add_argument("--rows", type=int, default=8_000_000,
+                    help="rows of the host buffer (the host_cache benchmark's 8 x 1M: the copies' speed depends on it)")
+    ap.add_argument("--cache-rows", type=int, default=1_600_000, help="rows of the HBM buffer")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--count", type=int, default=162_000, help="pairs per copy (the prefetch's fill cap)")
     ap.add_argument("--live", type=float, default=0.5, help="the fraction of the pairs that copy")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--fresh", type=int, default=8, help="row sets cycled by the fresh-rows cases")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     interpret = common.interpret()
@@ -93,6 +196,19 @@ def main(argv=None):
             _case(f"write-back ({what})", new_host, stage, hr, arange, args.iters, interpret),
             _case(f"write-back, sorted rows ({what})", new_host, stage, hr_sorted, jnp.asarray(order.astype(np.int32)),
                   args.iters, interpret),
+        ]
+        sets = _row_sets(rng, args, args.fresh)
+        make_host = lambda: memory.host_full(shape(args.rows), dtype)  # noqa: E731
+        # the two copies one after the other (two launches, as the prefetch runs them), then in one launch
+        cases += [
+            _case(f"fill, fresh sorted rows ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host,
+                  sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]]),
+            _case(f"write-back, fresh sorted rows ({what})", new_host, stage, sets[0][2], sets[0][3], args.iters,
+                  interpret, more=[r[2:] for r in sets[1:]]),
+            _fused_case(f"fill + write-back, one kernel ({what})", args.cache_rows, make_host, stage, sets[:1],
+                        args.iters, interpret),
+            _fused_case(f"fill + write-back, one kernel, fresh rows ({what})", args.cache_rows, make_host, stage,
+                        sets, args.iters, interpret),
         ]
         del host, cache, stage
     print("saved", common.save("probe-copy-rows", {"meta": common.meta(), "config": vars(args), "cases": cases},
