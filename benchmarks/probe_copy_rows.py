@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks import common
 from tbe_jax import memory
-from tbe_jax.kernels.copy_rows import copy_rows
+from tbe_jax.kernels.copy_rows import copy_block, copy_rows
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.specs import next_pow2
 
@@ -69,29 +69,12 @@ def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
     return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
 
 
-def _copy_block(dst_ref, src_ref, d_rows_ref, s_rows_ref, b, *, n, block, width):
-    i = b * block + jnp.arange(block, dtype=jnp.int32)
-    live = i < n
-    d = plgpu.load(d_rows_ref.at[i], mask=live, other=-1)
-    s = plgpu.load(s_rows_ref.at[i], mask=live, other=-1)
-    ok = (d >= 0) & (s >= 0)
-    d = jnp.where(ok, d, dst_ref.shape[0])
-    s = jnp.where(ok, s, 0)
-    if width is None:
-        plgpu.store(dst_ref.at[d], plgpu.load(src_ref.at[s], mask=ok, other=0), mask=ok)
-        return
-    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)
-    m = ok[:, None] & (cols < width)[None, :]
-    v = plgpu.load(src_ref.at[s[:, None], cols[None, :]], mask=m, other=0)
-    plgpu.store(dst_ref.at[d[:, None], cols[None, :]], v, mask=m)
-
-
 def _fused_kernel(fd, fs, wd, ws, host_in, stage, cache_in, cache_out, host_out, *, n, block, width, nb):
     del host_in, cache_in  # aliased to host_out, cache_out
     pid = pl.program_id(0)
     kw = dict(n=n, block=block, width=width)
-    pl.when(pid < nb)(lambda: _copy_block(cache_out, host_out, fd, fs, pid, **kw))  # fill: host -> cache
-    pl.when(pid >= nb)(lambda: _copy_block(host_out, stage, wd, ws, pid - nb, **kw))  # write-back: stage -> host
+    pl.when(pid < nb)(lambda: copy_block(cache_out, host_out, fd, fs, pid, **kw))  # fill: host -> cache
+    pl.when(pid >= nb)(lambda: copy_block(host_out, stage, wd, ws, pid - nb, **kw))  # write-back: stage -> host
 
 
 def fill_and_write_back(cache, host, stage, fill_dst, fill_src, wb_dst, wb_src, *, interpret=False):

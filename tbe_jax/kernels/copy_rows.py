@@ -24,10 +24,10 @@ from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.specs import next_pow2
 
 
-def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, *refs, n: int, block: int, width: int | None):
-    del dst_in_ref  # aliased to dst_ref
-    dst_ref = refs[-1]  # after the `after` operands (ignored)
-    i = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+def copy_block(dst_ref, src_ref, dst_rows_ref, src_rows_ref, b, *, n: int, block: int, width: int | None):
+    """Inside a kernel: pairs `[b * block, (b + 1) * block)` of `n`, `dst_ref[dst_rows[i]] = src_ref[src_rows[i]]`
+    where both ids are >= 0 (rows `[R, width]`, or `[R]` with `width` None)."""
+    i = b * block + jnp.arange(block, dtype=jnp.int32)
     live = i < n
     d = plgpu.load(dst_rows_ref.at[i], mask=live, other=-1)
     s = plgpu.load(src_rows_ref.at[i], mask=live, other=-1)
@@ -44,6 +44,12 @@ def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, *refs, n: int, bloc
     m = ok[:, None] & (cols < width)[None, :]
     v = plgpu.load(src_ref.at[s[:, None], cols[None, :]], mask=m, other=0)
     plgpu.store(dst_ref.at[d[:, None], cols[None, :]], v, mask=m)
+
+
+def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, *refs, n: int, block: int, width: int | None):
+    del dst_in_ref  # aliased to dst_ref
+    dst_ref = refs[-1]  # after the `after` operands (ignored)
+    copy_block(dst_ref, src_ref, dst_rows_ref, src_rows_ref, pl.program_id(0), n=n, block=block, width=width)
 
 
 def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: bool,
