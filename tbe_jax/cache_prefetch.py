@@ -121,7 +121,7 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     if opt_state is None:  # without the states, only slots whose state is in host memory may go
         locked = locked | (d["state_ok"][way_slots] > 0)
     w_key = jnp.where(locked, NEVER, jnp.where(w_row < 0, jnp.iinfo(jnp.int32).min, score[way_slots]))
-    w_key = jax.lax.optimization_barrier(w_key)  # made once: fused into `stable_pick`, its gathers ran w times
+    w_key = jax.lax.optimization_barrier(w_key)  # made once (fused into `stable_pick`, its gathers would run w times)
     pick = stable_pick(w_key, jnp.minimum(rank, ways - 1))
     ok = miss & (rank < ways) & (jnp.take_along_axis(w_key, pick[:, None], axis=1)[:, 0] < NEVER)
     victim = jnp.where(ok, gset * ways + pick, c_total)

@@ -31,10 +31,15 @@ def state_bytes_per_row(optimizer, dim: int) -> int:
     return sum(4 if rowwise else 4 * dim for rowwise in rule.slot_rowwise)
 
 
+def _row_bytes(spec: TableSpec, itemsize: int, optimizer) -> int:
+    """A stored row and its optimizer state, in bytes."""
+    return padded_dim(spec.embedding_dim, itemsize) * itemsize + state_bytes_per_row(optimizer, spec.embedding_dim)
+
+
 def hbm_bytes(spec: TableSpec, location: str, *, itemsize: int, optimizer=None, cache_load_factor: float = 0.2,
               cache_ways: int = 16) -> int:
     """The HBM `spec` takes at `location` (see the module doc)."""
-    row = padded_dim(spec.embedding_dim, itemsize) * itemsize + state_bytes_per_row(optimizer, spec.embedding_dim)
+    row = _row_bytes(spec, itemsize, optimizer)
     if location == "device":
         return spec.num_embeddings * row
     if location == "host_cached":
@@ -45,10 +50,7 @@ def hbm_bytes(spec: TableSpec, location: str, *, itemsize: int, optimizer=None, 
 
 def host_bytes(spec: TableSpec, location: str, *, itemsize: int, optimizer=None) -> int:
     """The pinned host memory `spec` takes at `location` (see the module doc)."""
-    if location == "device":
-        return 0
-    row = padded_dim(spec.embedding_dim, itemsize) * itemsize + state_bytes_per_row(optimizer, spec.embedding_dim)
-    return spec.num_embeddings * row
+    return 0 if location == "device" else spec.num_embeddings * _row_bytes(spec, itemsize, optimizer)
 
 
 def plan_locations(tables: Sequence[TableSpec], hbm_budget: int, *, weights_dtype="float32", optimizer=None,
