@@ -9,11 +9,14 @@ over the bus), "host_cached" at each `--load-factors` and policy, "planned" (`tb
 `--iters` steps, donated; `--sets` batches, one gradient), lookups/s and ns per lookup against the "device" case's
 (run at `--baseline-rows` when the model does not fit), the hit rates (of the distinct cached rows requested, and
 of the lookups: FBGEMM's), fills and write-backs per step and the bytes they move over the bus, HBM in use and
-the process's resident host memory.
+the process's resident host memory. `--fresh-batches`: a new batch every step, drawn on the device inside the
+step (`device_ids`), for the cache's steady state (cycled sets repeat their rows; session 34's 183 GB run, with 16
+sets, never left the cache's filling phase).
 
   python -m benchmarks host_cache --rows 4000000 --tables 8 --batch 16384
   python -m benchmarks host_cache --tables 16 --rows 44000000 --locations device planned --baseline-rows 4000000 \
-      --hbm-budget-gb 120 --alphas 1.05 --load-factors 0.2      # ~180 GB of tables and state on an H200
+      --hbm-budget-gb 120 --alphas 1.05 --load-factors 0.2 --fresh-batches --warmup-steps 400
+      # ~180 GB of tables and state on an H200
 """
 
 from __future__ import annotations
@@ -31,18 +34,37 @@ from benchmarks import common
 
 
 def batch_sets(args, alpha, n_sets, seed=0):
-    """`n_sets` batches (ids, offsets, and one output gradient shared by all)."""
+    """`n_sets` batches (ids, offsets, and one output gradient shared by all); with `--fresh-batches` only the
+    gradient (ids and offsets None: the step draws them)."""
     from tbe_jax import testing
 
     rng = np.random.default_rng(seed)
+    g = jnp.asarray(rng.standard_normal((args.batch, args.tables * args.dim), dtype=np.float32))
+    if args.fresh_batches:
+        return [(None, None, g)]
     perms = [np.random.default_rng(1000 + t).permutation(args.rows) for t in range(args.tables)] if alpha > 1 else None
     out = []
-    g = jnp.asarray(rng.standard_normal((args.batch, args.tables * args.dim), dtype=np.float32))
     for _ in range(n_sets):
         idx, off, _ = testing.make_batch(rng, [args.rows] * args.tables, [args.batch] * args.tables,
                                          [args.bag] * args.tables, alpha=alpha, weighted=False, perms=perms)
         out.append((jnp.asarray(idx), jnp.asarray(off), g))
     return out
+
+
+def device_ids(key, k, *, tables: int, rows: int, n: int, alpha: float):
+    """Batch `k`'s ids, `n` per table (tables in order), drawn on the device (`--fresh-batches`): every step a new
+    batch at no host cost. Uniform for alpha <= 1; else ranks of a continuous power law of exponent alpha on [1,
+    rows + 1) (the discrete Zipf's tail; its first few ranks a little lighter), spread over the table by a
+    multiplicative hash salted per table (not a permutation: a few ranks share a row)."""
+    u = jax.random.uniform(jax.random.fold_in(key, k), (tables, n), jnp.float32)
+    if alpha <= 1.0:
+        return jnp.minimum((u * rows).astype(jnp.int32), rows - 1).reshape(-1)
+    p = 1.0 - alpha
+    x = (1.0 + u * (float(rows + 1) ** p - 1.0)) ** (1.0 / p)
+    rank = jnp.clip(jnp.floor(x).astype(jnp.int32) - 1, 0, rows - 1).astype(jnp.uint32)
+    salt = jnp.arange(tables, dtype=jnp.uint32)[:, None] * jnp.uint32(0x85EBCA6B)
+    h = rank * jnp.uint32(0x9E3779B1) + salt
+    return (h % jnp.uint32(rows)).astype(jnp.int32).reshape(-1)
 
 
 def _memory() -> dict:
@@ -78,23 +100,39 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     init_s = time.perf_counter() - t0
     cached = any(t.location == "host_cached" for t in specs)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, state, idx, off, g, nidx, noff):
+    def body(params, state, idx, off, g, nidx, noff):
         if cached:
             params, state = emb.prefetch(params, nidx, noff, opt_state=state)
         res = tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None,
                                  tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
         return res.params, res.opt_state
 
-    n = len(sets)
+    g0, n_ids = sets[0][2], args.batch * args.bag
+    if args.fresh_batches:  # batch k and k + 1 drawn in the step from the counter k, carried on the device
+        off0 = jnp.arange(args.tables * args.batch + 1, dtype=jnp.int32) * args.bag
+        draw = functools.partial(device_ids, jax.random.key(1 + int(alpha * 1000)), tables=args.tables,
+                                 rows=args.rows, n=n_ids, alpha=alpha)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, state, k):
+            return (*body(params, state, draw(k), off0, g0, draw(k + 1), off0), k + 1)
+
+        first = (draw(jnp.int32(0)), off0)
+        batches = [()]  # the step's arguments after the carry: none
+        n = args.warmup_steps or args.sets
+    else:
+        step = jax.jit(body, donate_argnums=(0, 1))
+        first = sets[0][:2]
+        batches = [(*sets[k], *sets[(k + 1) % len(sets)][:2]) for k in range(len(sets))]
+        n = len(sets)
     if cached:
         params, state = jax.jit(lambda p, s, i, o: emb.prefetch(p, i, o, opt_state=s), donate_argnums=(0, 1))(
-            params, state, sets[0][0], sets[0][1])
+            params, state, *first)
     stats = []
     t0 = time.perf_counter()
-    carry = (params, state)
-    for k in range(n):  # warm-up (compile) over every set, as the timed loop runs them
-        carry = step(*carry, *sets[k], *sets[(k + 1) % n][:2])
+    carry = (params, state, jnp.int32(0)) if args.fresh_batches else (params, state)
+    for k in range(n):  # warm-up (compile, and the cache's fill) over every set, as the timed loop runs them
+        carry = step(*carry, *batches[k % len(batches)])
         if cached:
             stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
     jax.block_until_ready(carry)
@@ -103,21 +141,22 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     for _ in range(args.reps):
         t0 = time.perf_counter()
         for i in range(args.iters):
-            k = i % n
-            carry = step(*carry, *sets[k], *sets[(k + 1) % n][:2])
+            carry = step(*carry, *batches[i % len(batches)])
         enq.append((time.perf_counter() - t0) * 1e3 / args.iters)  # the host's time to enqueue a step
         jax.block_until_ready(carry)
         times.append((time.perf_counter() - t0) * 1e3 / args.iters)
+        if cached and args.fresh_batches:
+            stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
     if cached:
         stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
     kernels = None
     if args.profile:  # per-kernel device time of the step (the carry is donated: this comes last)
-        psets = [(*sets[k], *sets[(k + 1) % n][:2]) for k in range(n)]  # all of them: the timed loop's regime
-        kernels = common.profile(lambda c, *a: step(*c, *a), carry, psets, args.profile)
+        kernels = common.profile(lambda c, *a: step(*c, *a), carry, batches, args.profile)
     row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
     ms = float(np.median(times))
     lookups = args.batch * args.bag * args.tables
     out = {"location": location, "alpha": alpha, "rows": args.rows, "ms": ms, "enqueue_ms": float(np.median(enq)),
+           "batches": "fresh (drawn in the step)" if args.fresh_batches else f"{len(sets)} cycled",
            "init_s": round(init_s, 2),
            "warmup_s": round(compile_s, 2), "lookups_per_s": lookups / ms * 1e3, "ns_per_lookup": ms * 1e6 / lookups,
            "locations": [t.location for t in specs],
@@ -128,7 +167,9 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         out["device_ms_by_kind"] = _by_kind(kernels)
         out["kernels"] = {k: v for k, v in list(kernels.items())[:30]}
     if cached:
-        s = np.asarray(stats[len(stats) // 2:], np.float64)  # after the cache warmed up
+        # after the cache warmed up: the second half of the steps seen, or with fresh batches the steps after the
+        # warm-up (each timed run's last)
+        s = np.asarray(stats[n:] if args.fresh_batches else stats[len(stats) // 2:], np.float64)
         req, hits, fills, wb, lookups, lookup_hits = s.mean(axis=0)
         out.update(load_factor=load_factor, policy=policy, hit_rate=float(hits / max(req, 1)),
                    lookup_hit_rate=float(lookup_hits / max(lookups, 1)),
@@ -188,6 +229,11 @@ def main(argv=None):
     ap.add_argument("--baseline-rows", type=int, default=0,
                     help='rows per table of the "device" case (default --rows): a model that fits HBM, compared '
                          "per lookup with a larger one")
+    ap.add_argument("--fresh-batches", action="store_true",
+                    help="a new batch every step, drawn on the device inside the step (`device_ids`: no host cost, "
+                         "no repeats: the cache's steady state), instead of --sets batches cycled")
+    ap.add_argument("--warmup-steps", type=int, default=0,
+                    help="with --fresh-batches: steps before timing (default --sets); the cache fills meanwhile")
     ap.add_argument("--profile", type=int, default=0,
                     help="also trace this many steps: device ms per step, by kernel and by kind")
     ap.add_argument("--out", default="")

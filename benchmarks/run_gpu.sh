@@ -85,7 +85,7 @@ for stage in "$@"; do
     host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows "${HOST_BIG_ROWS:-44000000}" \
           --locations device planned \
           --baseline-rows 4000000 --hbm-budget-gb "${HBM_BUDGET_GB:-120}" --alphas 1.05 --load-factors 0.2 \
-          --sets 16 --iters 8 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-big.log" ;;
+          --fresh-batches --warmup-steps 400 --iters 16 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-big.log" ;;
     sharding) n=$(nvidia-smi -L | wc -l)
         if [ "$n" -lt 2 ]; then echo "sharding needs 2+ GPUs, found $n"; continue; fi
         timeout 200 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
