@@ -497,3 +497,34 @@ def test_merge_helpers_equal_the_scatter(dst):
                                       np.asarray(base.at[idx].add(extra)))
         np.testing.assert_array_equal(np.asarray(_gather_runs(base, dst, axis)),
                                       np.asarray(jnp.concatenate([base, jnp.take(base, dst, axis=axis)], axis)))
+
+
+@pytest.mark.parametrize("bounds_check,impl", [("ignore", XLA), ("warning", XLA), ("warning", "pallas")])
+def test_bad_ids_and_offsets_as_the_all_device_model(bounds_check, impl):
+    """Out-of-range ids (negative, >= E) are dropped, and in "warning" mode malformed offsets (past N, decreasing)
+    repaired, as the all-device model does: same outputs, tables, states and counts, prefetch included."""
+    emb, ref = _pair(impl=impl, load_factor=0.2, bounds_check=bounds_check)
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
+    rng = np.random.default_rng(11)
+    params = emb.init(jax.random.key(2))
+    rparams = ref.set_tables(None, emb.get_tables(params))
+    state, rstate = emb.init_opt_state(params, opt), ref.init_opt_state(rparams, opt)
+    for k in range(3):
+        idx, off, _ = _batch(rng, hot=20)
+        idx = np.asarray(idx).copy()
+        idx[rng.choice(idx.shape[0], 4, replace=False)] = [-1, 64, -7, 1000]  # every table has < 64 rows
+        off = np.asarray(off).copy()
+        if bounds_check == "warning":  # a decreasing entry and an end past the ids
+            off[3], off[-1] = off[5] + 1, idx.shape[0] + 4
+        idx, off = jnp.asarray(idx), jnp.asarray(off)
+        params, state = emb.prefetch(params, idx, off, opt_state=state)
+        (out, rep), (rout, rrep) = emb.forward_with_report(params, idx, off), ref.forward_with_report(rparams, idx,
+                                                                                                      off)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(rout), rtol=1e-6, atol=1e-6)
+        assert int(rep.invalid_indices) == int(rrep.invalid_indices) > 0
+        if bounds_check == "warning":
+            assert int(rep.repaired_offsets) == int(rrep.repaired_offsets) > 0
+        g = jnp.asarray(rng.standard_normal(out.shape).astype(np.float32))
+        params, state = emb.apply_gradients(params, state, opt, idx, off, g)
+        rparams, rstate = ref.apply_gradients(rparams, rstate, opt, idx, off, g)
+        _same(emb, ref, params, rparams, state, rstate)
