@@ -36,9 +36,8 @@ import numpy as np
 
 from benchmarks import common
 from tbe_jax import memory
-from tbe_jax.kernels.copy_rows import copy_block, copy_rows
+from tbe_jax.kernels.copy_rows import block_rows, copy_block, copy_rows
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
-from tbe_jax.specs import next_pow2
 
 
 def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
@@ -61,11 +60,15 @@ def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
         return box[0]
 
     ms, kernels = common.device_ms(run, iters, top=3)
-    live = int(jnp.sum((dst_rows >= 0) & (src_rows >= 0)))
-    row_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * src.dtype.itemsize
+    del box
+    return _report(name, ms, kernels, int(jnp.sum((dst_rows >= 0) & (src_rows >= 0))), src)
+
+
+def _report(name, ms, kernels, live, like):
+    """A case's line and record: `live` rows of `like`'s row size moved in `ms`."""
+    row_bytes = int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
     gbps = live * row_bytes / (ms * 1e6) if ms else 0.0
     print(f"{name:44s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
-    del box
     return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
 
 
@@ -82,7 +85,7 @@ def fill_and_write_back(cache, host, stage, fill_dst, fill_src, wb_dst, wb_src, 
     disjoint; pairs with a negative id skipped); `(cache, host)`, both written in place."""
     n = fill_dst.shape[0]
     width = None if cache.ndim == 1 else cache.shape[1]
-    block = max(1, min(256, 4096 // next_pow2(width or 1)))
+    block = block_rows(width)
     nb = pl.cdiv(n, block)
     return pallas_call(
         functools.partial(_fused_kernel, n=n, block=block, width=width, nb=nb),
@@ -106,20 +109,15 @@ def _fused_case(name, cache_rows_n, make_host, stage, row_sets, iters, interpret
 
     box = [f(jnp.zeros((cache_rows_n,) + stage.shape[1:], stage.dtype), make_host(), *row_sets[0])]
     jax.block_until_ready(box)
-    k = [0]
 
     def run(i):
-        k[0] += 1
-        box[0] = f(*box[0], *row_sets[k[0] % len(row_sets)])
+        box[0] = f(*box[0], *row_sets[(i + 1) % len(row_sets)])
         return box[0]
 
     ms, kernels = common.device_ms(run, iters, top=3)
-    live = int(jnp.sum((row_sets[0][0] >= 0) & (row_sets[0][1] >= 0)) + jnp.sum(row_sets[0][2] >= 0))
-    row_bytes = int(np.prod(stage.shape[1:], dtype=np.int64)) * stage.dtype.itemsize
-    gbps = live * row_bytes / (ms * 1e6) if ms else 0.0
-    print(f"{name:44s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
     del box
-    return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
+    live = int(jnp.sum((row_sets[0][0] >= 0) & (row_sets[0][1] >= 0)) + jnp.sum(row_sets[0][2] >= 0))
+    return _report(name, ms, kernels, live, stage)
 
 
 def _row_sets(rng, args, sets):
@@ -181,16 +179,15 @@ def main(argv=None):
                   args.iters, interpret),
         ]
         sets = _row_sets(rng, args, args.fresh)
-        make_host = lambda: memory.host_full(shape(args.rows), dtype)  # noqa: E731
         # the two copies one after the other (two launches, as the prefetch runs them), then in one launch
         cases += [
             _case(f"fill, fresh sorted rows ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host,
                   sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]]),
             _case(f"write-back, fresh sorted rows ({what})", new_host, stage, sets[0][2], sets[0][3], args.iters,
                   interpret, more=[r[2:] for r in sets[1:]]),
-            _fused_case(f"fill + write-back, one kernel ({what})", args.cache_rows, make_host, stage, sets[:1],
+            _fused_case(f"fill + write-back, one kernel ({what})", args.cache_rows, new_host, stage, sets[:1],
                         args.iters, interpret),
-            _fused_case(f"fill + write-back, one kernel, fresh rows ({what})", args.cache_rows, make_host, stage,
+            _fused_case(f"fill + write-back, one kernel, fresh rows ({what})", args.cache_rows, new_host, stage,
                         sets, args.iters, interpret),
         ]
         del host, cache, stage

@@ -46,6 +46,12 @@ def copy_block(dst_ref, src_ref, dst_rows_ref, src_rows_ref, b, *, n: int, block
     plgpu.store(dst_ref.at[d[:, None], cols[None, :]], v, mask=m)
 
 
+def block_rows(width: int | None, block_elems: int = 4096) -> int:
+    """Pairs a program of `copy_block` copies: about `block_elems` values, at most 256 rows, a power of 2."""
+    block = max(1, min(256, block_elems // next_pow2(width or 1)))
+    return 1 << (block.bit_length() - 1)
+
+
 def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, *refs, n: int, block: int, width: int | None):
     del dst_in_ref  # aliased to dst_ref
     dst_ref = refs[-1]  # after the `after` operands (ignored)
@@ -69,8 +75,7 @@ def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax
         vals = src[jnp.clip(src_rows, 0, src.shape[0] - 1)]
         return dst.at[jnp.where(ok, dst_rows, dst.shape[0])].set(vals, mode="drop")
     width = None if dst.ndim == 1 else dst.shape[1]
-    block = max(1, min(256, block_elems // next_pow2(width or 1)))
-    block = 1 << (block.bit_length() - 1)  # a power of 2
+    block = block_rows(width, block_elems)
     after = tuple(after)
     return pallas_call(
         functools.partial(_kernel, n=n, block=block, width=width),
