@@ -10,11 +10,13 @@ its row-wise fp32 state, between a pinned host buffer and an HBM one, in both di
 - "write-back": HBM -> host (an evicted changed row to its host row), destinations in random order and sorted;
 - "stage": HBM -> HBM (the changed victims' rows staged before the fill);
 
-- "fill + write-back, one kernel": both copies of a prefetch in one launch (its first blocks fill, the rest write
-  back; disjoint host rows, as a prefetch's misses and evictions are), to see whether the bus carries the two
-  directions at once (the library runs them one after the other today);
+- "fill + write-back, one kernel": both copies of a prefetch in one launch (`copy_rows.fill_and_write_back`, the
+  library's since session 35: fill and write-back blocks interleaved; disjoint host rows, as a prefetch's misses
+  and evictions are): does the bus carry the two directions at once?
 - "..., fresh rows": the same, cycling `--fresh` different row sets over the iterations (a step's rows change
   every step; the GPU's translations of the host pages then do not stay warm);
+- "fill + write-back, rows and state, ...": what a row-wise Adagrad prefetch launches, the rows and their 4-byte
+  states in one kernel (the states alone took ~0.12 ms per direction, latency-bound, in session 35's profile);
 
 with the fraction `--live` of the `--count` pairs live (the others -1, as in the prefetch, whose copies run over
 the fill cap's pairs whatever the misses). Reports ms per copy and GB/s of the live rows.
@@ -36,8 +38,7 @@ import numpy as np
 
 from benchmarks import common
 from tbe_jax import memory
-from tbe_jax.kernels.copy_rows import block_rows, copy_block, copy_rows
-from tbe_jax.pallas_compat import pallas_call, pl, plgpu
+from tbe_jax.kernels.copy_rows import copy_rows, fill_and_write_back
 
 
 def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
@@ -65,49 +66,30 @@ def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
 
 
 def _report(name, ms, kernels, live, like):
-    """A case's line and record: `live` rows of `like`'s row size moved in `ms`."""
-    row_bytes = int(np.prod(like.shape[1:], dtype=np.int64)) * like.dtype.itemsize
+    """A case's line and record: `live` rows of `like`'s row size (`like`: an array or a tuple of arrays sharing
+    the rows) moved in `ms`."""
+    row_bytes = sum(int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
+                    for a in (like if isinstance(like, tuple) else (like,)))
     gbps = live * row_bytes / (ms * 1e6) if ms else 0.0
     print(f"{name:44s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
     return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
 
 
-def _fused_kernel(fd, fs, wd, ws, host_in, stage, cache_in, cache_out, host_out, *, n, block, width, nb):
-    del host_in, cache_in  # aliased to host_out, cache_out
-    pid = pl.program_id(0)
-    kw = dict(n=n, block=block, width=width)
-    pl.when(pid < nb)(lambda: copy_block(cache_out, host_out, fd, fs, pid, **kw))  # fill: host -> cache
-    pl.when(pid >= nb)(lambda: copy_block(host_out, stage, wd, ws, pid - nb, **kw))  # write-back: stage -> host
-
-
-def fill_and_write_back(cache, host, stage, fill_dst, fill_src, wb_dst, wb_src, *, interpret=False):
-    """One launch: `cache[fill_dst] = host[fill_src]` and `host[wb_dst] = stage[wb_src]` (host rows of the two
-    disjoint; pairs with a negative id skipped); `(cache, host)`, both written in place."""
-    n = fill_dst.shape[0]
-    width = None if cache.ndim == 1 else cache.shape[1]
-    block = block_rows(width)
-    nb = pl.cdiv(n, block)
-    return pallas_call(
-        functools.partial(_fused_kernel, n=n, block=block, width=width, nb=nb),
-        out_shape=(jax.ShapeDtypeStruct(cache.shape, cache.dtype), jax.ShapeDtypeStruct(host.shape, host.dtype)),
-        grid=(2 * nb,),
-        input_output_aliases={6: 0, 4: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="probe_fill_and_write_back",
-    )(fill_dst, fill_src, wb_dst, wb_src, host, stage, cache)
-
-
-def _fused_case(name, cache_rows_n, make_host, stage, row_sets, iters, interpret):
-    """Times `fill_and_write_back` (cache and host donated), cycling `row_sets` (fill_dst, fill_src, wb_dst,
-    wb_src) over the iterations."""
+def _fused_case(name, cache, make_host, stage, row_sets, iters, interpret):
+    """Times the library's `fill_and_write_back` (one launch; `cache`, `stage`: arrays or tuples, `make_host()`
+    the host buffers; cache and host donated), cycling `row_sets` (fill_dst, fill_src, wb_dst, wb_src) over the
+    iterations."""
+    host = make_host()
+    on_host = [memory.on_host(h) for h in (host if isinstance(host, tuple) else (host,))]
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def f(c, h, *rows):
-        c, h = fill_and_write_back(c, h, stage, *rows, interpret=interpret)
-        return c, memory.keep_on_host(h) if memory.on_host(h) else h
+        c, h = fill_and_write_back(c, h, stage, *rows, kernel=True, interpret=interpret)
+        if isinstance(h, tuple):
+            return c, tuple(memory.keep_on_host(x) if o else x for x, o in zip(h, on_host))
+        return c, memory.keep_on_host(h) if on_host[0] else h
 
-    box = [f(jnp.zeros((cache_rows_n,) + stage.shape[1:], stage.dtype), make_host(), *row_sets[0])]
+    box = [f(cache, host, *row_sets[0])]
     jax.block_until_ready(box)
 
     def run(i):
@@ -185,12 +167,20 @@ def main(argv=None):
                   sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]]),
             _case(f"write-back, fresh sorted rows ({what})", new_host, stage, sets[0][2], sets[0][3], args.iters,
                   interpret, more=[r[2:] for r in sets[1:]]),
-            _fused_case(f"fill + write-back, one kernel ({what})", args.cache_rows, new_host, stage, sets[:1],
-                        args.iters, interpret),
-            _fused_case(f"fill + write-back, one kernel, fresh rows ({what})", args.cache_rows, new_host, stage,
-                        sets, args.iters, interpret),
+            _fused_case(f"fill + write-back, one kernel ({what})", jnp.zeros(shape(args.cache_rows), dtype),
+                        new_host, stage, sets[:1], args.iters, interpret),
+            _fused_case(f"fill + write-back, one kernel, fresh rows ({what})", jnp.zeros(shape(args.cache_rows), dtype),
+                        new_host, stage, sets, args.iters, interpret),
         ]
         del host, cache, stage
+    # what a row-wise Adagrad prefetch runs: the rows and their states in one launch, both directions
+    sets = _row_sets(rng, args, args.fresh)
+    rows_state = ((args.rows, args.dim), jnp.float16), ((args.rows,), jnp.float32)
+    cases.append(_fused_case(
+        "fill + write-back, rows and state, one kernel, fresh rows",
+        tuple(jnp.zeros((args.cache_rows,) + s[1:], dt) for s, dt in rows_state),
+        lambda: tuple(memory.host_full(s, dt) for s, dt in rows_state),
+        tuple(jnp.ones((n,) + s[1:], dt) for s, dt in rows_state), sets, args.iters, interpret))
     print("saved", common.save("probe-copy-rows", {"meta": common.meta(), "config": vars(args), "cases": cases},
                                args.out))
 

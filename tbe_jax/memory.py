@@ -85,13 +85,11 @@ def rows(buf, start: int, count: int):
 
 @functools.partial(jax.jit, static_argnames="count")
 def _read_rows(buf, start, *, count: int):
-    """`count` rows of the host buffer `buf` from row `start` (rows past its end: zeros), in device memory."""
-    from tbe_jax.kernels.copy_rows import copy_rows  # the kernels import this module's neighbours
+    """`count` rows of the host buffer `buf` from row `start` (rows past its end: unspecified), in device memory."""
+    from tbe_jax.kernels.copy_rows import gather_rows  # the kernels import this module's neighbours
 
     ids = start + jnp.arange(count, dtype=jnp.int32)
-    src = jnp.where(ids < buf.shape[0], ids, -1)
-    dst = jnp.zeros((count,) + tuple(buf.shape[1:]), buf.dtype)
-    return copy_rows(dst, buf, jnp.arange(count, dtype=jnp.int32), src, kernel=True)
+    return gather_rows(buf, jnp.where(ids < buf.shape[0], ids, -1), kernel=True)
 
 
 def host_full(shape, dtype, value=0):

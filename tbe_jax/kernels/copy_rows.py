@@ -1,16 +1,22 @@
-"""Row copies between two buffers, in place: the host tier's write-backs and fills (`tbe_jax.host_cache`).
+"""Row copies between buffers, in place: the host tier's fills and write-backs (`tbe_jax.host_cache`).
 
-`copy_rows(dst, src, dst_rows, src_rows)` sets `dst[dst_rows[i]] = src[src_rows[i]]` for every `i` whose two row
-ids are >= 0, and leaves every other row of `dst` as it was (`dst` is aliased to the result: donated, nothing is
-copied). Either buffer may live in pinned host memory: the kernel then reads or writes its rows over the bus,
-which no XLA op can do (`tbe_jax.memory`). Rows are `[R, W]` (table rows, element-wise optimizer state) or `[R]`
-(row-wise state). Distinct `dst_rows` (>= 0) are assumed: two copies into one row would race.
+- `copy_rows(dst, src, dst_rows, src_rows)` sets `dst[dst_rows[i]] = src[src_rows[i]]` for every `i` whose two
+  row ids are >= 0 and leaves every other row of `dst` as it was (`dst` is aliased to the result: donated,
+  nothing is copied).
+- `gather_rows(src, src_rows)`: fresh `[n, ...]` buffers, row `i` = `src[src_rows[i]]` where `src_rows[i] >= 0`
+  (the other rows are unspecified: never read them).
+- `fill_and_write_back(cache, host, stage, ...)`: a prefetch's two copies in one launch, host rows into cache
+  slots and staged rows out to host rows, their blocks interleaved so that the bus carries both directions at
+  once.
 
-`after`: arrays the kernel takes and ignores, so that XLA runs the copy after whatever made them. The host
-tier's prefetch orders its write-back into a host part after the fill that read that part, so that XLA need not
-copy the whole part to keep the value the fill read (`tbe_jax.cache_prefetch`).
+Each takes one array or a tuple of arrays (a table's rows and its optimizer states: one set of row ids, one
+launch). Any buffer may live in pinned host memory: the kernel then reads or writes its rows over the bus, which
+no XLA op can do (`tbe_jax.memory`). Rows are `[R, W]` (table rows, element-wise optimizer state) or `[R]`
+(row-wise state). Distinct destination rows (>= 0) are assumed: two copies into one row would race.
 
-Without the kernels (`kernel=False`: the XLA path on a CPU) the same copy is one gather and one scatter.
+`after`: arrays the kernel takes and ignores, so that XLA runs the copy after whatever made them.
+
+Without the kernels (`kernel=False`: the XLA path on a CPU) each copy is one gather and one scatter per array.
 """
 
 from __future__ import annotations
@@ -24,65 +30,153 @@ from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.specs import next_pow2
 
 
-def copy_block(dst_ref, src_ref, dst_rows_ref, src_rows_ref, b, *, n: int, block: int, width: int | None):
-    """Inside a kernel: pairs `[b * block, (b + 1) * block)` of `n`, `dst_ref[dst_rows[i]] = src_ref[src_rows[i]]`
-    where both ids are >= 0 (rows `[R, width]`, or `[R]` with `width` None)."""
+def block_rows(widths, block_elems: int = 4096) -> int:
+    """Pairs a program copies: about `block_elems` values of the widest array (`widths`: each array's row width,
+    None for `[R]`), at most 256 rows, a power of 2."""
+    widest = max([w or 1 for w in widths] or [1])
+    block = max(1, min(256, block_elems // next_pow2(widest)))
+    return 1 << (block.bit_length() - 1)
+
+
+def _pairs(dst_rows_ref, src_rows_ref, b, *, n: int, block: int):
+    """Inside a kernel: the ids of pairs `[b * block, (b + 1) * block)` of `n` and which of them copy."""
     i = b * block + jnp.arange(block, dtype=jnp.int32)
     live = i < n
     d = plgpu.load(dst_rows_ref.at[i], mask=live, other=-1)
     s = plgpu.load(src_rows_ref.at[i], mask=live, other=-1)
-    ok = (d >= 0) & (s >= 0)
+    return d, s, (d >= 0) & (s >= 0)
+
+
+def _copy(dst_ref, src_ref, d, s, ok):
+    """Inside a kernel: `dst_ref[d[j]] = src_ref[s[j]]` where `ok[j]`."""
     # Masked lanes point past the end of `dst` (never at a real row: interpret mode stores every lane, writing
     # a masked lane's old value back, which would race with a live lane's store to the same row) and at row 0
     # of `src` (loads are clamped there).
     d = jnp.where(ok, d, dst_ref.shape[0])
     s = jnp.where(ok, s, 0)
-    if width is None:
+    if len(dst_ref.shape) == 1:
         plgpu.store(dst_ref.at[d], plgpu.load(src_ref.at[s], mask=ok, other=0), mask=ok)
         return
+    width = dst_ref.shape[1]
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)
     m = ok[:, None] & (cols < width)[None, :]
     v = plgpu.load(src_ref.at[s[:, None], cols[None, :]], mask=m, other=0)
     plgpu.store(dst_ref.at[d[:, None], cols[None, :]], v, mask=m)
 
 
-def block_rows(width: int | None, block_elems: int = 4096) -> int:
-    """Pairs a program of `copy_block` copies: about `block_elems` values, at most 256 rows, a power of 2."""
-    block = max(1, min(256, block_elems // next_pow2(width or 1)))
-    return 1 << (block.bit_length() - 1)
+def _legs_kernel(*refs, legs, n_in: int, n_out: int, counts, block: int):
+    """Program `p` copies block `p // len(legs)` of leg `p % len(legs)`. Refs: each leg's (dst_rows, src_rows),
+    `n_in` read-only sources, then the inputs aliased to the outputs and the `after` operands (both ignored),
+    then the `n_out` outputs. A leg `(dsts, srcs)`: output indices, and sources `("in" | "out", index)`."""
+    rows, ins, outs = refs[: 2 * len(legs)], refs[2 * len(legs) : 2 * len(legs) + n_in], refs[len(refs) - n_out :]
+    pid = pl.program_id(0)
+    for k, (dsts, srcs) in enumerate(legs):
+        def leg(k=k, dsts=dsts, srcs=srcs):
+            d, s, ok = _pairs(rows[2 * k], rows[2 * k + 1], pid // len(legs), n=counts[k], block=block)
+            for o, (kind, j) in zip(dsts, srcs):
+                _copy(outs[o], (ins if kind == "in" else outs)[j], d, s, ok)
+
+        if len(legs) == 1:
+            leg()
+        else:
+            pl.when(pid % len(legs) == k)(leg)
 
 
-def _kernel(dst_rows_ref, src_rows_ref, src_ref, dst_in_ref, *refs, n: int, block: int, width: int | None):
-    del dst_in_ref  # aliased to dst_ref
-    dst_ref = refs[-1]  # after the `after` operands (ignored)
-    copy_block(dst_ref, src_ref, dst_rows_ref, src_rows_ref, pl.program_id(0), n=n, block=block, width=width)
+def _tuple(x):
+    return (tuple(x), True) if isinstance(x, (tuple, list)) else ((x,), False)
 
 
-def copy_rows(dst: jax.Array, src: jax.Array, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: bool,
-              interpret: bool = False, block_elems: int = 4096, after: tuple = (), name: str = "") -> jax.Array:
-    """`dst` with rows `dst_rows[i]` set to `src`'s rows `src_rows[i]` (pairs with a negative id skipped), copied
-    after the arrays `after` exist (see the module doc). `name`: a suffix of the kernel's name (a profile then
-    tells a fill from a write-back)."""
-    if dst.ndim != src.ndim or dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
-        raise ValueError(f"copy_rows: rows of {src.dtype}{list(src.shape)} do not fit {dst.dtype}{list(dst.shape)}")
-    n = dst_rows.shape[0]
-    if n == 0 or dst.shape[0] == 0 or src.shape[0] == 0:
-        return dst
-    dst_rows = dst_rows.astype(jnp.int32)
-    src_rows = src_rows.astype(jnp.int32)
-    if not kernel:
-        ok = (dst_rows >= 0) & (src_rows >= 0)
-        vals = src[jnp.clip(src_rows, 0, src.shape[0] - 1)]
-        return dst.at[jnp.where(ok, dst_rows, dst.shape[0])].set(vals, mode="drop")
-    width = None if dst.ndim == 1 else dst.shape[1]
-    block = block_rows(width, block_elems)
-    after = tuple(after)
+def _check(dst, src, what):
+    for a, b in zip(dst, src):
+        if a.ndim != b.ndim or a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+            raise ValueError(f"{what}: rows of {b.dtype}{list(b.shape)} do not fit {a.dtype}{list(a.shape)}")
+
+
+def _launch(legs, rows, ins, outs, *, fresh, interpret, block_elems, after, name):
+    """One kernel over `legs` (see `_legs_kernel`); `outs` written in place (aliased), or made fresh (`fresh`:
+    `ShapeDtypeStructs`)."""
+    counts = tuple(int(r[0].shape[0]) for r in rows)
+    block = block_rows([None if o.ndim == 1 else o.shape[1] for o in outs], block_elems)
+    n_rows = 2 * len(legs)
+    aliases = {} if fresh else {n_rows + len(ins) + i: i for i in range(len(outs))}
+    operands = [r.astype(jnp.int32) for pair in rows for r in pair] + list(ins)
+    operands += ([] if fresh else list(outs)) + list(after)
     return pallas_call(
-        functools.partial(_kernel, n=n, block=block, width=width),
-        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
-        grid=(pl.cdiv(n, block),),
-        input_output_aliases={3: 0},
+        functools.partial(_legs_kernel, legs=legs, n_in=len(ins), n_out=len(outs), counts=counts, block=block),
+        out_shape=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs),
+        grid=(len(legs) * max(pl.cdiv(c, block) for c in counts),),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="tbe_copy_rows" + (f"_{name}" if name else ""),
-    )(dst_rows, src_rows, src, dst, *after)
+        name=name,
+    )(*operands)
+
+
+def _xla_copy(dst, src, dst_rows, src_rows):
+    ok = (dst_rows >= 0) & (src_rows >= 0)
+    at = jnp.where(ok, dst_rows, dst.shape[0])
+    return dst.at[at].set(src[jnp.clip(src_rows, 0, src.shape[0] - 1)], mode="drop")
+
+
+def copy_rows(dst, src, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: bool, interpret: bool = False,
+              block_elems: int = 4096, after: tuple = (), name: str = ""):
+    """`dst` (an array or a tuple) with rows `dst_rows[i]` set to `src`'s rows `src_rows[i]` (pairs with a
+    negative id skipped), copied after the arrays `after` exist. `name`: a suffix of the kernel's name (a
+    profile then tells the copies apart)."""
+    (dst, many), (src, _) = _tuple(dst), _tuple(src)
+    _check(dst, src, "copy_rows")
+    dst_rows, src_rows = dst_rows.astype(jnp.int32), src_rows.astype(jnp.int32)
+    if dst_rows.shape[0] == 0 or any(a.shape[0] == 0 for a in dst + src):
+        out = dst
+    elif not kernel:
+        out = tuple(_xla_copy(a, b, dst_rows, src_rows) for a, b in zip(dst, src))
+    else:
+        legs = ((tuple(range(len(dst))), tuple(("in", j) for j in range(len(src)))),)
+        out = _launch(legs, [(dst_rows, src_rows)], src, dst, fresh=False, interpret=interpret,
+                      block_elems=block_elems, after=tuple(after), name="tbe_copy_rows" + (f"_{name}" if name else ""))
+    return tuple(out) if many else out[0]
+
+
+def gather_rows(src, src_rows: jax.Array, *, kernel: bool, interpret: bool = False, block_elems: int = 4096,
+                name: str = ""):
+    """Fresh buffers of `len(src_rows)` rows: row `i` = `src[src_rows[i]]` where `src_rows[i] >= 0`; the other
+    rows are unspecified (zeros without the kernels)."""
+    (src, many) = _tuple(src)
+    src_rows = src_rows.astype(jnp.int32)
+    n = src_rows.shape[0]
+    if not kernel or n == 0 or any(a.shape[0] == 0 for a in src):
+        out = tuple(_xla_copy(jnp.zeros((n,) + a.shape[1:], a.dtype), a, jnp.arange(n, dtype=jnp.int32), src_rows)
+                    for a in src)
+    else:
+        legs = ((tuple(range(len(src))), tuple(("in", j) for j in range(len(src)))),)
+        fresh = tuple(jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype) for a in src)
+        out = _launch(legs, [(jnp.arange(n, dtype=jnp.int32), src_rows)], src, fresh, fresh=True,
+                      interpret=interpret, block_elems=block_elems, after=(),
+                      name="tbe_gather_rows" + (f"_{name}" if name else ""))
+    return tuple(out) if many else out[0]
+
+
+def fill_and_write_back(cache, host, stage, fill_dst, fill_src, wb_dst, wb_src, *, kernel: bool,
+                        interpret: bool = False, block_elems: int = 4096, name: str = ""):
+    """`(cache, host)` with `cache[fill_dst] = host[fill_src]` and `host[wb_dst] = stage[wb_src]` (pairs with a
+    negative id skipped), both written in place, in one launch. The host rows filled and those written back must
+    be disjoint (a prefetch's misses and evicted rows are), as must each copy's destinations. `cache`, `host`,
+    `stage`: arrays, or tuples of arrays that share the row ids."""
+    (cache, many), (host, _), (stage, _) = _tuple(cache), _tuple(host), _tuple(stage)
+    _check(cache, host, "fill_and_write_back")
+    _check(host, stage, "fill_and_write_back")
+    if not kernel or fill_dst.shape[0] == 0 or wb_dst.shape[0] == 0 or any(
+            a.shape[0] == 0 for a in cache + host + stage):
+        cache = copy_rows(cache, host, fill_dst, fill_src, kernel=kernel, interpret=interpret,
+                          block_elems=block_elems)
+        host = copy_rows(host, stage, wb_dst, wb_src, kernel=kernel, interpret=interpret, block_elems=block_elems,
+                         after=cache)
+    else:
+        k = len(cache)
+        legs = ((tuple(range(k)), tuple(("out", k + j) for j in range(k))),  # fill: host -> cache
+                (tuple(range(k, 2 * k)), tuple(("in", j) for j in range(k))))  # write-back: stage -> host
+        out = _launch(legs, [(fill_dst, fill_src), (wb_dst, wb_src)], stage, cache + host, fresh=False,
+                      interpret=interpret, block_elems=block_elems, after=(),
+                      name="tbe_fill_and_write_back" + (f"_{name}" if name else ""))
+        cache, host = tuple(out[:k]), tuple(out[k:])
+    return (cache, host) if many else (cache[0], host[0])
