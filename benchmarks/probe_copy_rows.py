@@ -10,13 +10,10 @@ its row-wise fp32 state, between a pinned host buffer and an HBM one, in both di
 - "write-back": HBM -> host (an evicted changed row to its host row), destinations in random order and sorted;
 - "stage": HBM -> HBM (the changed victims' rows staged before the fill);
 
-- "fill + write-back, one kernel": both copies of a prefetch in one launch (`copy_rows.fill_and_write_back`, the
-  library's since session 35: fill and write-back blocks interleaved; disjoint host rows, as a prefetch's misses
-  and evictions are): does the bus carry the two directions at once?
-- "..., fresh rows": the same, cycling `--fresh` different row sets over the iterations (a step's rows change
+- "..., fresh sorted rows": cycling `--fresh` different row sets over the iterations (a step's rows change
   every step; the GPU's translations of the host pages then do not stay warm);
-- "fill + write-back, rows and state, ...": what a row-wise Adagrad prefetch launches, the rows and their 4-byte
-  states in one kernel (the states alone took ~0.12 ms per direction, latency-bound, in session 35's profile);
+- "..., rows and state, ...": what a row-wise Adagrad prefetch launches since session 35, the rows and their
+  4-byte states in one kernel (the states alone took ~0.12 ms per direction, latency-bound);
 
 with the fraction `--live` of the `--count` pairs live (the others -1, as in the prefetch, whose copies run over
 the fill cap's pairs whatever the misses). Reports ms per copy and GB/s of the live rows.
@@ -38,7 +35,7 @@ import numpy as np
 
 from benchmarks import common
 from tbe_jax import memory
-from tbe_jax.kernels.copy_rows import copy_rows, fill_and_write_back
+from tbe_jax.kernels.copy_rows import copy_rows
 
 
 def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
@@ -46,12 +43,15 @@ def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
     (further `(dst_rows, src_rows)` pairs), cycling the row sets over the iterations."""
     row_sets = [(dst_rows, src_rows), *more]
     dst = make_dst()
-    on_host = memory.on_host(dst)
+    on_host = memory.on_host(dst[0] if isinstance(dst, tuple) else dst)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def f(d, s, dr, sr):
         out = copy_rows(d, s, dr, sr, kernel=True, interpret=interpret)
-        return memory.keep_on_host(out) if on_host else out  # a host buffer written in place stays there
+        if not on_host:
+            return out
+        # a host buffer written in place stays there
+        return tuple(map(memory.keep_on_host, out)) if isinstance(out, tuple) else memory.keep_on_host(out)
 
     box = [f(dst, src, dst_rows, src_rows)]
     jax.block_until_ready(box)
@@ -73,33 +73,6 @@ def _report(name, ms, kernels, live, like):
     gbps = live * row_bytes / (ms * 1e6) if ms else 0.0
     print(f"{name:44s} {ms:8.4f} ms  {live:7d} live rows of {row_bytes:4d} B  {gbps:7.1f} GB/s", flush=True)
     return {"case": name, "ms": ms, "live_rows": live, "row_bytes": row_bytes, "gbps": gbps, "kernels": kernels}
-
-
-def _fused_case(name, cache, make_host, stage, row_sets, iters, interpret):
-    """Times the library's `fill_and_write_back` (one launch; `cache`, `stage`: arrays or tuples, `make_host()`
-    the host buffers; cache and host donated), cycling `row_sets` (fill_dst, fill_src, wb_dst, wb_src) over the
-    iterations."""
-    host = make_host()
-    on_host = [memory.on_host(h) for h in (host if isinstance(host, tuple) else (host,))]
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def f(c, h, *rows):
-        c, h = fill_and_write_back(c, h, stage, *rows, kernel=True, interpret=interpret)
-        if isinstance(h, tuple):
-            return c, tuple(memory.keep_on_host(x) if o else x for x, o in zip(h, on_host))
-        return c, memory.keep_on_host(h) if on_host[0] else h
-
-    box = [f(cache, host, *row_sets[0])]
-    jax.block_until_ready(box)
-
-    def run(i):
-        box[0] = f(*box[0], *row_sets[(i + 1) % len(row_sets)])
-        return box[0]
-
-    ms, kernels = common.device_ms(run, iters, top=3)
-    del box
-    live = int(jnp.sum((row_sets[0][0] >= 0) & (row_sets[0][1] >= 0)) + jnp.sum(row_sets[0][2] >= 0))
-    return _report(name, ms, kernels, live, stage)
 
 
 def _row_sets(rng, args, sets):
@@ -167,20 +140,21 @@ def main(argv=None):
                   sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]]),
             _case(f"write-back, fresh sorted rows ({what})", new_host, stage, sets[0][2], sets[0][3], args.iters,
                   interpret, more=[r[2:] for r in sets[1:]]),
-            _fused_case(f"fill + write-back, one kernel ({what})", jnp.zeros(shape(args.cache_rows), dtype),
-                        new_host, stage, sets[:1], args.iters, interpret),
-            _fused_case(f"fill + write-back, one kernel, fresh rows ({what})", jnp.zeros(shape(args.cache_rows), dtype),
-                        new_host, stage, sets, args.iters, interpret),
         ]
         del host, cache, stage
-    # what a row-wise Adagrad prefetch runs: the rows and their states in one launch, both directions
+    # what a row-wise Adagrad prefetch launches: the rows and their states in one kernel, each direction
     sets = _row_sets(rng, args, args.fresh)
-    rows_state = ((args.rows, args.dim), jnp.float16), ((args.rows,), jnp.float32)
-    cases.append(_fused_case(
-        "fill + write-back, rows and state, one kernel, fresh rows",
-        tuple(jnp.zeros((args.cache_rows,) + s[1:], dt) for s, dt in rows_state),
-        lambda: tuple(memory.host_full(s, dt) for s, dt in rows_state),
-        tuple(jnp.ones((n,) + s[1:], dt) for s, dt in rows_state), sets, args.iters, interpret))
+    kinds = ((args.dim,), jnp.float16), ((), jnp.float32)
+    host = tuple(memory.host_full((args.rows,) + s, dt, 1) for s, dt in kinds)
+    stage = tuple(jnp.ones((n,) + s, dt) for s, dt in kinds)
+    cases += [
+        _case("fill, rows and state, fresh sorted rows", lambda: tuple(jnp.zeros((args.cache_rows,) + s, dt)
+                                                                       for s, dt in kinds),
+              host, sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]]),
+        _case("write-back, rows and state, fresh sorted rows", lambda: tuple(memory.host_full((args.rows,) + s, dt)
+                                                                             for s, dt in kinds),
+              stage, sets[0][2], sets[0][3], args.iters, interpret, more=[r[2:] for r in sets[1:]]),
+    ]
     print("saved", common.save("probe-copy-rows", {"meta": common.meta(), "config": vars(args), "cases": cases},
                                args.out))
 

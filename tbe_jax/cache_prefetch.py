@@ -11,7 +11,7 @@ import numpy as np
 from tbe_jax import bounds, inputs, memory, preprocess
 from tbe_jax.cache_layout import CACHE, NEVER, STATE_ROWS
 from tbe_jax.cache_route import batch_facts
-from tbe_jax.kernels.copy_rows import fill_and_write_back, gather_rows
+from tbe_jax.kernels.copy_rows import copy_rows, gather_rows
 
 # -- prefetch ---------------------------------------------------------------------------------------------------------
 def set_hash(rows):
@@ -160,8 +160,8 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
 def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
     """Write the evicted changed rows (`back`: slot `victim` -> host row `old`) and fill the misses (host row `row`
     -> slot `victim`, where `ok`), with their states when `inner_s` is given: per pair of inner buffers (the cache
-    parts and the host parts of one dim), two launches for the rows and states together (a stage, then the
-    fill and the write-back). `t`: each miss's cached table."""
+    parts and the host parts of one dim), three launches for the rows and states together (a stage, a fill,
+    a write-back). `t`: each miss's cached table."""
     cl, lay = emb.cache_layout, emb.inner.layout
     kernel = emb.uses_kernel()
     slot_fields = () if inner_s is None else inner_s._fields[:-1]
@@ -184,15 +184,20 @@ def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
         wb_dst = jnp.where(wb_dst < jnp.iinfo(jnp.int32).max, wb_dst, -1)
         kc, kh = lay.key(pair[0]), lay.key(pair[1])
         trees = [inner_p] + [slots[f] for f in slot_fields]
-        # A table's rows and its states share the row ids: one launch copies them all. The changed victims'
-        # rows are staged in HBM, then one kernel fills the misses into their slots and writes the staged rows
-        # to the host part, its blocks interleaved so that the bus carries both directions at once (the host
-        # rows of the two are disjoint: a miss is not in the cache, an evicted row is).
-        stage = gather_rows(tuple(t[kc] for t in trees), jnp.where(wb_dst >= 0, wb_src, -1), kernel=kernel,
-                            interpret=emb.interpret, name="stage")
-        cache, host = fill_and_write_back(tuple(t[kc] for t in trees), tuple(t[kh] for t in trees), stage,
-                                          c_rows, fill_src, wb_dst, jnp.arange(wb_dst.shape[0], dtype=jnp.int32),
-                                          kernel=kernel, interpret=emb.interpret)
+        # A table's rows and its states share the row ids: one launch copies them all. The changed victims' rows
+        # are staged in HBM, the misses fill their slots, then the staged rows go to the host part. Each copy
+        # takes what the previous one made (`after`), so XLA keeps this order and writes each buffer in place: a
+        # write-back first would leave the fill's read of the host part unordered against a step's later
+        # in-place update of it in the same program, and XLA copied the whole host part to keep the value read
+        # (2 GB: 465 ms a step, `probe_host_cache_cost`). The fill and the write-back cannot share a launch:
+        # XLA refuses a kernel whose outputs lie in both memories (E1200, session 35).
+        cache, host = tuple(t[kc] for t in trees), tuple(t[kh] for t in trees)
+        stage = gather_rows(cache, jnp.where(wb_dst >= 0, wb_src, -1), kernel=kernel, interpret=emb.interpret,
+                            name="stage")
+        cache = copy_rows(cache, host, c_rows, fill_src, kernel=kernel, interpret=emb.interpret, after=stage,
+                          name="fill")
+        host = copy_rows(host, stage, wb_dst, jnp.arange(wb_dst.shape[0], dtype=jnp.int32), kernel=kernel,
+                         interpret=emb.interpret, after=cache, name="write_back")
         for tree, c, h in zip(trees, cache, host):
             tree[kc], tree[kh] = c, memory.keep_on_host(h)
     if inner_s is not None:

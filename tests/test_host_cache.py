@@ -398,12 +398,11 @@ def test_copy_rows_kernel(width):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_gather_and_fill_and_write_back_kernels():
-    # A table's rows and states (three arrays of different widths and dtypes) moved with one set of row ids:
-    # the stage (`gather_rows`: its skipped rows are unspecified, not compared) and the one-launch fill +
-    # write-back (disjoint host rows), against NumPy, with the kernels and without; more pairs than one block
-    # holds, so fill and write-back blocks interleave.
-    from tbe_jax.kernels.copy_rows import fill_and_write_back, gather_rows
+def test_gather_and_copy_rows_kernels_on_many_arrays():
+    # A table's rows and states (three arrays of different widths and dtypes) moved with one set of row ids, as
+    # a prefetch does: the stage (`gather_rows`: its skipped rows are unspecified, not compared), the fill and
+    # the write-back, against NumPy, with the kernels and without; more pairs than one block holds.
+    from tbe_jax.kernels.copy_rows import copy_rows, gather_rows
 
     rng = np.random.default_rng(7)
     c_n, h_n, m = 50, 120, 37
@@ -411,36 +410,31 @@ def test_gather_and_fill_and_write_back_kernels():
     draw = lambda r, s, dt: (rng.standard_normal((r,) + s) * 50).astype(dt)  # noqa: E731
     cache = tuple(draw(c_n, s, dt) for s, dt in kinds)
     host = tuple(draw(h_n, s, dt) for s, dt in kinds)
-    host_rows = rng.permutation(h_n)
-    fill_src = np.sort(host_rows[:m]).astype(np.int32)  # misses, in row order
+    fill_src = np.sort(rng.permutation(h_n)[:m]).astype(np.int32)  # misses, in row order
     fill_dst = rng.permutation(c_n)[:m].astype(np.int32)
-    wb_dst = np.sort(host_rows[m : 2 * m]).astype(np.int32)  # evicted rows: other host rows
+    wb_dst = np.sort(rng.permutation(h_n)[:m]).astype(np.int32)
     stage_src = rng.integers(0, c_n, m).astype(np.int32)
     fill_src[::5], wb_dst[2::6], stage_src[::4] = -1, -1, -1
     wb_dst[::4] = -1  # a stage row that was not staged is not written back
-    stage_np = tuple(np.asarray(a)[np.maximum(stage_src, 0)] for a in cache)
-    want_c = tuple(a.copy() for a in cache)
-    want_h = tuple(a.copy() for a in host)
-    live = (fill_src >= 0) & (fill_dst >= 0)
-    wlive = wb_dst >= 0
+    stage_np = tuple(a[np.maximum(stage_src, 0)] for a in cache)
+    want_c, want_h = tuple(a.copy() for a in cache), tuple(a.copy() for a in host)
+    live, wlive = fill_src >= 0, wb_dst >= 0
     for wc, wh, h, st in zip(want_c, want_h, host, stage_np):
         wc[fill_dst[live]] = h[fill_src[live]]
-        wh[wb_dst[wlive]] = st[np.arange(m)[wlive]]
+        wh[wb_dst[wlive]] = st[wlive]
     j = lambda t: tuple(jnp.asarray(a) for a in t)  # noqa: E731
     for kernel in (False, True):
         kw = dict(kernel=kernel, interpret=kernel and not ON_GPU, block_elems=64)
         stage = gather_rows(j(cache), jnp.asarray(stage_src), **kw)
         for got, want in zip(stage, stage_np):
             np.testing.assert_array_equal(np.asarray(got)[stage_src >= 0], want[stage_src >= 0])
-        c, h = fill_and_write_back(j(cache), j(host), stage, jnp.asarray(fill_dst), jnp.asarray(fill_src),
-                                   jnp.asarray(wb_dst), jnp.arange(m, dtype=jnp.int32), **kw)
+        c = copy_rows(j(cache), j(host), jnp.asarray(fill_dst), jnp.asarray(fill_src), after=stage, **kw)
+        h = copy_rows(j(host), stage, jnp.asarray(wb_dst), jnp.arange(m, dtype=jnp.int32), after=c, **kw)
+        assert isinstance(c, tuple) and isinstance(h, tuple)
         for got, want in zip(c + h, want_c + want_h):
             np.testing.assert_array_equal(np.asarray(got), want)
-    one_c, one_h = fill_and_write_back(jnp.asarray(cache[0]), jnp.asarray(host[0]), stage[0], jnp.asarray(fill_dst),
-                                       jnp.asarray(fill_src), jnp.asarray(wb_dst), jnp.arange(m, dtype=jnp.int32),
-                                       kernel=False)
-    np.testing.assert_array_equal(np.asarray(one_c), want_c[0])
-    np.testing.assert_array_equal(np.asarray(one_h), want_h[0])
+        one = gather_rows(jnp.asarray(cache[1]), jnp.asarray(stage_src), **kw)  # one array in, one out
+        np.testing.assert_array_equal(np.asarray(one)[stage_src >= 0], stage_np[1][stage_src >= 0])
 
 
 @pytest.mark.parametrize("opt", [tbe_jax.Adagrad(learning_rate=0.1, initial_accumulator_value=0.25),

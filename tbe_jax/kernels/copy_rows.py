@@ -5,13 +5,12 @@
   nothing is copied).
 - `gather_rows(src, src_rows)`: fresh `[n, ...]` buffers, row `i` = `src[src_rows[i]]` where `src_rows[i] >= 0`
   (the other rows are unspecified: never read them).
-- `fill_and_write_back(cache, host, stage, ...)`: a prefetch's two copies in one launch, host rows into cache
-  slots and staged rows out to host rows, their blocks interleaved so that the bus carries both directions at
-  once.
 
 Each takes one array or a tuple of arrays (a table's rows and its optimizer states: one set of row ids, one
 launch). Any buffer may live in pinned host memory: the kernel then reads or writes its rows over the bus, which
-no XLA op can do (`tbe_jax.memory`). Rows are `[R, W]` (table rows, element-wise optimizer state) or `[R]`
+no XLA op can do (`tbe_jax.memory`). A launch's outputs must lie in one memory: XLA refuses a kernel that writes
+a host buffer and a device one in place (error E1200), so a fill (into HBM) and a write-back (into host memory)
+are two launches. Rows are `[R, W]` (table rows, element-wise optimizer state) or `[R]`
 (row-wise state). Distinct destination rows (>= 0) are assumed: two copies into one row would race.
 
 `after`: arrays the kernel takes and ignores, so that XLA runs the copy after whatever made them.
@@ -64,22 +63,31 @@ def _copy(dst_ref, src_ref, d, s, ok):
     plgpu.store(dst_ref.at[d[:, None], cols[None, :]], v, mask=m)
 
 
-def _legs_kernel(*refs, legs, n_in: int, n_out: int, counts, block: int):
-    """Program `p` copies block `p // len(legs)` of leg `p % len(legs)`. Refs: each leg's (dst_rows, src_rows),
-    `n_in` read-only sources, then the inputs aliased to the outputs and the `after` operands (both ignored),
-    then the `n_out` outputs. A leg `(dsts, srcs)`: output indices, and sources `("in" | "out", index)`."""
-    rows, ins, outs = refs[: 2 * len(legs)], refs[2 * len(legs) : 2 * len(legs) + n_in], refs[len(refs) - n_out :]
-    pid = pl.program_id(0)
-    for k, (dsts, srcs) in enumerate(legs):
-        def leg(k=k, dsts=dsts, srcs=srcs):
-            d, s, ok = _pairs(rows[2 * k], rows[2 * k + 1], pid // len(legs), n=counts[k], block=block)
-            for o, (kind, j) in zip(dsts, srcs):
-                _copy(outs[o], (ins if kind == "in" else outs)[j], d, s, ok)
+def _kernel(dst_rows_ref, src_rows_ref, *refs, k: int, n: int, block: int):
+    """Program `b` copies pairs `[b * block, (b + 1) * block)` of `n` for each of the `k` arrays. Refs after the
+    row ids: the `k` sources, the inputs aliased to the outputs and the `after` operands (both ignored), then the
+    `k` outputs."""
+    d, s, ok = _pairs(dst_rows_ref, src_rows_ref, pl.program_id(0), n=n, block=block)
+    for src_ref, dst_ref in zip(refs[:k], refs[len(refs) - k :]):
+        _copy(dst_ref, src_ref, d, s, ok)
 
-        if len(legs) == 1:
-            leg()
-        else:
-            pl.when(pid % len(legs) == k)(leg)
+
+def _launch(dst_rows, src_rows, src, dst, *, fresh, interpret, block_elems, after, name):
+    """One kernel copying `src[j]`'s rows into `dst[j]` for every `j`: `dst` written in place (aliased), or made
+    fresh (`fresh`: `dst` are `ShapeDtypeStruct`s)."""
+    n = int(dst_rows.shape[0])
+    block = block_rows([None if a.ndim == 1 else a.shape[1] for a in dst], block_elems)
+    aliases = {} if fresh else {2 + len(src) + j: j for j in range(len(dst))}
+    operands = [dst_rows, src_rows, *src] + ([] if fresh else list(dst)) + list(after)
+    return pallas_call(
+        functools.partial(_kernel, k=len(dst), n=n, block=block),
+        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dst),
+        grid=(pl.cdiv(n, block),),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*operands)
 
 
 def _tuple(x):
@@ -87,29 +95,11 @@ def _tuple(x):
 
 
 def _check(dst, src, what):
+    if len(dst) != len(src):
+        raise ValueError(f"{what}: {len(src)} source arrays for {len(dst)} destinations")
     for a, b in zip(dst, src):
         if a.ndim != b.ndim or a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
             raise ValueError(f"{what}: rows of {b.dtype}{list(b.shape)} do not fit {a.dtype}{list(a.shape)}")
-
-
-def _launch(legs, rows, ins, outs, *, fresh, interpret, block_elems, after, name):
-    """One kernel over `legs` (see `_legs_kernel`); `outs` written in place (aliased), or made fresh (`fresh`:
-    `ShapeDtypeStructs`)."""
-    counts = tuple(int(r[0].shape[0]) for r in rows)
-    block = block_rows([None if o.ndim == 1 else o.shape[1] for o in outs], block_elems)
-    n_rows = 2 * len(legs)
-    aliases = {} if fresh else {n_rows + len(ins) + i: i for i in range(len(outs))}
-    operands = [r.astype(jnp.int32) for pair in rows for r in pair] + list(ins)
-    operands += ([] if fresh else list(outs)) + list(after)
-    return pallas_call(
-        functools.partial(_legs_kernel, legs=legs, n_in=len(ins), n_out=len(outs), counts=counts, block=block),
-        out_shape=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs),
-        grid=(len(legs) * max(pl.cdiv(c, block) for c in counts),),
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name=name,
-    )(*operands)
 
 
 def _xla_copy(dst, src, dst_rows, src_rows):
@@ -131,9 +121,8 @@ def copy_rows(dst, src, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: boo
     elif not kernel:
         out = tuple(_xla_copy(a, b, dst_rows, src_rows) for a, b in zip(dst, src))
     else:
-        legs = ((tuple(range(len(dst))), tuple(("in", j) for j in range(len(src)))),)
-        out = _launch(legs, [(dst_rows, src_rows)], src, dst, fresh=False, interpret=interpret,
-                      block_elems=block_elems, after=tuple(after), name="tbe_copy_rows" + (f"_{name}" if name else ""))
+        out = _launch(dst_rows, src_rows, src, dst, fresh=False, interpret=interpret, block_elems=block_elems,
+                      after=tuple(after), name="tbe_copy_rows" + (f"_{name}" if name else ""))
     return tuple(out) if many else out[0]
 
 
@@ -148,35 +137,7 @@ def gather_rows(src, src_rows: jax.Array, *, kernel: bool, interpret: bool = Fal
         out = tuple(_xla_copy(jnp.zeros((n,) + a.shape[1:], a.dtype), a, jnp.arange(n, dtype=jnp.int32), src_rows)
                     for a in src)
     else:
-        legs = ((tuple(range(len(src))), tuple(("in", j) for j in range(len(src)))),)
         fresh = tuple(jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype) for a in src)
-        out = _launch(legs, [(jnp.arange(n, dtype=jnp.int32), src_rows)], src, fresh, fresh=True,
-                      interpret=interpret, block_elems=block_elems, after=(),
-                      name="tbe_gather_rows" + (f"_{name}" if name else ""))
+        out = _launch(jnp.arange(n, dtype=jnp.int32), src_rows, src, fresh, fresh=True, interpret=interpret,
+                      block_elems=block_elems, after=(), name="tbe_gather_rows" + (f"_{name}" if name else ""))
     return tuple(out) if many else out[0]
-
-
-def fill_and_write_back(cache, host, stage, fill_dst, fill_src, wb_dst, wb_src, *, kernel: bool,
-                        interpret: bool = False, block_elems: int = 4096, name: str = ""):
-    """`(cache, host)` with `cache[fill_dst] = host[fill_src]` and `host[wb_dst] = stage[wb_src]` (pairs with a
-    negative id skipped), both written in place, in one launch. The host rows filled and those written back must
-    be disjoint (a prefetch's misses and evicted rows are), as must each copy's destinations. `cache`, `host`,
-    `stage`: arrays, or tuples of arrays that share the row ids."""
-    (cache, many), (host, _), (stage, _) = _tuple(cache), _tuple(host), _tuple(stage)
-    _check(cache, host, "fill_and_write_back")
-    _check(host, stage, "fill_and_write_back")
-    if not kernel or fill_dst.shape[0] == 0 or wb_dst.shape[0] == 0 or any(
-            a.shape[0] == 0 for a in cache + host + stage):
-        cache = copy_rows(cache, host, fill_dst, fill_src, kernel=kernel, interpret=interpret,
-                          block_elems=block_elems)
-        host = copy_rows(host, stage, wb_dst, wb_src, kernel=kernel, interpret=interpret, block_elems=block_elems,
-                         after=cache)
-    else:
-        k = len(cache)
-        legs = ((tuple(range(k)), tuple(("out", k + j) for j in range(k))),  # fill: host -> cache
-                (tuple(range(k, 2 * k)), tuple(("in", j) for j in range(k))))  # write-back: stage -> host
-        out = _launch(legs, [(fill_dst, fill_src), (wb_dst, wb_src)], stage, cache + host, fresh=False,
-                      interpret=interpret, block_elems=block_elems, after=(),
-                      name="tbe_fill_and_write_back" + (f"_{name}" if name else ""))
-        cache, host = tuple(out[:k]), tuple(out[k:])
-    return (cache, host) if many else (cache[0], host[0])
