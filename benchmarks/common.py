@@ -163,9 +163,10 @@ def host_events(log_dir: str) -> list[dict]:
     return _trace_events(log_dir, False)
 
 
-def profile(step, carry, sets, iters: int, host: bool = False) -> dict:
+def profile(step, carry, sets, iters: int, host: bool = False, keep: list | None = None) -> dict:
     """{kernel name: {"ms": per step, "calls_per_step"}}, largest first, of `iters` steps `carry = step(carry,
-    *sets[i % len])` traced after one warm-up round (device events; `host=True`: host events)."""
+    *sets[i % len])` traced after one warm-up round (device events; `host=True`: host events). `keep`: a list
+    the final carry is appended to (for a carry that is donated)."""
     for a in sets:  # compile + warm-up
         carry = step(carry, *a)
     jax.block_until_ready(carry)
@@ -175,6 +176,8 @@ def profile(step, carry, sets, iters: int, host: bool = False) -> dict:
                 carry = step(carry, *sets[i % len(sets)])
             jax.block_until_ready(carry)
         events = host_events(d) if host else device_events(d)
+    if keep is not None:
+        keep.append(carry)
     per = collections.defaultdict(float)
     count = collections.Counter()
     for e in events:

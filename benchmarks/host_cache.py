@@ -101,7 +101,7 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     cached = any(t.location == "host_cached" for t in specs)
 
     def body(params, state, idx, off, g, nidx, noff):
-        if cached:
+        if cached and nidx is not None:
             params, state = emb.prefetch(params, nidx, noff, opt_state=state)
         res = tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None,
                                  tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
@@ -149,8 +149,13 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
             stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
     if cached:
         stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
-    kernels = None
+    kernels = alone = None
     if args.profile:  # per-kernel device time of the step (the carry is donated: this comes last)
+        if cached and not args.fresh_batches:  # first the training step alone on the warm cache (no prefetch)
+            train = jax.jit(lambda p, s, i, o, g, *_: body(p, s, i, o, g, None, None), donate_argnums=(0, 1))
+            keep = []
+            alone = common.profile(lambda c, *a: train(*c, *a), carry, batches, args.profile, keep=keep)
+            carry = keep[0]
         kernels = common.profile(lambda c, *a: step(*c, *a), carry, batches, args.profile)
     row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
     ms = float(np.median(times))
@@ -165,7 +170,10 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         out["device_ms"] = sum(v["ms"] for v in kernels.values())
         out["launches_per_step"] = sum(v["calls_per_step"] for v in kernels.values())
         out["device_ms_by_kind"] = _by_kind(kernels)
-        out["kernels"] = {k: v for k, v in list(kernels.items())[:30]}
+        out["kernels"] = kernels
+    if alone is not None:  # the step without its prefetch: device ms, by kind, and its kernels
+        out["step_alone"] = {"device_ms": sum(v["ms"] for v in alone.values()), "by_kind": _by_kind(alone),
+                             "kernels": alone}
     if cached:
         # after the cache warmed up: the second half of the steps seen, or with fresh batches the steps after the
         # warm-up (each timed run's last)
@@ -266,6 +274,14 @@ def main(argv=None):
                           f"device {r['device_ms']:.3f} ms/step: " +
                           ", ".join(f"{k} {v:.3f}" for k, v in r["device_ms_by_kind"].items()), flush=True)
                     common.print_kernels(r["kernels"], 14)
+                if "step_alone" in r:  # what the prefetch adds: per kernel name, the full step's ms less the step's
+                    a = r["step_alone"]
+                    print(f"  the training step alone {a['device_ms']:.3f} ms: " +
+                          ", ".join(f"{k} {v:.3f}" for k, v in a["by_kind"].items()) + "; the prefetch adds:")
+                    more = {k: {"ms": v["ms"] - a["kernels"].get(k, {"ms": 0.0})["ms"],
+                                "calls_per_step": v["calls_per_step"] - a["kernels"].get(k, {"calls_per_step": 0})[
+                                    "calls_per_step"]} for k, v in r["kernels"].items()}
+                    common.print_kernels(dict(sorted(more.items(), key=lambda kv: -kv[1]["ms"])), 30)
                 jax.clear_caches()
     config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "dtype", "batch", "bag", "sets", "iters", "reps",
                                             "hbm_budget_gb", "baseline_rows")}

@@ -38,7 +38,7 @@ from tbe_jax import memory
 from tbe_jax.kernels.copy_rows import copy_rows
 
 
-def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
+def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=(), **kw):
     """Times `copy_rows` into a fresh buffer from `make_dst()` (donated, so written in place); with `more`
     (further `(dst_rows, src_rows)` pairs), cycling the row sets over the iterations."""
     row_sets = [(dst_rows, src_rows), *more]
@@ -47,7 +47,7 @@ def _case(name, make_dst, src, dst_rows, src_rows, iters, interpret, more=()):
 
     @functools.partial(jax.jit, donate_argnums=0)
     def f(d, s, dr, sr):
-        out = copy_rows(d, s, dr, sr, kernel=True, interpret=interpret)
+        out = copy_rows(d, s, dr, sr, kernel=True, interpret=interpret, **kw)
         if not on_host:
             return out
         # a host buffer written in place stays there
@@ -104,9 +104,12 @@ def main(argv=None):
     ap.add_argument("--live", type=float, default=0.5, help="the fraction of the pairs that copy")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--fresh", type=int, default=8, help="row sets cycled by the fresh-rows cases")
+    ap.add_argument("--block-elems", type=int, default=4096, help="copy_rows' block_elems (values a program copies)")
+    ap.add_argument("--num-warps", type=int, default=4, help="copy_rows' num_warps")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     interpret = common.interpret()
+    kw = dict(block_elems=args.block_elems, num_warps=args.num_warps)
     rng = np.random.default_rng(0)
     n = args.count
     live = rng.random(n) < args.live
@@ -125,21 +128,22 @@ def main(argv=None):
         new_host = lambda: memory.host_full(shape(args.rows), dtype)  # noqa: E731
         cases += [
             _case(f"fill ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host, cr, hr, args.iters,
-                  interpret),
+                  interpret, **kw),
             _case(f"fill, sorted rows ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host,
-                  jnp.asarray(cache_rows[order]), hr_sorted, args.iters, interpret),
-            _case(f"stage ({what})", lambda: jnp.zeros(shape(n), dtype), cache, arange, cr, args.iters, interpret),
-            _case(f"write-back ({what})", new_host, stage, hr, arange, args.iters, interpret),
+                  jnp.asarray(cache_rows[order]), hr_sorted, args.iters, interpret, **kw),
+            _case(f"stage ({what})", lambda: jnp.zeros(shape(n), dtype), cache, arange, cr, args.iters, interpret,
+                  **kw),
+            _case(f"write-back ({what})", new_host, stage, hr, arange, args.iters, interpret, **kw),
             _case(f"write-back, sorted rows ({what})", new_host, stage, hr_sorted, jnp.asarray(order.astype(np.int32)),
-                  args.iters, interpret),
+                  args.iters, interpret, **kw),
         ]
         sets = _row_sets(rng, args, args.fresh)
-        # the two copies one after the other (two launches, as the prefetch runs them), then in one launch
+        # a new row set every iteration (`--fresh` of them cycled), as a prefetch sees
         cases += [
             _case(f"fill, fresh sorted rows ({what})", lambda: jnp.zeros(shape(args.cache_rows), dtype), host,
-                  sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]]),
+                  sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]], **kw),
             _case(f"write-back, fresh sorted rows ({what})", new_host, stage, sets[0][2], sets[0][3], args.iters,
-                  interpret, more=[r[2:] for r in sets[1:]]),
+                  interpret, more=[r[2:] for r in sets[1:]], **kw),
         ]
         del host, cache, stage
     # what a row-wise Adagrad prefetch launches: the rows and their states in one kernel, each direction
@@ -150,10 +154,10 @@ def main(argv=None):
     cases += [
         _case("fill, rows and state, fresh sorted rows", lambda: tuple(jnp.zeros((args.cache_rows,) + s, dt)
                                                                        for s, dt in kinds),
-              host, sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]]),
+              host, sets[0][0], sets[0][1], args.iters, interpret, more=[r[:2] for r in sets[1:]], **kw),
         _case("write-back, rows and state, fresh sorted rows", lambda: tuple(memory.host_full((args.rows,) + s, dt)
                                                                              for s, dt in kinds),
-              stage, sets[0][2], sets[0][3], args.iters, interpret, more=[r[2:] for r in sets[1:]]),
+              stage, sets[0][2], sets[0][3], args.iters, interpret, more=[r[2:] for r in sets[1:]], **kw),
     ]
     print("saved", common.save("probe-copy-rows", {"meta": common.meta(), "config": vars(args), "cases": cases},
                                args.out))

@@ -72,7 +72,7 @@ def _kernel(dst_rows_ref, src_rows_ref, *refs, k: int, n: int, block: int):
         _copy(dst_ref, src_ref, d, s, ok)
 
 
-def _launch(dst_rows, src_rows, src, dst, *, fresh, interpret, block_elems, after, name):
+def _launch(dst_rows, src_rows, src, dst, *, fresh, interpret, block_elems, after, name, num_warps=4):
     """One kernel copying `src[j]`'s rows into `dst[j]` for every `j`: `dst` written in place (aliased), or made
     fresh (`fresh`: `dst` are `ShapeDtypeStruct`s)."""
     n = int(dst_rows.shape[0])
@@ -84,7 +84,7 @@ def _launch(dst_rows, src_rows, src, dst, *, fresh, interpret, block_elems, afte
         out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dst),
         grid=(pl.cdiv(n, block),),
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=name,
     )(*operands)
@@ -109,7 +109,7 @@ def _xla_copy(dst, src, dst_rows, src_rows):
 
 
 def copy_rows(dst, src, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: bool, interpret: bool = False,
-              block_elems: int = 4096, after: tuple = (), name: str = ""):
+              block_elems: int = 4096, after: tuple = (), name: str = "", num_warps: int = 4):
     """`dst` (an array or a tuple) with rows `dst_rows[i]` set to `src`'s rows `src_rows[i]` (pairs with a
     negative id skipped), copied after the arrays `after` exist. `name`: a suffix of the kernel's name (a
     profile then tells the copies apart)."""
@@ -122,7 +122,7 @@ def copy_rows(dst, src, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: boo
         out = tuple(_xla_copy(a, b, dst_rows, src_rows) for a, b in zip(dst, src))
     else:
         out = _launch(dst_rows, src_rows, src, dst, fresh=False, interpret=interpret, block_elems=block_elems,
-                      after=tuple(after), name="tbe_copy_rows" + (f"_{name}" if name else ""))
+                      after=tuple(after), name="tbe_copy_rows" + (f"_{name}" if name else ""), num_warps=num_warps)
     return tuple(out) if many else out[0]
 
 
