@@ -91,8 +91,10 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         specs = tbe_jax.plan_locations(specs, int(args.hbm_budget_gb * 1e9), weights_dtype=dtype, optimizer=opt,
                                        cache_load_factor=load_factor,
                                        host_budget=int(float(host_gb) * 2**30) if host_gb else None)
+    lookups = args.batch * args.bag * args.tables
+    max_fills = max(1, int(args.fill_fraction * lookups)) if args.fill_fraction else None
     emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=dtype, cache_load_factor=load_factor,
-                                        cache_policy=policy, interpret=common.interpret())
+                                        cache_policy=policy, cache_max_fills=max_fills, interpret=common.interpret())
     t0 = time.perf_counter()
     params = emb.init(jax.random.key(0))
     state = emb.init_opt_state(params, opt)
@@ -242,6 +244,8 @@ def main(argv=None):
                          "no repeats: the cache's steady state), instead of --sets batches cycled")
     ap.add_argument("--warmup-steps", type=int, default=0,
                     help="with --fresh-batches: steps before timing (default --sets); the cache fills meanwhile")
+    ap.add_argument("--fill-fraction", type=float, default=0.0,
+                    help="cache_max_fills as a fraction of a step's lookups (default: the library's, 1/16)")
     ap.add_argument("--profile", type=int, default=0,
                     help="also trace this many steps: device ms per step, by kernel and by kind")
     ap.add_argument("--out", default="")
@@ -284,7 +288,7 @@ def main(argv=None):
                     common.print_kernels(dict(sorted(more.items(), key=lambda kv: -kv[1]["ms"])), 30)
                 jax.clear_caches()
     config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "dtype", "batch", "bag", "sets", "iters", "reps",
-                                            "hbm_budget_gb", "baseline_rows")}
+                                            "hbm_budget_gb", "baseline_rows", "fill_fraction")}
     path = common.save("host-cache", {"meta": common.meta(), "config": config, "cases": cases}, args.out)
     print("saved", path)
 

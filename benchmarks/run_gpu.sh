@@ -29,9 +29,12 @@
 #   host       (560 s) the host tier: its test file compiled (320 s: two runs of 140 and 290 s were cut), then `host_cache` (device / host_cached at lf 0.2 and
 #              0.05, alphas 1.05 and 1.2) -> host-tests.log, host-cache-*.json, host.log
 #   host-profile (300 s) the host_cached step at alpha 1.2, lf 0.2, 48 batches, with its per-kernel profile over the
-#              same batches (device ms by kind, host enqueue time, launches), then each row copy of the prefetch
-#              alone (probe_copy_rows: fills, stages, write-backs) -> host-cache-*.json, probe-copy-rows-*.json,
+#              same batches (device ms by kind, host enqueue time, launches; the training step alone first: what
+#              the prefetch adds), then each row copy of the prefetch alone (probe_copy_rows: fills, stages,
+#              write-backs; 48 row sets cycled, as the step's 48 batches) -> host-cache-*.json, probe-copy-rows-*.json,
 #              host-profile.log
+#   host-fills (2 x 200 s) the host_cached step at alpha 1.05 and 1.2, lf 0.2, with the fill cap at 1/16 (the
+#              default) and 1/8 of the lookups -> host-cache-*.json, host-fills.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
 #   host-big   (560 s) a model larger than HBM (16 x 44M x 128 fp16 + state, the planner under $HBM_BUDGET_GB,
 #              default 120: an H200; host_cache raises XLA's HBM and pinned-host limits itself) against the
@@ -79,7 +82,11 @@ for stage in "$@"; do
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
     host-profile) timeout 300 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --alphas 1.2 --load-factors 0.2 --profile 24 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-profile.log"
-        timeout 150 python3 -m benchmarks probe_copy_rows --out "$OUT" 2>&1 | grep -v Warning | tee -a "$OUT/host-profile.log" ;;
+        timeout 150 python3 -m benchmarks probe_copy_rows --fresh 48 --out "$OUT" 2>&1 | grep -v Warning \
+          | tee -a "$OUT/host-profile.log" ;;
+    host-fills) for ff in 0.0625 0.125; do timeout 200 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
+          --locations host_cached --alphas 1.05 1.2 --load-factors 0.2 --fill-fraction $ff --out "$OUT" 2>&1 \
+          | grep -v Warning | tee -a "$OUT/host-fills.log"; done ;;
     host-fbgemm) timeout 300 python3 -m benchmarks fbgemm_cache --rows 1000000 --tables 8 --out "$OUT" 2>&1 \
         | grep -v Warning | tee "$OUT/host-fbgemm.log" ;;
     host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows "${HOST_BIG_ROWS:-44000000}" \
@@ -108,6 +115,6 @@ for stage in "$@"; do
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
         timeout 270 python3 -m benchmarks fbgemm_quant --time --shards "${QUANT_SHARDS:-10}" \
           --out "$OUT/fbgemm-quant-time.json" 2>&1 | grep -v Warning >> "$OUT/quant-fbgemm.log"; tail -5 "$OUT/quant-fbgemm.log" ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-fbgemm host-big sharding)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-profile host-fills host-fbgemm host-big sharding)" ;;
   esac
 done
