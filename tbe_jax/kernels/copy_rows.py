@@ -133,7 +133,9 @@ def gather_rows(src, src_rows: jax.Array, *, kernel: bool, interpret: bool = Fal
     (src, many) = _tuple(src)
     src_rows = src_rows.astype(jnp.int32)
     n = src_rows.shape[0]
-    if not kernel or n == 0 or any(a.shape[0] == 0 for a in src):
+    if n == 0 or any(a.shape[0] == 0 for a in src):  # nothing to read
+        out = tuple(jnp.zeros((n,) + a.shape[1:], a.dtype) for a in src)
+    elif not kernel:
         out = tuple(_xla_copy(jnp.zeros((n,) + a.shape[1:], a.dtype), a, jnp.arange(n, dtype=jnp.int32), src_rows)
                     for a in src)
     else:
