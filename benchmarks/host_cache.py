@@ -158,7 +158,8 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
             keep = []
             alone = common.profile(lambda c, *a: train(*c, *a), carry, batches, args.profile, keep=keep)
             carry = keep[0]
-        kernels = common.profile(lambda c, *a: step(*c, *a), carry, batches, args.profile)
+        scopes = {}
+        kernels = common.profile(lambda c, *a: step(*c, *a), carry, batches, args.profile, scopes=scopes)
     row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
     ms = float(np.median(times))
     lookups = args.batch * args.bag * args.tables
@@ -173,6 +174,7 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         out["launches_per_step"] = sum(v["calls_per_step"] for v in kernels.values())
         out["device_ms_by_kind"] = _by_kind(kernels)
         out["kernels"] = kernels
+        out["device_ms_by_scope"] = dict(sorted(scopes.items(), key=lambda kv: -kv[1]))
     if alone is not None:  # the step without its prefetch: device ms, by kind, and its kernels
         out["step_alone"] = {"device_ms": sum(v["ms"] for v in alone.values()), "by_kind": _by_kind(alone),
                              "kernels": alone}
@@ -277,6 +279,8 @@ def main(argv=None):
                     print(f"  host enqueue {r['enqueue_ms']:.3f} ms/step; {r['launches_per_step']:.0f} launches; "
                           f"device {r['device_ms']:.3f} ms/step: " +
                           ", ".join(f"{k} {v:.3f}" for k, v in r["device_ms_by_kind"].items()), flush=True)
+                    print("  by the library's name scopes: " +
+                          ", ".join(f"{k} {v:.3f}" for k, v in r["device_ms_by_scope"].items()), flush=True)
                     common.print_kernels(r["kernels"], 14)
                 if "step_alone" in r:  # what the prefetch adds: per kernel name, the full step's ms less the step's
                     a = r["step_alone"]

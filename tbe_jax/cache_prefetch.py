@@ -55,6 +55,13 @@ def fill_cap(emb, n: int) -> int:
 
 
 def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
+    """`HostCachedEmbedding.prefetch`'s program, under the name scope "tbe_prefetch" (a profile's XLA ops then
+    name it in their `tf_op`)."""
+    with jax.named_scope("tbe_prefetch"):
+        return _prefetch(emb, params, opt_state, indices, offsets, bpf)
+
+
+def _prefetch(emb, params, opt_state, indices, offsets, bpf):
     emb.check_params(params)
     plan, indices, offsets, _ = inputs.validated(emb, params, indices, offsets, None, bpf)
     n = indices.shape[0]
@@ -131,7 +138,8 @@ def prefetch_impl(emb, params, opt_state, indices, offsets, bpf):
     # rows (and states) out of and into the cache, per inner buffer pair of a cached table's dim
     inner_p = emb.inner_params(params)
     inner_s = None if opt_state is None else emb.inner_state(opt_state)
-    inner_p, inner_s = move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok)
+    with jax.named_scope("copies"):
+        inner_p, inner_s = move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok)
     stats = jnp.stack([requested, hits, jnp.sum(ok, dtype=jnp.int32), jnp.sum(back, dtype=jnp.int32), lookups,
                        lookup_hits])
 

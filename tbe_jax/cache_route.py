@@ -192,15 +192,17 @@ def routed_lookup(emb, plan, count, params, per_sample_weights, indices, offsets
     if count:
         counts = jnp.stack([bounds.count_invalid(plan, indices, offsets), jnp.int32(0)])
     facts = batch_facts(emb, plan)
-    ids, off, psw, src, use_cache, slot, crow, is_c = route(emb, facts, params[CACHE], indices, offsets,
-                                                            per_sample_weights, training)
+    with jax.named_scope("tbe_cache_route"):
+        ids, off, psw, src, use_cache, slot, crow, is_c = route(emb, facts, params[CACHE], indices, offsets,
+                                                                per_sample_weights, training)
     inner_params = emb.inner_params(params)
     routed = (facts, ids, off, psw, src, use_cache, slot, crow, is_c, inner_params)
     if training:
         out, inner_res = emb.inner.step_forward(inner_params, ids, off, psw, batch_size_per_feature=facts.inner_bpf)
     else:
         out, inner_res = emb.inner(inner_params, ids, off, psw, batch_size_per_feature=facts.inner_bpf), None
-    out = merge(emb, facts, out, src, n).astype(emb.output_dtype)
+    with jax.named_scope("tbe_cache_merge"):
+        out = merge(emb, facts, out, src, n).astype(emb.output_dtype)
     return out, counts, (routed, inner_res)
 
 
@@ -277,6 +279,11 @@ def apply_impl(emb, params, opt_state, opt, indices, offsets, grad_output, per_s
 
 
 def after_update(directory, touched, drop):
+    with jax.named_scope("tbe_cache_directory"):
+        return _after_update(directory, touched, drop)
+
+
+def _after_update(directory, touched, drop):
     d = dict(directory)
     c = d["row_of_slot"].shape[0]
     d["dirty"] = d["dirty"].at[touched].set(1, mode="drop")
