@@ -32,6 +32,7 @@ Traces and probes (per-kernel time, one question each):
   probe_step_memory  XLA memory analysis of the compiled DCNv2 step at MLPerf sizes (tables not allocated)
   probe_repair    the default mode's offsets repair and id counts
   probe_copy_rows  the host tier's row copies alone (fills, stages, write-backs), device time and GB/s
+  probe_host_overlap  a bus copy beside HBM work in one program, on one stream or two (compute_on)
   probe_ranksort  the counting-rank sort against XLA's sort
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
   kernel_resources  registers, spills and SASS size of the backward's kernels (no GPU needed; needs triton)
@@ -64,6 +65,7 @@ SUITES = {
     "host_cache": "benchmarks.host_cache",
     "fbgemm_cache": "benchmarks.fbgemm_cache",
     "probe_copy_rows": "benchmarks.probe_copy_rows",
+    "probe_host_overlap": "benchmarks.probe_host_overlap",
     "dlrm_model": "benchmarks.dlrm_model",
     "dlrm_compare": "benchmarks.dlrm_compare",
     "trace_backward": "benchmarks.trace_backward",
