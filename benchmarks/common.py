@@ -179,6 +179,23 @@ def event_scope(e: dict) -> str:
     return "other"
 
 
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = .*?op_name=\"([^\"]*)\"")
+
+
+def hlo_scopes(hlo_text: str) -> dict:
+    """{kernel name: the library's scope} from a compiled program's HLO (`compiled.as_text()`): each top-level
+    instruction whose op name holds a `tbe_...` scope, under the name a profile gives its kernel (the
+    instruction's name with dots as underscores: `%input_scatter_fusion.4` runs as `input_scatter_fusion_4`)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_INSTR.match(line)
+        if m:
+            scope = _SCOPE.search(m.group(2))
+            if scope:
+                out.setdefault(m.group(1).replace(".", "_"), scope.group(0))
+    return out
+
+
 def profile(step, carry, sets, iters: int, host: bool = False, keep: list | None = None,
             scopes: dict | None = None) -> dict:
     """{kernel name: {"ms": per step, "calls_per_step"}}, largest first, of `iters` steps `carry = step(carry,
