@@ -33,6 +33,7 @@ Traces and probes (per-kernel time, one question each):
   probe_repair    the default mode's offsets repair and id counts
   probe_copy_rows  the host tier's row copies alone (fills, stages, write-backs), device time and GB/s
   probe_host_overlap  a bus copy beside HBM work in one program, on one stream or two (compute_on)
+  cache_hits       the host tier's hit rates and fills on a scaled-down model (any backend, no timing)
   probe_ranksort  the counting-rank sort against XLA's sort
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
   kernel_resources  registers, spills and SASS size of the backward's kernels (no GPU needed; needs triton)
@@ -66,6 +67,7 @@ SUITES = {
     "fbgemm_cache": "benchmarks.fbgemm_cache",
     "probe_copy_rows": "benchmarks.probe_copy_rows",
     "probe_host_overlap": "benchmarks.probe_host_overlap",
+    "cache_hits": "benchmarks.cache_hits",
     "dlrm_model": "benchmarks.dlrm_model",
     "dlrm_compare": "benchmarks.dlrm_compare",
     "trace_backward": "benchmarks.trace_backward",

@@ -71,9 +71,9 @@ class TableBatchedEmbedding:
       cache_policy: which cached row a miss replaces: "lru" (default: the least recently prefetched) or
         "lfu" (the least often used since it was cached).
       cache_ways: slots per cache set (a row may live in any slot of its set; default 16).
-      cache_max_fills: at most this many misses get a cache slot per `prefetch` (the first in row order; the
-        others are read from host memory, and a later prefetch may fill them). None (default): 1/16 of the
-        batch's lookups, at least 1024.
+      cache_max_fills: at most this many misses get a cache slot per `prefetch` (rows looked up more than once
+        first, the rest in turns; the others are read from host memory, and a later prefetch may fill them).
+        None (default): 1/16 of the batch's lookups, at least 1024.
       pad_rows: store the rows of a dim whose byte length is not a multiple of 16 padded to 16 bytes when that
         costs at most 1/8 more memory (default True; e.g. fp16 D = 36, 44, ..., 124), so the kernels move them
         with 16-byte vector instructions. Only the storage buffers' shapes see it (`layout.strides`); `get_tables`,

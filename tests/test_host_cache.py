@@ -124,6 +124,38 @@ def test_fills_capped_per_prefetch():
         _pair(cache_max_fills=0)
 
 
+def test_fill_cap_serves_every_table():
+    # Over the fill cap, which misses get a slot rotates from one prefetch to the next (rows looked up more
+    # than once first): the cap once cut the same end of the row order every time, and the last tables of a
+    # model were never cached at all.
+    specs = [tbe_jax.TableSpec(400, 4, location="host_cached") for _ in range(4)]
+    emb = tbe_jax.TableBatchedEmbedding(specs, impl=XLA, cache_load_factor=0.25, cache_ways=4, cache_max_fills=40)
+    params = emb.init(jax.random.key(0))
+    rng = np.random.default_rng(3)
+    for _ in range(6):  # 64 distinct-ish rows a table a batch: over 200 misses against the cap of 40
+        idx = jnp.asarray(rng.integers(0, 400, 4 * 64).astype(np.int32))
+        params = emb.prefetch(params, idx, jnp.arange(0, 4 * 64 + 1, 8, dtype=jnp.int32))
+        assert int(emb.cache_stats(params)["fills"]) <= 40
+    cached = np.asarray(params["cache"]["slot_of_row"]) >= 0
+    assert all(cached[t * 400:(t + 1) * 400].sum() > 0 for t in range(4)), cached.reshape(4, 400).sum(axis=1)
+
+
+def test_fill_order_puts_repeated_rows_first_and_rotates():
+    from tbe_jax.cache_prefetch import fill_order
+
+    miss = jnp.asarray([1, 0, 1, 1, 1, 0, 1, 1], bool)
+    uses = jnp.asarray([1, 5, 2, 1, 3, 1, 1, 1], jnp.int32)
+    seen = set()
+    for tick in range(6):
+        place, count = fill_order(miss, uses, jnp.int32(tick))
+        place = np.asarray(place)
+        assert int(count) == 6 and sorted(place[np.asarray(miss)]) == list(range(6))
+        assert set(place[[2, 4]]) == {0, 1}  # the two misses looked up more than once come first
+        assert all(place[~np.asarray(miss)] == 8)
+        seen.add(int(np.argmin(np.where(place >= 2, place, 99))))  # the first of the rest this time
+    assert len(seen) > 1  # the rest's start rotates with the tick
+
+
 def test_prefetch_one_batch_ahead():
     emb, ref = _pair(load_factor=0.5)
     _, stats = _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 5, ahead=True, hot=25)
