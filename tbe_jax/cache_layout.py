@@ -70,8 +70,9 @@ def split_tables(tables, load_factor: float, ways: int):
         tuple(of)
 
 
-def checked_cache_options(load_factor, policy, ways, max_fills):
-    """`TableBatchedEmbedding`'s cache arguments, checked: (load_factor as a float, policy, ways, max_fills)."""
+def checked_cache_options(load_factor, policy, ways, max_fills, admit_age):
+    """`TableBatchedEmbedding`'s cache arguments, checked: (load_factor as a float, policy, ways, max_fills,
+    admit_age)."""
     if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) or not 0 < load_factor <= 1:
         raise ValueError(f"cache_load_factor must be a number in (0, 1], got {load_factor!r}")
     if policy not in ("lru", "lfu"):
@@ -80,4 +81,6 @@ def checked_cache_options(load_factor, policy, ways, max_fills):
         raise ValueError(f"cache_ways must be a positive int, got {ways!r}")
     if max_fills is not None and (isinstance(max_fills, bool) or not isinstance(max_fills, int) or max_fills < 1):
         raise ValueError(f"cache_max_fills must be None or a positive int, got {max_fills!r}")
-    return float(load_factor), policy, ways, max_fills
+    if isinstance(admit_age, bool) or not isinstance(admit_age, int) or admit_age < 0:
+        raise ValueError(f"cache_admit_age must be an int >= 0, got {admit_age!r}")
+    return float(load_factor), policy, ways, max_fills, admit_age

@@ -149,6 +149,11 @@ def _prefetch(emb, params, opt_state, indices, offsets, bpf):
     w_key = jax.lax.optimization_barrier(w_key)  # made once (fused into `stable_pick`, its gathers would run w times)
     pick = stable_pick(w_key, jnp.minimum(rank, ways - 1))
     ok = miss & (rank < ways) & (jnp.take_along_axis(w_key, pick[:, None], axis=1)[:, 0] < NEVER)
+    if emb.cache_admit_age:  # a one-off row takes an empty slot or a stale one, never a live row's
+        p_slot = jnp.take_along_axis(way_slots, pick[:, None], axis=1)[:, 0]
+        stale = (jnp.take_along_axis(w_row, pick[:, None], axis=1)[:, 0] < 0) | (
+            stamp[p_slot] < tick - emb.cache_admit_age)
+        ok = ok & ((uses > 1) | stale)
     victim = jnp.where(ok, gset * ways + pick, c_total)
     old = jnp.where(ok, d["row_of_slot"][jnp.minimum(victim, c_total - 1)], -1)
     back = ok & (old >= 0) & (d["dirty"][jnp.minimum(victim, c_total - 1)] > 0)

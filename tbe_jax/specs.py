@@ -268,3 +268,28 @@ def checked_tables(specs: Sequence["TableSpec"], tables) -> list:
             raise ValueError(f"{spec.label(t)} must have shape {shape}, got {tuple(arr.shape)}")
         out.append(arr)
     return out
+
+
+def checked_feature_table_map(feature_table_map, num_tables: int) -> tuple[int, ...]:
+    """`TableBatchedEmbedding`'s `feature_table_map` checked: None (one feature per table), else a non-empty
+    sequence of int table indices in `[0, num_tables)`, as a tuple of ints."""
+    import operator
+
+    if feature_table_map is None:
+        return tuple(range(num_tables))
+    if isinstance(feature_table_map, (str, bytes)):
+        raise TypeError(f"feature_table_map must be a sequence of table indices, got {feature_table_map!r}")
+    fmap = []
+    for f, t in enumerate(feature_table_map):
+        try:
+            if isinstance(t, (bool, np.bool_)):
+                raise TypeError
+            fmap.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"feature_table_map[{f}] must be an int table index, got {t!r}") from None
+    if not fmap:
+        raise ValueError("feature_table_map must name at least one table")
+    for f, t in enumerate(fmap):
+        if not 0 <= t < num_tables:
+            raise ValueError(f"feature_table_map[{f}]={t} is not a table index in [0, {num_tables})")
+    return tuple(fmap)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Mapping
 from typing import Sequence
 
@@ -23,7 +22,7 @@ from tbe_jax.kernels import forward as fwd_kernels
 from tbe_jax.kernels import histogram as hist_kernels
 from tbe_jax.cache_layout import checked_cache_options
 from tbe_jax.inputs import as_array, id_array, static_sizes
-from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, checked_tables
+from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, checked_feature_table_map, checked_tables
 
 _POOLINGS = ("sum", "mean", "none")
 _BOUNDS = ("ignore", "none", "warning", "fatal")
@@ -74,6 +73,8 @@ class TableBatchedEmbedding:
       cache_max_fills: at most this many misses get a cache slot per `prefetch` (rows looked up more than once
         first, the rest in turns; the others are read from host memory, and a later prefetch may fill them).
         None (default): 1/16 of the batch's lookups, at least 1024.
+      cache_admit_age: a miss looked up once in its batch takes only an empty slot or one unused for this many
+        prefetches (default 32; 0: any), so one-off rows do not evict live ones; see `docs/host_memory.md`.
       pad_rows: store the rows of a dim whose byte length is not a multiple of 16 padded to 16 bytes when that
         costs at most 1/8 more memory (default True; e.g. fp16 D = 36, 44, ..., 124), so the kernels move them
         with 16-byte vector instructions. Only the storage buffers' shapes see it (`layout.strides`); `get_tables`,
@@ -121,6 +122,7 @@ class TableBatchedEmbedding:
         cache_policy: str = "lru",
         cache_ways: int = 16,
         cache_max_fills: int | None = None,
+        cache_admit_age: int = 32,
     ):
         if isinstance(tables, TableSpec):
             raise TypeError("tables must be a sequence of TableSpec (wrap a single table in a list)")
@@ -130,30 +132,11 @@ class TableBatchedEmbedding:
         for i, t in enumerate(tables):
             if not isinstance(t, TableSpec):
                 raise TypeError(f"tables[{i}] must be a TableSpec, got {type(t).__name__}")
-        if feature_table_map is None:
-            feature_table_map = tuple(range(len(tables)))
-        if isinstance(feature_table_map, (str, bytes)):
-            raise TypeError(f"feature_table_map must be a sequence of table indices, got {feature_table_map!r}")
-        fmap = []
-        for f, t in enumerate(feature_table_map):
-            try:
-                if isinstance(t, (bool, np.bool_)):
-                    raise TypeError
-                fmap.append(operator.index(t))
-            except TypeError:
-                raise TypeError(f"feature_table_map[{f}] must be an int table index, got {t!r}") from None
-        feature_table_map = tuple(fmap)
-        if not feature_table_map:
-            raise ValueError("feature_table_map must name at least one table")
-        for f, t in enumerate(feature_table_map):
-            if not 0 <= t < len(tables):
-                raise ValueError(f"feature_table_map[{f}]={t} is not a table index in [0, {len(tables)})")
-        if pooling not in _POOLINGS:
-            raise ValueError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
-        if bounds_check not in _BOUNDS:
-            raise ValueError(f"bounds_check must be one of {_BOUNDS}, got {bounds_check!r}")
-        if impl not in _IMPLS:
-            raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+        feature_table_map = checked_feature_table_map(feature_table_map, len(tables))
+        for name, value, allowed in (("pooling", pooling, _POOLINGS), ("bounds_check", bounds_check, _BOUNDS),
+                                     ("impl", impl, _IMPLS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if pooling == "none" and len({tables[t].embedding_dim for t in feature_table_map}) != 1:
             raise ValueError('pooling="none" needs every looked-up table to have one embedding_dim')
         if kernel_config is not None and not isinstance(kernel_config, fwd_kernels.ForwardConfig):
@@ -175,8 +158,9 @@ class TableBatchedEmbedding:
             raise TypeError("backward_config must be a tbe_jax.BackwardConfig")
         self.backward_config = backward_config or bwd_kernels.BackwardConfig()
         self.pad_rows = bool(pad_rows)
-        (self.cache_load_factor, self.cache_policy, self.cache_ways,
-         self.cache_max_fills) = checked_cache_options(cache_load_factor, cache_policy, cache_ways, cache_max_fills)
+        (self.cache_load_factor, self.cache_policy, self.cache_ways, self.cache_max_fills,
+         self.cache_admit_age) = checked_cache_options(cache_load_factor, cache_policy, cache_ways, cache_max_fills,
+                                                       cache_admit_age)
         if impl == "xla" and jax.default_backend() == "gpu" and any(t.location != "device" for t in tables):
             raise ValueError("tables in host memory are read by the Pallas kernels (XLA's ops cannot read host "
                              "memory on a GPU): use impl='auto' or 'pallas'")
@@ -192,7 +176,7 @@ class TableBatchedEmbedding:
             self.tables, self.feature_table_map, self.pooling, self.weights_dtype.name,
             self.output_dtype.name, self.bounds_check, self.impl, self.interpret, self.kernel_config,
             self.use_histogram, self.histogram_config, self.backward_config, self.pad_rows,
-            self.cache_load_factor, self.cache_policy, self.cache_ways, self.cache_max_fills,
+            self.cache_load_factor, self.cache_policy, self.cache_ways, self.cache_max_fills, self.cache_admit_age,
         )
 
     # A static argument of every jitted call: hashed and compared on each call, so the hash is computed once

@@ -140,6 +140,23 @@ def test_fill_cap_serves_every_table():
     assert all(cached[t * 400:(t + 1) * 400].sum() > 0 for t in range(4)), cached.reshape(4, 400).sum(axis=1)
 
 
+@pytest.mark.parametrize("age,want", [(32, [4, 0, 0, 2]), (1, [4, 0, 4, 0]), (0, [4, 0, 4, 0])])
+def test_one_off_rows_do_not_evict_live_rows(age, want):
+    # One set of 4 ways. Prefetches: 4 rows looked up twice (fill the set), a one-off row (the set is the previous
+    # prefetch's: locked), 4 one-off rows, 2 rows looked up twice. The one-off rows take the live rows' slots only
+    # if those were unused for `cache_admit_age` prefetches; rows looked up twice always may (once unlocked).
+    emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(64, 4, location="host_cached")], impl=XLA,
+                                        cache_load_factor=4 / 64, cache_ways=4, cache_admit_age=age)
+    params = emb.init(jax.random.key(0))
+    fills = []
+    for rows in ([1, 1, 2, 2, 3, 3, 4, 4], [20], [10, 11, 12, 13], [30, 30, 31, 31]):
+        params = emb.prefetch(params, jnp.asarray(rows, jnp.int32), jnp.asarray([0, len(rows)], jnp.int32))
+        fills.append(int(emb.cache_stats(params)["fills"]))
+    assert fills == want
+    with pytest.raises(ValueError, match="cache_admit_age"):
+        tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(64, 4, location="host_cached")], cache_admit_age=-1)
+
+
 def test_fill_order_puts_repeated_rows_first_and_rotates():
     from tbe_jax.cache_prefetch import fill_order
 
@@ -169,7 +186,7 @@ def test_pooling_and_weights(pooling, weighted):
 
 
 def test_kernels_in_interpret_mode():
-    emb, ref = _pair(impl="pallas", load_factor=0.1)
+    emb, ref = _pair(impl="pallas", load_factor=0.1, cache_admit_age=0)  # any miss may evict: write-backs
     _, stats = _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 3, hot=20)
     assert sum(s[3] for s in stats) > 0  # the copy kernels' write-backs ran (in host row order)
 
