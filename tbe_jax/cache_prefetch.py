@@ -150,9 +150,8 @@ def _prefetch(emb, params, opt_state, indices, offsets, bpf):
     pick = stable_pick(w_key, jnp.minimum(rank, ways - 1))
     ok = miss & (rank < ways) & (jnp.take_along_axis(w_key, pick[:, None], axis=1)[:, 0] < NEVER)
     if emb.cache_admit_age:  # a one-off row takes an empty slot or a stale one, never a live row's
-        p_slot = jnp.take_along_axis(way_slots, pick[:, None], axis=1)[:, 0]
-        stale = (jnp.take_along_axis(w_row, pick[:, None], axis=1)[:, 0] < 0) | (
-            stamp[p_slot] < tick - emb.cache_admit_age)
+        picked = jnp.minimum(gset * ways + pick, c_total - 1)
+        stale = (d["row_of_slot"][picked] < 0) | (stamp[picked] < tick - emb.cache_admit_age)
         ok = ok & ((uses > 1) | stale)
     victim = jnp.where(ok, gset * ways + pick, c_total)
     old = jnp.where(ok, d["row_of_slot"][jnp.minimum(victim, c_total - 1)], -1)
@@ -222,7 +221,7 @@ def move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok):
         # in-place update of it in the same program, and XLA copied the whole host part to keep the value read
         # (2 GB: 465 ms a step, `probe_host_cache_cost`). The fill and the write-back cannot share a launch:
         # XLA refuses a kernel whose outputs lie in both memories (E1200, session 35).
-        cache, host = tuple(t[kc] for t in trees), tuple(t[kh] for t in trees)
+        cache, host = tuple(tree[kc] for tree in trees), tuple(tree[kh] for tree in trees)
         stage = gather_rows(cache, jnp.where(wb_dst >= 0, wb_src, -1), kernel=kernel, interpret=emb.interpret,
                             name="stage")
         cache = copy_rows(cache, host, c_rows, fill_src, kernel=kernel, interpret=emb.interpret, after=stage,
