@@ -167,18 +167,6 @@ def host_events(log_dir: str) -> list[dict]:
 _SCOPE = re.compile(r"tbe_[a-z_]+(?:/copies)?")
 
 
-def event_scope(e: dict) -> str:
-    """The library's name scope an event's op ran under (`tbe_prefetch`, `tbe_prefetch/copies`, `tbe_cache_route`,
-    ...: `jax.named_scope` in `tbe_jax`), from the op name the profiler records (`tf_op`, else any string
-    argument naming one); "other" if none."""
-    args = e.get("args") or {}
-    for key in ("tf_op", "long_name", "hlo_op", "name"):
-        m = _SCOPE.search(str(args.get(key, "")))
-        if m and "/" in str(args.get(key, "")):
-            return m.group(0)
-    return "other"
-
-
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = .*?op_name=\"([^\"]*)\"")
 
 
@@ -196,12 +184,10 @@ def hlo_scopes(hlo_text: str) -> dict:
     return out
 
 
-def profile(step, carry, sets, iters: int, host: bool = False, keep: list | None = None,
-            scopes: dict | None = None) -> dict:
+def profile(step, carry, sets, iters: int, host: bool = False, keep: list | None = None) -> dict:
     """{kernel name: {"ms": per step, "calls_per_step"}}, largest first, of `iters` steps `carry = step(carry,
     *sets[i % len])` traced after one warm-up round (device events; `host=True`: host events). `keep`: a list
-    the final carry is appended to (for a carry that is donated). `scopes`: a dict filled with ms per step by
-    `event_scope`."""
+    the final carry is appended to (for a carry that is donated)."""
     for a in sets:  # compile + warm-up
         carry = step(carry, *a)
     jax.block_until_ready(carry)
@@ -218,9 +204,6 @@ def profile(step, carry, sets, iters: int, host: bool = False, keep: list | None
     for e in events:
         per[e["name"]] += e["dur"] / 1e3 / iters
         count[e["name"]] += 1
-        if scopes is not None:
-            scope = event_scope(e)
-            scopes[scope] = scopes.get(scope, 0.0) + e["dur"] / 1e3 / iters
     return {k: {"ms": per[k], "calls_per_step": count[k] / iters} for k in sorted(per, key=per.get, reverse=True)}
 
 

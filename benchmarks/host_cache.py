@@ -153,15 +153,14 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         stats.append([int(v) for v in emb.cache_stats(carry[0]).values()])
     kernels = alone = None
     if args.profile:  # per-kernel device time of the step (the carry is donated: this comes last)
-        # the library's scope of each XLA kernel, from the compiled program (the trace's events may lack op names)
+        # the library's scope of each XLA kernel, from the compiled program's op names
         hlo_scope = common.hlo_scopes(step.lower(*carry, *batches[0]).compile().as_text())
         if cached and not args.fresh_batches:  # first the training step alone on the warm cache (no prefetch)
             train = jax.jit(lambda p, s, i, o, g, *_: body(p, s, i, o, g, None, None), donate_argnums=(0, 1))
             keep = []
             alone = common.profile(lambda c, *a: train(*c, *a), carry, batches, args.profile, keep=keep)
             carry = keep[0]
-        scopes = {}
-        kernels = common.profile(lambda c, *a: step(*c, *a), carry, batches, args.profile, scopes=scopes)
+        kernels = common.profile(lambda c, *a: step(*c, *a), carry, batches, args.profile)
     row_bytes = args.dim * dtype.itemsize + 4  # a row and its row-wise state
     ms = float(np.median(times))
     lookups = args.batch * args.bag * args.tables
@@ -177,15 +176,10 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         out["device_ms_by_kind"] = _by_kind(kernels)
         out["kernels"] = kernels
         by = {}
-        for name, v in kernels.items():  # the compiled program's scopes, else the trace's (`scopes`), else by name
+        for name, v in kernels.items():  # the compiled program's scope of each kernel; the row copies by name
             scope = hlo_scope.get(name) or ("tbe_prefetch/copies" if "_rows" in name and name.startswith("tbe_")
-                                            else None)
-            if scope:
-                by[scope] = by.get(scope, 0.0) + v["ms"]
-        if not by:
-            by = scopes
-        else:
-            by["other"] = out["device_ms"] - sum(by.values())
+                                            else "other")
+            by[scope] = by.get(scope, 0.0) + v["ms"]
         out["device_ms_by_scope"] = dict(sorted(by.items(), key=lambda kv: -kv[1]))
     if alone is not None:  # the step without its prefetch: device ms, by kind, and its kernels
         out["step_alone"] = {"device_ms": sum(v["ms"] for v in alone.values()), "by_kind": _by_kind(alone),
