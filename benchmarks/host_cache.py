@@ -188,11 +188,16 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
         # after the cache warmed up: the second half of the steps seen, or with fresh batches the steps after the
         # warm-up (each timed run's last)
         s = np.asarray(stats[n:] if args.fresh_batches else stats[len(stats) // 2:], np.float64)
-        req, hits, fills, wb, lookups, lookup_hits = s.mean(axis=0)
+        req, hits, fills, wb, lookups, lookup_hits, host_lookups = s.mean(axis=0)
+        # rows the step reads or updates in host memory: each lookup left there reads its row in the forward;
+        # each distinct such row is read and written once more (with its state) by the update
+        host_rows = req - hits - fills
         out.update(load_factor=load_factor, policy=policy, hit_rate=float(hits / max(req, 1)),
                    lookup_hit_rate=float(lookup_hits / max(lookups, 1)),
                    requested_per_step=float(req), fills_per_step=float(fills), writebacks_per_step=float(wb),
-                   bus_mb_per_step=float((fills + wb) * row_bytes / 1e6),
+                   host_lookups_per_step=float(host_lookups), host_rows_per_step=float(host_rows),
+                   bus_mb_per_step=float((fills + wb) * row_bytes / 1e6),  # the prefetch's copies
+                   step_bus_mb_per_step=float((host_lookups * (row_bytes - 4) + 2 * host_rows * row_bytes) / 1e6),
                    cache_rows=int(emb.cache_layout.total_slots))
     return out
 
@@ -277,7 +282,9 @@ def main(argv=None):
                 cases.append(r)
                 extra = (f" lf {lf} {pol}: hit {r['hit_rate']:.3f} of rows, {r['lookup_hit_rate']:.3f} of lookups, "
                          f"fills {r['fills_per_step']:.0f}, "
-                         f"write-backs {r['writebacks_per_step']:.0f}, {r['bus_mb_per_step']:.1f} MB/step"
+                         f"write-backs {r['writebacks_per_step']:.0f}, {r['bus_mb_per_step']:.1f} MB/step; "
+                         f"{r['host_lookups_per_step']:.0f} lookups from host memory "
+                         f"({r['step_bus_mb_per_step']:.1f} MB/step in the step)"
                          if "hit_rate" in r else "")
                 print(f"alpha {alpha} {loc:12s} {r['ms']:8.3f} ms/step  x{r['vs_device'] or 0:.2f} of HBM per lookup"
                       f"{extra}; HBM {r['hbm_gb']:.1f} GB, host RSS {r['host_rss_gb']:.1f} GB", flush=True)

@@ -28,6 +28,10 @@
 #              then `python -m benchmarks bench_quant`'s ratios from the two files (`bench_quant.with_fbgemm`)
 #   host       (560 s) the host tier: its test file compiled (320 s: two runs of 140 and 290 s were cut), then `host_cache` (device / host_cached at lf 0.2 and
 #              0.05, alphas 1.05 and 1.2) -> host-tests.log, host-cache-*.json, host.log
+#   host-bench (~100 s) `host`'s benchmark part alone (to pair with FBGEMM's chunk calls) -> host-cache-*.json, host.log
+#   host-tests (400 s) `host`'s test file alone (a fresh machine ran 33 of its 36 in 300 s) -> host-tests.log
+#   host-quick (~180 s) the overlap probe's decisive variants (one process each, 60 s in all) then the by-scope
+#              profile at alpha 1.05, lf 0.2 -> host-overlap.log, host-cache-*.json
 #   host-profile (300 s) the host_cached step at alpha 1.2, lf 0.2, 48 batches, with its per-kernel profile over the
 #              same batches (device ms by kind, host enqueue time, launches; the training step alone first: what
 #              the prefetch adds), then each row copy of the prefetch alone (probe_copy_rows: fills, stages,
@@ -83,6 +87,17 @@ for stage in "$@"; do
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/host-tests.log" | tail -6
         timeout 240 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
+    host-bench) timeout 240 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
+          --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
+    host-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_host_cache.py > "$OUT/host-tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/host-tests.log" | tail -6 ;;
+    host-quick) t0=$(date +%s)
+        for v in work:0 gather:0 work+gather:0 work+gather@stream:1 work+gather@stream:0 write:0 work+write@stream:1; do
+          [ $(( $(date +%s) - t0 )) -gt 60 ] && break
+          timeout 30 python3 -m benchmarks probe_host_overlap --rows 2000000 --one "$v" 2>&1 | grep -E "RESULT|Error" | tail -2
+        done | tee "$OUT/host-overlap.log"
+        timeout 110 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations host_cached --alphas 1.05 \
+          --load-factors 0.2 --profile 12 --out "$OUT" 2>&1 | grep -v Warning | tail -5 ;;
     host-profile) timeout 300 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --alphas 1.2 --load-factors 0.2 --profile 24 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-profile.log"
         timeout 150 python3 -m benchmarks probe_copy_rows --fresh 48 --out "$OUT" 2>&1 | grep -v Warning \
@@ -120,6 +135,6 @@ for stage in "$@"; do
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
         timeout 270 python3 -m benchmarks fbgemm_quant --time --shards "${QUANT_SHARDS:-10}" \
           --out "$OUT/fbgemm-quant-time.json" 2>&1 | grep -v Warning >> "$OUT/quant-fbgemm.log"; tail -5 "$OUT/quant-fbgemm.log" ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-profile host-fills host-overlap host-fbgemm host-big sharding)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-fbgemm host-big sharding)" ;;
   esac
 done

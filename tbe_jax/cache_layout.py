@@ -11,8 +11,9 @@ import numpy as np
 CACHE = "cache"  # params' key of the cache directory
 STATE_ROWS = "cache_rows"  # each optimizer slot's key of the rows its cache states belong to
 # `params["cache"]["stats"]`: the last prefetch's counts: distinct cached rows requested, those already cached,
-# rows filled, rows written back; the batch's lookups of cached tables, and those whose row was already cached
-STATS = ("requested", "hits", "fills", "writebacks", "lookups", "lookup_hits")
+# rows filled, rows written back; the batch's lookups of cached tables, those whose row was already cached, and
+# those left to host memory (their row neither cached nor filled)
+STATS = ("requested", "hits", "fills", "writebacks", "lookups", "lookup_hits", "host_lookups")
 NEVER = np.int32(np.iinfo(np.int32).max)
 
 

@@ -162,8 +162,9 @@ def _prefetch(emb, params, opt_state, indices, offsets, bpf):
     inner_s = None if opt_state is None else emb.inner_state(opt_state)
     with jax.named_scope("copies"):
         inner_p, inner_s = move_rows(emb, inner_p, inner_s, t, victim, old, back, row, ok)
+    filled_lookups = jnp.sum(jnp.where(ok, uses, 0), dtype=jnp.int32)
     stats = jnp.stack([requested, hits, jnp.sum(ok, dtype=jnp.int32), jnp.sum(back, dtype=jnp.int32), lookups,
-                       lookup_hits])
+                       lookup_hits, lookups - lookup_hits - filled_lookups])
 
     gone = jnp.where(ok & (old >= 0), old, r_total)
     d["slot_of_row"] = d["slot_of_row"].at[gone].set(-1, mode="drop").at[jnp.where(ok, row, r_total)].set(

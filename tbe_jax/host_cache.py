@@ -198,7 +198,8 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         """The last prefetch's counts (device scalars): rows `requested` (distinct cached rows of the batch),
         `hits` (of those, the ones already cached), `fills` (rows copied in), `writebacks` (changed rows copied
         out), `lookups` (the batch's lookups of cached tables) and `lookup_hits` (those whose row was already
-        cached: `lookup_hits / lookups` is the hit rate FBGEMM reports)."""
+        cached: `lookup_hits / lookups` is the hit rate FBGEMM reports) and `host_lookups` (those whose row the
+        prefetch neither found nor filled: the step reads them from host memory, over the bus)."""
         return dict(zip(STATS, params[CACHE]["stats"]))
 
     # -- lookups ----------------------------------------------------------------------------------------------------

@@ -157,6 +157,29 @@ def test_one_off_rows_do_not_evict_live_rows(age, want):
         tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(64, 4, location="host_cached")], cache_admit_age=-1)
 
 
+def test_stats_count_the_lookups_left_to_host_memory():
+    # `host_lookups`: the batch's lookups whose row is in neither the cache before the prefetch nor its fills,
+    # checked against the directory after the prefetch (Zipf-like ids over a cache far smaller than them).
+    specs = [tbe_jax.TableSpec(300, 4, location="host_cached"), tbe_jax.TableSpec(50, 4),
+             tbe_jax.TableSpec(200, 4, location="host_cached")]
+    emb = tbe_jax.TableBatchedEmbedding(specs, impl=XLA, cache_load_factor=0.1, cache_ways=4, cache_max_fills=12)
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.1)
+    params = emb.init(jax.random.key(0))
+    state = emb.init_opt_state(params, opt)
+    rng = np.random.default_rng(5)
+    base = {0: 0, 2: 300}  # each cached table's first row in the directory's row space
+    for _ in range(4):
+        ids = [np.minimum(rng.zipf(1.3, 60) - 1, e - 1) for e in (300, 50, 200)]
+        offsets = jnp.asarray(np.arange(0, 181, 6), jnp.int32)  # 10 bags of 6 per table
+        params, state = emb.prefetch(params, jnp.asarray(np.concatenate(ids).astype(np.int32)), offsets,
+                                     opt_state=state)
+        st = {k: int(v) for k, v in emb.cache_stats(params).items()}
+        slot_of_row = np.asarray(params["cache"]["slot_of_row"])
+        left = sum(int((slot_of_row[base[t] + ids[t]] < 0).sum()) for t in (0, 2))
+        assert st["lookups"] == 120 and st["host_lookups"] == left
+        assert 0 < st["host_lookups"] <= st["lookups"] - st["lookup_hits"]
+
+
 def test_fill_order_puts_repeated_rows_first_and_rotates():
     from tbe_jax.cache_prefetch import fill_order
 
