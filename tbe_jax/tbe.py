@@ -74,7 +74,7 @@ class TableBatchedEmbedding:
         first, the rest in turns; the others are read from host memory, and a later prefetch may fill them).
         None (default): 1/16 of the batch's lookups, at least 1024.
       cache_admit_age: a miss looked up once in its batch takes only an empty slot or one unused for this many
-        prefetches (default 32; 0: any), so one-off rows do not evict live ones; see `docs/host_memory.md`.
+        prefetches (default 128; 0: any), so one-off rows do not evict live ones; see `docs/host_memory.md`.
       pad_rows: store the rows of a dim whose byte length is not a multiple of 16 padded to 16 bytes when that
         costs at most 1/8 more memory (default True; e.g. fp16 D = 36, 44, ..., 124), so the kernels move them
         with 16-byte vector instructions. Only the storage buffers' shapes see it (`layout.strides`); `get_tables`,
@@ -122,7 +122,7 @@ class TableBatchedEmbedding:
         cache_policy: str = "lru",
         cache_ways: int = 16,
         cache_max_fills: int | None = None,
-        cache_admit_age: int = 32,
+        cache_admit_age: int = 128,
     ):
         if isinstance(tables, TableSpec):
             raise TypeError("tables must be a sequence of TableSpec (wrap a single table in a list)")
