@@ -21,7 +21,8 @@ Measurements (meant for an H200; on a CPU most run as smoke tests in interpret m
   dispatch     host time of jitted calls (dispatch.py)
   cpu_update   the XLA path's update on the CPU as tables grow (cpu_update.py)
   host_cache   training steps with tables in host memory (host, host_cached, planned) against all-HBM (host_cache.py)
-  fbgemm_cache FBGEMM's MANAGED_CACHING on host_cache's model and batches (fbgemm_cache.py; not yet run)
+  fbgemm_cache FBGEMM's MANAGED_CACHING on host_cache's model and batches (fbgemm_cache.py)
+  host_floor   the bus floor of host_cache's cached step: the best cache's misses, bytes each way (host_floor.py)
   dlrm_model   the DLRM demo's whole model (DCNv2 at MLPerf size): build, init, step, split, memory (dlrm_model.py)
   dlrm_compare ours against torch + FBGEMM (benchmarks/dlrm_torch.py) on the same batches, from saved results
 Traces and probes (per-kernel time, one question each):
@@ -65,6 +66,7 @@ SUITES = {
     "cpu_update": "benchmarks.cpu_update",
     "host_cache": "benchmarks.host_cache",
     "fbgemm_cache": "benchmarks.fbgemm_cache",
+    "host_floor": "benchmarks.host_floor",
     "probe_copy_rows": "benchmarks.probe_copy_rows",
     "probe_host_overlap": "benchmarks.probe_host_overlap",
     "cache_hits": "benchmarks.cache_hits",

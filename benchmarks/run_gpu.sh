@@ -31,7 +31,7 @@
 #   host-bench (~100 s) `host`'s benchmark part alone (to pair with FBGEMM's chunk calls) -> host-cache-*.json, host.log
 #   host-tests (400 s) `host`'s test file alone (a fresh machine ran 33 of its 36 in 300 s) -> host-tests.log
 #   host-quick (~180 s) the overlap probe's decisive variants (one process each, 60 s in all) then the by-scope
-#              profile at alpha 1.05, lf 0.2 -> host-overlap.log, host-cache-*.json
+#              profile at alpha 1.2, lf 0.2 (the step alone, then with its prefetch) -> host-overlap.log, host-cache-*.json
 #   host-profile (300 s) the host_cached step at alpha 1.2, lf 0.2, 48 batches, with its per-kernel profile over the
 #              same batches (device ms by kind, host enqueue time, launches; the training step alone first: what
 #              the prefetch adds), then each row copy of the prefetch alone (probe_copy_rows: fills, stages,
@@ -96,7 +96,7 @@ for stage in "$@"; do
           [ $(( $(date +%s) - t0 )) -gt 60 ] && break
           timeout 30 python3 -m benchmarks probe_host_overlap --rows 2000000 --one "$v" 2>&1 | grep -E "RESULT|Error" | tail -2
         done | tee "$OUT/host-overlap.log"
-        timeout 110 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations host_cached --alphas 1.05 \
+        timeout 110 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations host_cached --alphas 1.2 \
           --load-factors 0.2 --profile 12 --out "$OUT" 2>&1 | grep -v Warning | tail -5 ;;
     host-profile) timeout 300 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --alphas 1.2 --load-factors 0.2 --profile 24 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host-profile.log"
