@@ -90,7 +90,7 @@ def _prefetch(emb, params, opt_state, indices, offsets, bpf):
     cl = emb.cache_layout
     r_total, c_total, ways = cl.total_rows, cl.total_slots, cl.ways
     facts = batch_facts(emb, plan)
-    _, feat = preprocess.position_features(plan, offsets, n)
+    feat = preprocess.position_feature(plan, offsets, n)  # offsets repaired above
     valid = preprocess.valid_lookups(plan, indices, offsets, feat)
     ci = jnp.asarray(facts.ci)[feat]
     is_c = valid & (ci >= 0)
@@ -111,13 +111,14 @@ def _prefetch(emb, params, opt_state, indices, offsets, bpf):
     lookup_hits = jnp.sum(jnp.where(hit, uses, 0), dtype=jnp.int32)
     tick = d["tick"] + 1
     hslot = jnp.where(hit, slot, c_total)
-    score = d["score"]
-    if emb.cache_policy == "lfu":  # lookups since the fill, saturating (a hot row stays hot, never wraps)
+    stamp = d["stamp"].at[hslot].set(tick, mode="drop")
+    lfu = emb.cache_policy == "lfu"
+    if lfu:  # lookups since the fill, saturating (a hot row stays hot, never wraps)
+        score = d["score"]
         hot = score[jnp.minimum(hslot, c_total - 1)]
         score = score.at[hslot].set(hot + jnp.minimum(uses, NEVER - 1 - hot), mode="drop")
-    else:
-        score = score.at[hslot].set(tick, mode="drop")
-    stamp = d["stamp"].at[hslot].set(tick, mode="drop")
+    else:  # LRU ranks a filled slot by its last use: its stamp (one scatter over the batch, not two)
+        score = stamp
 
     # the misses, compacted: at most `m` go on (`fill_cap`); the rest stay in host memory this step
     m = fill_cap(emb, n)
@@ -170,8 +171,8 @@ def _prefetch(emb, params, opt_state, indices, offsets, bpf):
     d["slot_of_row"] = d["slot_of_row"].at[gone].set(-1, mode="drop").at[jnp.where(ok, row, r_total)].set(
         victim, mode="drop")
     d["row_of_slot"] = d["row_of_slot"].at[victim].set(row, mode="drop")
-    d["score"] = score.at[victim].set(uses if emb.cache_policy == "lfu" else jnp.broadcast_to(tick, (n,)),
-                                      mode="drop")
+    if lfu:  # LRU's `score` stays as it is (unused: it ranks by `stamp`)
+        d["score"] = score.at[victim].set(uses, mode="drop")
     d["stamp"] = stamp.at[victim].set(tick, mode="drop")
     d["dirty"] = d["dirty"].at[victim].set(0, mode="drop")
     d["state_ok"] = d["state_ok"].at[victim].set(int(opt_state is not None), mode="drop")

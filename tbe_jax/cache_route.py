@@ -59,7 +59,7 @@ def route(emb, facts: Facts, directory, indices, offsets, per_sample_weights, tr
     padding). Offsets here are repaired (non-decreasing, within `[0, N]`)."""
     plan, cl = facts.plan, emb.cache_layout
     n = indices.shape[0]
-    _, feat = preprocess.position_features(plan, offsets, n)
+    feat = preprocess.position_feature(plan, offsets, n)  # offsets repaired by the caller
     valid = preprocess.valid_lookups(plan, indices, offsets, feat)
     ci = jnp.asarray(facts.ci)[feat]
     is_c = valid & (ci >= 0)

@@ -7,8 +7,9 @@ kept twice over, as two tables of an inner `TableBatchedEmbedding` (`emb.inner`,
   in place over the bus);
 - its *cache part*: C_t = `ways * ceil(cache_load_factor * E_t / ways)` rows in HBM, set-associative (row r may
   live in one of the `ways` slots of set `hash(r) % (C_t / ways)`), with the directory in `params["cache"]`:
-  `slot_of_row` (per cached row its slot or -1: 4 bytes per row, in HBM), `row_of_slot`, per slot its policy
-  score, the tick of the last prefetch that used it, and two bits (below).
+  `slot_of_row` (per cached row its slot or -1: 4 bytes per row, in HBM), `row_of_slot`, per slot the tick of
+  the last prefetch that used it (`stamp`: LRU's rank), its use count since the fill (`score`: LFU's rank; unused
+  under LRU), and two bits (below).
 
 **Results never depend on the cache.** Every lookup of a cached table is routed, on the device, to the part that
 holds the row's current value (and its optimizer state): the cache part if the row is cached, else the host

@@ -8,6 +8,7 @@ Each lookup (a position of `indices`) gets its bag, its feature, whether it coun
 those of the clamped bags.
 
 - `position_features`, `bag_feature`: each position's bag and feature (no device while loop);
+  `position_feature`: the feature alone, for non-decreasing offsets (a few compares per position);
 - `in_bags`, `valid_lookups`: each position inside a bag (with an id of its table);
 - `lookup_coefficients`: (bag, feature, coef, scale) per lookup (1/len for mean pooling, the per-sample weight);
 - `output_rows`: the flat output offset of each lookup's pooled row;
@@ -37,6 +38,22 @@ def position_features(plan: FeaturePlan, offsets: jax.Array, n: int) -> tuple[ja
     bag = jnp.cumsum(hist[:n]) - 1
     bag = jnp.clip(bag, 0, max(plan.num_bags - 1, 0))
     return bag, bag_feature(plan, bag)
+
+
+def position_feature(plan: FeaturePlan, offsets: jax.Array, n: int, max_compares: int = 64) -> jax.Array:
+    """Each position's feature, as `position_features`' second result, for non-decreasing `offsets` (repaired:
+    `bounds.repair_offsets`). A feature with bags starts at position `offsets[bag_base[f]]`: a position's feature
+    is the count of later features (with bags) that start at or before it, compared against the F boundaries in
+    one fused pass (no scatter, no prefix sum over the positions: the host tier's prefetch and routing ran
+    `position_features` twice a step over 2.6M positions). More than `max_compares` features: `position_features`."""
+    starts = [f for f in range(1, plan.num_features) if plan.bag_base[f] < plan.num_bags]
+    if len(starts) > max_compares or plan.num_bags == 0:
+        return position_features(plan, offsets, n)[1]
+    if not starts:
+        return jnp.zeros((n,), jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    bounds = jnp.clip(offsets[jnp.asarray(np.asarray([plan.bag_base[f] for f in starts], np.int32))], 0, n)
+    return jnp.sum(pos[:, None] >= bounds.astype(jnp.int32)[None, :], axis=1, dtype=jnp.int32)
 
 
 def bag_feature(plan: FeaturePlan, bag: jax.Array) -> jax.Array:

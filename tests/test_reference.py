@@ -44,3 +44,30 @@ def test_reference_vbe_and_none(rng):
     tabs = tables_f64(emb, params)
     ref = np.stack([psw[p] * tabs[feat[p]][idx[p]] for p in range(len(idx))])
     assert_close(out, ref, 1e-6)
+
+
+def test_position_feature_equals_position_features_on_repaired_offsets(rng):
+    """`preprocess.position_feature` (boundary compares, the host tier's routing) gives `position_features`'
+    feature at every position for repaired offsets: empty features (at the start, middle and end), empty bags,
+    padding past the last bag, offsets that needed the repair, VBE batch sizes, and the fallback past
+    `max_compares` features."""
+    import jax.numpy as jnp
+
+    from tbe_jax import bounds, preprocess
+
+    for trial in range(60):
+        nf = int(rng.integers(1, 7))
+        batch = [int(rng.integers(0, 4)) for _ in range(nf)] if trial % 2 else [int(rng.integers(1, 4))] * nf
+        nb = sum(batch)
+        off = np.concatenate([[0], np.cumsum(rng.integers(0, 4, nb))])
+        n = int(off[-1]) + int(rng.integers(0, 4))
+        if trial % 5 == 0:  # malformed: the repair makes them non-decreasing within [0, n]
+            off = rng.integers(-2, n + 3, nb + 1)
+        off, _ = bounds.repair_offsets(jnp.asarray(off, jnp.int32), n)
+        emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(10, 4) for _ in range(nf)], impl="xla")
+        vbe = len(set(batch)) > 1 or 0 in batch
+        plan = emb.plan_for(nb + 1, batch_size_per_feature=batch) if vbe else emb.plan_for(nb + 1)
+        want = np.asarray(preprocess.position_features(plan, off, n)[1])
+        for cap in (64, 1):
+            got = np.asarray(preprocess.position_feature(plan, off, n, max_compares=cap))
+            np.testing.assert_array_equal(got, want, err_msg=f"batch {batch} offsets {np.asarray(off)}")
