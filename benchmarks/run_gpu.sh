@@ -42,6 +42,8 @@
 #   host-overlap (400 s) a bus copy (gather from / write to pinned host rows) beside HBM work in one program, on one
 #              stream or on a second one (compute_on "gpu_stream:1"), XLA's stream annotation off and on
 #              -> probe-host-overlap-*.json, host-overlap.log
+#   host-cap   (~80 s) the host_cached step at lf 0.2 with the fill cap at n/64 instead of n/16 (alpha 1.2, 1.05)
+#              -> host-cache-*.json, host-cap.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
 #   host-big   (560 s) a model larger than HBM (16 x 44M x 128 fp16 + state, the planner under $HBM_BUDGET_GB,
 #              default 120: an H200; host_cache raises XLA's HBM and pinned-host limits itself) against the
@@ -107,6 +109,9 @@ for stage in "$@"; do
           | grep -v Warning | tee -a "$OUT/host-fills.log"; done ;;
     host-overlap) timeout 400 python3 -m benchmarks probe_host_overlap --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/host-overlap.log" ;;
+    host-cap) timeout 150 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations host_cached \
+          --alphas 1.2 1.05 --load-factors 0.2 --fill-fraction 0.015625 --out "$OUT" 2>&1 | grep -v Warning \
+        | tee "$OUT/host-cap.log" ;;
     host-fbgemm) timeout 300 python3 -m benchmarks fbgemm_cache --rows 1000000 --tables 8 --out "$OUT" 2>&1 \
         | grep -v Warning | tee "$OUT/host-fbgemm.log" ;;
     host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows "${HOST_BIG_ROWS:-44000000}" \
@@ -135,6 +140,6 @@ for stage in "$@"; do
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
         timeout 270 python3 -m benchmarks fbgemm_quant --time --shards "${QUANT_SHARDS:-10}" \
           --out "$OUT/fbgemm-quant-time.json" 2>&1 | grep -v Warning >> "$OUT/quant-fbgemm.log"; tail -5 "$OUT/quant-fbgemm.log" ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-fbgemm host-big sharding)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-cap host-fbgemm host-big sharding)" ;;
   esac
 done
