@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import subprocess
 import sys
@@ -39,14 +40,21 @@ from tbe_jax.kernels.copy_rows import copy_rows, gather_rows
 VARIANTS = ("work", "gather", "write", "work+gather", "work+gather@stream", "work+write", "work+write@stream")
 
 
-def _side(fn, on_stream: bool):
-    """`fn` as it runs in the program: plain, or under `compute_on("gpu_stream:1")`."""
+def _side(fn, on_stream: bool, space):
+    """`fn` as it runs in the program: plain, or on `"gpu_stream:1"`. jax 0.11's `compute_on` is a function
+    transform taking the outputs' memory space (`space`: `jax.memory.Space.Device` or `.Host`); 0.10.2 has that
+    form as `compute_on2` and `compute_on` as a context manager."""
     if not on_stream:
         return fn
-    from jax.experimental.compute_on import compute_on
+    from jax.experimental import compute_on as co
+
+    if "out_memory_spaces" in inspect.signature(co.compute_on).parameters:
+        return co.compute_on(jax.jit(fn), compute_type="gpu_stream:1", out_memory_spaces=space)
+    if hasattr(co, "compute_on2"):
+        return co.compute_on2(jax.jit(fn), compute_type="gpu_stream:1", out_memory_spaces=space)
 
     def wrapped(*a):
-        with compute_on("gpu_stream:1"):
+        with co.compute_on("gpu_stream:1"):
             return jax.jit(fn)(*a)
 
     return wrapped
@@ -76,7 +84,7 @@ def run_variant(args, name: str, annotate: bool) -> dict:
 
     on_stream = name.endswith("@stream")
     kind = name.removesuffix("@stream")
-    g, w = _side(gather, on_stream), _side(write, on_stream)
+    g, w = _side(gather, on_stream, jax.memory.Space.Device), _side(write, on_stream, jax.memory.Space.Host)
     opts = {"xla_gpu_experimental_stream_annotation": True} if annotate else None
     if kind == "work":
         f, a, donate = (lambda t, i: work(t, i)), (table, ids), ()
