@@ -42,22 +42,14 @@ VARIANTS = ("work", "gather", "write", "work+gather", "work+gather@stream", "wor
 
 def _side(fn, on_stream: bool, space):
     """`fn` as it runs in the program: plain, or on `"gpu_stream:1"`. jax 0.11's `compute_on` is a function
-    transform taking the outputs' memory space (`space`: `jax.memory.Space.Device` or `.Host`); 0.10.2 has that
-    form as `compute_on2` and `compute_on` as a context manager."""
+    transform taking the outputs' memory space (`space`: `jax.memory.Space.Device` or `.Host`); jax 0.10.2 names
+    that form `compute_on2` (its `compute_on` is a context manager)."""
     if not on_stream:
         return fn
     from jax.experimental import compute_on as co
 
-    if "out_memory_spaces" in inspect.signature(co.compute_on).parameters:
-        return co.compute_on(jax.jit(fn), compute_type="gpu_stream:1", out_memory_spaces=space)
-    if hasattr(co, "compute_on2"):
-        return co.compute_on2(jax.jit(fn), compute_type="gpu_stream:1", out_memory_spaces=space)
-
-    def wrapped(*a):
-        with co.compute_on("gpu_stream:1"):
-            return jax.jit(fn)(*a)
-
-    return wrapped
+    transform = co.compute_on if "out_memory_spaces" in inspect.signature(co.compute_on).parameters else co.compute_on2
+    return transform(jax.jit(fn), compute_type="gpu_stream:1", out_memory_spaces=space)
 
 
 def run_variant(args, name: str, annotate: bool) -> dict:

@@ -52,8 +52,8 @@ def position_feature(plan: FeaturePlan, offsets: jax.Array, n: int, max_compares
     if not starts:
         return jnp.zeros((n,), jnp.int32)
     pos = jnp.arange(n, dtype=jnp.int32)
-    bounds = jnp.clip(offsets[jnp.asarray(np.asarray([plan.bag_base[f] for f in starts], np.int32))], 0, n)
-    return jnp.sum(pos[:, None] >= bounds.astype(jnp.int32)[None, :], axis=1, dtype=jnp.int32)
+    first = jnp.clip(offsets[jnp.asarray(np.asarray([plan.bag_base[f] for f in starts], np.int32))], 0, n)
+    return jnp.sum(pos[:, None] >= first.astype(jnp.int32)[None, :], axis=1, dtype=jnp.int32)
 
 
 def bag_feature(plan: FeaturePlan, bag: jax.Array) -> jax.Array:
