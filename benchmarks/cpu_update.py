@@ -29,7 +29,9 @@ from tbe_jax import reference
 def _step_fn(emb, opt, dense, train=False):
     if train:
         def train_step(p, s, i, o, g):
-            res = tbe_jax.train_step(lambda _, out: jnp.sum(out * g), None, tbe_jax.SparseLookup(emb, opt, p, s, i, o))
+            # out * out: the loss's gradient needs the forward (with sum(out * g) alone XLA drops the lookup)
+            res = tbe_jax.train_step(lambda _, out: jnp.sum(out * g) + 5e-4 * jnp.sum(out * out), None,
+                                     tbe_jax.SparseLookup(emb, opt, p, s, i, o))
             return res.params, res.opt_state
         return train_step
     if not dense:
