@@ -42,8 +42,8 @@
 #   host-overlap (400 s) a bus copy (gather from / write to pinned host rows) beside HBM work in one program, on one
 #              stream or on a second one (compute_on "gpu_stream:1"), XLA's stream annotation off and on
 #              -> probe-host-overlap-*.json, host-overlap.log
-#   host-cap   (~80 s) the host_cached step at lf 0.2 with the fill cap at n/64 instead of n/16 (alpha 1.2, 1.05)
-#              -> host-cache-*.json, host-cap.log
+#   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
+#              admitted, as FBGEMM) and 16, against host-bench's default 128 -> host-cache-*.json, host-admit.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
 #   host-big   (560 s) a model larger than HBM (16 x 44M x 128 fp16 + state, the planner under $HBM_BUDGET_GB,
 #              default 120: an H200; host_cache raises XLA's HBM and pinned-host limits itself) against the
@@ -109,9 +109,9 @@ for stage in "$@"; do
           | grep -v Warning | tee -a "$OUT/host-fills.log"; done ;;
     host-overlap) timeout 400 python3 -m benchmarks probe_host_overlap --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/host-overlap.log" ;;
-    host-cap) timeout 150 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations host_cached \
-          --alphas 1.2 1.05 --load-factors 0.2 --fill-fraction 0.015625 --out "$OUT" 2>&1 | grep -v Warning \
-        | tee "$OUT/host-cap.log" ;;
+    host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
+          --locations host_cached --alphas 1.2 1.05 --load-factors 0.2 --admit-age $age --out "$OUT" 2>&1 \
+          | grep -v Warning | tee -a "$OUT/host-admit.log"; done ;;
     host-fbgemm) timeout 300 python3 -m benchmarks fbgemm_cache --rows 1000000 --tables 8 --out "$OUT" 2>&1 \
         | grep -v Warning | tee "$OUT/host-fbgemm.log" ;;
     host-big) timeout 560 python3 -m benchmarks host_cache --tables 16 --rows "${HOST_BIG_ROWS:-44000000}" \
