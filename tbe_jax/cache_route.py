@@ -278,7 +278,6 @@ def apply_impl(emb, params, opt_state, opt, indices, offsets, grad_output, per_s
     fields = inner_s._fields[:-1]
     trees = cache_stage.gather(emb, [emb.inner_params(params)] + [getattr(inner_s, f) for f in fields], stage_rows,
                                "stage")
-    trees = cache_stage.tie(emb, trees, [t[ks] for t in trees for _, ks in cache_stage.keys(emb)])
     new_p, new_s = emb.staged.apply_gradients(
         cache_stage.only(emb, trees[0]), type(inner_s)(*[cache_stage.only(emb, t) for t in trees[1:]], inner_s.count),
         opt, ids, off, g, ipsw, batch_size_per_feature=facts.inner_bpf, backward_config=backward_config)

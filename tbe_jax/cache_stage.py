@@ -146,24 +146,3 @@ def write_back(emb, trees, rows):
         for t, h in zip(out, host):
             t[kh] = memory.keep_on_host(h)
     return out
-
-
-def tie(emb, trees, after):
-    """`trees` with each host buffer that the staged embedding also takes (one shared with a "host" table, which
-    its update writes in place) passed through a no-op copy launch taking `after` (the stages): that update then
-    runs after the stages' gather from the same buffer. Without the order XLA keeps the gathered buffer's old
-    value in a whole copy of it."""
-    lay, mine = emb.staged.layout, keys_of(emb.staged)
-    shared = {kh for kh, _ in keys(emb) if kh in mine}
-    if not shared or not emb.uses_kernel():  # the XLA path updates functionally: nothing to order
-        return trees
-    out = []
-    for t in trees:
-        t = dict(t)
-        for k in shared & set(t):
-            none = jnp.full((1,), -1, jnp.int32)
-            t[k] = memory.keep_on_host(copy_rows(t[k], jnp.zeros((1,) + t[k].shape[1:], t[k].dtype), none, none,
-                                                 kernel=True, interpret=emb.interpret, after=tuple(after),
-                                                 name="stage_order"))
-        out.append(t)
-    return out

@@ -238,7 +238,6 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         fields = inner_s._fields[:-1]
         trees = [{**self.inner_params(params), **residuals["stages"]}]
         trees += cache_stage.gather(self, [getattr(inner_s, f) for f in fields], rows, "stage_state")
-        trees = cache_stage.tie(self, trees, [t[ks] for t in trees for _, ks in cache_stage.keys(self)])
         new_p, new_s, invalid = self.staged.step_update(
             cache_stage.only(self, trees[0]),
             type(inner_s)(*[cache_stage.only(self, t) for t in trees[1:]], inner_s.count), opt, inner_res,
