@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import bounds, cache_stage, dispatch, inputs, preprocess
+from tbe_jax import bounds, dispatch, inputs, preprocess
 from tbe_jax.cache_layout import CACHE
 from tbe_jax.specs import FeaturePlan
 
@@ -51,13 +51,12 @@ def batch_facts(emb, plan: FeaturePlan) -> Facts:
 
 
 def route(emb, facts: Facts, directory, indices, offsets, per_sample_weights, training: bool):
-    """The inner batch of `emb.staged`: `(ids, offsets, weights, src, use_cache, slot, stage_rows, is_cached)`.
+    """The inner batch: `(ids, offsets, weights, src, use_cache, slot, crow, is_cached)`.
 
     Inner positions `[0, offsets[-1])` are the outer ones (cached features' ids replaced by their cache slot,
-    -1 where the row is served from host memory); then the cached features' bags again, packed, with their
-    rows' ranks in their stage (-1 where the cache serves them; `stage_rows`: per stage its host rows,
-    `tbe_jax.cache_stage`). `src`: the outer position behind each inner one (-1: padding). Offsets here are
-    repaired (non-decreasing, within `[0, N]`)."""
+    -1 where the row is served by the host part); then the cached features' bags again, packed, with their ids
+    for the host part (-1 where the cache serves them). `src`: the outer position behind each inner one (-1:
+    padding). Offsets here are repaired (non-decreasing, within `[0, N]`)."""
     plan, cl = facts.plan, emb.cache_layout
     n = indices.shape[0]
     feat = preprocess.position_feature(plan, offsets, n)  # offsets repaired by the caller
@@ -73,7 +72,7 @@ def route(emb, facts: Facts, directory, indices, offsets, per_sample_weights, tr
     local_slot = slot - jnp.asarray(cl.base("slots")[:-1].astype(np.int32))[cic]
     cached_f = jnp.asarray(facts.ci >= 0)[feat]
     id_cache = jnp.where(cached_f, jnp.where(use_cache, local_slot, -1), indices)
-    id_host, stage_rows = cache_stage.ranks(emb, is_c & ~use_cache, cic, indices)
+    id_host = jnp.where(is_c & ~use_cache, indices, -1)
 
     # the second block: the cached features' bags, packed after offsets[-1]
     j = len(facts.cached)
@@ -105,7 +104,7 @@ def route(emb, facts: Facts, directory, indices, offsets, per_sample_weights, tr
     psw = None
     if per_sample_weights is not None and n:
         psw = jnp.where(src >= 0, per_sample_weights[srcc], 0.0)
-    return ids, inner_off, psw, src, use_cache, slot, stage_rows, is_c
+    return ids, inner_off, psw, src, use_cache, slot, crow, is_c
 
 
 def merge(emb, facts: Facts, out, src, n):
@@ -194,15 +193,14 @@ def routed_lookup(emb, plan, count, params, per_sample_weights, indices, offsets
         counts = jnp.stack([bounds.count_invalid(plan, indices, offsets), jnp.int32(0)])
     facts = batch_facts(emb, plan)
     with jax.named_scope("tbe_cache_route"):
-        ids, off, psw, src, use_cache, slot, stage_rows, is_c = route(emb, facts, params[CACHE], indices, offsets,
-                                                                      per_sample_weights, training)
-    with jax.named_scope("tbe_cache_stage"):
-        staged = cache_stage.only(emb, cache_stage.gather(emb, [emb.inner_params(params)], stage_rows, "stage")[0])
-    routed = (facts, src, use_cache, slot, stage_rows, is_c, staged)
+        ids, off, psw, src, use_cache, slot, crow, is_c = route(emb, facts, params[CACHE], indices, offsets,
+                                                                per_sample_weights, training)
+    inner_params = emb.inner_params(params)
+    routed = (facts, ids, off, psw, src, use_cache, slot, crow, is_c, inner_params)
     if training:
-        out, inner_res = emb.staged.step_forward(staged, ids, off, psw, batch_size_per_feature=facts.inner_bpf)
+        out, inner_res = emb.inner.step_forward(inner_params, ids, off, psw, batch_size_per_feature=facts.inner_bpf)
     else:
-        out, inner_res = emb.staged(staged, ids, off, psw, batch_size_per_feature=facts.inner_bpf), None
+        out, inner_res = emb.inner(inner_params, ids, off, psw, batch_size_per_feature=facts.inner_bpf), None
     with jax.named_scope("tbe_cache_merge"):
         out = merge(emb, facts, out, src, n).astype(emb.output_dtype)
     return out, counts, (routed, inner_res)
@@ -217,13 +215,12 @@ def step_forward_impl(emb, params, indices, offsets, per_sample_weights, bpf):
         return out, counts
 
     out, report = dispatch.forward(emb, params, indices, offsets, per_sample_weights, bpf, False, lookup=lookup)
-    (facts, src, use_cache, slot, stage_rows, is_c, staged), inner_res = saved[0]
+    (facts, ids, off, psw, src, use_cache, slot, crow, is_c, _), inner_res = saved[0]
     c = emb.cache_layout.total_slots
     touched = jnp.where(use_cache, slot, c)  # cache slots this step updates (marked dirty)
     drop = jnp.where(is_c & (slot >= 0) & ~use_cache, slot, c)  # cached rows trained in host memory
-    stages = {ks: staged[ks] for _, ks in cache_stage.keys(emb)}  # the staged rows, updated by the step
     res = {"inner": inner_res, "facts": facts, "touched": touched, "drop": drop, "invalid": report.invalid_indices,
-           "n": Static(indices.shape[0]), "stage_rows": stage_rows, "stages": stages}
+           "n": Static(indices.shape[0])}
     if emb.pooling == "none":
         res["facts"] = NoneFacts(facts, src)
     return out, res
@@ -271,29 +268,14 @@ def apply_impl(emb, params, opt_state, opt, indices, offsets, grad_output, per_s
     n = indices.shape[0]
     offsets, _ = bounds.repair_offsets(offsets, n)
     facts = batch_facts(emb, plan)
-    ids, off, ipsw, src, use_cache, slot, stage_rows, is_c = route(emb, facts, params[CACHE], indices, offsets,
-                                                                   psw, True)
+    ids, off, ipsw, src, use_cache, slot, _, is_c = route(emb, facts, params[CACHE], indices, offsets, psw, True)
     g = inner_grad(emb, NoneFacts(facts, src) if emb.pooling == "none" else facts, grad_output, n)
-    inner_s = emb.inner_state(opt_state)
-    fields = inner_s._fields[:-1]
-    trees = cache_stage.gather(emb, [emb.inner_params(params)] + [getattr(inner_s, f) for f in fields], stage_rows,
-                               "stage")
-    new_p, new_s = emb.staged.apply_gradients(
-        cache_stage.only(emb, trees[0]), type(inner_s)(*[cache_stage.only(emb, t) for t in trees[1:]], inner_s.count),
-        opt, ids, off, g, ipsw, batch_size_per_feature=facts.inner_bpf, backward_config=backward_config)
-    inner_p, inner_s = unstage(emb, trees, new_p, new_s, stage_rows)
+    inner_p, inner_s = emb.inner.apply_gradients(emb.inner_params(params), emb.inner_state(opt_state), opt, ids,
+                                                 off, g, ipsw, batch_size_per_feature=facts.inner_bpf,
+                                                 backward_config=backward_config)
     c = emb.cache_layout.total_slots
     d = after_update(params[CACHE], jnp.where(use_cache, slot, c), jnp.where(is_c & (slot >= 0) & ~use_cache, slot, c))
     return {**inner_p, CACHE: d}, emb.outer_state(inner_s, opt_state)
-
-
-def unstage(emb, trees, new_p, new_s, stage_rows):
-    """The inner params and state after the staged update `(new_p, new_s)` of `trees` (the inner params and each
-    slot's dict, with the stages): the stages' rows and states written back to host memory, the stages dropped."""
-    fields = new_s._fields[:-1]
-    trees = [{**t, **u} for t, u in zip(trees, [new_p] + [getattr(new_s, f) for f in fields])]
-    trees = cache_stage.write_back(emb, trees, stage_rows)
-    return trees[0], type(new_s)(*trees[1:], new_s.count)
 
 
 def after_update(directory, touched, drop):

@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax import cache_stage, dispatch, memory, vbe
+from tbe_jax import dispatch, memory, vbe
 from tbe_jax.cache_layout import CACHE, STATE_ROWS, STATS, split_tables
 from tbe_jax.cache_prefetch import prefetch_impl
-from tbe_jax.cache_route import after_update, apply_impl, inner_grad, lookup, step_forward_impl, unstage
+from tbe_jax.cache_route import after_update, apply_impl, inner_grad, lookup, step_forward_impl
 from tbe_jax.specs import FeaturePlan, checked_tables
 from tbe_jax.tbe import TableBatchedEmbedding
 
@@ -72,7 +72,6 @@ class HostCachedEmbedding(TableBatchedEmbedding):
             output_dtype=jnp.float32, bounds_check="ignore", impl=self.impl, interpret=self.interpret,
             kernel_config=self.kernel_config, use_histogram=self.use_histogram,
             histogram_config=self.histogram_config, backward_config=self.backward_config, pad_rows=self.pad_rows)
-        self.staged = cache_stage.staged_embedding(self.inner, cl, self.num_features)  # what the steps run
         self.plan_layout = self.layout  # the outer tables' placeholder layout: FeaturePlans of the outer batch
         self.layout = self.inner.layout
 
@@ -232,17 +231,10 @@ class HostCachedEmbedding(TableBatchedEmbedding):
 
     def step_update(self, params, opt_state, opt, residuals, grad_output):
         self.check_optimizer(opt)
-        inner_res, touched, drop, rows = residuals["inner"], residuals["touched"], residuals["drop"], \
-            residuals["stage_rows"]
-        inner_s = self.inner_state(opt_state)
-        fields = inner_s._fields[:-1]
-        trees = [{**self.inner_params(params), **residuals["stages"]}]
-        trees += cache_stage.gather(self, [getattr(inner_s, f) for f in fields], rows, "stage_state")
-        new_p, new_s, invalid = self.staged.step_update(
-            cache_stage.only(self, trees[0]),
-            type(inner_s)(*[cache_stage.only(self, t) for t in trees[1:]], inner_s.count), opt, inner_res,
+        inner_res, touched, drop = residuals["inner"], residuals["touched"], residuals["drop"]
+        inner_p, inner_s, invalid = self.inner.step_update(
+            self.inner_params(params), self.inner_state(opt_state), opt, inner_res,
             inner_grad(self, residuals["facts"], grad_output, residuals["n"].value))
-        inner_p, inner_s = unstage(self, trees, new_p, new_s, rows)
         d = after_update(params[CACHE], touched, drop)
         return {**inner_p, CACHE: d}, self.outer_state(inner_s, opt_state), residuals["invalid"]
 

@@ -91,7 +91,7 @@ def width_classes(layout: StorageLayout) -> tuple[tuple[int, tuple[int, ...]], .
     """
     out = []
     for loc in ("device", "host"):  # buffers in host memory after the device's: each launch serves one kind
-        mine = [g for g in range(len(layout.dims)) if layout.memory(g) == loc]
+        mine = [g for g in range(len(layout.dims)) if layout.locations[g] == loc]
         for w in sorted({next_pow2(layout.dims[g]) for g in mine}):
             out.append((w, tuple(sorted((g for g in mine if next_pow2(layout.dims[g]) == w),
                                         key=lambda g: -row_parity(layout.strides[g])))))

@@ -100,9 +100,7 @@ class StorageLayout:
 
     Tables in host memory (`TableSpec.location="host"`) get buffers of their own, one per D, named
     `"d{D}_host"` (`locations[g] == "host"`); "host_cached" tables are split before a layout is built
-    (`tbe_jax.host_cache`). A `"stage"` buffer (`"d{D}_stage"`, device memory) holds, for one step, rows
-    staged from host memory; only the host tier's staged embedding has one (`host_cache.staged_embedding`): its
-    arrays are made per step, of any row count (`group_rows` is only a bound on the row ids).
+    (`tbe_jax.host_cache`), so a layout holds only "device" and "host" buffers.
     """
 
     dims: tuple[int, ...]  # D per buffer, in order of first appearance
@@ -110,15 +108,15 @@ class StorageLayout:
     table_group: tuple[int, ...]  # per table: its buffer
     table_row_offset: tuple[int, ...]  # per table: first row in its buffer
     strides: tuple[int, ...] = ()  # per buffer: its stored row length (>= its dim); () means the dims
-    locations: tuple[str, ...] = ()  # per buffer: "device", "host" or "stage"; () means all "device"
+    locations: tuple[str, ...] = ()  # per buffer: "device" or "host"; () means all "device"
 
     def __post_init__(self):
         if not self.strides:
             object.__setattr__(self, "strides", tuple(self.dims))
         if not self.locations:
             object.__setattr__(self, "locations", ("device",) * len(self.dims))
-        if len(self.locations) != len(self.dims) or not set(self.locations) <= {"device", "host", "stage"}:
-            raise ValueError(f"locations {self.locations} must give 'device', 'host' or 'stage' per buffer")
+        if len(self.locations) != len(self.dims) or not set(self.locations) <= {"device", "host"}:
+            raise ValueError(f"locations {self.locations} must give 'device' or 'host' per buffer")
         if len(self.strides) != len(self.dims) or any(s < d for s, d in zip(self.strides, self.dims)):
             raise ValueError(f"strides {self.strides} must give one stored row length >= each dim {self.dims}")
 
@@ -153,15 +151,11 @@ class StorageLayout:
                              tuple(loc for _, loc in classes))
 
     def key(self, g: int) -> str:
-        return f"d{self.dims[g]}" + ("" if self.locations[g] == "device" else "_" + self.locations[g])
+        return f"d{self.dims[g]}" + ("_host" if self.locations[g] == "host" else "")
 
     def on_host(self, g: int) -> bool:
         """Buffer `g` lives in host memory (its tables' `location="host"`)."""
         return self.locations[g] == "host"
-
-    def memory(self, g: int) -> str:
-        """Where buffer `g`'s rows live: "host" or "device" (a "stage" buffer is a device buffer)."""
-        return "host" if self.on_host(g) else "device"
 
     @property
     def padded(self) -> bool:

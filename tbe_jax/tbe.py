@@ -456,8 +456,6 @@ class TableBatchedEmbedding:
             if not (hasattr(params[key], "shape") and hasattr(params[key], "dtype")):
                 raise TypeError(f"params[{key!r}] must be an array ({self.weights_dtype.name}{list(shape)}), got "
                                 f"{type(params[key]).__name__}")
-            if self.layout.locations[g] == "stage":  # a step's staged rows: any count (`StorageLayout`)
-                shape = tuple(params[key].shape[:1]) + shape[1:]
             if tuple(params[key].shape) != shape or (check_dtype and params[key].dtype != self.weights_dtype):
                 hint = ""
                 if tuple(params[key].shape) == (shape[0], self.layout.dims[g]) != shape:

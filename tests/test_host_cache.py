@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
-from tbe_jax import cache_route, cache_stage, host_cache, memory
+from tbe_jax import host_cache, memory
 
 ON_GPU = jax.default_backend() == "gpu"
 XLA = "auto" if ON_GPU else "xla"  # on a GPU host tables need the kernels (XLA's ops cannot read host memory)
@@ -212,41 +212,6 @@ def test_kernels_in_interpret_mode():
     emb, ref = _pair(impl="pallas", load_factor=0.1, cache_admit_age=0)  # any miss may evict: write-backs
     _, stats = _train(emb, ref, tbe_jax.RowwiseAdagrad(learning_rate=0.1), 3, hot=20)
     assert sum(s[3] for s in stats) > 0  # the copy kernels' write-backs ran (in host row order)
-
-
-def test_steps_read_host_rows_from_stages():
-    """A step's host-served rows are staged in HBM (`tbe_jax.cache_stage`): each such lookup's id is its row's rank
-    among its stage's distinct host rows, which ascend; a host buffer holding only host parts of cached tables is
-    no operand of the staged embedding (no kernel of a step writes it in place), one shared with a "host" table
-    is."""
-    emb, _ = _pair()
-    assert cache_stage.keys_of(emb.staged) == {"d8", "d4", "d12", "d8_host", "d8_stage", "d12_stage"}
-    params = emb.init(jax.random.key(0))
-    idx, off, _ = _batch(np.random.default_rng(5), b=6)
-    plan = emb.plan_for(off.shape[0])
-    facts = cache_route.batch_facts(emb, plan)
-    ids, ioff, _, src, _, _, rows, is_c = cache_route.route(emb, facts, params["cache"], idx, off, None, False)
-    lay, cl = emb.inner.layout, emb.cache_layout
-    n_host = 0
-    for s, (d, r) in enumerate(zip(cache_stage.stage_dims(emb.inner, cl), rows)):
-        r = np.asarray(r)
-        live = r[r >= 0]
-        assert np.all(np.diff(live) > 0) and np.all(r[len(live):] == -1)
-        # the second block's lookups of this stage's tables: their rank names their host row
-        want = set()
-        for p in range(int(ioff[plan.num_features * 6]), len(ids)):
-            q = int(src[p])
-            if q < 0 or int(ids[p]) < 0:
-                continue
-            f = int(np.searchsorted(np.asarray(off)[::6][1:], q, side="right"))
-            i = cl.tables.index(FMAP[f])
-            if DIMS[FMAP[f]] != d:
-                continue
-            assert r[int(ids[p])] == lay.table_row_offset[cl.host_part[i]] + int(idx[q])
-            want.add(int(r[int(ids[p])]))
-            n_host += 1
-        assert want == set(live.tolist())
-    assert n_host == int(jnp.sum(is_c))  # nothing prefetched: every cached lookup is served from host memory
 
 
 def test_train_step_and_sequence_pooling():

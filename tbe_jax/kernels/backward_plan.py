@@ -44,7 +44,7 @@ class RunSegment:
     bases: tuple[int, ...]  # their first keys (ascending)
     ends: tuple[int, ...]  # one past their last keys
     strides: tuple[int, ...]  # their stored row lengths (`StorageLayout.strides`)
-    location: str = "device"  # where its buffers live (`StorageLayout.memory`): one kind per segment
+    location: str = "device"  # where its buffers live (`StorageLayout.locations`): one kind per segment
 
     @property
     def single(self) -> bool:
@@ -111,7 +111,7 @@ def run_segments(layout: StorageLayout, config: BackwardConfig) -> list[RunSegme
                 segs.append(RunSegment(len(segs), w, part, tuple(layout.dims[g] for g in part),
                                      tuple(int(bases[g]) for g in part),
                                      tuple(int(bases[g]) + layout.group_rows[g] for g in part),
-                                     tuple(layout.strides[g] for g in part), layout.memory(part[0])))
+                                     tuple(layout.strides[g] for g in part), layout.locations[part[0]]))
     return segs
 
 
