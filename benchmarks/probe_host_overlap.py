@@ -49,7 +49,10 @@ def _side(fn, on_stream: bool, space):
     from jax.experimental import compute_on as co
 
     transform = co.compute_on if "out_memory_spaces" in inspect.signature(co.compute_on).parameters else co.compute_on2
-    return transform(jax.jit(fn), compute_type="gpu_stream:1", out_memory_spaces=space)
+    # `fn` itself, not `jax.jit(fn)`: with the jitted function inside, jax 0.11.2 on an H100 refused every
+    # variant at run time ("No ExecutionStreamId found for call-start ... only reachable through embedded
+    # calls": the annotated call sat inside another call; results/host-stage-ab-20261206-s38-NVIDIA_H100.log)
+    return transform(fn, compute_type="gpu_stream:1", out_memory_spaces=space)
 
 
 def run_variant(args, name: str, annotate: bool) -> dict:
