@@ -42,6 +42,9 @@
 #   host-overlap (400 s) a bus copy (gather from / write to pinned host rows) beside HBM work in one program, on one
 #              stream or on a second one (compute_on "gpu_stream:1"), XLA's stream annotation off and on
 #              -> probe-host-overlap-*.json, host-overlap.log
+#   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
+#              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
+#              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
 #              admitted, as FBGEMM) and 16, against host-bench's default 128 -> host-cache-*.json, host-admit.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
@@ -109,6 +112,10 @@ for stage in "$@"; do
           | grep -v Warning | tee -a "$OUT/host-fills.log"; done ;;
     host-overlap) timeout 400 python3 -m benchmarks probe_host_overlap --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/host-overlap.log" ;;
+    host-ab) HB="python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
+          --load-factors 0.2 --out $(cd "$OUT" && pwd)"
+        echo "-- this tree"; timeout 150 $HB 2>&1 | grep -v Warning | tee "$OUT/host-ab.log"
+        echo "-- ab_old/"; (cd ab_old && timeout 150 $HB 2>&1 | grep -v Warning | tee -a "../$OUT/host-ab.log") ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
           --locations host_cached --alphas 1.2 1.05 --load-factors 0.2 --admit-age $age --out "$OUT" 2>&1 \
           | grep -v Warning | tee -a "$OUT/host-admit.log"; done ;;
