@@ -112,10 +112,11 @@ for stage in "$@"; do
           | grep -v Warning | tee -a "$OUT/host-fills.log"; done ;;
     host-overlap) timeout 400 python3 -m benchmarks probe_host_overlap --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/host-overlap.log" ;;
-    host-ab) HB="python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
-          --load-factors 0.2 --out $(cd "$OUT" && pwd)"
-        echo "-- this tree"; timeout 150 $HB 2>&1 | grep -v Warning | tee "$OUT/host-ab.log"
-        echo "-- ab_old/"; (cd ab_old && timeout 150 $HB 2>&1 | grep -v Warning | tee -a "../$OUT/host-ab.log") ;;
+    host-ab) o=$(cd "$OUT" && pwd)
+        HB="python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
+          --load-factors 0.2 --out $o"
+        echo "-- this tree"; timeout 150 $HB 2>&1 | grep -v Warning | tee "$o/host-ab.log"
+        echo "-- ab_old/"; (cd ab_old && timeout 150 $HB 2>&1 | grep -v Warning | tee -a "$o/host-ab.log") ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
           --locations host_cached --alphas 1.2 1.05 --load-factors 0.2 --admit-age $age --out "$OUT" 2>&1 \
           | grep -v Warning | tee -a "$OUT/host-admit.log"; done ;;
