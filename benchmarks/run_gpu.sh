@@ -148,6 +148,6 @@ for stage in "$@"; do
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
         timeout 270 python3 -m benchmarks fbgemm_quant --time --shards "${QUANT_SHARDS:-10}" \
           --out "$OUT/fbgemm-quant-time.json" 2>&1 | grep -v Warning >> "$OUT/quant-fbgemm.log"; tail -5 "$OUT/quant-fbgemm.log" ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-cap host-fbgemm host-big sharding)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-ab host-admit host-fbgemm host-big sharding)" ;;
   esac
 done
