@@ -297,20 +297,6 @@ def test_host_location_without_cache():
     _same(emb, ref, p, rp, s, rs)
 
 
-def test_forward_starts_the_host_buffers_programs_first():
-    """The pooled kernel's programs reading host memory come first in its grid: their slow reads over the bus then
-    overlap the HBM programs instead of making the launch's tail (`kernels.forward.host_first`)."""
-    from tbe_jax.kernels import forward
-
-    specs = [tbe_jax.TableSpec(40, 8), tbe_jax.TableSpec(30, 8, location="host"), tbe_jax.TableSpec(20, 4)]
-    emb = tbe_jax.TableBatchedEmbedding(specs, impl="pallas", interpret=not ON_GPU)
-    plan = emb.plan_for(3 * 4 + 1)
-    used, branches, _, _ = forward._schedule(emb.layout, plan, emb.kernel_config, range(3))
-    assert [emb.layout.key(g) for g in used] == ["d8_host", "d8", "d4"]
-    first = min(branches, key=lambda br: br.seg.prog_start)
-    assert first.seg.prog_start == 0 and used[first.buffer] == emb.layout.table_group[1]
-
-
 def test_bad_cache_options_and_sharding_are_refused():
     with pytest.raises(ValueError, match="cache_load_factor"):
         tbe_jax.TableBatchedEmbedding(_specs(), cache_load_factor=0)

@@ -147,13 +147,6 @@ class _Branch:
         return self.seg.bags // self.groups
 
 
-def host_first(layout: StorageLayout, groups) -> list[int]:
-    """Buffers `groups` in launch order: those in host memory, then the others, each in layout order (a
-    quantized model's `BufferGroups` has no host buffers)."""
-    on_host = getattr(layout, "on_host", lambda g: False)
-    return sorted(groups, key=lambda g: (not on_host(g), g))
-
-
 def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features, short=frozenset(),
               formats=None):
     """Per used buffer a branch per segment of programs (the `short` features, those with bags of at most two
@@ -162,11 +155,8 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
 
     A quantized buffer may serve features of several dims (`plan.dim`; its rows are long enough for the
     largest): its branches' tiles and bags per program are the largest dim's, and the feature table then
-    carries each feature's dim (`programs.DIM`) for the store mask.
-
-    Buffers in host memory come first (`host_first`): their programs start first, and the bus's long reads then
-    overlap the HBM programs that run beside and after them, instead of making the launch's tail."""
-    used = host_first(layout, {plan.group[f] for f in features})
+    carries each feature's dim (`programs.DIM`) for the store mask."""
+    used = sorted({plan.group[f] for f in features})
     fmt = (lambda g: None) if formats is None else (lambda g: formats[g])
     groups, tile, dim = [], {}, {}
     for g in used:
@@ -418,7 +408,7 @@ def pooled_forward(
     if features is None:
         features = range(plan.num_features)
     features = tuple(features)
-    used = host_first(layout, {plan.group[f] for f in features})
+    used = sorted({plan.group[f] for f in features})
     seg = config.segment_buffers
     if len(used) > seg:
         out, n_bad = out_flat, jnp.zeros((2,), jnp.int32)
