@@ -6,7 +6,9 @@
 One table of E rows, D=32, a batch of B=256 bags of 4 ids (1024 lookups, uniform), jitted with the tables and
 state donated (as a training loop does); the median of `--iters` steps, blocked every step. `--tt`: also a
 `tt_jax.TTEmbeddingBag` of the same rows (ranks 16, 16; its `apply_gradients` on the XLA path). `--train-step`:
-also the whole `tbe_jax.train_step` (the lookup, a loss `sum(out * g)` and the sparse update, in one jitted step).
+also the whole `tbe_jax.train_step` (the lookup, a loss `sum(out * g) + 5e-4 * sum(out * out)` whose gradient
+needs the lookup, and the sparse update, in one jitted step; before session 38 the loss was `sum(out * g)` alone
+and XLA dropped the lookup).
 """
 
 from __future__ import annotations
