@@ -88,9 +88,9 @@ class HostCachedEmbedding(TableBatchedEmbedding):
             self.layout = layout
 
     def shard(self, *args, **kwargs):
-        raise NotImplementedError("tables with location ['host_cached'] are not sharded yet (a shard lives in "
-                                  "HBM): shard the device tables and keep these in a TableBatchedEmbedding of "
-                                  "their own on one device")
+        raise NotImplementedError("tables with location 'host_cached' are not sharded yet (the HBM cache is "
+                                  "single-device): shard with location='host' (host memory, no cache), or keep "
+                                  "the cached tables in a TableBatchedEmbedding of their own on one device")
 
     def _dir_shapes(self) -> dict:
         r, c = self.cache_layout.total_rows, self.cache_layout.total_slots

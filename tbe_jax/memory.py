@@ -49,8 +49,11 @@ def to_host(x):
 def keep_on_host(x):
     """Inside a jitted program: the result of a kernel that wrote a host buffer in place, marked to stay in host
     memory (without it XLA refuses to return a host buffer from the program, error E1200, or would move it).
-    Outside a GPU backend, `x`."""
-    return jax.device_put(x, host_sharding()) if host_memory() else x
+    Outside a GPU backend, `x`.
+
+    The mark names the memory space only (`jax.memory.Space.Host`), not a device: it keeps the value on the device
+    that computed it, which is also what a program inside `shard_map` (a sharded embedding's owners) needs."""
+    return jax.device_put(x, jax.memory.Space.Host) if host_memory() else x
 
 
 def to_numpy(x) -> np.ndarray:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tbe_jax import memory
 from tbe_jax.specs import checked_tables
 
 
@@ -72,11 +73,11 @@ def scatter_tables(s, tables: Sequence) -> dict:
     for c, w in enumerate(lay.widths):
         blocks = np.zeros((s.num_devices, lay.pool_rows[c], w), emb.weights_dtype)
         for p in lay.pieces:
-            if p.cols == w:
+            if lay.piece_pool[p] == c:
                 r = lay.pool_row[p]
                 blocks[p.device, r : r + p.rows] = host[p.table][p.row0 : p.row0 + p.rows,
                                                                   p.col0 : p.col0 + p.cols]
-        out[s.local.layout.key(c)] = _from_blocks(s, blocks.reshape(-1, w))
+        out[s.local.layout.key(c)] = _from_blocks(s, blocks.reshape(-1, w), lay.locations[c] != "device")
     return out
 
 
@@ -91,18 +92,29 @@ def fill_state(s, emb_field, per_table):
         shape = (s.num_devices, lay.pool_rows[c]) + (() if rowwise else (w,))
         blocks = np.zeros(shape, dtype)
         for p in lay.pieces:
-            if p.cols == w:
+            if lay.piece_pool[p] == c:
                 r = lay.pool_row[p]
                 v = host[p.table][p.row0 : p.row0 + p.rows]
                 blocks[p.device, r : r + p.rows] = v if rowwise else v[:, p.col0 : p.col0 + p.cols]
-        out[s.local.layout.key(c)] = _from_blocks(s, blocks.reshape((-1,) + shape[2:]))
+        out[s.local.layout.key(c)] = _from_blocks(s, blocks.reshape((-1,) + shape[2:]), lay.locations[c] != "device")
     return out
 
 
-def _from_blocks(s, arr: np.ndarray) -> jax.Array:
-    """A host array of every device's rows (`[n * rows, ...]`, device-major) as an array sharded over the axis."""
-    sh = NamedSharding(s.mesh, P(s.axis_name))
+def _from_blocks(s, arr: np.ndarray, host: bool = False) -> jax.Array:
+    """A host array of every device's rows (`[n * rows, ...]`, device-major) as an array sharded over the axis;
+    with `host`, each device's rows in its pinned host memory (`s.host_sharding()`: never through HBM)."""
+    sh = s.host_sharding() if host else NamedSharding(s.mesh, P(s.axis_name))
     return jax.make_array_from_callback(arr.shape, sh, lambda idx: arr[idx])
+
+
+def host_opt_slots(s, opt, params: dict) -> tuple:
+    """`opt`'s slot trees for the sharded buffers `params` that live in host memory, made there (as
+    `memory.host_opt_slots` makes a single device's): the global shapes from `jax.eval_shape`, each array's
+    constant starting value from the state of a one-row buffer, filled on the host and placed by shards."""
+    shapes = opt.slots(jax.eval_shape(opt.init, params))
+    one = opt.slots(opt.init({k: jnp.zeros((1,) + tuple(v.shape[1:]), v.dtype) for k, v in params.items()}))
+    return tuple({k: _from_blocks(s, np.full(x.shape, np.asarray(o[k]).reshape(-1)[0], x.dtype), True)
+                  for k, x in tree.items()} for tree, o in zip(shapes, one))
 
 
 def _replicated(s, x):
@@ -112,6 +124,18 @@ def _replicated(s, x):
 
 def _host(x) -> np.ndarray:
     """A global array's value on the host (every process gets all of it)."""
+    if memory.on_host(x):  # pinned host shards: read through a device copy (a NumPy view would block donation)
+        if not x.is_fully_addressable:
+            raise NotImplementedError("reading tables in host memory sharded over several processes")
+        out = np.empty(x.shape, x.dtype)
+        for sh in x.addressable_shards:
+            part = sh.data
+            if not isinstance(part.sharding, jax.sharding.SingleDeviceSharding):
+                # a mesh of one device gives its shard the mesh's sharding, whose explicit axis the read's kernel
+                # refuses ("sharded ref can only be indexed by slices"): the same rows as a one-device array
+                part = jax.device_put(part, memory.host_sharding(sh.device))
+            out[sh.index] = memory.to_numpy(part)
+        return out
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
@@ -130,7 +154,7 @@ def gather_tables(s, tree, name):
             mine = [p for p in mine if p.device == 0]
         parts = []
         for p in mine:
-            c = lay.widths.index(p.cols)
+            c = lay.piece_pool[p]
             buf = host[s.local.layout.key(c)]
             r = p.device * lay.pool_rows[c] + lay.pool_row[p]
             parts.append(buf[r : r + p.rows])

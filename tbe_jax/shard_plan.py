@@ -90,6 +90,11 @@ def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | 
     `"column"` and `"data"` are never chosen automatically (`"column"` moves more ids
     than `"table"`; `"data"` costs n copies and an all-gather of gradients); ask for
     them explicitly.
+
+    Tables in host memory (`TableSpec.location` "host" or "host_cached") count apart: their bytes are not HBM's
+    (the memory share of a device table is of the device tables' total), their lookups are (each device reads
+    its host rows over its own bus), and one larger than a fair share of the host tables' total goes `"row"`,
+    which spreads its bus reads over every device. They take `"table"` or `"row"` only.
     """
     n = int(num_devices)
     if n < 1:
@@ -137,8 +142,11 @@ def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | 
     strategies = [None] * len(tables)
     owners = [-1] * len(tables)
     load = np.zeros(n)
-    total_mem, total_reads = max(mem.sum(), 1.0), max(reads.sum(), 1.0)
-    cost = mem / total_mem + reads / total_reads
+    on_device = np.array([t.location == "device" for t in tables], bool)
+    # per table, the total its memory is a share of: the device tables' or the host tables'
+    total_mem = np.where(on_device, max(mem[on_device].sum(), 1.0), max(mem[~on_device].sum(), 1.0))
+    total_reads = max(reads.sum(), 1.0)
+    cost = np.where(on_device, mem / total_mem, 0.0) + reads / total_reads
     for t, (s, o) in fixed.items():
         strategies[t] = s
         if s == "table":
@@ -153,7 +161,7 @@ def plan_sharding(emb: TableBatchedEmbedding, num_devices: int, plan: Mapping | 
             load += cost[t]
     free = [t for t in range(len(tables)) if strategies[t] is None]
     for t in free:
-        if t not in fixed and n > 1 and mem[t] > total_mem / n:
+        if t not in fixed and n > 1 and mem[t] > total_mem[t] / n:
             strategies[t] = "row"
             load += cost[t] / n
     for t in sorted((t for t in free if strategies[t] is None), key=lambda t: (-cost[t], t)):
@@ -184,24 +192,36 @@ def _pieces(emb: TableBatchedEmbedding, plan: ShardingPlan) -> list[_Piece]:
 class ShardLayout:
     """The static structure every device shares: storage widths, slots, routing and assembly maps."""
 
+    def pool(self, width: int, location: str = "device") -> int:
+        """The pool of pieces of `width` columns in `location`."""
+        return self.pool_keys.index((width, location))
+
     def __init__(self, emb: TableBatchedEmbedding, plan: ShardingPlan):
         n = plan.num_devices
         self.n = n
         pieces = _pieces(emb, plan)
         self.pieces = pieces
-        widths: list[int] = []
+        # Storage pools: one per (width, location) of the pieces, in order of first appearance. A table in host
+        # memory ("host", "host_cached") keeps its location: its pieces go to a pool of that location, which the
+        # owners' embedding (`ShardedTableBatchedEmbedding.local`) keeps in host memory (behind an HBM cache for
+        # "host_cached"), so no piece of it is ever an HBM buffer.
+        keys: list[tuple[int, str]] = []
         for p in pieces:
-            if p.cols not in widths:
-                widths.append(p.cols)
-        self.widths = tuple(widths)
-        nc = len(widths)
+            k = (p.cols, emb.tables[p.table].location)
+            if k not in keys:
+                keys.append(k)
+        self.pool_keys = tuple(keys)
+        self.widths = tuple(w for w, _ in keys)  # per pool its width (a width may have pools in several locations)
+        self.locations = tuple(loc for _, loc in keys)  # per pool: "device", "host" or "host_cached"
+        self.piece_pool = {p: keys.index((p.cols, emb.tables[p.table].location)) for p in pieces}
+        nc = len(keys)
         # Storage: per device and width, its pieces stacked in table order, the replicated ("data") tables' copies
         # first: they sit at the same rows on every device, so a replicated row's buffer row (its logical id among
         # the replicated rows of its width, tables in order) is the same everywhere.
         self.pool_row = {}
         rows_used = np.zeros((n, nc), np.int64)
         for p in sorted(pieces, key=lambda p: plan.strategies[p.table] != "data"):
-            c = widths.index(p.cols)
+            c = self.piece_pool[p]
             self.pool_row[p] = int(rows_used[p.device, c])
             rows_used[p.device, c] += p.rows
         self.pool_rows = tuple(max(1, int(rows_used[:, c].max())) for c in range(nc))
@@ -214,17 +234,19 @@ class ShardLayout:
             if plan.strategies[p.table] == "data":  # looked up where its samples are, not routed
                 continue
             for f in readers.get(p.table, []):
-                per[p.device][widths.index(p.cols)].append((f, p))
+                per[p.device][self.piece_pool[p]].append((f, p))
         for j in range(n):
             for c in range(nc):
                 per[j][c].sort(key=lambda x: x[0])
         self.slots_per_width = tuple(max(len(per[j][c]) for j in range(n)) for c in range(nc))
         ns = sum(self.slots_per_width)
         self.num_slots = ns
-        slot_width = []
+        slot_width, slot_pool = [], []
         for c in range(nc):
-            slot_width += [widths[c]] * self.slots_per_width[c]
+            slot_width += [self.widths[c]] * self.slots_per_width[c]
+            slot_pool += [c] * self.slots_per_width[c]
         self.slot_width = tuple(slot_width)
+        self.slot_pool = tuple(slot_pool)  # per slot: its pool (the owners' embedding's table)
         self.slot_col = tuple(int(x) for x in np.concatenate([[0], np.cumsum(slot_width)[:-1]])) if ns else ()
         self.width = int(sum(slot_width))
         nf = emb.num_features
@@ -258,8 +280,8 @@ class ShardLayout:
         self.has_column = "column" in plan.strategies
         self.slot_column, self.slot_row_dim = column, row_dim
         # Per width: whether any device stores a column block there (its update then sums row statistics).
-        self.width_has_column = tuple(any(p.cols == w and plan.strategies[p.table] == "column" for p in pieces)
-                                      for w in widths)
+        self.width_has_column = tuple(any(self.piece_pool[p] == c and plan.strategies[p.table] == "column"
+                                          for p in pieces) for c in range(nc))
         for t, st in enumerate(plan.strategies):
             if st == "row":
                 depth = max(depth, sum(1 for p in pieces if p.table == t))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from tbe_jax import bounds, preprocess, shard_route, sparse_update
+from tbe_jax import bounds, memory, preprocess, shard_checkpoint, shard_route, sparse_update
 from tbe_jax.tbe import blocked_draw, init_rows
 
 
@@ -191,11 +191,11 @@ def sharded_init(s, key, init_block: int):
     specs = {}
     tables = {}
     for c, w in enumerate(lay.widths):
-        mp = max([sum(1 for p in lay.pieces if p.cols == w and p.device == j) for j in range(n)] + [1])
+        mp = max([sum(1 for p in lay.pieces if lay.piece_pool[p] == c and p.device == j) for j in range(n)] + [1])
         starts = np.full((n, mp + 1), lay.pool_rows[c], np.int32)
         bnd = np.zeros((n, mp + 1), np.float32)
         for j in range(n):
-            mine = sorted((p for p in lay.pieces if p.cols == w and p.device == j), key=lambda p: lay.pool_row[p])
+            mine = sorted((p for p in lay.pieces if lay.piece_pool[p] == c and p.device == j), key=lambda p: lay.pool_row[p])
             for i, p in enumerate(mine):
                 starts[j, i] = lay.pool_row[p]
                 bnd[j, i] = 1.0 / math.sqrt(emb.tables[p.table].num_embeddings)
@@ -203,7 +203,7 @@ def sharded_init(s, key, init_block: int):
             starts[j, len(mine) + 1 :] = lay.pool_rows[c] + 1
         # The replicated tables' copies (rows [0, shared) on every device) are drawn alike on every device.
         shared = sum(p.rows for p in lay.pieces
-                     if p.cols == w and p.device == 0 and s.plan.strategies[p.table] == "data")
+                     if lay.piece_pool[p] == c and p.device == 0 and s.plan.strategies[p.table] == "data")
         tables[s.local.layout.key(c)] = (jnp.asarray(starts), jnp.asarray(bnd), c, w, shared)
         specs[s.local.layout.key(c)] = P(ax)
 
@@ -226,12 +226,27 @@ def sharded_init(s, key, init_block: int):
                     out[name], blocked_draw(kd, shared, w, emb.weights_dtype, block, draw), (0, 0))
         return out
 
-    return smap(s, body, P(), specs)(key)
+    out = smap(s, body, P(), specs)(key)
+    # Pools of host tables: drawn on their devices as the others, then moved to host memory (a pool must fit its
+    # device's free memory once, here; `set_tables` fills host pools without passing through HBM)
+    host = s.host_keys()
+    return {k: jax.device_put(v, s.host_sharding()) if k in host and memory.host_memory() else v
+            for k, v in out.items()}
+
+
+def sharded_opt_init(s, opt, params):
+    """`opt`'s state for the shards, each device initialising its own; the state of host pools made in host
+    memory (`shard_checkpoint.host_opt_slots`: never through HBM)."""
+    host = s.host_keys()
+    state = _device_opt_init(s, opt, {k: v for k, v in params.items() if k not in host})
+    if not host:
+        return state
+    host_slots = shard_checkpoint.host_opt_slots(s, opt, {k: params[k] for k in host})
+    return opt.state_type(*[{**d, **h} for d, h in zip(opt.slots(state), host_slots)], state.count)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def sharded_opt_init(s, opt, params):
-    """`opt`'s state for the shards, each device initialising its own."""
+def _device_opt_init(s, opt, params):
     ax = s.axis_name
     pspec = jax.tree_util.tree_map(lambda _: P(ax), params)
     local_shapes = {k: jax.ShapeDtypeStruct((v.shape[0] // s.num_devices,) + v.shape[1:], v.dtype)
@@ -239,7 +254,7 @@ def sharded_opt_init(s, opt, params):
     sspec = state_specs(s, jax.eval_shape(lambda p: opt.init(p), local_shapes))
 
     def body(params, opt):
-        return s.local.init_opt_state(params, opt)
+        return opt.init(params)
 
     return smap(s, body, (pspec, P()), sspec)(params, opt)
 
@@ -329,7 +344,7 @@ def _data_update(s, params, opt_state, opt, count, r, g):
         g_d = g.astype(jnp.float32)[:, jnp.asarray(lay.data_cols)]
     plan = ld.plan_for(off.shape[0])
     bag, feat, coef, scale = preprocess.lookup_coefficients(plan, ids, off, w, ld.pooling)
-    widths = sorted({lay.widths.index(s.emb.feature_dims[f]) for f in lay.data_features})
+    widths = sorted({lay.pool(s.emb.feature_dims[f]) for f in lay.data_features})
     lists = {}
     for gi, m, grad_rows, rows in preprocess.group_lookups(ld.layout, plan, ids, bag, feat, coef > 0, g_d,
                                                           ld.pooling):

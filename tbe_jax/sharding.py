@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tbe_jax import bounds, optim, shard_checkpoint, shard_programs
+from tbe_jax import bounds, memory, optim, shard_checkpoint, shard_programs
 from tbe_jax import tbe as tbe_module
 from tbe_jax.inputs import check_weights, narrow_ids, widen_ids
 from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, plan_sharding
@@ -122,11 +122,13 @@ class ShardedTableBatchedEmbedding:
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-        placed = sorted({t.location for t in emb.tables} - {"device"})
-        if placed:  # the shards are HBM buffers: a host table would silently move to HBM (and may not fit)
+        cached = [t.label(i) for i, t in enumerate(emb.tables) if t.location == "host_cached"]
+        if cached:
             raise NotImplementedError(
-                f"tables with location {placed} are not sharded yet (a shard lives in HBM): shard the device tables "
-                "and keep these in a TableBatchedEmbedding of their own on one device")
+                f"tables {cached} have location 'host_cached': a sharded embedding keeps tables in host memory "
+                "without a cache (location='host', read and updated in place over the bus); the HBM cache is "
+                "single-device for now: shard with location='host', or keep the cached tables in a "
+                "TableBatchedEmbedding of their own on one device")
         n = int(mesh.shape[axis_name])
         if not isinstance(plan, ShardingPlan):
             plan = plan_sharding(emb, n, plan)
@@ -134,6 +136,12 @@ class ShardedTableBatchedEmbedding:
             raise ValueError(f"the plan is for {plan.num_devices} devices; mesh axis {axis_name!r} has {n}")
         if len(plan.strategies) != len(emb.tables):
             raise ValueError(f"the plan has {len(plan.strategies)} tables; the embedding has {len(emb.tables)}")
+        for t, (spec, st) in enumerate(zip(emb.tables, plan.strategies)):
+            if spec.location != "device" and st not in ("table", "row"):
+                # a column block's row statistics and a replicated table's update run on XLA's sparse path,
+                # whose ops cannot take host operands; only the Pallas kernels read and write host memory
+                raise ValueError(f"table {spec.label(t)} has location {spec.location!r}: a table in host memory "
+                                 f"is sharded 'table' or 'row', not {st!r}")
         if emb.pooling == "none" and "column" in plan.strategies:
             raise ValueError('pooling="none" (sequence lookups) cannot shard tables by columns; use "table", '
                              '"row" or "data"')
@@ -174,8 +182,8 @@ class ShardedTableBatchedEmbedding:
             serves = lay.slot_of >= 0  # [n, F]
             self.capacity = max(1, int((serves * np.asarray(feature_capacity, np.int64)[None, :]).sum(axis=1).max()))
         self.local = TableBatchedEmbedding(
-            [TableSpec(r, w) for r, w in zip(lay.pool_rows, lay.widths)],
-            feature_table_map=[lay.widths.index(w) for w in lay.slot_width] or [0],
+            [TableSpec(r, w, location=loc) for r, w, loc in zip(lay.pool_rows, lay.widths, lay.locations)],
+            feature_table_map=list(lay.slot_pool) or [0],
             pooling="none" if emb.pooling == "none" else "sum",
             weights_dtype=emb.weights_dtype,
             output_dtype=emb.output_dtype if emb.pooling == "none" else jnp.float32,
@@ -189,8 +197,8 @@ class ShardedTableBatchedEmbedding:
         self.local_data = None
         if lay.data_features:
             self.local_data = TableBatchedEmbedding(
-                [TableSpec(r, w) for r, w in zip(lay.pool_rows, lay.widths)],
-                feature_table_map=[lay.widths.index(emb.feature_dims[f]) for f in lay.data_features],
+                [TableSpec(r, w, location=loc) for r, w, loc in zip(lay.pool_rows, lay.widths, lay.locations)],
+                feature_table_map=[lay.pool(emb.feature_dims[f]) for f in lay.data_features],
                 pooling=emb.pooling, weights_dtype=emb.weights_dtype,
                 output_dtype=emb.output_dtype if emb.pooling == "none" else jnp.float32,
                 bounds_check="ignore", impl=emb.impl, interpret=emb.interpret, kernel_config=emb.kernel_config,
@@ -223,6 +231,18 @@ class ShardedTableBatchedEmbedding:
     # -- placement helpers --------------------------------------------------------
     def _sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
+
+    def host_sharding(self) -> NamedSharding:
+        """The sharding of a buffer of host-memory tables: split over the axis, each device's rows in its pinned
+        host memory (on a GPU backend; elsewhere an ordinary sharded array, as `tbe_jax.memory` does)."""
+        if memory.host_memory():
+            return NamedSharding(self.mesh, P(self.axis_name), memory_kind=memory.HOST_KIND)
+        return NamedSharding(self.mesh, P(self.axis_name))
+
+    def host_keys(self) -> frozenset:
+        """The owners' buffers kept in host memory (pools of "host" tables)."""
+        lay = self.local.layout
+        return frozenset(lay.key(g) for g in range(len(lay.dims)) if lay.on_host(g))
 
     def _buffer_keys(self):
         return [self.local.layout.key(g) for g in range(len(self.local.layout.dims))]

@@ -350,13 +350,12 @@ def test_tt_linen_feature_table_map_not_truncated():
         TTEmbeddingBag(SPECS, feature_table_map=(0, 1.5), impl="xla", mesh=mesh())
 
 
-@pytest.mark.parametrize("location", ["host", "host_cached"])
-def test_tables_in_host_memory_are_refused(location):
+def test_cached_tables_in_host_memory_are_refused():
     """Was: a "host" table sharded silently became an HBM shard (a model sized for host memory would not fit);
-    "host_cached" raised a bare NotImplementedError. Both now say what to do."""
-    tables = [tbe_jax.TableSpec(37, 8), tbe_jax.TableSpec(50, 4, location=location)]
+    "host_cached" raised a bare NotImplementedError. "host" tables are now sharded in host memory
+    (tests/test_sharding_host.py); "host_cached" ones are refused, saying what to do instead."""
+    tables = [tbe_jax.TableSpec(37, 8), tbe_jax.TableSpec(50, 4, location="host_cached")]
     emb = tbe_jax.TableBatchedEmbedding(tables)
-    with pytest.raises(NotImplementedError, match=r"not sharded yet .*keep these in a TableBatchedEmbedding"):
-        tbe_jax.shard(emb, mesh(), "data") if location == "host" else emb.shard(mesh(), "data")
-    with pytest.raises(NotImplementedError, match="not sharded yet"):
-        tbe_jax.shard(emb.inner if location == "host_cached" else emb, mesh(), "data")
+    for call in (lambda: emb.shard(mesh(), "data"), lambda: tbe_jax.shard(emb, mesh(), "data")):
+        with pytest.raises(NotImplementedError, match=r"host_cached.*location='host'.*TableBatchedEmbedding"):
+            call()

@@ -40,7 +40,7 @@ def column_copies_identical(sharded, st):
                 continue
             copies = []
             for p in (p for p in lay.pieces if p.table == t):
-                c = lay.widths.index(p.cols)
+                c = lay.piece_pool[p]
                 r = p.device * lay.pool_rows[c] + lay.pool_row[p]
                 copies.append(host[sharded.local.layout.key(c)][r : r + p.rows])
             for x in copies[1:]:
