@@ -87,11 +87,6 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         finally:
             self.layout = layout
 
-    def shard(self, *args, **kwargs):
-        raise NotImplementedError("tables with location 'host_cached' are not sharded yet (the HBM cache is "
-                                  "single-device): shard with location='host' (host memory, no cache), or keep "
-                                  "the cached tables in a TableBatchedEmbedding of their own on one device")
-
     def _dir_shapes(self) -> dict:
         r, c = self.cache_layout.total_rows, self.cache_layout.total_slots
         return {"slot_of_row": (r,), "row_of_slot": (c,), "score": (c,), "stamp": (c,), "dirty": (c,),

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tbe_jax import bounds, memory, preprocess, shard_checkpoint, shard_route, sparse_update
+from tbe_jax.cache_layout import CACHE, STATE_ROWS
 from tbe_jax.tbe import blocked_draw, init_rows
 
 
@@ -60,7 +61,7 @@ def forward(s, params, idx, off, psw, want_routed: bool):
     def body(params, idx, off, psw):
         idx, off = idx[0], off[0]
         psw = None if psw is None else psw[0]
-        if n == 1:  # nothing to route: emb itself on the one device's batch (bitwise emb)
+        if s.direct:  # one device, nothing to route: emb itself on its batch (bitwise emb)
             out, rep = emb.forward_with_report(params, idx, off, psw)
             rep = bounds.BoundsReport(_psum(rep.invalid_indices, s), _psum(rep.repaired_offsets, s))
             return out, rep, ({"ids": idx, "off": off, "w": psw} if want_routed else None)
@@ -72,7 +73,7 @@ def forward(s, params, idx, off, psw, want_routed: bool):
         if s.layout.num_slots:
             routed = shard_route.routed_local(s, idx, off, psw, scaled)
             (m_ids, m_off, m_w), back, sent, (dropped, invalid, repaired), _ = routed
-            out_l = s.local(params, m_ids, m_off, m_w)
+            out_l = s.local(s.local_tree(params), m_ids, m_off, m_w)
             if sequence:
                 out = shard_route.sequence_back(s, out_l, back, sent, idx.shape[0])
             else:
@@ -97,7 +98,7 @@ def forward(s, params, idx, off, psw, want_routed: bool):
 
 def _data_lookup(s, params, data, out):
     """`out` (this device's output) with the replicated features' lookups of its local batch put in."""
-    out_d = s.local_data(params, data["d_ids"], data["d_off"], data["d_w"])
+    out_d = s.local_data(s.storage_tree(params), data["d_ids"], data["d_off"], data["d_w"])
     if s.emb.pooling == "none":  # per id: back to the ids' positions in the local batch
         num = out.shape[0]
         live = jnp.arange(num, dtype=jnp.int32) < data["d_off"][-1]
@@ -121,7 +122,7 @@ def _pack_routed(routed, data=None):
 
 def _routed_specs(s, weighted):
     spec = P(s.axis_name)
-    if s.num_devices == 1:
+    if s.direct:
         return {"ids": spec, "off": spec, "w": spec if weighted else None}
     w = spec if (weighted or s.emb.pooling == "mean") else None
     out = {}
@@ -140,7 +141,7 @@ def route_for_update(s, idx, off, psw):
     spec = P(s.axis_name)
 
     def body(idx, off, psw):
-        if s.num_devices == 1:
+        if s.direct:
             return {"ids": idx[0], "off": off[0], "w": None if psw is None else psw[0]}
         psw0 = None if psw is None else psw[0]
         routed = shard_route.routed_local(s, idx[0], off[0], psw0, True) if s.layout.num_slots else None
@@ -163,7 +164,7 @@ def update(s, params, opt_state, opt, routed, grad_output):
 
     def body(params, opt_state, opt, routed, g):
         r = routed
-        if n == 1:
+        if s.direct:
             return emb.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g, r["w"])
         if not s.layout.num_slots:  # every table replicated
             new_p, new_s = params, opt.next_state(opt_state, opt.slots(opt_state))
@@ -175,7 +176,9 @@ def update(s, params, opt_state, opt, routed, grad_output):
         if sums_rows(s, opt):
             new_p, new_s = _column_update(s, params, opt_state, opt, r, g_l)
         else:
-            new_p, new_s = s.local.apply_gradients(params, opt_state, opt, r["ids"], r["off"], g_l, r["w"])
+            new_p, new_s = s.local.apply_gradients(s.local_tree(params), opt_state, opt, r["ids"], r["off"], g_l,
+                                                   r["w"])
+            new_p = s.global_tree(new_p)
         if s.local_data is not None:  # the replicated tables' rows: no routed id reads them
             new_p, new_s = _data_update(s, new_p, new_s, opt, opt_state.count, r, g)
         return new_p, new_s
@@ -186,16 +189,17 @@ def update(s, params, opt_state, opt, routed, grad_output):
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def sharded_init(s, key, init_block: int):
-    """Every device's shards drawn in place (as `emb.init` draws a table), in blocks of `init_block` elements."""
+    """Every device's shards drawn in place (as `emb.init` draws a table), in blocks of `init_block` elements, into
+    the owners' storage (`s.storage_buffers`: a cached pool's rows in its host part, its cache empty)."""
     lay, emb, n, ax = s.layout, s.emb, s.num_devices, s.axis_name
-    specs = {}
-    tables = {}
+    pools = []
     for c, w in enumerate(lay.widths):
         mp = max([sum(1 for p in lay.pieces if lay.piece_pool[p] == c and p.device == j) for j in range(n)] + [1])
         starts = np.full((n, mp + 1), lay.pool_rows[c], np.int32)
         bnd = np.zeros((n, mp + 1), np.float32)
         for j in range(n):
-            mine = sorted((p for p in lay.pieces if lay.piece_pool[p] == c and p.device == j), key=lambda p: lay.pool_row[p])
+            mine = sorted((p for p in lay.pieces if lay.piece_pool[p] == c and p.device == j),
+                          key=lambda p: lay.pool_row[p])
             for i, p in enumerate(mine):
                 starts[j, i] = lay.pool_row[p]
                 bnd[j, i] = 1.0 / math.sqrt(emb.tables[p.table].num_embeddings)
@@ -204,13 +208,12 @@ def sharded_init(s, key, init_block: int):
         # The replicated tables' copies (rows [0, shared) on every device) are drawn alike on every device.
         shared = sum(p.rows for p in lay.pieces
                      if lay.piece_pool[p] == c and p.device == 0 and s.plan.strategies[p.table] == "data")
-        tables[s.local.layout.key(c)] = (jnp.asarray(starts), jnp.asarray(bnd), c, w, shared)
-        specs[s.local.layout.key(c)] = P(ax)
+        pools.append((jnp.asarray(starts), jnp.asarray(bnd), c, w, shared))
 
     def body(key):
         j = jax.lax.axis_index(ax) if n > 1 else 0
-        out = {}
-        for name, (starts, bnd, c, w, shared) in tables.items():
+        out = []
+        for starts, bnd, c, w, shared in pools:
             st, bd = starts[j], bnd[j]  # this device's pieces (then its padding rows: bound 0)
 
             def draw(k, r0, count, st=st, bd=bd, w=w):  # rows [r0, r0 + count) of this device's pool
@@ -219,15 +222,19 @@ def sharded_init(s, key, init_block: int):
             k = jax.random.fold_in(jax.random.fold_in(key, j), c)
             # a large pool block by block: init's scratch memory that of a block (tbe.INIT_BLOCK), per device
             block = max(1, init_block // w)
-            out[name] = blocked_draw(k, lay.pool_rows[c], w, emb.weights_dtype, block, draw)
+            pool = blocked_draw(k, lay.pool_rows[c], w, emb.weights_dtype, block, draw)
             if shared:  # a key of no device's (devices fold in 0..n-1): the same draw on all of them
                 kd = jax.random.fold_in(jax.random.fold_in(key, n), c)
-                out[name] = jax.lax.dynamic_update_slice(
-                    out[name], blocked_draw(kd, shared, w, emb.weights_dtype, block, draw), (0, 0))
-        return out
+                pool = jax.lax.dynamic_update_slice(pool, blocked_draw(kd, shared, w, emb.weights_dtype, block, draw),
+                                                    (0, 0))
+            out.append(pool)
+        return s.global_tree(s.storage_buffers(out))
 
-    out = smap(s, body, P(), specs)(key)
-    # Pools of host tables: drawn on their devices as the others, then moved to host memory (a pool must fit its
+    shapes = jax.eval_shape(lambda pools: s.global_tree(s.storage_buffers(pools)),
+                            [jax.ShapeDtypeStruct((lay.pool_rows[c], w), emb.weights_dtype)
+                             for c, w in enumerate(lay.widths)])
+    out = smap(s, body, P(), jax.tree_util.tree_map(lambda _: P(ax), shapes))(key)
+    # Buffers of host tables: drawn on their devices as the others, then moved to host memory (a pool must fit its
     # device's free memory once, here; `set_tables` fills host pools without passing through HBM)
     host = s.host_keys()
     return {k: jax.device_put(v, s.host_sharding()) if k in host and memory.host_memory() else v
@@ -235,14 +242,18 @@ def sharded_init(s, key, init_block: int):
 
 
 def sharded_opt_init(s, opt, params):
-    """`opt`'s state for the shards, each device initialising its own; the state of host pools made in host
-    memory (`shard_checkpoint.host_opt_slots`: never through HBM)."""
+    """`opt`'s state for the shards, each device initialising its own; the state of host buffers made in host
+    memory (`shard_checkpoint.host_opt_slots`: never through HBM); with cached pools, each slot's `"cache_rows"`
+    (no cache slot holds a state yet)."""
     host = s.host_keys()
-    state = _device_opt_init(s, opt, {k: v for k, v in params.items() if k not in host})
-    if not host:
-        return state
-    host_slots = shard_checkpoint.host_opt_slots(s, opt, {k: params[k] for k in host})
-    return opt.state_type(*[{**d, **h} for d, h in zip(opt.slots(state), host_slots)], state.count)
+    state = _device_opt_init(s, opt, {k: v for k, v in params.items() if k not in host and k != CACHE})
+    slots = opt.slots(state)
+    if host:
+        host_slots = shard_checkpoint.host_opt_slots(s, opt, {k: params[k] for k in host})
+        slots = [{**d, **h} for d, h in zip(slots, host_slots)]
+    if s.cached:
+        slots = [{**d, STATE_ROWS: shard_checkpoint.empty_state_rows(s)} for d in slots]
+    return opt.state_type(*slots, state.count)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -257,6 +268,25 @@ def _device_opt_init(s, opt, params):
         return opt.init(params)
 
     return smap(s, body, (pspec, P()), sspec)(params, opt)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 4))
+def prefetch(s, params, idx, off, opt_state):
+    """Each owner prefetches the rows of its cached pools that the global batch looks up: the batch routed as the
+    lookup routes it (ids to their owners), then `s.local.prefetch` on each owner's batch. `(params, opt_state)`
+    (`opt_state` None: None)."""
+    ax = s.axis_name
+    spec = P(ax)
+    pspec = jax.tree_util.tree_map(lambda _: spec, params)
+    sspec = None if opt_state is None else state_specs(s, opt_state)
+
+    def body(params, idx, off, opt_state):
+        (m_ids, m_off, _), _, _, _, _ = shard_route.routed_local(s, idx[0], off[0], None, False)
+        out = s.local.prefetch(s.local_tree(params), m_ids, m_off, opt_state=opt_state)
+        p, st = out if opt_state is not None else (out, None)
+        return s.global_tree(p), st
+
+    return smap(s, body, (pspec, spec, spec, sspec), (pspec, sspec))(params, idx, off, opt_state)
 
 
 def sums_rows(s, opt) -> bool:
@@ -344,13 +374,13 @@ def _data_update(s, params, opt_state, opt, count, r, g):
         g_d = g.astype(jnp.float32)[:, jnp.asarray(lay.data_cols)]
     plan = ld.plan_for(off.shape[0])
     bag, feat, coef, scale = preprocess.lookup_coefficients(plan, ids, off, w, ld.pooling)
-    widths = sorted({lay.pool(s.emb.feature_dims[f]) for f in lay.data_features})
+    widths = sorted({ld.layout.table_group[t] for t in ld.feature_table_map})  # the buffers of replicated tables
     lists = {}
     for gi, m, grad_rows, rows in preprocess.group_lookups(ld.layout, plan, ids, bag, feat, coef > 0, g_d,
                                                           ld.pooling):
         if gi not in widths:
             continue
-        slot, slot_row, _ = sparse_update.touched_rows(rows, m, lay.pool_rows[gi])
+        slot, slot_row, _ = sparse_update.touched_rows(rows, m, ld.layout.group_rows[gi])
         contrib = jnp.where(m[:, None], grad_rows * scale[:, None], 0.0)
         lists[gi] = (slot_row, jax.ops.segment_sum(contrib, slot, num_segments=num))
     packed = jnp.concatenate([jnp.concatenate([rw[:, None], jax.lax.bitcast_convert_type(gr, jnp.int32)], axis=1)
@@ -361,7 +391,7 @@ def _data_update(s, params, opt_state, opt, count, r, g):
     new_p = dict(params)
     at = 0
     for gi, (_, gr) in lists.items():
-        width, rows_r = gr.shape[1], lay.pool_rows[gi]
+        width, rows_r = gr.shape[1], ld.layout.group_rows[gi]
         rows_all = packed[:, :, at]  # [n, N]
         grads_all = jax.lax.bitcast_convert_type(packed[:, :, at + 1 : at + 1 + width], jnp.float32)
         at += 1 + width

@@ -68,6 +68,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tbe_jax import bounds, memory, optim, shard_checkpoint, shard_programs
 from tbe_jax import tbe as tbe_module
+from tbe_jax.cache_layout import CACHE, STATE_ROWS, STATS
 from tbe_jax.inputs import check_weights, narrow_ids, widen_ids
 from tbe_jax.shard_plan import STRATEGIES, ShardingPlan, ShardLayout, as_int, plan_sharding
 from tbe_jax.specs import TableSpec
@@ -122,13 +123,6 @@ class ShardedTableBatchedEmbedding:
             raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-        cached = [t.label(i) for i, t in enumerate(emb.tables) if t.location == "host_cached"]
-        if cached:
-            raise NotImplementedError(
-                f"tables {cached} have location 'host_cached': a sharded embedding keeps tables in host memory "
-                "without a cache (location='host', read and updated in place over the bus); the HBM cache is "
-                "single-device for now: shard with location='host', or keep the cached tables in a "
-                "TableBatchedEmbedding of their own on one device")
         n = int(mesh.shape[axis_name])
         if not isinstance(plan, ShardingPlan):
             plan = plan_sharding(emb, n, plan)
@@ -142,6 +136,10 @@ class ShardedTableBatchedEmbedding:
                 # whose ops cannot take host operands; only the Pallas kernels read and write host memory
                 raise ValueError(f"table {spec.label(t)} has location {spec.location!r}: a table in host memory "
                                  f"is sharded 'table' or 'row', not {st!r}")
+        if "column" in plan.strategies and any(t.location == "host_cached" for t in emb.tables):
+            # a column-wise step updates the owners' buffers on XLA's sparse path, past the cache's routing
+            raise ValueError("a model with 'host_cached' tables shards its tables 'table', 'row' or 'data', not "
+                             "'column'")
         if emb.pooling == "none" and "column" in plan.strategies:
             raise ValueError('pooling="none" (sequence lookups) cannot shard tables by columns; use "table", '
                              '"row" or "data"')
@@ -191,14 +189,28 @@ class ShardedTableBatchedEmbedding:
             use_histogram=False, backward_config=emb.backward_config,
             # Unpadded: the shards' buffers are built here, at the pieces' widths (`ShardLayout.widths`).
             pad_rows=False,
+            # pools of "host_cached" tables: each device caches its own pieces' hot rows (`local` is then a
+            # `HostCachedEmbedding`: `prefetch` routes the batch's ids to their owners and prefetches there)
+            cache_load_factor=emb.cache_load_factor, cache_policy=emb.cache_policy, cache_ways=emb.cache_ways,
+            cache_max_fills=emb.cache_max_fills, cache_admit_age=emb.cache_admit_age,
         )
+        self.cached = hasattr(self.local, "inner")
+        # The owners' storage: `local` itself, or for cached pools its inner embedding (per cached pool a cache part
+        # in HBM and a host part); `pool_table[c]`: pool c's table in it (a cached pool's host part).
+        self.storage = self.local.inner if self.cached else self.local
+        if self.cached:
+            cl = self.local.cache_layout
+            self.pool_table = tuple(cl.host_part[cl.tables.index(c)] if c in cl.tables else self.local.inner_of[c]
+                                    for c in range(len(lay.pool_keys)))
+        else:
+            self.pool_table = tuple(range(len(lay.pool_keys)))
         # The replicated tables' lookups, on each device for its own samples: the same buffers (the same keys), read
-        # by the features of "data" tables only (`shard_route.data_batch` gives their ids as buffer rows).
+        # by the features of "data" tables only (`shard_route.data_batch` gives their ids as rows of their pool).
         self.local_data = None
         if lay.data_features:
             self.local_data = TableBatchedEmbedding(
-                [TableSpec(r, w, location=loc) for r, w, loc in zip(lay.pool_rows, lay.widths, lay.locations)],
-                feature_table_map=[lay.pool(emb.feature_dims[f]) for f in lay.data_features],
+                list(self.storage.tables),
+                feature_table_map=[self.pool_table[lay.pool(emb.feature_dims[f])] for f in lay.data_features],
                 pooling=emb.pooling, weights_dtype=emb.weights_dtype,
                 output_dtype=emb.output_dtype if emb.pooling == "none" else jnp.float32,
                 bounds_check="ignore", impl=emb.impl, interpret=emb.interpret, kernel_config=emb.kernel_config,
@@ -240,12 +252,60 @@ class ShardedTableBatchedEmbedding:
         return NamedSharding(self.mesh, P(self.axis_name))
 
     def host_keys(self) -> frozenset:
-        """The owners' buffers kept in host memory (pools of "host" tables)."""
-        lay = self.local.layout
+        """The owners' buffers kept in host memory (pools of "host" tables, host parts of cached pools)."""
+        lay = self.storage.layout
         return frozenset(lay.key(g) for g in range(len(lay.dims)) if lay.on_host(g))
 
+    @property
+    def direct(self) -> bool:
+        """One device and no cache: the step is `emb`'s own (nothing to route; bitwise `emb`). With cached pools
+        the owners' caches are per pool, not per table as `emb`'s: the routed path runs, on one device too."""
+        return self.num_devices == 1 and not self.cached
+
+    def storage_parts(self) -> tuple:
+        """Per buffer of the owners' storage, its tables in order: a pool's index, or for a cache part its row
+        count (`-rows`; its rows start at zero and hold no row until a prefetch)."""
+        lay = self.storage.layout
+        parts = [[] for _ in lay.dims]
+        for ti, spec in enumerate(self.storage.tables):
+            parts[lay.table_group[ti]].append(self.pool_table.index(ti) if ti in self.pool_table
+                                              else -spec.num_embeddings)
+        return tuple(tuple(p) for p in parts)
+
+    def storage_buffers(self, pools) -> dict:
+        """On one device: the owners' params from each pool's rows (`pools[c]`), cache parts empty (and, with
+        cached pools, an empty directory)."""
+        lay = self.storage.layout
+        out = {}
+        for g, parts in enumerate(self.storage_parts()):
+            xs = [pools[c] if c >= 0 else jnp.zeros((-c, lay.dims[g]), self.emb.weights_dtype) for c in parts]
+            out[lay.key(g)] = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)
+        if self.cached:
+            out[CACHE] = self.local.empty_cache()
+        return out
+
+    def local_tree(self, params) -> dict:
+        """Inside a `shard_map` body: this device's params as `local` takes them (the directory's step counter,
+        `[1]` per device in the sharded params, a scalar)."""
+        if not self.cached:
+            return params
+        return {**params, CACHE: {**params[CACHE], "tick": params[CACHE]["tick"].reshape(())}}
+
+    def global_tree(self, params) -> dict:
+        """Inside a `shard_map` body: `local`'s params as one device's part of the sharded params."""
+        if not self.cached:
+            return params
+        return {**params, CACHE: {**params[CACHE], "tick": params[CACHE]["tick"].reshape((1,))}}
+
+    def storage_tree(self, params) -> dict:
+        """The buffers alone (no directory): what `storage` and `local_data` take."""
+        return {k: v for k, v in params.items() if k != CACHE}
+
     def _buffer_keys(self):
-        return [self.local.layout.key(g) for g in range(len(self.local.layout.dims))]
+        return [self.storage.layout.key(g) for g in range(len(self.storage.layout.dims))]
+
+    def _param_keys(self):
+        return self._buffer_keys() + ([CACHE] if self.cached else [])
 
     def _rows_of(self, c: int) -> int:
         """Rows of width class c's buffer per device."""
@@ -299,22 +359,25 @@ class ShardedTableBatchedEmbedding:
 
     def _check_state_field(self, tree, name):
         """A sharded state field: one array per storage buffer, `[n * rows]` (row-wise) or `[n * rows, D]`,
-        as `init_opt_state` builds it (a state of `emb` or of another mesh has other buffers or rows)."""
-        keys = self._buffer_keys()
+        as `init_opt_state` builds it (a state of `emb` or of another mesh has other buffers or rows); with cached
+        pools also `"cache_rows"`, `[n * slots]`."""
+        keys = self._buffer_keys() + ([STATE_ROWS] if self.cached else [])
         if not isinstance(tree, Mapping) or set(tree) != set(keys):
             raise ValueError(f"opt_state.{name} must hold this sharded embedding's buffers {keys} (build the state "
                              f"with init_opt_state, or convert emb's with from_unsharded; a state saved from another "
                              f"mesh or plan: save to_unsharded(params, opt_state) instead), got "
                              + (f"{sorted(tree)}" if isinstance(tree, Mapping) else type(tree).__name__))
-        for c, w in enumerate(self.layout.widths):
-            key = self.local.layout.key(c)
-            rows = self.num_devices * self.layout.pool_rows[c]
+        lay = self.storage.layout
+        want = {lay.key(g): (self.num_devices * lay.group_rows[g], lay.strides[g]) for g in range(len(lay.dims))}
+        if self.cached:
+            want[STATE_ROWS] = (self.num_devices * self.local.cache_layout.total_slots,)
+        for key, (rows, *w) in want.items():
             shape = tuple(getattr(tree[key], "shape", ()))
-            if shape not in ((rows,), (rows, w)):
-                raise ValueError(f"opt_state.{name}[{key!r}] must be [{rows}] or [{rows}, {w}] (this mesh's "
-                                 f"shards), got {list(shape)}: build the state with init_opt_state, or convert "
-                                 "emb's with from_unsharded. Sharded states depend on the mesh and the plan: a "
-                                 "checkpoint of another mesh's cannot be restored onto this one (orbax's "
+            if shape not in ((rows,), (rows, *w)):
+                raise ValueError(f"opt_state.{name}[{key!r}] must be [{rows}]" + (f" or [{rows}, {w[0]}]" if w else "")
+                                 + f" (this mesh's shards), got {list(shape)}: build the state with init_opt_state, "
+                                 "or convert emb's with from_unsharded. Sharded states depend on the mesh and the "
+                                 "plan: a checkpoint of another mesh's cannot be restored onto this one (orbax's "
                                  "strict=False would pad or cut the wrong tables' rows); save "
                                  "`to_unsharded(params, opt_state)` and restore it with `from_unsharded`")
 
@@ -324,6 +387,12 @@ class ShardedTableBatchedEmbedding:
         if isinstance(opt_state, opt.state_type):
             for name in (n for n in opt_state._fields if n != "count"):  # the state slots
                 self._check_state_field(getattr(opt_state, name), name)
+
+    def _check_state(self, opt, opt_state, params) -> None:
+        """`opt.check_state` on the buffers (a cached model's state: without the slots' `"cache_rows"`)."""
+        if self.cached and isinstance(opt_state, opt.state_type):
+            opt_state = self.local.inner_state(opt_state)
+        opt.check_state(opt_state, self.storage_tree(params))
 
     def get_momentum(self, opt_state) -> list[jax.Array]:
         """Per table, its Adagrad accumulators (as `emb.get_momentum`)."""
@@ -340,6 +409,9 @@ class ShardedTableBatchedEmbedding:
         if len(values) != len(self.emb.tables):
             raise ValueError(f"expected {len(self.emb.tables)} arrays, got {len(values)}")
         self._check_state_field(getattr(opt_state, name), name)
+        if self.cached:  # the caches hold some rows' states: new values must go where each row lives
+            raise NotImplementedError("set_state with 'host_cached' tables: save to_unsharded(params, opt_state), "
+                                      "change the state there, and restore it with from_unsharded")
         rowwise = next(iter(getattr(opt_state, name).values())).ndim == 1
         for t, (spec, v) in enumerate(zip(self.emb.tables, values)):
             want = (spec.num_embeddings,) + (() if rowwise else (spec.embedding_dim,))
@@ -362,13 +434,14 @@ class ShardedTableBatchedEmbedding:
 
     def check_params(self, params) -> None:
         """Raises unless `params` are this sharded embedding's buffers (on this mesh, with this plan)."""
-        if not isinstance(params, dict) or set(params) != set(self._buffer_keys()):
+        if not isinstance(params, dict) or set(params) != set(self._param_keys()):
             raise ValueError(f"params must be the dict this sharded embedding's init/set_tables return (buffers "
-                             f"{self._buffer_keys()}), got {type(params).__name__}"
+                             f"{self._param_keys()}), got {type(params).__name__}"
                              + (f" with {sorted(params)}" if isinstance(params, dict) else ""))
-        for c, w in enumerate(self.layout.widths):
-            key = self.local.layout.key(c)
-            shape = (self.num_devices * self.layout.pool_rows[c], w)
+        lay = self.storage.layout
+        for g in range(len(lay.dims)):
+            key = lay.key(g)
+            shape = (self.num_devices * lay.group_rows[g], lay.strides[g])
             if not (hasattr(params[key], "shape") and hasattr(params[key], "dtype")):
                 raise TypeError(f"params[{key!r}] must be an array ({self.emb.weights_dtype.name}{list(shape)}), "
                                 f"got {type(params[key]).__name__}")
@@ -379,6 +452,16 @@ class ShardedTableBatchedEmbedding:
                     f"and the plan): a checkpoint of another mesh's buffers cannot be restored onto this one, not "
                     f"even with orbax's strict=False (which would pad or cut the rows of the wrong tables). Save "
                     f"`to_unsharded(params, opt_state)` (mesh-independent), and restore it with `from_unsharded`")
+        if self.cached:
+            d, n = params[CACHE], self.num_devices
+            shapes = {k: (n * s[0],) if s else (n,) for k, s in self.local._dir_shapes().items()}
+            if not isinstance(d, dict) or set(d) != set(shapes):
+                raise ValueError(f"params['cache'] must hold {sorted(shapes)} (build params with init or "
+                                 "set_tables)")
+            for k, s in shapes.items():
+                if tuple(getattr(d[k], "shape", ())) != s or getattr(d[k], "dtype", None) != jnp.int32:
+                    raise ValueError(f"params['cache'][{k!r}] must be int32{list(s)} (each device's directory of "
+                                     "its cached pools, stacked)")
 
     def init_opt_state(self, params, opt):
         """`opt`'s state for the shards, sharded like the params (the step count replicated)."""
@@ -441,7 +524,7 @@ class ShardedTableBatchedEmbedding:
         self.check_optimizer(opt)
         self.check_params(params)
         self._check_opt_state(opt_state, opt)
-        opt.check_state(opt_state, params)  # the global shapes: a state of emb or of another mesh is refused here
+        self._check_state(opt, opt_state, params)  # the global shapes: a state of emb or of another mesh is refused
         idx, off, psw = self._args(indices, offsets, per_sample_weights)
         grad_output = jnp.asarray(grad_output)
         b = (off.shape[1] - 1) // self.emb.num_features
@@ -454,6 +537,30 @@ class ShardedTableBatchedEmbedding:
         grad_output = self._place(grad_output, P(self.axis_name))
         routed = shard_programs.route_for_update(self, idx, off, psw)
         return shard_programs.update(self, params, opt_state, opt, routed, grad_output)
+
+    # -- tables behind an HBM cache ("host_cached") -------------------------------------------
+    def prefetch(self, params, indices, offsets, opt_state=None):
+        """Bring the global batch's rows of "host_cached" tables into their owners' HBM caches (each device caches
+        its own pieces: the batch's ids go to their owners as the lookup sends them, and each owner prefetches
+        its part, as `HostCachedEmbedding.prefetch` does on one device). Returns the params, or
+        `(params, opt_state)` with `opt_state` (in training: the state moves with its rows). Outside `jit` the
+        arguments are donated (use the returned ones); under `jit`, donate them yourself."""
+        if not self.cached:
+            raise ValueError("prefetch: this sharded embedding has no 'host_cached' tables")
+        self.check_params(params)
+        idx, off, _ = self._args(indices, offsets, None)
+        params, opt_state = shard_programs.prefetch(self, params, idx, off, opt_state)
+        return params if opt_state is None else (params, opt_state)
+
+    def cache_stats(self, params) -> dict:
+        """The last prefetch's counts (as `HostCachedEmbedding.cache_stats`), summed over the devices."""
+        if not self.cached:
+            raise ValueError("cache_stats: this sharded embedding has no 'host_cached' tables")
+        x = params[CACHE]["stats"]
+        if not isinstance(x, jax.core.Tracer):  # concrete: summed on the host
+            return dict(zip(STATS, shard_checkpoint.host_array(x).reshape(self.num_devices, -1).sum(axis=0)))
+        x = self._place(x, P())  # replicated, then summed per count (a sharded axis cannot be split up)
+        return {k: jnp.sum(x[i :: len(STATS)]) for i, k in enumerate(STATS)}
 
     # -- tbe_jax.train_step -------------------------------------------------------------
     def step_forward(self, params, indices, offsets, per_sample_weights=None, **options):
@@ -471,7 +578,7 @@ class ShardedTableBatchedEmbedding:
         self.check_optimizer(opt)
         self.check_params(params)
         self._check_opt_state(opt_state, opt)
-        opt.check_state(opt_state, params)
+        self._check_state(opt, opt_state, params)
         grad_output = self._place(grad_output, P(self.axis_name))
         params, opt_state = shard_programs.update(self, params, opt_state, opt, routed, grad_output)
         return params, opt_state, report.invalid_indices

@@ -297,7 +297,7 @@ def test_host_location_without_cache():
     _same(emb, ref, p, rp, s, rs)
 
 
-def test_bad_cache_options_and_sharding_are_refused():
+def test_bad_cache_options_are_refused():
     with pytest.raises(ValueError, match="cache_load_factor"):
         tbe_jax.TableBatchedEmbedding(_specs(), cache_load_factor=0)
     with pytest.raises(ValueError, match="cache_policy"):
@@ -305,7 +305,7 @@ def test_bad_cache_options_and_sharding_are_refused():
     with pytest.raises(ValueError, match="location"):
         tbe_jax.TableSpec(10, 4, location="disk")
     emb, _ = _pair()
-    with pytest.raises(NotImplementedError, match="host_cached"):
+    with pytest.raises(TypeError, match="mesh"):  # sharding is tested in tests/test_sharding_host.py
         emb.shard(None)
     params = emb.init(jax.random.key(0))
     with pytest.raises(ValueError, match="cache"):

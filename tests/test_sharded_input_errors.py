@@ -350,12 +350,15 @@ def test_tt_linen_feature_table_map_not_truncated():
         TTEmbeddingBag(SPECS, feature_table_map=(0, 1.5), impl="xla", mesh=mesh())
 
 
-def test_cached_tables_in_host_memory_are_refused():
+def test_tables_in_host_memory_take_table_or_row():
     """Was: a "host" table sharded silently became an HBM shard (a model sized for host memory would not fit);
-    "host_cached" raised a bare NotImplementedError. "host" tables are now sharded in host memory
-    (tests/test_sharding_host.py); "host_cached" ones are refused, saying what to do instead."""
-    tables = [tbe_jax.TableSpec(37, 8), tbe_jax.TableSpec(50, 4, location="host_cached")]
-    emb = tbe_jax.TableBatchedEmbedding(tables)
-    for call in (lambda: emb.shard(mesh(), "data"), lambda: tbe_jax.shard(emb, mesh(), "data")):
-        with pytest.raises(NotImplementedError, match=r"host_cached.*location='host'.*TableBatchedEmbedding"):
-            call()
+    "host_cached" raised a bare NotImplementedError. Both are now sharded in host memory
+    (tests/test_sharding_host.py); a strategy they cannot take is refused, naming the table."""
+    for location in ("host", "host_cached"):
+        tables = [tbe_jax.TableSpec(37, 8), tbe_jax.TableSpec(50, 4, location=location)]
+        emb = tbe_jax.TableBatchedEmbedding(tables)
+        assert emb.shard(mesh(), "data").cached == (location == "host_cached")
+        with pytest.raises(ValueError, match=rf"table 1 .*location '{location}'.*'table' or 'row'"):
+            tbe_jax.shard(emb, mesh(), "data", {1: "column"})
+    with pytest.raises(ValueError, match="'host_cached' tables .* not 'column'"):
+        tbe_jax.shard(emb, mesh(), "data", {0: "column"})

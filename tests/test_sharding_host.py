@@ -14,7 +14,7 @@ import pytest
 import tbe_jax
 from tbe_jax import memory
 from conftest import KERNEL_KW, ON_GPU
-from test_sharding import FMAP, N_DEV, TABLES, assert_tables, local_batches, mesh, run_case
+from test_sharding import FMAP, N_DEV, TABLES, assert_tables, global_batch, local_batches, mesh, run_case
 
 multi = pytest.mark.skipif(N_DEV < 2, reason="needs 2+ devices")
 
@@ -139,3 +139,138 @@ def test_host_tables_take_table_or_row_only():
     for bad in ("column", "data"):
         with pytest.raises(ValueError, match=r"table 3 .*location 'host'.*'table' or 'row'"):
             tbe_jax.shard(emb, mesh(), "data", {3: bad})
+
+
+# -- "host_cached": each owner caches its own pieces ---------------------------------------------------------------
+def with_cached(tables, where, host=()):
+    return [tbe_jax.TableSpec(t.num_embeddings, t.embedding_dim, name=t.name,
+                              location="host_cached" if i in where else "host" if i in host else "device")
+            for i, t in enumerate(tables)]
+
+
+CACHED = with_cached(TABLES, {1, 3}, host={0})  # D 16 and 12 behind caches, table 0 in host memory uncached
+CACHED_PLAN = {0: "table", 1: "row", 2: "data", 3: ("table", 1), 4: ("table", N_DEV - 1)}
+XLA = "auto" if ON_GPU else "xla"  # on a GPU host tables need the kernels (XLA's ops cannot read host memory)
+
+
+def train_cached(sharded, emb, opt, steps, seed, *, prefetch="state", ahead=False, b=3, cap=40):
+    """`steps` steps of `sharded` (prefetching as told) against `emb` (all tables on the device) on the global
+    batch: outputs, tables and states at the end to fp32 rounding (a bag may mix cached and uncached rows; an
+    owner sums a row's gradient in the routed batch's order, as every sharded update does: tests/test_sharding.py).
+    Returns params, state and the stats of each prefetch."""
+    n = sharded.num_devices
+    rng = np.random.default_rng(seed)
+    ref_params = emb.init(jax.random.key(seed))
+    params = sharded.set_tables(None, emb.get_tables(ref_params))
+    st, ref_st = sharded.init_opt_state(params, opt), emb.init_opt_state(ref_params, opt)
+    batches = [local_batches(rng, emb, n, b, cap) for _ in range(steps + 1)]
+    stats = []
+
+    def fetch(p, s, k):
+        idx, off, _ = batches[k]
+        if prefetch == "state":
+            p, s = sharded.prefetch(p, idx, off, opt_state=s)
+        else:
+            p = sharded.prefetch(p, idx, off)
+        stats.append({k: int(v) for k, v in sharded.cache_stats(p).items()})
+        return p, s
+
+    if prefetch and ahead:
+        params, st = fetch(params, st, 0)
+    for k in range(steps):
+        if prefetch:
+            params, st = fetch(params, st, k + 1 if ahead else k)
+        idx, off, w = batches[k]
+        gi, go, gw, _ = global_batch(emb, idx, off, w)
+        out = np.asarray(sharded(params, idx, off, w))
+        np.testing.assert_allclose(out, np.asarray(emb(ref_params, gi, go, gw)), rtol=1e-5, atol=1e-6)
+        g = rng.normal(size=out.shape).astype(np.float32)
+        params, st = sharded.apply_gradients(params, st, opt, idx, off, g, w)
+        ref_params, ref_st = emb.apply_gradients(ref_params, ref_st, opt, gi, go, g, gw)
+    assert_tables(sharded.get_tables(params), emb.get_tables(ref_params))
+    for name in (f for f in st._fields if f != "count"):
+        assert_tables(sharded.get_state(st, name), emb.get_state(ref_st, name))
+    return params, st, stats
+
+
+@multi
+@pytest.mark.parametrize("prefetch,ahead", [("state", False), ("state", True), ("params", False), (None, False)],
+                         ids=["with-state", "one-ahead", "params-only", "no-prefetch"])
+def test_cached_tables_train_as_the_all_device_model(prefetch, ahead):
+    """Four steps with caches of 4-8 slots a pool (sets of 4 ways, every miss admitted: evictions of trained rows), every
+    way of prefetching: outputs, tables and states the all-device model's (to fp32 rounding, as any sharded
+    model's)."""
+    kw = dict(feature_table_map=FMAP, impl=XLA)
+    sharded = tbe_jax.shard(tbe_jax.TableBatchedEmbedding(CACHED, cache_load_factor=0.05, cache_ways=4,
+                                                          cache_admit_age=0, **kw), mesh(), "data", CACHED_PLAN)
+    assert sharded.cached and (16, "host_cached") in sharded.layout.pool_keys
+    _, _, stats = train_cached(sharded, tbe_jax.TableBatchedEmbedding(TABLES, **kw), tbe_jax.RowwiseAdagrad(0.2),
+                               steps=4, seed=31, prefetch=prefetch, ahead=ahead)
+    if prefetch:
+        assert sum(s["fills"] for s in stats) > 0 and all(s["requested"] >= s["hits"] + s["fills"] for s in stats)
+    if prefetch == "state":  # trained rows evicted (without the state a trained row leaves the cache in its step)
+        assert sum(s["writebacks"] for s in stats) > 0
+
+
+@multi
+def test_cached_tables_with_kernels_and_a_checkpoint():
+    """The Pallas kernels (interpret mode on CPU), element-wise Adagrad (a state row per cached row), then a
+    checkpoint: `to_unsharded` merges every cache over its host part, `from_unsharded` starts with empty caches,
+    and both give the same lookups."""
+    kw = dict(feature_table_map=[0, 1, 2, 3, 1])
+    tables = with_cached(TABLES[:4], {1, 3})
+    sharded = tbe_jax.shard(tbe_jax.TableBatchedEmbedding(tables, cache_load_factor=0.1, cache_ways=4, **kw,
+                                                          **KERNEL_KW),
+                            mesh(), "data", {0: "table", 1: "row", 2: "data", 3: "table"})
+    params, st, _ = train_cached(sharded, tbe_jax.TableBatchedEmbedding(TABLES[:4], **kw, impl="xla"),
+                                 tbe_jax.Adagrad(0.2), steps=2, seed=32, b=2, cap=24)
+    emb_params, emb_st = sharded.to_unsharded(params, st)
+    p2, s2 = sharded.from_unsharded(emb_params, emb_st)
+    assert int(np.asarray(p2["cache"]["row_of_slot"]).max()) == -1  # restored caches are empty
+    assert_tables(sharded.get_tables(p2), sharded.get_tables(params), 0)
+    assert_tables(sharded.get_momentum(s2), sharded.get_momentum(st), 0)
+    rng = np.random.default_rng(8)
+    idx, off, w = local_batches(rng, sharded.emb, N_DEV, 2, 24)
+    np.testing.assert_allclose(np.asarray(sharded(p2, idx, off, w)), np.asarray(sharded(params, idx, off, w)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_cached_tables_on_a_mesh_of_one():
+    """One device (the test machine's GPU: pinned host memory, compiled kernels): the routed path with the cache
+    (not `emb`'s own step: the caches are per pool), init, prefetch, train_step under jit with donation."""
+    kw = dict(feature_table_map=FMAP, **(KERNEL_KW if ON_GPU else dict(impl="xla")))
+    emb = tbe_jax.TableBatchedEmbedding(CACHED, cache_load_factor=0.2, cache_ways=4, **kw)
+    ref = tbe_jax.TableBatchedEmbedding(TABLES, **kw)
+    sharded = tbe_jax.shard(emb, mesh(1), "data")
+    assert sharded.cached and not sharded.direct
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    params = sharded.init(jax.random.key(2))
+    state = sharded.init_opt_state(params, opt)
+    check = sharded.host_keys()
+    assert check and all(memory.on_host(params[k]) == memory.host_memory() for k in check)
+    rparams = ref.set_tables(None, sharded.get_tables(params))
+    rstate = ref.init_opt_state(rparams, opt)
+    rng = np.random.default_rng(9)
+    batches = [local_batches(rng, emb, 1, 4, 50) for _ in range(3)]
+    dense = jnp.ones((sum(emb.feature_dims),), jnp.float32)
+
+    def loss_fn(dense, out):
+        return jnp.sum(out * dense) + 0.5 * jnp.sum(out * out)
+
+    @jax.jit
+    def step(params, state, idx, off, w, nidx, noff):
+        params, state = sharded.prefetch(params, nidx, noff, opt_state=state)
+        res = tbe_jax.train_step(loss_fn, dense, tbe_jax.SparseLookup(sharded, opt, params, state, idx, off, w))
+        return res.params, res.opt_state
+
+    params, state = sharded.prefetch(params, batches[0][0], batches[0][1], opt_state=state)
+    for k in range(2):
+        idx, off, w = batches[k]
+        params, state = step(params, state, idx, off, w, batches[k + 1][0], batches[k + 1][1])
+        res = tbe_jax.train_step(loss_fn, dense, tbe_jax.SparseLookup(ref, opt, rparams, rstate, idx[0], off[0], w[0]))
+        rparams, rstate = res.params, res.opt_state
+    stats = sharded.cache_stats(params)
+    assert int(stats["lookups"]) > 0 and int(stats["requested"]) > 0  # the last prefetch counted its batch
+    assert_tables(sharded.get_tables(params), ref.get_tables(rparams))  # the routed batch's order of sums
+    assert_tables(sharded.get_momentum(state), ref.get_momentum(rstate))
+    assert all(memory.on_host(params[k]) == memory.host_memory() for k in check)
