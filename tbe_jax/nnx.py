@@ -304,7 +304,7 @@ class TableBatchedEmbed(SparseEmbedBase):
         optimizer state in sparse mode), as `TableBatchedEmbedding.prefetch` does; call it before the batch's
         step (it may run one batch ahead), inside a jitted function or outside one. Options:
         `batch_size_per_feature`, `max_batch_size`."""
-        if not hasattr(self._core, "prefetch"):
+        if not hasattr(self._core, "prefetch") or getattr(self._core, "cached", True) is False:  # (sharded: .cached)
             raise TypeError("prefetch: this layer has no table with location='host_cached'")
         params = self.get_params()
         if self.optimizer is None:

@@ -274,3 +274,42 @@ def test_cached_tables_on_a_mesh_of_one():
     assert_tables(sharded.get_tables(params), ref.get_tables(rparams))  # the routed batch's order of sums
     assert_tables(sharded.get_momentum(state), ref.get_momentum(rstate))
     assert all(memory.on_host(params[k]) == memory.host_memory() for k in check)
+
+
+@multi
+def test_nnx_layer_on_a_mesh_prefetches_and_trains_as_the_all_device_one():
+    """The NNX layer built with a mesh over "host_cached" tables: `layer.prefetch` inside `nnx.jit` (and once
+    eagerly), then its sparse `train_step`, against the all-device layer on the global batch."""
+    nnx = pytest.importorskip("flax.nnx")
+    from tbe_jax.nnx import TableBatchedEmbed
+    from tbe_jax.nnx import train_step as nnx_step
+
+    opt = tbe_jax.RowwiseAdagrad(learning_rate=0.2)
+    kw = dict(feature_table_map=FMAP, impl=XLA, optimizer=opt)
+    layer = TableBatchedEmbed(CACHED, cache_load_factor=0.2, cache_ways=4, mesh=mesh(), sharding_plan=CACHED_PLAN,
+                              rngs=nnx.Rngs(0), **kw)
+    ref = TableBatchedEmbed(TABLES, rngs=nnx.Rngs(0), **kw)
+    ref.set_params(ref.tbe.set_tables(None, layer.tbe.get_tables(layer.get_params())))
+
+    def loss(m, i, o):
+        return jnp.sum(jnp.tanh(m(i, o)))
+
+    @nnx.jit
+    def step(m, idx, off):
+        m.prefetch(idx, off)  # inside the jitted step, before the lookup
+        return nnx_step(loss, m, idx, off)[0]
+
+    rng = np.random.default_rng(13)
+    for k in range(3):
+        idx, off, _ = local_batches(rng, layer.tbe.emb, N_DEV, 3, 40)
+        gi, go, _, _ = global_batch(layer.tbe.emb, idx, off, None)
+        if k == 1:  # and eagerly, outside a jitted function
+            layer.prefetch(idx, off)
+        step(layer, idx, off)
+        nnx_step(loss, ref, gi, go)
+    assert int(layer.tbe.cache_stats(layer.get_params())["requested"]) > 0
+    assert_tables(layer.tbe.get_tables(layer.get_params()), ref.tbe.get_tables(ref.get_params()), 1e-5)
+    assert_tables(layer.tbe.get_momentum(layer.get_opt_state()), ref.tbe.get_momentum(ref.get_opt_state()), 1e-5)
+    plain = TableBatchedEmbed(TABLES, mesh=mesh(), rngs=nnx.Rngs(0), **kw)
+    with pytest.raises(TypeError, match="host_cached"):
+        plain.prefetch(idx, off)
