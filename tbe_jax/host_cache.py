@@ -87,14 +87,15 @@ class HostCachedEmbedding(TableBatchedEmbedding):
         finally:
             self.layout = layout
 
-    def _dir_shapes(self) -> dict:
+    def dir_shapes(self) -> dict:
+        """The directory's arrays (`params["cache"]`) and their shapes."""
         r, c = self.cache_layout.total_rows, self.cache_layout.total_slots
         return {"slot_of_row": (r,), "row_of_slot": (c,), "score": (c,), "stamp": (c,), "dirty": (c,),
                 "state_ok": (c,), "tick": (), "stats": (len(STATS),)}
 
     def empty_cache(self) -> dict:
         """A directory with every slot empty (what `init` and `set_tables` start from)."""
-        shapes = self._dir_shapes()
+        shapes = self.dir_shapes()
         out = {k: jnp.zeros(s, jnp.int32) for k, s in shapes.items()}
         out["slot_of_row"] = jnp.full(shapes["slot_of_row"], -1, jnp.int32)
         out["row_of_slot"] = jnp.full(shapes["row_of_slot"], -1, jnp.int32)
@@ -106,7 +107,7 @@ class HostCachedEmbedding(TableBatchedEmbedding):
             raise TypeError("params must be the dict emb.init/set_tables return (with its 'cache' directory)")
         self.inner.check_params({k: v for k, v in params.items() if k != CACHE}, check_dtype)
         d = params[CACHE]
-        shapes = self._dir_shapes()
+        shapes = self.dir_shapes()
         if not isinstance(d, dict) or set(d) != set(shapes):
             raise ValueError(f"params['cache'] must hold {sorted(shapes)} (build params with emb.init)")
         for k, s in shapes.items():

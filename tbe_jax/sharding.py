@@ -454,7 +454,7 @@ class ShardedTableBatchedEmbedding:
                     f"`to_unsharded(params, opt_state)` (mesh-independent), and restore it with `from_unsharded`")
         if self.cached:
             d, n = params[CACHE], self.num_devices
-            shapes = {k: (n * s[0],) if s else (n,) for k, s in self.local._dir_shapes().items()}
+            shapes = {k: (n * s[0],) if s else (n,) for k, s in self.local.dir_shapes().items()}
             if not isinstance(d, dict) or set(d) != set(shapes):
                 raise ValueError(f"params['cache'] must hold {sorted(shapes)} (build params with init or "
                                  "set_tables)")
