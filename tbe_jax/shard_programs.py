@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from tbe_jax import bounds, memory, preprocess, shard_checkpoint, shard_route, sparse_update
 from tbe_jax.cache_layout import CACHE, STATE_ROWS
+from tbe_jax.kernels.copy_rows import copy_rows
 from tbe_jax.tbe import blocked_draw, init_rows
 
 
@@ -187,33 +188,80 @@ def update(s, params, opt_state, opt, routed, grad_output):
     return f(params, opt_state, opt, routed, grad_output)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
+def _pool_bounds(s, c: int):
+    """Pool c's draw on each device: `(starts [n, m], bounds [n, m], shared)`: per device its pieces' first rows
+    (then the padding's, then past the pool), their tables' `1/sqrt(E)`, and the replicated tables' rows (at the
+    head of the pool, drawn alike on every device)."""
+    lay, emb, n = s.layout, s.emb, s.num_devices
+    mp = max([sum(1 for p in lay.pieces if lay.piece_pool[p] == c and p.device == j) for j in range(n)] + [1])
+    starts = np.full((n, mp + 1), lay.pool_rows[c], np.int32)
+    bnd = np.zeros((n, mp + 1), np.float32)
+    for j in range(n):
+        mine = sorted((p for p in lay.pieces if lay.piece_pool[p] == c and p.device == j), key=lambda p: lay.pool_row[p])
+        for i, p in enumerate(mine):
+            starts[j, i] = lay.pool_row[p]
+            bnd[j, i] = 1.0 / math.sqrt(emb.tables[p.table].num_embeddings)
+        starts[j, len(mine)] = sum(p.rows for p in mine)  # padding rows from here: bound 0
+        starts[j, len(mine) + 1 :] = lay.pool_rows[c] + 1
+    shared = sum(p.rows for p in lay.pieces
+                 if lay.piece_pool[p] == c and p.device == 0 and s.plan.strategies[p.table] == "data")
+    return starts, bnd, shared
+
+
+HOST_INIT_ON_DEVICE_BYTES = 1 << 30  # host buffers of at most this many bytes per device are drawn in HBM
+
+
 def sharded_init(s, key, init_block: int):
     """Every device's shards drawn in place (as `emb.init` draws a table), in blocks of `init_block` elements, into
-    the owners' storage (`s.storage_buffers`: a cached pool's rows in its host part, its cache empty)."""
+    the owners' storage (`s.storage_buffers`: a cached pool's rows in its host part, its cache empty). Host
+    buffers of more than `HOST_INIT_ON_DEVICE_BYTES` a device never pass through HBM: each is made on the host and
+    filled block by block (`_write_pool_block`, the same values as a draw on the device); smaller ones are drawn
+    on the device and moved."""
+    st = s.storage.layout
+    host_bytes = sum(st.group_rows[g] * st.strides[g] for g in range(len(st.dims)) if st.on_host(g)) * \
+        s.emb.weights_dtype.itemsize
+    if isinstance(key, jax.core.Tracer) or host_bytes <= HOST_INIT_ON_DEVICE_BYTES:
+        # every pool drawn on its device, then the host buffers moved to host memory (through HBM once, per
+        # device): small host buffers, and under a trace (a layer's init), where a host array cannot be made
+        out = _device_init(s, key, init_block, True)
+        host = s.host_keys()
+        return {k: jax.device_put(v, s.host_sharding()) if k in host and memory.host_memory() else v
+                for k, v in out.items()}
+    out = _device_init(s, key, init_block, False)
+    lay = s.layout
+    for g, parts in enumerate(s.storage_parts()):
+        if not st.on_host(g):
+            continue
+        buf = shard_checkpoint.host_zeros(s, (s.num_devices * st.group_rows[g], st.dims[g]), s.emb.weights_dtype)
+        at = 0
+        for c in parts:  # a host buffer holds pools only (cache parts are in HBM)
+            rows, w = lay.pool_rows[c], lay.widths[c]
+            block = max(1, init_block // w)
+            count = min(rows, block)
+            for i in range(1 if rows <= block else -(-rows // block)):
+                buf = _write_pool_block(s, buf, key, np.int32(i), c=c, at=at, count=count, block=block)
+            at += rows
+        out[st.key(g)] = buf
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _device_init(s, key, init_block: int, host_too: bool):
+    """The buffers in HBM (pools drawn block by block inside a device loop, cache parts empty) and the caches'
+    directory; host buffers left out, or (`host_too`) drawn here too."""
     lay, emb, n, ax = s.layout, s.emb, s.num_devices, s.axis_name
-    pools = []
-    for c, w in enumerate(lay.widths):
-        mp = max([sum(1 for p in lay.pieces if lay.piece_pool[p] == c and p.device == j) for j in range(n)] + [1])
-        starts = np.full((n, mp + 1), lay.pool_rows[c], np.int32)
-        bnd = np.zeros((n, mp + 1), np.float32)
-        for j in range(n):
-            mine = sorted((p for p in lay.pieces if lay.piece_pool[p] == c and p.device == j),
-                          key=lambda p: lay.pool_row[p])
-            for i, p in enumerate(mine):
-                starts[j, i] = lay.pool_row[p]
-                bnd[j, i] = 1.0 / math.sqrt(emb.tables[p.table].num_embeddings)
-            starts[j, len(mine)] = sum(p.rows for p in mine)  # padding rows from here: bound 0
-            starts[j, len(mine) + 1 :] = lay.pool_rows[c] + 1
-        # The replicated tables' copies (rows [0, shared) on every device) are drawn alike on every device.
-        shared = sum(p.rows for p in lay.pieces
-                     if lay.piece_pool[p] == c and p.device == 0 and s.plan.strategies[p.table] == "data")
-        pools.append((jnp.asarray(starts), jnp.asarray(bnd), c, w, shared))
+    drawn = [host_too or loc == "device" for loc in lay.locations]
+    pools = [(*map(jnp.asarray, _pool_bounds(s, c)[:2]), c, w, _pool_bounds(s, c)[2]) if drawn[c] else None
+             for c, w in enumerate(lay.widths)]
 
     def body(key):
         j = jax.lax.axis_index(ax) if n > 1 else 0
         out = []
-        for starts, bnd, c, w, shared in pools:
+        for entry in pools:
+            if entry is None:
+                out.append(None)
+                continue
+            starts, bnd, c, w, shared = entry
             st, bd = starts[j], bnd[j]  # this device's pieces (then its padding rows: bound 0)
 
             def draw(k, r0, count, st=st, bd=bd, w=w):  # rows [r0, r0 + count) of this device's pool
@@ -232,13 +280,33 @@ def sharded_init(s, key, init_block: int):
 
     shapes = jax.eval_shape(lambda pools: s.global_tree(s.storage_buffers(pools)),
                             [jax.ShapeDtypeStruct((lay.pool_rows[c], w), emb.weights_dtype)
-                             for c, w in enumerate(lay.widths)])
-    out = smap(s, body, P(), jax.tree_util.tree_map(lambda _: P(ax), shapes))(key)
-    # Buffers of host tables: drawn on their devices as the others, then moved to host memory (a pool must fit its
-    # device's free memory once, here; `set_tables` fills host pools without passing through HBM)
-    host = s.host_keys()
-    return {k: jax.device_put(v, s.host_sharding()) if k in host and memory.host_memory() else v
-            for k, v in out.items()}
+                             if drawn[c] else None for c, w in enumerate(lay.widths)])
+    return smap(s, body, P(), jax.tree_util.tree_map(lambda _: P(ax), shapes))(key)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("c", "at", "count", "block"), donate_argnums=(1,))
+def _write_pool_block(s, buf, key, i, *, c: int, at: int, count: int, block: int):
+    """Block i of pool c (its rows from `at` in the host buffer `buf`, on every device), drawn as `_device_init`'s
+    `blocked_draw` draws it (one draw of `count` rows with the pool's key if the pool fits one block, else block i
+    with `fold_in(key, i)`, the last block ending at the pool's last row) and written in place."""
+    lay, emb, n, ax = s.layout, s.emb, s.num_devices, s.axis_name
+    starts, bnd, _ = _pool_bounds(s, c)
+    starts, bnd = jnp.asarray(starts), jnp.asarray(bnd)
+    rows, w = lay.pool_rows[c], lay.widths[c]
+
+    def body(buf, key, i):
+        j = jax.lax.axis_index(ax) if n > 1 else 0
+        k = jax.random.fold_in(jax.random.fold_in(key, j), c)
+        if rows > block:
+            k, r0 = jax.random.fold_in(k, i), jnp.minimum(i * block, rows - block)
+        else:
+            r0 = jnp.int32(0)
+        vals = init_rows(k, starts[j], bnd[j], r0, count, w, w, emb.weights_dtype)
+        pos = jnp.arange(count, dtype=jnp.int32)
+        buf = copy_rows(buf, vals, at + r0 + pos, pos, kernel=memory.host_memory())
+        return memory.keep_on_host(buf)
+
+    return smap(s, body, (P(ax), P(), P()), P(ax))(buf, key, i)
 
 
 def sharded_opt_init(s, opt, params):

@@ -274,10 +274,12 @@ class ShardedTableBatchedEmbedding:
 
     def storage_buffers(self, pools) -> dict:
         """On one device: the owners' params from each pool's rows (`pools[c]`), cache parts empty (and, with
-        cached pools, an empty directory)."""
+        cached pools, an empty directory); a buffer with a pool given as None is left out."""
         lay = self.storage.layout
         out = {}
         for g, parts in enumerate(self.storage_parts()):
+            if any(c >= 0 and pools[c] is None for c in parts):
+                continue
             xs = [pools[c] if c >= 0 else jnp.zeros((-c, lay.dims[g]), self.emb.weights_dtype) for c in parts]
             out[lay.key(g)] = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)
         if self.cached:

@@ -127,3 +127,36 @@ def test_sharded_tt_step_equals_one_device_step():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
     assert int(s_res.opt_state["tt"].count) == 1
     assert not np.array_equal(np.asarray(s_res.params["tt"]["cores"][0][0]), np.asarray(tables["tt"]["cores"][0][0]))
+
+
+def test_sharded_step_with_host_tables_equals_one_device_step():
+    # `--host-tables K --devices N`: the K largest tables "host_cached", sharded (each device caches its own
+    # pieces; the step prefetches on the owners): one step equals the one-device host model's step.
+    import dataclasses
+
+    n = 2
+    if len(jax.devices()) < n:
+        pytest.skip("needs 2 devices")
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+    data_cfg = data_lib.DataConfig.preset("tiny")
+    config = dataclasses.replace(model_lib.DLRMConfig.preset("tiny", data_cfg.table_rows, impl="xla"),
+                                 host_tables=3, cache_load_factor=0.3)
+    one, sharded = model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
+    assert sharded.emb.cached and sum(t.location == "host_cached" for t in one.emb.tables) == 3
+    opt = train.make_emb_opt(one, 0.05)
+    dense, tables = jax.jit(one.init)(jax.random.key(0))
+    state = one.emb.init_opt_state(tables, opt)
+    s_tables, s_state = sharded.emb.from_unsharded(tables, state)
+    s_dense = jax.device_put(dense, sharded.sharding())
+    gen = data_lib.ClickLogGenerator(data_cfg, 64, seed=3)
+    arrays = gen.batch(0).arrays()
+    local = sharded.shard_batch(arrays, train.local_padded_len(gen, n))
+    res = jax.jit(one.train_step)(dense, tables, state, opt, jax.device_put(arrays))
+    s_res = jax.jit(sharded.train_step)(s_dense, s_tables, s_state, opt,
+                                        jax.device_put(local, sharded.sharding("batch")))
+    np.testing.assert_allclose(float(s_res.loss), float(res.loss), rtol=1e-5)
+    assert int(sharded.emb.cache_stats(s_res.params)["fills"]) > 0  # the step prefetched on the owners
+    for a, b in zip(sharded.emb.get_tables(s_res.params), one.emb.get_tables(res.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    for a, b in zip(sharded.emb.get_momentum(s_res.opt_state), one.emb.get_momentum(res.opt_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)

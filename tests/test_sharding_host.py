@@ -313,3 +313,43 @@ def test_nnx_layer_on_a_mesh_prefetches_and_trains_as_the_all_device_one():
     plain = TableBatchedEmbed(TABLES, mesh=mesh(), rngs=nnx.Rngs(0), **kw)
     with pytest.raises(TypeError, match="host_cached"):
         plain.prefetch(idx, off)
+
+
+@multi
+@pytest.mark.parametrize("block", [None, 64], ids=["one-draw", "blocks"])
+def test_host_buffers_init_on_the_host_as_on_the_device(block, monkeypatch):
+    """`init` fills large host buffers (here: all) block by block without passing them through HBM
+    (`_write_pool_block`), with the values the device draw gives (`init` under a trace draws every pool on its
+    device: the reference), also with several blocks per pool (`tbe.INIT_BLOCK` elements: 4-8 rows a block)."""
+    from tbe_jax import shard_programs
+    from tbe_jax import tbe as tbe_module
+
+    if block:
+        monkeypatch.setattr(tbe_module, "INIT_BLOCK", block)
+    monkeypatch.setattr(shard_programs, "HOST_INIT_ON_DEVICE_BYTES", 0)  # every host buffer made on the host
+    emb = tbe_jax.TableBatchedEmbedding(CACHED, feature_table_map=FMAP, cache_ways=4, impl="xla")
+    sharded = tbe_jax.shard(emb, mesh(), "data", CACHED_PLAN)
+    params = sharded.init(jax.random.key(5))
+    on_device = jax.jit(lambda k: shard_programs.sharded_init(sharded, k, tbe_module.INIT_BLOCK))(jax.random.key(5))
+    assert set(params) == set(on_device) and sharded.host_keys() <= set(params)
+    for k in sharded.host_keys() | {"d8"}:
+        np.testing.assert_array_equal(np.asarray(params[k]), np.asarray(on_device[k]), err_msg=k)
+    for spec, tab in zip(CACHED, sharded.get_tables(params)):
+        bound = 1 / np.sqrt(spec.num_embeddings)
+        assert np.abs(np.asarray(tab)).max() <= bound and np.unique(np.asarray(tab)).size > tab.size // 2
+
+
+@multi
+def test_opt_state_of_host_buffers_under_jit():
+    """`init_opt_state` inside `jit` with the optimizer an argument (its hyperparameters traced, as the demo's jitted
+    init passes it): the host buffers' states are made in the program, equal to the eager ones."""
+    emb = tbe_jax.TableBatchedEmbedding(CACHED, feature_table_map=FMAP, cache_ways=4, impl="xla")
+    sharded = tbe_jax.shard(emb, mesh(), "data", CACHED_PLAN)
+    params = sharded.init(jax.random.key(1))
+    opt = tbe_jax.Adagrad(0.1, initial_accumulator_value=0.25)
+    got = jax.jit(sharded.init_opt_state)(params, opt)
+    want = sharded.init_opt_state(params, opt)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(np.asarray(sharded.get_momentum(got)[1]).min()) == 0.25

@@ -467,7 +467,7 @@ class DLRM:
         """One `tbe_jax.train_step`: the loss, the dense gradient (for optax) and the embeddings' new
         params and optimizer states (`opt`: the embedding optimizer, or `{"tbe": ..., "tt": ...}`)."""
         loss_fn = functools.partial(self.loss, batch=batch)
-        if self.config.host_tables and self.tt is None and self.mesh is None:  # this batch's rows into the cache
+        if self.config.host_tables and self.tt is None:  # this batch's rows into the cache (each owner's, sharded)
             emb_params, emb_state = self.emb.prefetch(emb_params, batch["indices"], batch["offsets"],
                                                       opt_state=emb_state)
         return tbe_jax.train_step(loss_fn, dense_params, self.sparse_lookups(emb_params, emb_state, opt, batch))

@@ -324,7 +324,7 @@ def parse_args(argv=None):
                     help="optimizer of the dense part (default: adam for dlrm, adagrad for dcnv2)")
     ap.add_argument("--host-tables", type=int, default=0,
                     help="keep the K largest embedding tables in host memory behind an HBM cache (location "
-                         "'host_cached'; one device, no TT tables)")
+                         "'host_cached'; with --devices N, each device caches its own pieces; no TT tables)")
     ap.add_argument("--cache-load-factor", type=float, default=0.2,
                     help="with --host-tables: each cache's share of its table's rows (default 0.2)")
     ap.add_argument("--emb-dtype", choices=("float32", "float16"), default="float32",
@@ -442,8 +442,8 @@ def main(argv=None) -> dict:
     if args.tt_tables:
         config = dataclasses.replace(config, tt_tables=args.tt_tables, tt_ranks=(args.tt_rank, args.tt_rank))
     if args.host_tables:
-        if args.tt_tables or mesh is not None:
-            raise SystemExit("--host-tables runs on one device without --tt-tables")
+        if args.tt_tables:
+            raise SystemExit("--host-tables runs without --tt-tables")
         config = dataclasses.replace(config, host_tables=args.host_tables, cache_load_factor=args.cache_load_factor)
     model = DLRM(config, mesh=mesh)
     tt_args = (args.tt_lr, args.tt_opt) if args.tt_tables else (None, "rowwise_adagrad")
