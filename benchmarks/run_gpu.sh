@@ -29,7 +29,10 @@
 #   host       (560 s) the host tier: its test file compiled (320 s: two runs of 140 and 290 s were cut), then `host_cache` (device / host_cached at lf 0.2 and
 #              0.05, alphas 1.05 and 1.2) -> host-tests.log, host-cache-*.json, host.log
 #   host-bench (~100 s) `host`'s benchmark part alone (to pair with FBGEMM's chunk calls) -> host-cache-*.json, host.log
-#   host-tests (400 s) `host`'s test file alone (a fresh machine ran 33 of its 36 in 300 s) -> host-tests.log
+#   host-tests (400 s) `host`'s test file alone, its tests spread over 6 workers (`--dist load`: the whole file
+#              ran in 80 s so, against >400 s on one worker) -> host-tests.log
+#   host-shard (200 s) the host tier's sharding tests (one GPU: the mesh-of-one ones) with the host test file,
+#              6 workers -> host-shard.log
 #   host-quick (~180 s) the overlap probe's decisive variants (one process each, 60 s in all) then the by-scope
 #              profile at alpha 1.2, lf 0.2 (the step alone, then with its prefetch) -> host-overlap.log, host-cache-*.json
 #   host-profile (300 s) the host_cached step at alpha 1.2, lf 0.2, 48 batches, with its per-kernel profile over the
@@ -94,8 +97,12 @@ for stage in "$@"; do
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
     host-bench) timeout 240 python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/host.log" ;;
-    host-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_host_cache.py > "$OUT/host-tests.log" 2>&1
+    host-tests) timeout 400 python3 -m pytest -v -n 6 --dist load -p no:benchmark tests/test_host_cache.py \
+          > "$OUT/host-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/host-tests.log" | tail -6 ;;
+    host-shard) timeout 200 python3 -m pytest -v -n 6 --dist load -p no:benchmark tests/test_sharding_host.py \
+          tests/test_sharded_input_errors.py tests/test_dlrm_sharded.py tests/test_host_cache.py > "$OUT/host-shard.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/host-shard.log" | tail -8 ;;
     host-quick) t0=$(date +%s)
         for v in work:0 gather:0 work+gather:0 work+gather@stream:1 work+gather@stream:0 write:0 work+write@stream:1; do
           [ $(( $(date +%s) - t0 )) -gt 60 ] && break
@@ -130,7 +137,8 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding needs 2+ GPUs, found $n"; continue; fi
         timeout 200 python3 -m pytest -q -n 4 -p no:benchmark tests/test_sharding.py tests/test_tt_sharding.py \
           tests/test_sharded_layers.py tests/test_tt_sharded_layers.py tests/test_dlrm_sharded.py \
-          tests/test_sharded_input_errors.py > "$OUT/sharding-tests.log" 2>&1; tail -3 "$OUT/sharding-tests.log"
+          tests/test_sharded_input_errors.py tests/test_sharding_host.py > "$OUT/sharding-tests.log" 2>&1
+        tail -3 "$OUT/sharding-tests.log"
         timeout 200 python3 -m benchmarks sharding --weak --capacity-fracs 1,feature --out "$OUT" 2>&1 \
           | grep -v Warning | tee "$OUT/sharding.log" | tail -8 ;;
     dcnv2) for run in ${DCNV2_RUNS:-65536:float32 16384:float32}; do b=${run%%:*}; dt=${run##*:}
