@@ -128,13 +128,16 @@ def _write_rows(buf, vals, start):
     return keep_on_host(copy_rows(buf, vals.astype(buf.dtype), start + at, at, kernel=host_memory()))
 
 
-def host_opt_slots(opt, params: dict) -> tuple:
-    """`opt.init(params)`'s slot trees (`opt.slots`) for buffers in host memory, made there (`host_full`): the
-    shapes from `jax.eval_shape`, each array's constant starting value from the state of a one-row buffer."""
+def host_opt_slots(opt, params: dict, *, full=None, put=None) -> tuple:
+    """`opt.init(params)`'s slot trees (`opt.slots`) for buffers in host memory, made there: the shapes from
+    `jax.eval_shape`, each array's constant starting value from the state of a one-row buffer, made on the host
+    by `full(shape, dtype, value)` (default `host_full`), or, when the value is traced (a jitted init), in the
+    program and placed by `put` (default `to_host`). A sharded embedding passes its own placements."""
+    full, put = full or host_full, put or to_host
     shapes = opt.slots(jax.eval_shape(opt.init, params))
     one = opt.slots(opt.init({k: jnp.zeros((1,) + tuple(v.shape[1:]), v.dtype) for k, v in params.items()}))
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(one)):  # a traced start value
-        return tuple({k: to_host(jnp.full(s.shape, o[k].reshape(-1)[0], s.dtype)) for k, s in tree.items()}
+        return tuple({k: put(jnp.full(s.shape, o[k].reshape(-1)[0], s.dtype)) for k, s in tree.items()}
                      for tree, o in zip(shapes, one))
-    return tuple({k: host_full(s.shape, s.dtype, np.asarray(o[k]).reshape(-1)[0]) for k, s in tree.items()}
+    return tuple({k: full(s.shape, s.dtype, np.asarray(o[k]).reshape(-1)[0]) for k, s in tree.items()}
                  for tree, o in zip(shapes, one))

@@ -160,17 +160,12 @@ def host_zeros(s, shape, dtype) -> jax.Array:
 
 
 def host_opt_slots(s, opt, params: dict) -> tuple:
-    """`opt`'s slot trees for the sharded buffers `params` that live in host memory, made there (as
-    `memory.host_opt_slots` makes a single device's): the global shapes from `jax.eval_shape`, each array's
-    constant starting value from the state of a one-row buffer, filled on the host and placed by shards."""
-    shapes = opt.slots(jax.eval_shape(opt.init, params))
-    one = opt.slots(opt.init({k: jnp.zeros((1,) + tuple(v.shape[1:]), v.dtype) for k, v in params.items()}))
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(one)):
-        # under a trace with a traced start value (a jitted init): made in the program, placed in host memory
-        return tuple({k: jax.device_put(jnp.full(x.shape, o[k].reshape(-1)[0], x.dtype), s.host_sharding())
-                      for k, x in tree.items()} for tree, o in zip(shapes, one))
-    return tuple({k: _from_blocks(s, np.full(x.shape, np.asarray(o[k]).reshape(-1)[0], x.dtype), True)
-                  for k, x in tree.items()} for tree, o in zip(shapes, one))
+    """`opt`'s slot trees for the sharded buffers `params` that live in host memory, made there as
+    `memory.host_opt_slots` makes a single device's (on the host, placed by shards; under a trace in the
+    program, placed in each device's host memory)."""
+    return memory.host_opt_slots(
+        opt, params, full=lambda shape, dtype, value: _from_blocks(s, np.full(shape, value, dtype), True),
+        put=lambda x: jax.device_put(x, s.host_sharding()))
 
 
 def _replicated(s, x):
