@@ -147,17 +147,22 @@ class HostCachedEmbedding(TableBatchedEmbedding):
 
     def set_tables(self, params, tables) -> dict:
         """Params holding `tables` (in their host parts; the cache empty), cast to weights_dtype."""
-        tables = checked_tables(self.tables, tables)
+        inner = self.inner_values(checked_tables(self.tables, tables))
+        return {**self.inner.set_tables(None, inner), CACHE: self.empty_cache()}
+
+    def inner_values(self, values) -> list:
+        """Per inner table its values, from one array per table (rows, or a state field's): a cached table's in
+        its host part, its cache part zeros (an empty cache)."""
         cl = self.cache_layout
         inner = [None] * len(self.inner.tables)
-        for t, arr in enumerate(tables):
+        for t, v in enumerate(values):
             if t in cl.tables:
                 i = cl.tables.index(t)
-                inner[cl.host_part[i]] = arr
-                inner[cl.cache_part[i]] = np.zeros((cl.slots[i], self.tables[t].embedding_dim), self.weights_dtype)
+                inner[cl.host_part[i]] = v
+                inner[cl.cache_part[i]] = np.zeros((cl.slots[i],) + tuple(v.shape[1:]), v.dtype)
             else:
-                inner[self.inner_of[t]] = arr
-        return {**self.inner.set_tables(None, inner), CACHE: self.empty_cache()}
+                inner[self.inner_of[t]] = v
+        return inner
 
     def init_opt_state(self, params, opt):
         """The inner tables' state, each slot with its `"cache_rows"` (no cache slot holds a state yet)."""

@@ -39,16 +39,8 @@ def _pack(emb, values) -> dict:
     parts (its caches are empty in `set_tables`'s params: no cache slot holds a state)."""
     if not hasattr(emb, "inner"):
         return emb.pack(values)
-    cl = emb.cache_layout
-    inner = [None] * len(emb.inner.tables)
-    for t, v in enumerate(values):
-        if t in cl.tables:
-            i = cl.tables.index(t)
-            inner[cl.host_part[i]] = v
-            inner[cl.cache_part[i]] = np.zeros((cl.slots[i],) + tuple(np.shape(v)[1:]), np.asarray(v).dtype)
-        else:
-            inner[emb.inner_of[t]] = v
-    return {**emb.inner.pack(inner), STATE_ROWS: jnp.full((cl.total_slots,), -1, jnp.int32)}
+    inner = emb.inner_values(values)
+    return {**emb.inner.pack(inner), STATE_ROWS: jnp.full((emb.cache_layout.total_slots,), -1, jnp.int32)}
 
 
 def from_unsharded(s, emb_params, emb_opt_state=None):
