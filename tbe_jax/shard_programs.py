@@ -251,8 +251,10 @@ def _device_init(s, key, init_block: int, host_too: bool):
     directory; host buffers left out, or (`host_too`) drawn here too."""
     lay, emb, n, ax = s.layout, s.emb, s.num_devices, s.axis_name
     drawn = [host_too or loc == "device" for loc in lay.locations]
-    pools = [(*map(jnp.asarray, _pool_bounds(s, c)[:2]), c, w, _pool_bounds(s, c)[2]) if drawn[c] else None
-             for c, w in enumerate(lay.widths)]
+    pools = []
+    for c, w in enumerate(lay.widths):
+        starts, bnd, shared = _pool_bounds(s, c) if drawn[c] else (None, None, 0)
+        pools.append((jnp.asarray(starts), jnp.asarray(bnd), c, w, shared) if drawn[c] else None)
 
     def body(key):
         j = jax.lax.axis_index(ax) if n > 1 else 0

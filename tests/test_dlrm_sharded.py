@@ -49,14 +49,21 @@ def test_demo_on_two_cpu_devices():
     assert after > before + 0.05, out
 
 
-def test_sharded_step_equals_one_device_step():
-    n = 2
+def _tiny_models(n=2, **changes):
+    """`(data config, one-device model, model on a mesh of n devices)`: the tiny preset with `changes`."""
+    import dataclasses
+
     if len(jax.devices()) < n:
-        pytest.skip("needs 2 devices")
+        pytest.skip(f"needs {n} devices")
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
     data_cfg = data_lib.DataConfig.preset("tiny")
-    config = model_lib.DLRMConfig.preset("tiny", data_cfg.table_rows, impl="xla")
-    one, sharded = model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
+    config = dataclasses.replace(model_lib.DLRMConfig.preset("tiny", data_cfg.table_rows, impl="xla"), **changes)
+    return data_cfg, model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
+
+
+def test_sharded_step_equals_one_device_step():
+    n = 2
+    data_cfg, one, sharded = _tiny_models(n)
     assert sharded.num_devices == n and one.num_devices == 1
     opt = train.make_emb_opt(one, 0.05)
     dense, tables = jax.jit(one.init)(jax.random.key(0))
@@ -86,18 +93,10 @@ def test_sharded_tt_step_equals_one_device_step():
     # TT tables on a mesh (tt_jax.shard: cores replicated, data parallel): one step on a batch split by
     # DLRM.shard_batch (each local batch split into the TBE's and the TT tables' features) equals the
     # one-device model's step on the whole batch (split by DLRM.split_batch).
-    import dataclasses
-
     import tt_jax
 
     n = 2
-    if len(jax.devices()) < n:
-        pytest.skip("needs 2 devices")
-    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
-    data_cfg = data_lib.DataConfig.preset("tiny")
-    config = dataclasses.replace(model_lib.DLRMConfig.preset("tiny", data_cfg.table_rows, impl="xla"),
-                                 tt_tables=2, tt_ranks=(4, 4))
-    one, sharded = model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
+    data_cfg, one, sharded = _tiny_models(n, tt_tables=2, tt_ranks=(4, 4))
     assert isinstance(sharded.tt, tt_jax.ShardedTTEmbeddingBag) and sharded.tt_unsharded == one.tt
     opt = train.make_emb_opt(one, 0.05, 0.1)
     dense, tables = jax.jit(one.init)(jax.random.key(0))
@@ -132,16 +131,8 @@ def test_sharded_tt_step_equals_one_device_step():
 def test_sharded_step_with_host_tables_equals_one_device_step():
     # `--host-tables K --devices N`: the K largest tables "host_cached", sharded (each device caches its own
     # pieces; the step prefetches on the owners): one step equals the one-device host model's step.
-    import dataclasses
-
     n = 2
-    if len(jax.devices()) < n:
-        pytest.skip("needs 2 devices")
-    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
-    data_cfg = data_lib.DataConfig.preset("tiny")
-    config = dataclasses.replace(model_lib.DLRMConfig.preset("tiny", data_cfg.table_rows, impl="xla"),
-                                 host_tables=3, cache_load_factor=0.3)
-    one, sharded = model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
+    data_cfg, one, sharded = _tiny_models(n, host_tables=3, cache_load_factor=0.3)
     assert sharded.emb.cached and sum(t.location == "host_cached" for t in one.emb.tables) == 3
     opt = train.make_emb_opt(one, 0.05)
     dense, tables = jax.jit(one.init)(jax.random.key(0))
