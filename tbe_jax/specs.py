@@ -25,11 +25,14 @@ class TableSpec:
       embedding_dim: values per row (D), at least 1.
       name: optional label, used in error messages.
       bag_size_hint: optional typical bag length of the features reading this
-        table. Only small tables use it (E <= 64, 64 <= D <= 128; see
-        `TableBatchedEmbedding.plan`): it fixes their forward's kernel (>= 64: the
-        histogram kernel, smaller: the generic one). Without it (the default) that
-        choice is made on the device for each batch from the bag lengths. Never
-        needed for correctness, nor for speed in the usual case.
+        table (a multi-hot size fixed by the data, as MLPerf DLRMv2's). Never needed
+        for correctness; it changes only the forward's schedule. At most 2: the
+        features get programs of `ForwardConfig.short_bag_groups` sub-groups of bags
+        (one-id bags pay a program's fixed cost once per more bags: MLPerf DLRMv2's
+        tables' forward 1.1x -> 1.37x FBGEMM's on an H200, docs/kernels.md). Small
+        tables (E <= 64, 64 <= D <= 128; see `TableBatchedEmbedding.plan`): >= 64 fixes
+        the histogram kernel, smaller the generic one; without a hint that choice is
+        made on the device for each batch from the bag lengths.
       location: where the table's rows live. "device" (default): in the GPU's memory. "host": in pinned host
         memory, read and written in place by the kernels over the bus (no copy, no cache; for tables larger
         than the GPU's memory, at the bus's speed). "host_cached": in pinned host memory with its hot rows in

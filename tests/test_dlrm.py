@@ -347,6 +347,13 @@ def test_dcnv2_trains_toward_the_oracle_and_its_cross_layer(tmp_path):
     model = model_lib.DLRM(model_lib.DLRMConfig.preset("tiny", data_lib.DataConfig.preset("tiny", True).table_rows,
                                                        impl="xla", model="dcnv2"))
     assert model.interaction_dim == w and model.config.dcn_layers == 3
+    # The fixed multi-hot sizes reach the tables as their bag_size_hints (the forward's schedule for 1-2 ids).
+    _, config = train.configs("tiny", "dcnv2")
+    assert config.bag_size_hints == tuple(data_lib.MLPERF_BAG_SIZES)
+    assert [t.bag_size_hint for t in model_lib.DLRM(config).emb.tables] == list(data_lib.MLPERF_BAG_SIZES)
+    assert train.configs("tiny", "dlrm")[1].bag_size_hints is None
+    with pytest.raises(ValueError, match="bag_size_hints"):
+        dataclasses.replace(config, bag_size_hints=(1,))
 
     # One trained cross layer against x0 * (U (V^T x) + b) + x in float64; x0's layout [bottom, pooled].
     rng = np.random.default_rng(0)

@@ -80,10 +80,15 @@ class DLRMConfig:
     matmul_precision: str = "default"  # `precision=` of every dense matmul ("default": the backend's)
     host_tables: int = 0  # the K largest TBE tables kept in host memory behind an HBM cache ("host_cached")
     cache_load_factor: float = 0.2  # their caches' share of their rows
+    # Per sparse feature, its fixed bag size where the data has one (MLPerf's multi-hot sizes): the tables'
+    # `bag_size_hint`s (one- and two-id features then get the forward's grouped schedule). None: no hints.
+    bag_size_hints: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.interaction not in ("dot", "dcn"):
             raise ValueError(f"interaction={self.interaction!r} must be 'dot' or 'dcn'")
+        if self.bag_size_hints is not None and len(self.bag_size_hints) != len(self.table_rows):
+            raise ValueError(f"bag_size_hints has {len(self.bag_size_hints)} entries for {len(self.table_rows)} tables")
 
     @staticmethod
     def preset(size: str, table_rows, impl: str = "auto", model: str = "dlrm",
@@ -257,7 +262,8 @@ class DLRM:
         self.tbe_features = tuple(f for f in range(len(rows)) if f not in self.tt_features)
         # The K largest TBE tables in host memory behind an HBM cache (`--host-tables`): prefetched in the step.
         host = set(sorted(self.tbe_features, key=lambda f: (-rows[f], f))[:config.host_tables])
-        specs = [tbe_jax.TableSpec(rows[f], config.embedding_dim, name=f"C{f + 1}",
+        hints = config.bag_size_hints or (None,) * len(rows)
+        specs = [tbe_jax.TableSpec(rows[f], config.embedding_dim, name=f"C{f + 1}", bag_size_hint=hints[f],
                                    location="host_cached" if f in host else "device") for f in self.tbe_features]
         self.emb = tbe_jax.TableBatchedEmbedding(specs, pooling="sum", weights_dtype=config.weights_dtype,
                                                  impl=config.impl, interpret=interpret,

@@ -413,10 +413,12 @@ def make_mesh(n: int):
 
 def configs(size: str, model: str = "dlrm", *, impl: str = "auto", emb_dtype: str = "float32",
             matmul_precision: str | None = None) -> tuple[data_lib.DataConfig, DLRMConfig]:
-    """The data's and the model's configs of a `--size` and `--model` (dcnv2: fixed bag sizes); `matmul_precision`
-    None keeps the model's default."""
+    """The data's and the model's configs of a `--size` and `--model` (dcnv2: fixed bag sizes, given to the tables
+    as their `bag_size_hint`s); `matmul_precision` None keeps the model's default."""
     data_cfg = data_lib.DataConfig.preset(size, fixed_bags=model == "dcnv2")
     config = DLRMConfig.preset(size, data_cfg.table_rows, impl=impl, model=model, weights_dtype=emb_dtype)
+    if data_cfg.bag_sizes is not None:
+        config = dataclasses.replace(config, bag_size_hints=tuple(int(n) for n in data_cfg.bag_sizes))
     if matmul_precision is not None:
         config = dataclasses.replace(config, matmul_precision=matmul_precision)
     return data_cfg, config
