@@ -315,23 +315,26 @@ def test_nnx_layer_on_a_mesh_prefetches_and_trains_as_the_all_device_one():
         plain.prefetch(idx, off)
 
 
-@multi
-@pytest.mark.parametrize("block", [None, 64], ids=["one-draw", "blocks"])
-def test_host_buffers_init_on_the_host_as_on_the_device(block, monkeypatch):
+@pytest.mark.parametrize("n,block", [(1, 64), pytest.param(N_DEV, None, marks=multi),
+                                     pytest.param(N_DEV, 64, marks=multi)], ids=["one-blocks", "one-draw", "blocks"])
+def test_host_buffers_init_on_the_host_as_on_the_device(n, block, monkeypatch):
     """`init` fills large host buffers (here: all) block by block without passing them through HBM
     (`_write_pool_block`), with the values the device draw gives (`init` under a trace draws every pool on its
-    device: the reference), also with several blocks per pool (`tbe.INIT_BLOCK` elements: 4-8 rows a block)."""
+    device: the reference), also with several blocks per pool (`tbe.INIT_BLOCK` elements: 4-8 rows a block). On a
+    mesh of one too (one GPU: the block writer compiled, into pinned host memory)."""
     from tbe_jax import shard_programs
     from tbe_jax import tbe as tbe_module
 
     if block:
         monkeypatch.setattr(tbe_module, "INIT_BLOCK", block)
     monkeypatch.setattr(shard_programs, "HOST_INIT_ON_DEVICE_BYTES", 0)  # every host buffer made on the host
-    emb = tbe_jax.TableBatchedEmbedding(CACHED, feature_table_map=FMAP, cache_ways=4, impl="xla")
-    sharded = tbe_jax.shard(emb, mesh(), "data", CACHED_PLAN)
+    emb = tbe_jax.TableBatchedEmbedding(CACHED, feature_table_map=FMAP, cache_ways=4,
+                                        **(KERNEL_KW if ON_GPU else dict(impl="xla")))
+    sharded = tbe_jax.shard(emb, mesh(n), "data", CACHED_PLAN if n > 1 else None)
     params = sharded.init(jax.random.key(5))
     on_device = jax.jit(lambda k: shard_programs.sharded_init(sharded, k, tbe_module.INIT_BLOCK))(jax.random.key(5))
     assert set(params) == set(on_device) and sharded.host_keys() <= set(params)
+    assert all(memory.on_host(params[k]) == memory.host_memory() for k in sharded.host_keys())
     for k in sharded.host_keys() | {"d8"}:
         np.testing.assert_array_equal(np.asarray(params[k]), np.asarray(on_device[k]), err_msg=k)
     for spec, tab in zip(CACHED, sharded.get_tables(params)):
