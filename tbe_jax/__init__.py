@@ -13,7 +13,7 @@ from tbe_jax.host_cache import HostCachedEmbedding
 from tbe_jax.placement import plan_locations
 from tbe_jax.quant import QuantizedTableBatchedEmbedding, quantize
 from tbe_jax.sharding import ShardedTableBatchedEmbedding, ShardingPlan, plan_sharding, shard
-from tbe_jax.specs import TableSpec
+from tbe_jax.specs import TableSpec, hint_bag_sizes
 from tbe_jax.tbe import TableBatchedEmbedding
 from tbe_jax.train import SparseLookup, StepReport, TrainStepResult, train_step
 from tbe_jax.vbe import VariableBatchSizes
@@ -22,6 +22,6 @@ __all__ = [
     "Adagrad", "AdagradState", "Adam", "AdamState", "BackwardConfig", "BoundsReport", "ForwardConfig",
     "HistogramConfig", "HostCachedEmbedding", "Lamb", "Optimizer", "PartialRowwiseAdam", "PartialRowwiseLamb", "QuantizedTableBatchedEmbedding", "RowwiseAdagrad", "RowwiseAdagradState", "SGD", "SGDState", "ShardedTableBatchedEmbedding", "ShardingPlan", "SparseLookup",
     "StepReport", "TableBatchedEmbedding", "TableSpec", "TrainStepResult", "VariableBatchSizes", "plan_locations", "plan_sharding",
-    "quantize", "shard", "train_step",
+    "hint_bag_sizes", "quantize", "shard", "train_step",
 ]
 __version__ = "0.2.0"

@@ -296,3 +296,51 @@ def checked_feature_table_map(feature_table_map, num_tables: int) -> tuple[int, 
         if not 0 <= t < num_tables:
             raise ValueError(f"feature_table_map[{f}]={t} is not a table index in [0, {num_tables})")
     return tuple(fmap)
+
+
+def hint_bag_sizes(tables: Sequence[TableSpec], offsets, feature_table_map=None,
+                   batch_size_per_feature=None) -> list[TableSpec]:
+    """`tables` with each table's `bag_size_hint` set from a sample batch: the mean bag length of the features
+    that read it in `offsets` (FBGEMM's layout, feature-major, as `TableBatchedEmbedding` takes it), rounded half
+    up. Tables no feature reads, and those of features without bags in the sample, keep their hint.
+
+    For models whose bag lengths are not fixed by the data (with fixed multi-hot sizes, give the sizes): one call
+    on a representative batch, outside `jit` (it reads the offsets' values), before building the embedding.
+    Hints change only the forward's schedule (`TableSpec.bag_size_hint`), never a result.
+
+      >>> import numpy as np, tbe_jax
+      >>> tables = [tbe_jax.TableSpec(1000, 16), tbe_jax.TableSpec(50, 64)]
+      >>> offsets = np.array([0, 1, 2, 2, 3, 23, 43, 63, 83])   # B = 4: one id per bag, then 20 per bag
+      >>> [t.bag_size_hint for t in tbe_jax.hint_bag_sizes(tables, offsets)]
+      [1, 20]
+    """
+    import jax
+
+    if isinstance(offsets, jax.core.Tracer):
+        raise TypeError("hint_bag_sizes reads a sample batch's offsets: call it outside jit, on concrete values")
+    tables = list(tables)
+    fmap = checked_feature_table_map(feature_table_map, len(tables))
+    off = np.asarray(offsets)
+    if off.ndim != 1 or off.size < 1 or not np.issubdtype(off.dtype, np.integer):
+        raise ValueError(f"offsets must be a 1-D integer array, got shape {off.shape} and dtype {off.dtype}")
+    off = off.astype(np.int64)
+    bags = off.size - 1
+    if batch_size_per_feature is None:
+        if bags % len(fmap):
+            raise ValueError(f"offsets has {bags} bags, not a multiple of the {len(fmap)} features "
+                             "(variable batch sizes: pass batch_size_per_feature)")
+        bpf = [bags // len(fmap)] * len(fmap)
+    else:
+        bpf = [int(b) for b in batch_size_per_feature]
+        if len(bpf) != len(fmap) or min(bpf) < 0 or sum(bpf) != bags:
+            raise ValueError(f"batch_size_per_feature {bpf} must give {len(fmap)} features' bag counts summing to "
+                             f"the {bags} bags of offsets")
+    if np.any(np.diff(off) < 0):
+        raise ValueError("offsets must be non-decreasing")
+    starts = np.concatenate([[0], np.cumsum(bpf)])
+    ids, count = np.zeros(len(tables), np.int64), np.zeros(len(tables), np.int64)
+    for f, t in enumerate(fmap):
+        ids[t] += off[starts[f + 1]] - off[starts[f]]
+        count[t] += bpf[f]
+    return [dataclasses.replace(spec, bag_size_hint=int(np.floor(ids[t] / count[t] + 0.5))) if count[t] else spec
+            for t, spec in enumerate(tables)]

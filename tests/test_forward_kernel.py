@@ -258,3 +258,35 @@ def test_short_bag_hint_segment(rng):
     assert int(rep.invalid_indices) == int(want_rep.invalid_indices) == int(np.sum(idx == -3))
     with pytest.raises(ValueError, match="short_bag_groups"):
         tbe_jax.ForwardConfig(short_bag_groups=3)
+
+
+def test_hint_bag_sizes_from_a_sample_batch(rng):
+    """`tbe_jax.hint_bag_sizes`: per table the mean bag length of its features in a sample (shared tables pooled,
+    VBE, a table without bags keeps its hint); the hinted embedding's output equals the unhinted one's (one-id
+    features then take the short-bag segment); bad samples are refused with the reason."""
+    tables = specs([40, 9, 300, 20], [16, 16, 16, 8])
+    tables[3] = tbe_jax.TableSpec(20, 8, bag_size_hint=7)
+    fmap, batch = [0, 1, 0, 2, 3], [5, 4, 3, 6, 0]
+    lengths = np.concatenate([np.ones(5), [0, 2, 3, 4], [2, 2, 1], np.full(6, 30), []]).astype(np.int64)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    hinted = tbe_jax.hint_bag_sizes(tables, off, fmap, batch_size_per_feature=batch)
+    assert [t.bag_size_hint for t in hinted] == [1, 2, 30, 7]  # table 0: (5 + 5) ids / 8 bags = 1.25
+    assert [(t.num_embeddings, t.embedding_dim) for t in hinted] == [(t.num_embeddings, t.embedding_dim) for t in tables]
+    idx = (rng.random(off[-1]) * np.repeat(np.repeat([tables[t].num_embeddings for t in fmap], batch), lengths)
+           ).astype(np.int32)
+    kw = dict(feature_table_map=fmap, weights_dtype="float16", **KERNEL_KW)
+    plain, hint = tbe_jax.TableBatchedEmbedding(tables, **kw), tbe_jax.TableBatchedEmbedding(hinted, **kw)
+    params = plain.init(jax.random.key(0))
+    bpf = tuple(batch)
+    np.testing.assert_array_equal(np.asarray(hint(params, idx, off, batch_size_per_feature=bpf)),
+                                  np.asarray(plain(params, idx, off, batch_size_per_feature=bpf)))
+    # B = 2 (no batch_size_per_feature): 1.5 ids a bag rounds up to 2, 1.0 stays 1
+    assert [t.bag_size_hint for t in tbe_jax.hint_bag_sizes(tables[:2], np.array([0, 1, 3, 3, 5]))] == [2, 1]
+    with pytest.raises(ValueError, match="not a multiple"):
+        tbe_jax.hint_bag_sizes(tables[:2], np.arange(4))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tbe_jax.hint_bag_sizes(tables[:2], np.array([0, 2, 1, 3, 4]))
+    with pytest.raises(ValueError, match="batch_size_per_feature"):
+        tbe_jax.hint_bag_sizes(tables[:2], np.arange(5), batch_size_per_feature=[3, 3])
+    with pytest.raises(TypeError, match="outside jit"):
+        jax.jit(lambda o: tbe_jax.hint_bag_sizes(tables[:2], o))(jnp.arange(5))
