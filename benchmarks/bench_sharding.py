@@ -9,7 +9,10 @@ process on device 0:
     batch, n x local batch);
   - "base": the base preset as is (32 tables, batch = local batch).
 The collectives alone (the same all_to_all shapes: ids out, pooled rows back, gradients out) are
-timed apart as "comm".
+timed apart as "comm". `--locations device,host_cached` also times the tables in host memory behind each
+device's HBM cache (`--cache-load-factor`; the step prefetches its own batch on the owners first, as the
+one-GPU `host_cache` benchmark does) or read over the bus ("host"); `--alpha` > 1 draws Zipf ids (a cache
+needs skew to hit).
 
 Big model (`--big`): `--big-tables` tables of `--big-rows` rows x 128 fp16 (default 16 x 50M: 205 GB)
 plus row-wise Adagrad state, which no single H200 holds, trained across the GPUs; tables start at zero
@@ -22,6 +25,7 @@ Results: benchmarks/results/sharding-<date>-<gpu>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -65,11 +69,14 @@ def global_inputs(idx, off, num_tables, b):
     return np.concatenate(gi).astype(np.int32), np.asarray(go, np.int32)
 
 
-def train_fn(emb, opt):
-    """`carry=(params, state) -> carry`: one train_step with a fixed output gradient (loss = <out, g>)."""
+def train_fn(emb, opt, prefetch: bool = False):
+    """`carry=(params, state) -> carry`: one train_step with a fixed output gradient (loss = <out, g>); with
+    `prefetch` (tables behind a cache), the batch's rows prefetched first."""
 
     def step(carry, idx, off, g):
         params, state, acc = carry  # the loss is accumulated: the forward must run
+        if prefetch:
+            params, state = emb.prefetch(params, idx, off, opt_state=state)
         res = tbe_jax.train_step(lambda _, out: jnp.vdot(out, g), None,
                                  tbe_jax.SparseLookup(emb, opt, params, state, idx, off))
         return res.params, res.opt_state, acc + res.loss + res.report.invalid_indices
@@ -80,21 +87,24 @@ def train_fn(emb, opt):
 def weak(args, n, rng, results):
     wl = testing.PRESETS["base"]
     t_per, rows, dim, bag, b = args.tables_per_gpu or wl.T, args.rows or wl.E, wl.D, wl.L, args.local_batch
+    alpha = wl.alpha if args.alpha is None else args.alpha
     opt = tbe_jax.RowwiseAdagrad(LR, EPS)
     kw = dict(weights_dtype=jnp.float16, output_dtype=jnp.float32, impl=args.impl)
     tables = [tbe_jax.TableSpec(rows, dim) for _ in range(t_per * n)]
-    emb = tbe_jax.TableBatchedEmbedding(tables, **kw)
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    sets = [local_inputs(rng, t_per * n, rows, b, bag, wl.alpha, n) for _ in range(args.sets)]
-    out = {"tables_per_gpu": t_per, "rows": rows, "dim": dim, "bag": bag, "local_batch": b, "n": n}
+    sets = [local_inputs(rng, t_per * n, rows, b, bag, alpha, n) for _ in range(args.sets)]
+    out = {"tables_per_gpu": t_per, "rows": rows, "dim": dim, "bag": bag, "local_batch": b, "n": n, "alpha": alpha,
+           "cache_load_factor": args.cache_load_factor}
     lookups = t_per * n * b * bag * n
-    cases = [(p, c, cd) for p in args.plans.split(",") for c in args.capacity_fracs.split(",")
-             for cd in args.comm_dtypes.split(",")]
+    cases = [(p, c, cd, loc) for loc in args.locations.split(",") for p in args.plans.split(",")
+             for c in args.capacity_fracs.split(",") for cd in args.comm_dtypes.split(",")]
     # "feature": per-feature counts (the most ids any device has for each feature, over the sets), from which
     # tbe_jax.shard sizes each destination exactly for the plan (see its `capacity`)
     counts = [int(max(o[k, (f + 1) * b] - o[k, f * b] for _, o in sets for k in range(n)))
               for f in range(len(tables))]
-    for plan_name, frac, comm in cases:
+    for plan_name, frac, comm, loc in cases:
+        emb = tbe_jax.TableBatchedEmbedding([dataclasses.replace(t, location=loc) for t in tables],
+                                            cache_load_factor=args.cache_load_factor, **kw)
         per_feature = frac == "feature"
         frac = 0.0 if per_feature else float(frac)
         plan = {t: plan_name for t in range(len(tables))} if plan_name in ("row", "column", "data") else None
@@ -107,6 +117,8 @@ def weak(args, n, rng, results):
                 else f"{plan_name}@capacity{frac}")
         if comm != "none":
             case += f"@comm_{comm}"
+        if loc != "device":
+            case += f"@{loc}"
         params = sharded.init(jax.random.key(0))
         state = sharded.init_opt_state(params, opt)
         spec = NamedSharding(mesh, P("data"))
@@ -114,9 +126,11 @@ def weak(args, n, rng, results):
         dev_sets = [(jax.device_put(i, spec), jax.device_put(o, spec), g) for i, o in sets]
         fwd = jax.jit(lambda p, i, o: sharded.forward_with_report(p, i, o)[1].invalid_indices)
         dropped = int(fwd(params, *dev_sets[0][:2]))
-        ms, carry = timed(train_fn(sharded, opt), (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
+        step = train_fn(sharded, opt, prefetch=sharded.cached)
+        ms, carry = timed(step, (params, state, jnp.float32(0)), dev_sets, args.iters, args.reps)
+        stats = ({k: float(v) for k, v in sharded.cache_stats(carry[0]).items()} if sharded.cached else None)
         if args.profile:  # GPU time per kernel name, summed over the devices, per step
-            prof = profile(train_fn(sharded, opt), carry, dev_sets, args.iters)
+            prof = profile(step, carry, dev_sets, args.iters)
             out[case + "_profile_top"] = dict(list(prof.items())[:25])
             print(case, "profile", json.dumps(out[case + "_profile_top"])[:3000], flush=True)
         params, state, _ = carry
@@ -142,14 +156,16 @@ def weak(args, n, rng, results):
                      "capacity": sharded.capacity if per_feature else capacity,
                      "dropped_ids_first_batch": dropped,
                           "plan": {s: sharded.plan.strategies.count(s) for s in set(sharded.plan.strategies)}}
+        if stats is not None:
+            out[case]["cache_stats"] = stats
         print(case, out[case], flush=True)
     # 1-GPU references on device 0
     dev0 = jax.devices()[0]
     share = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(rows, dim) for _ in range(t_per)], **kw)
     for name, batch, inputs in (
-        ("share", n * b, [global_inputs(*local_inputs(rng, t_per, rows, b, bag, wl.alpha, n), t_per, b)
+        ("share", n * b, [global_inputs(*local_inputs(rng, t_per, rows, b, bag, alpha, n), t_per, b)
                           for _ in range(args.sets)]),
-        ("base", b, [local_inputs(rng, t_per, rows, b, bag, wl.alpha, 1) for _ in range(args.sets)]),
+        ("base", b, [local_inputs(rng, t_per, rows, b, bag, alpha, 1) for _ in range(args.sets)]),
     ):
         if name == "base":
             inputs = [(i[0], o[0]) for i, o in inputs]
@@ -243,6 +259,10 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=0, help="weak: rows per table (0: the preset's)")
     ap.add_argument("--tables-per-gpu", type=int, default=0, help="weak: tables per GPU (0: the preset's)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--locations", default="device", help="weak: the tables' locations to time, e.g. "
+                    "device,host_cached (host tables take the table and row plans only)")
+    ap.add_argument("--cache-load-factor", type=float, default=0.2)
+    ap.add_argument("--alpha", type=float, default=None, help="weak: Zipf exponent of the ids (default: the preset's)")
     ap.add_argument("--sets", type=int, default=2)
     ap.add_argument("--out", default="", help="a directory (default benchmarks/results) or a .json path")
     args = ap.parse_args(argv)

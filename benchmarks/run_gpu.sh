@@ -57,6 +57,8 @@
 #              on an H100 (80 GB HBM, 128 GB host RAM): HOST_BIG_ROWS=22000000 HBM_BUDGET_GB=55 (~92 GB)
 #   sharding   (400 s; 2+ GPUs) the sharded test files compiled, then weak scaling (table and row plans, default and
 #              per-feature capacity) -> sharding-tests.log, sharding-*.json, sharding.log
+#   sharding-host (300 s; 2+ GPUs) weak scaling with the tables in host memory behind each device's cache (table and
+#              row plans, Zipf 1.2 ids, lf 0.2) beside the same plans in HBM -> sharding-*.json, sharding-host.log
 # Older stages (A/Bs of switches since removed, one-off traces) are in this file's git history.
 set -u
 OUT=${OUT:-gpu-out}
@@ -156,6 +158,10 @@ for stage in "$@"; do
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
         timeout 270 python3 -m benchmarks fbgemm_quant --time --shards "${QUANT_SHARDS:-10}" \
           --out "$OUT/fbgemm-quant-time.json" 2>&1 | grep -v Warning >> "$OUT/quant-fbgemm.log"; tail -5 "$OUT/quant-fbgemm.log" ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-ab host-admit host-fbgemm host-big sharding)" ;;
+    sharding-host) n=$(nvidia-smi -L | wc -l)
+        if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
+        timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
+          --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
