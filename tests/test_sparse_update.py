@@ -110,14 +110,83 @@ def test_touched_rows():
     assert int(slot_row[int(slot[4])]) == 8  # a dead lookup's slot holds the sentinel
 
 
-def test_no_dense_work():
-    """The jitted XLA update of a 1M-row table: every op but the final scatters has batch-sized operands."""
-    emb = tbe_jax.TableBatchedEmbedding(specs([1 << 20], [16]), impl="xla")
-    opt = tbe_jax.Adam(0.01)
+BIG = 1 << 18  # rows of the "large" tables: no batch-sized array of these tests comes near it
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr`, those of nested jaxprs (jit, shard_map, cond, while bodies) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def _table_sized(fn, *args, rows=BIG):
+    """The primitives of `fn`'s traced program (nested ones included) with an output of `rows` or more along some
+    axis, the calls that only wrap nested programs (jit, shard_map) left out."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return sorted(e.primitive.name for e in _eqns(jaxpr.jaxpr)
+                  if e.primitive.name not in ("jit", "pjit", "shard_map")
+                  and any(s >= rows for v in e.outvars for s in getattr(v.aval, "shape", ())))
+
+
+def _step(emb, opt, idx, off, prefetch=False):
+    def step(p, s):
+        if prefetch:
+            p, s = emb.prefetch(p, idx, off, opt_state=s)
+        res = tbe_jax.train_step(lambda _, out: jnp.sum(out * out), None, tbe_jax.SparseLookup(emb, opt, p, s, idx, off))
+        return res.params, res.opt_state
+    return step
+
+
+def _abstract(emb, opt):
     params = jax.eval_shape(lambda: emb.init(jax.random.key(0)))
-    state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
-    idx, off = np.zeros(64, np.int32), np.arange(0, 65, 2, dtype=np.int32)
-    g = jax.ShapeDtypeStruct((32, 16), jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda p, s, g: emb.apply_gradients(p, s, opt, idx, off, g))(params, state, g)
-    big = [e for e in jaxpr.eqns if any(getattr(v.aval, "shape", (0,))[:1] == (1 << 20,) for v in e.outvars)]
-    assert big and all(e.primitive.name == "scatter" for e in big), [e.primitive.name for e in big]
+    return params, jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
+
+
+@pytest.mark.parametrize("opt", OPTS, ids=lambda o: type(o).__name__ + ("-sr" if getattr(o, "stochastic_rounding",
+                                                                                         False) else ""))
+def test_no_dense_work(opt):
+    """The XLA path's update of large tables, by `apply_gradients` and by `train_step`, for every optimizer: every
+    op but the final in-place scatters has batch-sized outputs (issue 36: no per-step work proportional to a
+    table)."""
+    emb = tbe_jax.TableBatchedEmbedding(specs([BIG + 5, BIG + 9, 100], [16, 8, 8]), impl="xla")
+    params, state = _abstract(emb, opt)
+    idx, off = np.zeros(64, np.int32), np.concatenate([np.arange(0, 64, 2), np.full(17, 64)]).astype(np.int32)
+    g = jax.ShapeDtypeStruct((16, sum(emb.feature_dims)), jnp.float32)
+    for fn, args in ((lambda p, s, g: emb.apply_gradients(p, s, opt, idx, off, g), (params, state, g)),
+                     (_step(emb, opt, idx, off), (params, state))):
+        big = _table_sized(fn, *args)
+        assert big and set(big) == {"scatter"}, big
+
+
+@pytest.mark.parametrize("location", ["host", "host_cached"])
+def test_no_dense_work_in_host_memory(location):
+    """Tables in host memory (the XLA path of the CPU): the training step, with the cache's prefetch, touches a
+    large table (its rows, its directory) only through scatters."""
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    tables = [tbe_jax.TableSpec(BIG + 5, 16, location=location), tbe_jax.TableSpec(BIG + 9, 8),
+              tbe_jax.TableSpec(100, 8)]
+    emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla", cache_load_factor=0.2)
+    idx, off = np.zeros(64, np.int32), np.concatenate([np.arange(0, 64, 2), np.full(17, 64)]).astype(np.int32)
+    big = _table_sized(_step(emb, opt, idx, off, prefetch=location == "host_cached"), *_abstract(emb, opt))
+    assert big and set(big) == {"scatter"}, big
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU suite fakes them)")
+@pytest.mark.parametrize("opt", [tbe_jax.RowwiseAdagrad(0.1), tbe_jax.Adam(0.01)], ids=["rowwise", "adam"])
+def test_no_dense_work_sharded(opt):
+    """Sharded over 4 devices, every strategy in one model (row, table, column, data): inside the devices'
+    programs only scatters produce arrays as large as a device's share of a table."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    tables = specs([BIG + 5, BIG + 9, BIG + 7, 100], [16, 16, 8, 8])
+    emb = tbe_jax.TableBatchedEmbedding(tables, impl="xla")
+    sharded = tbe_jax.shard(emb, mesh, "data", {0: "row", 1: "table", 2: "column", 3: "data"})
+    b = 8
+    idx = np.zeros((4, 4 * b * 2), np.int32)
+    off = np.tile(np.arange(0, 4 * b * 2 + 1, 2, dtype=np.int32), (4, 1))
+    big = _table_sized(_step(sharded, opt, idx, off), *_abstract(sharded, opt), rows=BIG // 8)
+    assert big and set(big) == {"scatter"}, big
