@@ -70,6 +70,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from tbe_jax.rounding import stochastic_round  # noqa: F401  (re-exported: part of this module's API)
 
 __all__ = [
     "Adagrad", "AdagradState", "Adam", "AdamState", "Lamb", "Optimizer", "PartialRowwiseAdam",
@@ -147,6 +150,15 @@ def _is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def _device_leaves(values) -> tuple | None:
+    """`values` (Python or NumPy numbers) as device arrays, or None when one is not such a number or when a trace
+    is active (an array made there would be a tracer, which must not outlive it)."""
+    if not all(isinstance(v, (int, float, np.number)) and not isinstance(v, (bool, np.bool_)) for v in values):
+        return None
+    out = tuple(jnp.asarray(v) for v in values)
+    return None if any(_is_tracer(x) for x in out) else out
+
+
 def _check_scalar(owner: str, name: str, value, *, positive: bool, allow_schedule: bool = False):
     """Validate a hyperparameter where its value is known (floats); arrays must be scalars."""
     if callable(value):
@@ -190,6 +202,8 @@ class Optimizer:
     # registry): the split into leaves and static fields is computed once per instance (the object is immutable)
     # and kept beside the fields, so a call pays two attribute reads (~20 us less host time per call measured on
     # the H200's host, `benchmarks/results/archive/dispatch-20261202-*`).
+    # Number leaves go out as device arrays made once per instance (`jit` copies a Python number to the device on
+    # every call: 198 against 59 us of host time per `apply_gradients` call, `results/dispatch-20261203-s26.json`).
     def tree_flatten(self):
         aux = self.__dict__.get("_tree_aux")
         if aux is None:
@@ -197,7 +211,13 @@ class Optimizer:
             static = tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in dyn)
             aux = (dyn, static)
             object.__setattr__(self, "_tree_aux", aux)
-        return tuple([getattr(self, n) for n in aux[0]]), aux
+        leaves = self.__dict__.get("_device_leaves")
+        if leaves is None or any(x.is_deleted() for x in leaves):
+            leaves = _device_leaves([getattr(self, n) for n in aux[0]])
+            if leaves is None:  # not all numbers (arrays, tracers), or inside a trace: the values as they are
+                return tuple([getattr(self, n) for n in aux[0]]), aux
+            object.__setattr__(self, "_device_leaves", leaves)
+        return leaves, aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -563,37 +583,3 @@ def apply_rule(rule: KernelRule, w32, slots, g, hyper, *, dim=None, row_axes=(1,
             w = w32 - per_row(lr * ratio) * r
         return w, (m1, m2), salts + (m1, m2_salt)
     raise ValueError(f"unknown optimizer kind {kind!r}")
-
-
-def stochastic_round(x, dtype, row, col, *salts):
-    """`x` (fp32) rounded to `dtype` (float16 or bfloat16) stochastically, as fp32 values.
-
-    Unbiased: each value goes to one of its two `dtype` neighbours with probability
-    proportional to closeness, so E[result] = x (no drift when updates are smaller
-    than half an ulp, which round-to-nearest would drop). The uniform draw is a hash
-    of the row, the column and the bits of `salts` (fp32 arrays that change every
-    step: the update's gradient, the old weight, the new accumulator), so it is
-    bitwise reproducible and needs no RNG state; with SGD, a row whose gradient and
-    weight repeat exactly repeats its rounding decision. Pure jnp on int32/fp32, so
-    the same code runs inside the Pallas kernels and in the reference.
-    """
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    h = row * jnp.int32(-1640531535) ^ col * jnp.int32(-2048144789)  # 0x9E3779B1, 0x85EBCA6B
-    for s in salts:
-        h = h ^ jax.lax.bitcast_convert_type(s, jnp.int32)
-    for mult in (0x7FEB352D, -2073254261):  # 0x846CA68B
-        h = h ^ jax.lax.shift_right_logical(h, jnp.int32(16))
-        h = h * jnp.int32(mult)
-    h = h ^ jax.lax.shift_right_logical(h, jnp.int32(15))
-    finite = jnp.abs(x) < jnp.inf
-    if jnp.dtype(dtype) == jnp.bfloat16:  # bf16 is fp32's top half: add 16 random bits, truncate
-        y = jax.lax.bitcast_convert_type((bits + (h & 0xFFFF)) & jnp.int32(-65536), jnp.float32)
-        return jnp.where(finite, y, x)
-    if jnp.dtype(dtype) != jnp.float16:
-        raise ValueError(f"stochastic rounding targets float16 or bfloat16, not {jnp.dtype(dtype)}")
-    e = jnp.clip(jax.lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF, 127 - 14, 127 + 15)  # biased exponent
-    ulp = jax.lax.bitcast_convert_type((e - 10) << 23, jnp.float32)  # fp16 spacing at x: a power of two
-    lo = jnp.floor(x / ulp) * ulp
-    u = (jax.lax.shift_right_logical(h, jnp.int32(8)) & 0xFFFFFF).astype(jnp.float32) * (1.0 / (1 << 24))
-    y = lo + jnp.where(u < (x - lo) / ulp, ulp, 0.0)
-    return jnp.where(finite, y, x)

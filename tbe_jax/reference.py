@@ -214,7 +214,8 @@ def apply_gradients(buffers, slots, layout, plan, indices, offsets, per_sample_w
     and their state bitwise unchanged; with `rule.skip_nonfinite`, rows whose
     gradient is not finite are unchanged too.
     """
-    from tbe_jax.optim import apply_rule, stochastic_round
+    from tbe_jax.optim import apply_rule
+    from tbe_jax.rounding import stochastic_round
 
     grads, touched = pooled_backward(buffers, layout, plan, indices, offsets, per_sample_weights, g_out,
                                      pooling=pooling, keep_fp32=True)

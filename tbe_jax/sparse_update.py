@@ -80,7 +80,8 @@ def update_rows(layout: StorageLayout, g: int, w, states, slot_row, hit, grad, r
     `dim`, `reduce`: as `apply_gradients`'s `row_reduce` gives them. Returns `(w, states)`: the rows not hit,
     bitwise unchanged. (Also `tbe_jax.shard_programs`' update of the replicated tables, from the devices'
     combined gradient rows.)"""
-    from tbe_jax.optim import apply_rule, stochastic_round
+    from tbe_jax.optim import apply_rule
+    from tbe_jax.rounding import stochastic_round
 
     num_rows = w.shape[0]
     if rule.skip_nonfinite and reduce is None:

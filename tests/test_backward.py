@@ -869,7 +869,7 @@ def test_stochastic_rounding_is_unbiased(impl, wdtype, mant):
     # rounding moves 30% of the values up one ulp (mean exact to sampling noise).
     if not ON_GPU and impl == "kernel" and wdtype == "bfloat16":
         # ~10 s in interpret mode. The kernels' row update calls the reference's rounding function
-        # (optim.stochastic_round): [float16-10-kernel] covers the kernel path, [bfloat16-7-xla] the bf16 rounding.
+        # (rounding.stochastic_round): [float16-10-kernel] covers the kernel path, [bfloat16-7-xla] the bf16 rounding.
         pytest.skip("bf16 kernel variant: compiled only (interpret mode: [float16-10-kernel] and [bfloat16-7-xla])")
     rows, dim = 256, 16
     kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")

@@ -402,3 +402,32 @@ def test_layers_train_with_adam(framework):
             state, loss = step(params, state)
             losses.append(float(loss))
     assert losses[-1] < losses[0] / 2, losses
+
+
+def test_number_hyperparameters_pass_as_device_arrays():
+    """An optimizer of Python or NumPy numbers flattens to device arrays made once per instance (a jitted call would
+    copy each number to the device on every call), with the numbers' dtypes and weak types: the same program as
+    with the numbers (one compile for both), never a tracer kept from a trace, remade after a donation."""
+    opt = tbe_jax.Adam(0.05, b1=np.float32(0.8))
+    leaves = jax.tree_util.tree_leaves(opt)
+    assert all(isinstance(x, jax.Array) for x in leaves) and jax.tree_util.tree_leaves(opt)[0] is leaves[0]
+    assert [x.weak_type for x in leaves[:2]] == [True, False] and float(leaves[0]) == float(np.float32(0.05))
+    assert isinstance(opt.learning_rate, float)  # the fields themselves keep what was given
+
+    @jax.jit
+    def inside(x):  # flattened under a trace: the numbers as they are, nothing cached
+        fresh = tbe_jax.SGD(0.5)
+        y = x + jax.tree_util.tree_leaves(fresh)[0]
+        assert "_device_leaves" not in fresh.__dict__
+        return y
+    assert float(inside(1.0)) == 1.5
+
+    f = jax.jit(lambda o, x: o.learning_rate * x)
+    assert float(f(opt, 2.0)) == pytest.approx(0.1)
+    assert float(f(tbe_jax.Adam(0.05, b1=np.float32(0.8)), 2.0)) == pytest.approx(0.1)
+    assert f._cache_size() == 1
+
+    g = jax.jit(lambda o: o, donate_argnums=0)
+    g(opt)  # its device leaves donated (deleted on backends that donate): remade at the next flatten
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(opt))
+    assert float(f(opt, 2.0)) == pytest.approx(0.1)

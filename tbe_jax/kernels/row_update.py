@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tbe_jax.pallas_compat import plgpu
-from tbe_jax.optim import NUM_HYPER, apply_rule, stochastic_round
+from tbe_jax.optim import NUM_HYPER, apply_rule
+from tbe_jax.rounding import stochastic_round
 
 
 def row_update(rule, hyper_ref, w_in_ref, w_out_ref, s_in, s_out, row, row_ok, acc, cols, col_ok, dim,
