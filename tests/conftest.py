@@ -99,6 +99,17 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
+def jaxpr_eqns(jaxpr):
+    """Every equation of `jaxpr`, those of nested jaxprs (jit, shard_map, cond, while and pallas bodies) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)
+
+
 def specs(rows, dims):
     return [tbe_jax.TableSpec(e, d, name=f"t{i}") for i, (e, d) in enumerate(zip(rows, dims))]
 

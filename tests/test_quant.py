@@ -18,7 +18,7 @@ from jax.experimental import checkify
 
 import tbe_jax
 from tbe_jax import quant_format, testing
-from conftest import KERNEL_KW, assert_close
+from conftest import KERNEL_KW, assert_close, jaxpr_eqns
 
 WTS = ("int8", "int4", "int2", "fp8", "float16", "float32")
 BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -162,7 +162,7 @@ def test_many_dims_share_a_branch_per_buffer(rng):
             assert [br.groups for br in branches] == [2, 2, 2, 2]
         qp = qemb.from_fbgemm(rows)
         jaxpr = jax.make_jaxpr(lambda p, i, o, w: qemb(p, i, o, w))(qp, idx, off, psw)
-        assert sum(e.primitive.name == "pallas_call" for e in _eqns(jaxpr.jaxpr)) == 1  # one launch
+        assert sum(e.primitive.name == "pallas_call" for e in jaxpr_eqns(jaxpr.jaxpr)) == 1  # one launch
         assert_close(qemb(qp, idx, off, psw), model, 2e-6)
     sizes = [2, 3, 1, 3, 2, 1, 3, 2, 1, 2]  # VBE: a flat output, each feature's rows its own dim wide
     idx, off, psw = _batch(rng, [specs[t].num_embeddings for t in fmap], rng.integers(0, 4, sum(sizes)), sizes=sizes)
@@ -414,21 +414,11 @@ def test_rows_per_program_follow_the_config():
         words = jax.ShapeDtypeStruct(qemb.layout.buffer_shape(0), jnp.int32)
         jaxpr = jax.make_jaxpr(lambda p, i, o: qemb(p, i, o))({"int4_w20": words}, np.zeros(64, np.int32),
                                                               np.arange(65, dtype=np.int32))
-        calls = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+        calls = [e for e in jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
         return tuple(calls[0].params["grid_mapping"].grid)
 
     assert grid(tbe_jax.ForwardConfig()) == (16,)  # 64 bags, 4 per program
     assert grid(tbe_jax.ForwardConfig(row_tile_bytes=2048, row_tile_elems=1024)) == (8,)
-
-
-def _eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else [v]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _eqns(sub)
 
 
 def test_lowers_for_cuda_every_type():

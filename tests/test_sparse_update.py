@@ -11,7 +11,7 @@ import pytest
 
 import tbe_jax
 from tbe_jax import reference, sparse_update, testing
-from conftest import specs
+from conftest import jaxpr_eqns, specs
 
 OPTS = [tbe_jax.SGD(0.1), tbe_jax.SGD(0.1, stochastic_rounding=True), tbe_jax.Adagrad(0.1),
         tbe_jax.RowwiseAdagrad(0.1, weight_decay=0.01, weight_decay_mode="decoupled"), tbe_jax.Adam(0.05),
@@ -113,22 +113,11 @@ def test_touched_rows():
 BIG = 1 << 18  # rows of the "large" tables: no batch-sized array of these tests comes near it
 
 
-def _eqns(jaxpr):
-    """Every equation of `jaxpr`, those of nested jaxprs (jit, shard_map, cond, while bodies) included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else [p]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 def _table_sized(fn, *args, rows=BIG):
     """The primitives of `fn`'s traced program (nested ones included) with an output of `rows` or more along some
     axis, the calls that only wrap nested programs (jit, shard_map) left out."""
     jaxpr = jax.make_jaxpr(fn)(*args)
-    return sorted(e.primitive.name for e in _eqns(jaxpr.jaxpr)
+    return sorted(e.primitive.name for e in jaxpr_eqns(jaxpr.jaxpr)
                   if e.primitive.name not in ("jit", "pjit", "shard_map")
                   and any(s >= rows for v in e.outvars for s in getattr(v.aval, "shape", ())))
 

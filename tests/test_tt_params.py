@@ -14,7 +14,7 @@ import pytest
 
 import tbe_jax
 import tt_jax
-from conftest import ON_GPU
+from conftest import ON_GPU, jaxpr_eqns
 from tt_jax import backward, optim, prefix, reference
 from tt_jax import params as params_lib
 from tt_jax.kernels import backward as kernel_backward
@@ -263,20 +263,10 @@ def test_update_equals_the_per_table_update(kind, impl):
 # -- no concatenation of the cores in a step -------------------------------------------------------------------
 
 
-def _eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (list, tuple)) else [v]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 def _core_concats(fn, *args, sizes):
     """The float `concatenate`s in `fn`'s jaxpr whose output has a stacked core's size."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [e for e in _eqns(jaxpr) if e.primitive.name == "concatenate"
+    return [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "concatenate"
             and jnp.issubdtype(e.outvars[0].aval.dtype, jnp.floating) and e.outvars[0].aval.size in sizes]
 
 
