@@ -306,7 +306,7 @@ def hint_bag_sizes(tables: Sequence[TableSpec], offsets, feature_table_map=None,
 
     For models whose bag lengths are not fixed by the data (with fixed multi-hot sizes, give the sizes): one call
     on a representative batch, outside `jit` (it reads the offsets' values), before building the embedding.
-    Hints change only the forward's schedule (`TableSpec.bag_size_hint`), never a result.
+    Hints change only how the forward is scheduled (`TableSpec.bag_size_hint`), not what it computes.
 
       >>> import numpy as np, tbe_jax
       >>> tables = [tbe_jax.TableSpec(1000, 16), tbe_jax.TableSpec(50, 64)]
