@@ -61,25 +61,30 @@ def _tiny_models(n=2, **changes):
     return data_cfg, model_lib.DLRM(config), model_lib.DLRM(config, mesh=mesh)
 
 
-def test_sharded_step_equals_one_device_step():
-    n = 2
-    data_cfg, one, sharded = _tiny_models(n)
-    assert sharded.num_devices == n and one.num_devices == 1
+def _one_step_each(n, seed, **changes):
+    """The tiny models with `changes` (`_tiny_models`), the same tables and state on both, one training step of
+    each on one batch (the sharded model's split by `shard_batch`): `(one, sharded, arrays, local, res, s_res)`."""
+    data_cfg, one, sharded = _tiny_models(n, **changes)
     opt = train.make_emb_opt(one, 0.05)
     dense, tables = jax.jit(one.init)(jax.random.key(0))
     state = one.emb.init_opt_state(tables, opt)
     s_tables, s_state = sharded.emb.from_unsharded(tables, state)
     s_dense = jax.device_put(dense, sharded.sharding())
-
-    gen = data_lib.ClickLogGenerator(data_cfg, 64, seed=1)
+    gen = data_lib.ClickLogGenerator(data_cfg, 64, seed=seed)
     arrays = gen.batch(0).arrays()
     local = sharded.shard_batch(arrays, train.local_padded_len(gen, n))
-    assert local["indices"].shape[0] == n and local["offsets"].shape == (n, 26 * 32 + 1)
-    assert local["offsets"][:, -1].sum() == arrays["offsets"][-1]  # every id in one local batch
-
     res = jax.jit(one.train_step)(dense, tables, state, opt, jax.device_put(arrays))
     s_res = jax.jit(sharded.train_step)(s_dense, s_tables, s_state, opt,
                                         jax.device_put(local, sharded.sharding("batch")))
+    return one, sharded, arrays, local, res, s_res
+
+
+def test_sharded_step_equals_one_device_step():
+    n = 2
+    one, sharded, arrays, local, res, s_res = _one_step_each(n, 1)
+    assert sharded.num_devices == n and one.num_devices == 1
+    assert local["indices"].shape[0] == n and local["offsets"].shape == (n, 26 * 32 + 1)
+    assert local["offsets"][:, -1].sum() == arrays["offsets"][-1]  # every id in one local batch
     np.testing.assert_allclose(float(s_res.loss), float(res.loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(s_res.grads), jax.tree.leaves(res.grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
@@ -131,20 +136,8 @@ def test_sharded_tt_step_equals_one_device_step():
 def test_sharded_step_with_host_tables_equals_one_device_step():
     # `--host-tables K --devices N`: the K largest tables "host_cached", sharded (each device caches its own
     # pieces; the step prefetches on the owners): one step equals the one-device host model's step.
-    n = 2
-    data_cfg, one, sharded = _tiny_models(n, host_tables=3, cache_load_factor=0.3)
+    one, sharded, _, _, res, s_res = _one_step_each(2, 3, host_tables=3, cache_load_factor=0.3)
     assert sharded.emb.cached and sum(t.location == "host_cached" for t in one.emb.tables) == 3
-    opt = train.make_emb_opt(one, 0.05)
-    dense, tables = jax.jit(one.init)(jax.random.key(0))
-    state = one.emb.init_opt_state(tables, opt)
-    s_tables, s_state = sharded.emb.from_unsharded(tables, state)
-    s_dense = jax.device_put(dense, sharded.sharding())
-    gen = data_lib.ClickLogGenerator(data_cfg, 64, seed=3)
-    arrays = gen.batch(0).arrays()
-    local = sharded.shard_batch(arrays, train.local_padded_len(gen, n))
-    res = jax.jit(one.train_step)(dense, tables, state, opt, jax.device_put(arrays))
-    s_res = jax.jit(sharded.train_step)(s_dense, s_tables, s_state, opt,
-                                        jax.device_put(local, sharded.sharding("batch")))
     np.testing.assert_allclose(float(s_res.loss), float(res.loss), rtol=1e-5)
     assert int(sharded.emb.cache_stats(s_res.params)["fills"]) > 0  # the step prefetched on the owners
     for a, b in zip(sharded.emb.get_tables(s_res.params), one.emb.get_tables(res.params)):
