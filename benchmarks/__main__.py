@@ -38,6 +38,7 @@ Traces and probes (per-kernel time, one question each):
   cache_hits       the host tier's hit rates and fills on a scaled-down model (any backend, no timing)
   probe_ranksort  the counting-rank sort against XLA's sort
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
+  probe_enqueue_floor  enqueued over device time of programs without our code (XLA fusions, a Pallas copy)
   kernel_resources  registers, spills and SASS size of the backward's kernels (no GPU needed; needs triton)
   ncu_backward    a few backward steps to run under Nsight Compute
   triton_hist     Triton's tl.histogram against our histogram kernel (needs jax_triton)
@@ -64,6 +65,7 @@ SUITES = {
     "fbgemm_quant": "benchmarks.fbgemm_quant",
     "bench_quant": "benchmarks.bench_quant",
     "dispatch": "benchmarks.dispatch",
+    "probe_enqueue_floor": "benchmarks.probe_enqueue_floor",
     "cpu_update": "benchmarks.cpu_update",
     "host_cache": "benchmarks.host_cache",
     "fbgemm_cache": "benchmarks.fbgemm_cache",
