@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 
-def _profile(run, iters: int):
+def profile_calls(run, iters: int):
     """(device busy ms per call, span ms per call, {host event: us per call}) of `iters` calls."""
     import jax
     from jax._src.lib import _profile_data, _profiler
@@ -99,7 +99,7 @@ def probe(names: list[str], iters: int) -> dict:
             for k in range(4):
                 jax.block_until_ready(run(k))
             r = {"host_us": round(host_us(run, 20), 2), "enqueued_ms": round(enqueued_ms(run, iters, 5), 4)}
-            dev, span, ev = _profile(run, iters)
+            dev, span, ev = profile_calls(run, iters)
             r.update(device_ms=round(dev, 4), span_ms=round(span, 4), host_events=ev)
             out[kind] = r
             print(f"{name} {kind}: host {r['host_us']:.1f} us, enqueued {r['enqueued_ms']:.4f} ms, device "

@@ -80,7 +80,7 @@ def main(argv=None):
                 return fn(xs[k % 2])
 
             jax.block_until_ready([run(k) for k in range(3)])
-            dev, span, _ = enqueue_gap._profile(run, args.iters)
+            dev, span, _ = enqueue_gap.profile_calls(run, args.iters)
             enq = common.enqueued_ms(run, args.iters, args.reps)
             host = common.host_us(run, 20)
             row = {"case": name, "mib": mib, "device_ms": round(dev, 5), "span_ms": round(span, 5),

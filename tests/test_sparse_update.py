@@ -152,6 +152,8 @@ def test_no_dense_work(opt):
         assert big and set(big) == {"scatter"}, big
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the XLA path with host tables is refused on a GPU "
+                    "(TableBatchedEmbedding raises): the kernels read and update pinned host rows in place there")
 @pytest.mark.parametrize("location", ["host", "host_cached"])
 def test_no_dense_work_in_host_memory(location):
     """Tables in host memory (the XLA path of the CPU): the training step, with the cache's prefetch, touches a
