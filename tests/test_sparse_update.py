@@ -11,7 +11,7 @@ import pytest
 
 import tbe_jax
 from tbe_jax import reference, sparse_update, testing
-from conftest import jaxpr_eqns, specs
+from conftest import KERNEL_KW, jaxpr_eqns, specs
 
 OPTS = [tbe_jax.SGD(0.1), tbe_jax.SGD(0.1, stochastic_rounding=True), tbe_jax.Adagrad(0.1),
         tbe_jax.RowwiseAdagrad(0.1, weight_decay=0.01, weight_decay_mode="decoupled"), tbe_jax.Adam(0.05),
@@ -181,3 +181,41 @@ def test_no_dense_work_sharded(opt):
     off = np.tile(np.arange(0, 4 * b * 2 + 1, 2, dtype=np.int32), (4, 1))
     big = _table_sized(_step(sharded, opt, idx, off), *_abstract(sharded, opt), rows=BIG // 8)
     assert big and set(big) == {"scatter"}, big
+
+
+def _aliased_outputs(eqn) -> set:
+    """The outputs of a `pallas_call` that alias one of its inputs (updated in place)."""
+    return {o for _, o in eqn.params.get("input_output_aliases", ())}
+
+
+@pytest.mark.parametrize("location", ["device", "host", "host_cached"])
+def test_no_dense_work_on_the_kernel_path(location):
+    """The kernels' training step (the GPU's path; interpret mode on the CPU), with the cache's prefetch: every
+    table-sized array it produces is a kernel's output updated in place (aliased to its input) or a scatter's
+    (on a GPU, host buffers also carry a memory-space mark, which moves nothing)."""
+    opt = tbe_jax.RowwiseAdagrad(0.1)
+    tables = [tbe_jax.TableSpec(BIG + 5, 16, location=location), tbe_jax.TableSpec(BIG + 9, 8),
+              tbe_jax.TableSpec(100, 8)]
+    emb = tbe_jax.TableBatchedEmbedding(tables, cache_load_factor=0.2, **KERNEL_KW)
+    idx, off = np.zeros(64, np.int32), np.concatenate([np.arange(0, 64, 2), np.full(17, 64)]).astype(np.int32)
+    jaxpr = jax.make_jaxpr(_step(emb, opt, idx, off, prefetch=location == "host_cached"))(*_abstract(emb, opt))
+    seen = set()
+    for e in jaxpr_eqns(jaxpr.jaxpr):
+        if e.primitive.name in ("jit", "pjit", "shard_map") or _placement(e):
+            continue
+        big = [k for k, v in enumerate(e.outvars) if any(s >= BIG for s in getattr(v.aval, "shape", ()))]
+        if not big:
+            continue
+        seen.add(e.primitive.name)
+        if e.primitive.name == "pallas_call":
+            assert set(big) <= _aliased_outputs(e), (e.params.get("name"), big, _aliased_outputs(e))
+        else:
+            assert e.primitive.name == "scatter", e.primitive.name
+    assert "pallas_call" in seen, seen
+
+
+def _placement(eqn) -> bool:
+    """A `device_put` to a memory space only (`memory.keep_on_host`: on a GPU an updated host buffer is marked as
+    staying in pinned host memory, where the kernel wrote it; a CPU backend has no such marks)."""
+    return eqn.primitive.name == "device_put" and all(
+        isinstance(d, jax.memory.Space) for d in eqn.params.get("devices", ()))
