@@ -45,6 +45,9 @@
 #   host-overlap (400 s) a bus copy (gather from / write to pinned host rows) beside HBM work in one program, on one
 #              stream or on a second one (compute_on "gpu_stream:1"), XLA's stream annotation off and on
 #              -> probe-host-overlap-*.json, host-overlap.log
+#   host-overlap-grid (~300 s) the overlap probe's copies with their grid capped at 16 and 64 programs (and
+#              uncapped), on a second stream beside the HBM work: does a copy that leaves SMs free overlap?
+#              -> probe-host-overlap-*.json, host-overlap-grid.log
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
@@ -121,6 +124,10 @@ for stage in "$@"; do
           | grep -v Warning | tee -a "$OUT/host-fills.log"; done ;;
     host-overlap) timeout 400 python3 -m benchmarks probe_host_overlap --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/host-overlap.log" ;;
+    host-overlap-grid) for p in 0 16 64; do v="gather,write,work+gather@stream,work+write@stream"
+          [ "$p" = 0 ] && v="work,$v"
+          timeout 130 python3 -m benchmarks probe_host_overlap --programs $p --variants "$v" --annotation 1 \
+            --out "$OUT" 2>&1 | grep -v Warning | sed "s/^/programs $p  /" | tee -a "$OUT/host-overlap-grid.log"; done ;;
     host-ab) o=$(cd "$OUT" && pwd)
         HB="python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --load-factors 0.2 --out $o"
@@ -162,6 +169,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done

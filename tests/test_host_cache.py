@@ -449,10 +449,12 @@ def test_many_features_of_cached_tables():
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("width", [None, 5, 16])
-def test_copy_rows_kernel(width):
+def test_copy_rows_kernel(width, programs):
     # the kernel against the XLA copy: skipped pairs (a negative id on either side), rows of any width, and the
-    # `after` operands taking no part in the result
+    # `after` operands taking no part in the result; with `programs`, a grid of 3 looping over the blocks (8 of
+    # them at width 16, 1 at width None: one program per block then)
     rng = np.random.default_rng(width or 0)
     shape = lambda r: (r,) if width is None else (r, width)  # noqa: E731
     dst = jnp.asarray(rng.standard_normal(shape(40)).astype(np.float32))
@@ -463,11 +465,15 @@ def test_copy_rows_kernel(width):
     want = np.asarray(dst).copy()
     ok = (dst_rows >= 0) & (src_rows >= 0)
     want[dst_rows[ok]] = np.asarray(src)[src_rows[ok]]
-    from tbe_jax.kernels.copy_rows import copy_rows
+    from tbe_jax.kernels.copy_rows import copy_rows, gather_rows
     for kernel in (False, True):
         got = copy_rows(dst, src, jnp.asarray(dst_rows), jnp.asarray(src_rows), kernel=kernel,
-                        interpret=kernel and not ON_GPU, block_elems=64, after=(src * 2, jnp.ones(3)))
+                        interpret=kernel and not ON_GPU, block_elems=64, after=(src * 2, jnp.ones(3)),
+                        programs=programs)
         np.testing.assert_array_equal(np.asarray(got), want)
+        staged = gather_rows(src, jnp.asarray(src_rows), kernel=kernel, interpret=kernel and not ON_GPU,
+                             block_elems=64, programs=programs)
+        np.testing.assert_array_equal(np.asarray(staged)[src_rows >= 0], np.asarray(src)[src_rows[src_rows >= 0]])
 
 
 def test_gather_and_copy_rows_kernels_on_many_arrays():

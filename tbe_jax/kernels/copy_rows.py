@@ -63,26 +63,41 @@ def _copy(dst_ref, src_ref, d, s, ok):
     plgpu.store(dst_ref.at[d[:, None], cols[None, :]], v, mask=m)
 
 
-def _kernel(dst_rows_ref, src_rows_ref, *refs, k: int, n: int, block: int):
-    """Program `b` copies pairs `[b * block, (b + 1) * block)` of `n` for each of the `k` arrays. Refs after the
-    row ids: the `k` sources, the inputs aliased to the outputs and the `after` operands (both ignored), then the
+def _kernel(dst_rows_ref, src_rows_ref, *refs, k: int, n: int, block: int, programs: int | None):
+    """Program `b` copies pairs `[b * block, (b + 1) * block)` of `n` for each of the `k` arrays (with
+    `programs`, a grid of that many: program `p` takes the blocks `p, p + programs, ...`). Refs after the row
+    ids: the `k` sources, the inputs aliased to the outputs and the `after` operands (both ignored), then the
     `k` outputs."""
-    d, s, ok = _pairs(dst_rows_ref, src_rows_ref, pl.program_id(0), n=n, block=block)
-    for src_ref, dst_ref in zip(refs[:k], refs[len(refs) - k :]):
-        _copy(dst_ref, src_ref, d, s, ok)
+    def one(b):
+        d, s, ok = _pairs(dst_rows_ref, src_rows_ref, b, n=n, block=block)
+        for src_ref, dst_ref in zip(refs[:k], refs[len(refs) - k :]):
+            _copy(dst_ref, src_ref, d, s, ok)
+
+    pid = pl.program_id(0)
+    if programs is None:
+        one(pid)
+        return
+    blocks = -(-n // block)
+    jax.lax.fori_loop(0, (blocks - pid + programs - 1) // programs, lambda t, c: (one(pid + t * programs), c)[1],
+                      jnp.int32(0))
 
 
-def _launch(dst_rows, src_rows, src, dst, *, fresh, interpret, block_elems, after, name, num_warps=4):
+def _launch(dst_rows, src_rows, src, dst, *, fresh, interpret, block_elems, after, name, num_warps=4,
+            programs=None):
     """One kernel copying `src[j]`'s rows into `dst[j]` for every `j`: `dst` written in place (aliased), or made
-    fresh (`fresh`: `dst` are `ShapeDtypeStruct`s)."""
+    fresh (`fresh`: `dst` are `ShapeDtypeStruct`s). `programs`: at most this many programs (each loops over its
+    share of the blocks), leaving the rest of the GPU to kernels running beside the copy."""
     n = int(dst_rows.shape[0])
     block = block_rows([None if a.ndim == 1 else a.shape[1] for a in dst], block_elems)
+    grid = -(-n // block)
+    if programs is not None and programs >= grid:
+        programs = None
     aliases = {} if fresh else {2 + len(src) + j: j for j in range(len(dst))}
     operands = [dst_rows, src_rows, *src] + ([] if fresh else list(dst)) + list(after)
     return pallas_call(
-        functools.partial(_kernel, k=len(dst), n=n, block=block),
+        functools.partial(_kernel, k=len(dst), n=n, block=block, programs=programs),
         out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dst),
-        grid=(pl.cdiv(n, block),),
+        grid=(grid if programs is None else programs,),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -109,10 +124,11 @@ def _xla_copy(dst, src, dst_rows, src_rows):
 
 
 def copy_rows(dst, src, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: bool, interpret: bool = False,
-              block_elems: int = 4096, after: tuple = (), name: str = "", num_warps: int = 4):
+              block_elems: int = 4096, after: tuple = (), name: str = "", num_warps: int = 4,
+              programs: int | None = None):
     """`dst` (an array or a tuple) with rows `dst_rows[i]` set to `src`'s rows `src_rows[i]` (pairs with a
     negative id skipped), copied after the arrays `after` exist. `name`: a suffix of the kernel's name (a
-    profile then tells the copies apart)."""
+    profile then tells the copies apart); `programs`: at most this many programs (None: one per block)."""
     (dst, many), (src, _) = _tuple(dst), _tuple(src)
     _check(dst, src, "copy_rows")
     dst_rows, src_rows = dst_rows.astype(jnp.int32), src_rows.astype(jnp.int32)
@@ -122,14 +138,15 @@ def copy_rows(dst, src, dst_rows: jax.Array, src_rows: jax.Array, *, kernel: boo
         out = tuple(_xla_copy(a, b, dst_rows, src_rows) for a, b in zip(dst, src))
     else:
         out = _launch(dst_rows, src_rows, src, dst, fresh=False, interpret=interpret, block_elems=block_elems,
-                      after=tuple(after), name="tbe_copy_rows" + (f"_{name}" if name else ""), num_warps=num_warps)
+                      after=tuple(after), name="tbe_copy_rows" + (f"_{name}" if name else ""), num_warps=num_warps,
+                      programs=programs)
     return tuple(out) if many else out[0]
 
 
 def gather_rows(src, src_rows: jax.Array, *, kernel: bool, interpret: bool = False, block_elems: int = 4096,
-                name: str = ""):
+                name: str = "", programs: int | None = None):
     """Fresh buffers of `len(src_rows)` rows: row `i` = `src[src_rows[i]]` where `src_rows[i] >= 0`; the other
-    rows are unspecified (zeros without the kernels)."""
+    rows are unspecified (zeros without the kernels). `programs`: as `copy_rows`'."""
     (src, many) = _tuple(src)
     src_rows = src_rows.astype(jnp.int32)
     n = src_rows.shape[0]
@@ -141,5 +158,6 @@ def gather_rows(src, src_rows: jax.Array, *, kernel: bool, interpret: bool = Fal
     else:
         fresh = tuple(jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype) for a in src)
         out = _launch(jnp.arange(n, dtype=jnp.int32), src_rows, src, fresh, fresh=True, interpret=interpret,
-                      block_elems=block_elems, after=(), name="tbe_gather_rows" + (f"_{name}" if name else ""))
+                      block_elems=block_elems, after=(), name="tbe_gather_rows" + (f"_{name}" if name else ""),
+                      programs=programs)
     return tuple(out) if many else out[0]
