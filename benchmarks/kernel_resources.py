@@ -9,6 +9,10 @@ counts can differ a little from what runs on the GPU; use it to compare variants
 
   pip install --target /tmp/tsite triton==3.6.0          (not a project dependency; the tool reads PYTHONPATH)
   PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --dims "4-128/4" --variants '{"merge_width": 0}' '{}'
+  PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --quant int8,int4,int2 --presets base
+
+`loop_sass` is the size of the kernel's largest loop body: the instructions a warp issues per iteration, the
+measure to compare for an issue-bound loop (the quantized forward: `--quant`).
 
 The dims / variants syntax is `python -m benchmarks trace_backward`'s (variants: JSON objects of BackwardConfig
 fields).
@@ -83,10 +87,36 @@ def compile_report(ir: str, num_warps: int) -> dict:
         sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", os.path.join(d, "k.o")],
                               capture_output=True, text=True).stdout
         out["sass"] = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
+        out["loop_sass"] = loop_instructions(sass)
         out["sass_ldg"] = len(re.findall(r"\bLDG\.", sass))
         out["sass_stg"] = len(re.findall(r"\bSTG\.", sass))
         out["sass_lds_sts"] = len(re.findall(r"\b(?:LDS|STS)\b", sass))
         return out
+
+
+def loop_instructions(sass: str) -> int:
+    """SASS instructions in the kernel's largest loop body (a backward branch's target to the branch): what one
+    iteration of the main loop issues per warp (0: no loop)."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"\bBRA (0x[0-9a-f]+)", t))
+             and int(m.group(1), 16) < a]
+    return max((sum(lo <= a <= hi for a, _ in ins) for lo, hi in loops), default=0)
+
+
+def quant_kernels(workload: str, weight_type: str):
+    """The pooled forward kernel of the quantized inference TBE on a workload's tables, lowered for CUDA."""
+    wl = common.workload(workload)
+    specs = [tbe_jax.TableSpec(e, d) for e, d, _ in wl.features()]
+    q = tbe_jax.QuantizedTableBatchedEmbedding(specs, weight_type, output_dtype=jnp.float32, impl="pallas",
+                                               bounds_check="none")
+    q.uses_kernel = lambda: True  # lowered for CUDA here: the kernel path, not run
+    words = {q.layout.buffer_key(b): jax.ShapeDtypeStruct(q.layout.buffer_shape(b), jnp.int32)
+             for b in range(q.layout.num_buffers)}
+    n = sum(wl.B * l for _, _, l in wl.features())
+    idx = jax.ShapeDtypeStruct((n,), jnp.int32)
+    off = jax.ShapeDtypeStruct((len(specs) * wl.B + 1,), jnp.int32)
+    psw = jax.ShapeDtypeStruct((n,), jnp.float32) if wl.weighted else None
+    return capture_triton_ir(lambda p, i, o, w: q(p, i, o, w), words, idx, off, psw)
 
 
 def report(kernels, match: str) -> dict:
@@ -143,8 +173,21 @@ def main(argv=None):
     ap.add_argument("--tt", default="", help="a tt_jax workload (e.g. 'a'): report its training step's kernels instead")
     ap.add_argument("--tt-configs", nargs="*", default=[""],
                     help="TTKernelConfig variants as JSON objects, one run each")
+    ap.add_argument("--quant", default="", help="weight types (e.g. 'int8,int4,int2'): report the quantized "
+                    "forward kernel on --presets instead (default preset base)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    if args.quant:
+        res = {}
+        for preset in (args.presets or "base").split(","):
+            for wt in args.quant.split(","):
+                key = f"quant-{preset}-{wt}"
+                print(f"== {key}")
+                res[key] = report(quant_kernels(preset, wt), "")
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+        return
     if args.tt:
         res = {}
         for config in args.tt_configs:
