@@ -125,6 +125,35 @@ def test_every_weight_type_sum_weighted_matches_float64(rng):
     assert_close(ref(ref.set_tables(None, kern.get_tables(qp)), idx, off, psw), model, 2e-6)
 
 
+@pytest.mark.parametrize("wt", sorted(BITS))
+def test_integer_rows_with_extreme_scales(wt, rng):
+    """The kernel pools integer rows from their codes (one multiply-add per value, the biases per row, int4 / int2
+    codes scaled by powers of two): rows whose fp16 scales and biases span subnormal to 65504, both signs, every
+    position of every word, weighted bags of up to 40 ids: each bag within float32 rounding of the float64 model,
+    relative to the bag's own magnitude (its absolute terms), not the batch's largest."""
+    e, d, b = 64, 128, 16
+    rows = _rows(rng, e, d, wt)
+    scale = np.clip(10.0 ** rng.uniform(-7.5, 4.9, e), 0, 65504) * rng.choice([-1, 1], e)
+    bias = 10.0 ** rng.uniform(-7.5, 4.5, e) * rng.choice([-1, 1], e)
+    scale[:3], bias[:3] = [2.0**-24, 65504.0, 0.0], [0.0, -65504.0, 1e-7]
+    rows[:, :4] = np.stack([scale, bias], 1).astype(np.float16).view(np.uint8).reshape(e, 4)
+    qemb = tbe_jax.QuantizedTableBatchedEmbedding([tbe_jax.TableSpec(e, d)], wt, output_dtype=jnp.float32,
+                                                  **KERNEL_KW)
+    qp = qemb.from_fbgemm([rows])
+    lengths = rng.integers(0, 41, b)
+    lengths[:2] = [0, 40]
+    idx, off, psw = _batch(rng, [e], lengths)
+    vals = _np_rows(rows, wt, d)
+    out = np.asarray(qemb(qp, idx, off, psw), np.float64)
+    for k in range(b):
+        ids, w = idx[off[k]:off[k + 1]], psw[off[k]:off[k + 1]].astype(np.float64)
+        want = (w[:, None] * vals[ids]).sum(0)
+        b_k = bias[ids].astype(np.float16).astype(np.float64)[:, None]
+        size = (np.abs(w)[:, None] * (np.abs(vals[ids] - b_k) + np.abs(b_k))).sum(0)  # |q * s| and |b| terms
+        err = np.abs(out[k] - want) / np.maximum(size, 1e-300)
+        assert err.max() <= 2 ** -20, (k, lengths[k], err.max())
+
+
 def test_many_dims_share_a_branch_per_buffer(rng):
     """Int4 tables of eight dims (8 .. 64) in three buffers (16-, 32- and 48-byte rows): one launch whose kernel
     has a branch per buffer (the hinted table's features: a segment of their own), each feature storing its own
