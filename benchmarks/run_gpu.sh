@@ -48,7 +48,7 @@
 #   host-overlap-grid (~300 s) the overlap probe's copies with their grid capped at 16 and 64 programs (and
 #              uncapped), on a second stream beside the HBM work: does a copy that leaves SMs free overlap?
 #              -> probe-host-overlap-*.json, host-overlap-grid.log
-#   quant-ab   (~580 s: split over calls if needed) the quantized forward on this tree and on ab_old/ (e.g. `git
+#   quant-ab   (~500 s) the quantized forward on this tree and on ab_old/ (e.g. `git
 #              archive 0dea75b tbe_jax benchmarks tests | tar -x -C ab_old`: the codes-based pooling), same cases;
 #              ab_old's quant tests compiled first when it has tests/ -> quant-ab-*.json, quant-ab.log
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
@@ -133,7 +133,7 @@ for stage in "$@"; do
             --out "$OUT" 2>&1 | grep -v Warning | sed "s/^/programs $p  /" | tee -a "$OUT/host-overlap-grid.log"; done ;;
     quant-ab) o=$(cd "$OUT" && pwd)
         QA="python3 -m benchmarks bench_quant --workloads base,zipf,large,mixed,dims8-192/8 --batch-sizes 1024 \
-          --weight-types int4,int8,int2 --iters 30 --reps 3 --hbm-gbs 3000"
+          --weight-types int4,int8 --iters 30 --reps 3 --hbm-gbs 3000"
         if [ -d ab_old/tests ]; then (cd ab_old && timeout 200 python3 -m pytest -q -n 8 -p no:benchmark \
           tests/test_quant.py tests/test_quant_layers.py 2>&1 | tail -3 | tee "$o/quant-ab-tests.log"); fi
         echo "-- this tree"; timeout 190 $QA --out "$o/quant-ab-this.json" 2>&1 | grep -v Warning | tee "$o/quant-ab.log"
