@@ -36,13 +36,8 @@ def _pallas_copy(x):
         plgpu.store(o_ref.at[i], plgpu.load(x_ref.at[i], mask=ok, other=0.0) * 2.0 + 1.0, mask=ok)
 
     return pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(pl.cdiv(x.shape[0], block),),
-                       compiler_params=pl_params(), interpret=common.interpret(), name="probe_copy")(x)
-
-
-def pl_params():
-    from tbe_jax.pallas_compat import plgpu
-
-    return plgpu.CompilerParams(num_warps=4, num_stages=1)
+                       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=common.interpret(),
+                       name="probe_copy")(x)
 
 
 def _cases():

@@ -476,6 +476,15 @@ def test_copy_rows_kernel(width, programs):
         np.testing.assert_array_equal(np.asarray(staged)[src_rows >= 0], np.asarray(src)[src_rows[src_rows >= 0]])
 
 
+def test_copy_rows_programs_must_be_positive():
+    from tbe_jax.kernels.copy_rows import copy_rows
+
+    x = jnp.zeros((4, 2), jnp.float32)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="programs must be None or a positive int"):
+            copy_rows(x, x, jnp.arange(4), jnp.arange(4), kernel=True, interpret=not ON_GPU, programs=bad)
+
+
 def test_gather_and_copy_rows_kernels_on_many_arrays():
     # A table's rows and states (three arrays of different widths and dtypes) moved with one set of row ids, as
     # a prefetch does: the stage (`gather_rows`: its skipped rows are unspecified, not compared), the fill and

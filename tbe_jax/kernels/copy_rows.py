@@ -87,6 +87,8 @@ def _launch(dst_rows, src_rows, src, dst, *, fresh, interpret, block_elems, afte
     """One kernel copying `src[j]`'s rows into `dst[j]` for every `j`: `dst` written in place (aliased), or made
     fresh (`fresh`: `dst` are `ShapeDtypeStruct`s). `programs`: at most this many programs (each loops over its
     share of the blocks), leaving the rest of the GPU to kernels running beside the copy."""
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be None or a positive int, got {programs!r}")
     n = int(dst_rows.shape[0])
     block = block_rows([None if a.ndim == 1 else a.shape[1] for a in dst], block_elems)
     grid = -(-n // block)
