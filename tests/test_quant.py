@@ -127,9 +127,10 @@ def test_every_weight_type_sum_weighted_matches_float64(rng):
 
 @pytest.mark.parametrize("wt", sorted(BITS))
 def test_integer_rows_with_extreme_scales(wt, rng):
-    """Integer rows whose fp16 scales and biases span subnormal to 65504, both signs, every position of every word,
-    weighted bags of up to 40 ids: each bag within float32 rounding of the float64 model, relative to the bag's
-    own magnitude (its absolute terms), not the batch's largest (whatever order the kernel sums the terms in)."""
+    """The kernel pools integer rows from their codes (one multiply-add per value, the biases per row, int4 / int2
+    codes scaled by powers of two): rows whose fp16 scales and biases span subnormal to 65504, both signs, every
+    position of every word, weighted bags of up to 40 ids: each bag within float32 rounding of the float64 model,
+    relative to the bag's own magnitude (its absolute terms), not the batch's largest."""
     e, d, b = 64, 128, 16
     rows = _rows(rng, e, d, wt)
     scale = np.clip(10.0 ** rng.uniform(-7.5, 4.9, e), 0, 65504) * rng.choice([-1, 1], e)

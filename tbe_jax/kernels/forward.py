@@ -19,7 +19,9 @@ Quantized rows (the inference TBE, `tbe_jax.quant`): a buffer given a static
 `formats` / `fmt`) holds int32 words; its branch's gather loads each value's
 word once per lane and unpacks it to fp32 in registers (`quant_rows.load_packed`:
 `per_word` tiles, one per position in the word), and the same accumulation
-follows per tile. A quantized buffer may serve features of several dims (one
+follows per tile (integer rows: their codes, with the scales applied by one fused
+multiply-add per value and the biases summed per row, `quant_rows.load_codes`).
+A quantized buffer may serve features of several dims (one
 row length in words): its branch is compiled for the largest (tile width, bags
 per program) and stores each feature's own dim, read at run time from the
 feature table (`programs.DIM`, a column only such launches have). Buffers
@@ -213,6 +215,7 @@ def _pool_branch(
     # Quantized rows are gathered a word per lane (`quant_rows.load_packed`): `parts` tiles of `[G, Wp]`, tile k's
     # column c holding value `c * parts + k`; float rows are one `[G, Dp]` tile in value order (`parts` = 1).
     parts = 1 if br.fmt is None else br.fmt.per_word
+    int_rows = br.fmt is not None and br.fmt.header_words > 0  # int8 / int4 / int2: q * scale + bias
     cols = jnp.arange(br.block_dim, dtype=jnp.int32)
     out_cols = cols if parts == 1 else jnp.arange(br.block_dim * parts, dtype=jnp.int32)  # the stored tile's
     # A branch of several dims stores the feature's own `dim` columns; the lanes past them (row padding, or
@@ -256,13 +259,28 @@ def _pool_branch(
             rows = row_offset + idx
             if br.fmt is None:
                 tiles.append((plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0),))
+            elif int_rows:  # integer codes, their rows' scales and biases (summed apart: `accumulate`)
+                tiles.append(quant_rows.load_codes(w_ref, rows, ok, cols, br.fmt, br.dim))
             else:  # int32 words, dequantized to fp32 here
                 tiles.append(tuple(quant_rows.load_packed(w_ref, rows, ok, cols, br.fmt, br.dim)))
         return tiles
 
     def accumulate(s, c, tiles, ws):
-        """`s`, `c`: per part the sum and its error term; `tiles`: per step its parts."""
+        """`s`, `c`: per part the sum and its error term; `tiles`: per step its parts. Integer rows: per step
+        (codes, scale, bias); a bag's sum is `sum(q * scale * w) + sum(bias * w)`: one fused multiply-add per
+        value, the biases (one per row) summed in `c[0]` and added once, in `finish`. Tile k's codes are `q *
+        2**(k * bits)`, so its sums are `2**(k * bits)` times the bag's: every rounding scaled by a power of two,
+        the same float32 values once `finish` scales them back (barring subnormal partial sums)."""
         s, c = list(s), list(c)
+        if int_rows:
+            for u, (codes, scale, bias) in enumerate(tiles):
+                if ws:
+                    scale, bias = scale * ws[u], bias * ws[u]
+                for k, q in enumerate(codes):  # tile k sums q * 2**(k * bits) * scale: scaled back in `finish`
+                    s[k] = s[k] + q * scale[:, None]
+                c[0] = c[0] + bias[:, None]  # [G, Wp] as the codes' tiles (a [G] or [G, 1] sum gets a layout
+                # of its own, and Triton then loads the ids a second time in it)
+            return tuple(s), tuple(c)
         for u, step in enumerate(tiles):
             for k, x in enumerate(step):
                 x = x.astype(jnp.float32)
@@ -276,6 +294,8 @@ def _pool_branch(
 
     zeros = (jnp.zeros(shape, jnp.float32),) * parts
     acc0 = (jnp.zeros(shape, jnp.float64),) * parts if accumulation == "fp64" else zeros
+    if int_rows:  # `c`: the bags' bias sums
+        zeros = (jnp.zeros(shape, jnp.float32),)
     nbad0 = jnp.zeros((br.bags,), jnp.int32)
 
     def pool(start, length, k0, acc, ahead=None):
@@ -307,6 +327,9 @@ def _pool_branch(
     def finish(acc, length, bag, bag_ok):
         s, c, _ = acc
         out = [s[k] + c[k] for k in range(parts)] if accumulation == "twosum" else s
+        if int_rows:  # tile k's codes were q * 2**(k * bits): times 2**-(k * bits) (exact), plus the bias sums
+            out = [(x * quant_rows.code_scale(br.fmt, k) if quant_rows.code_scale(br.fmt, k) != 1 else x) + c[0]
+                   for k, x in enumerate(out)]
         out = out[0] if parts == 1 else quant_rows.interleave(out)  # quantized: back in value order
         if pooling == "mean":
             out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]

@@ -12,7 +12,9 @@ per_word`, at bit `bits * (j % per_word)`; a value is shifted and masked out of 
 shifts into `per_word` tiles (value `c * per_word + k` in tile `k`, column `c`), which `interleave` puts back in
 value order (once per bag, before the store); `take_rows` is the same gather
 with `jnp` (the XLA path), in value order. Both decode a value by the same float32 operations, so the kernels
-and the XLA path compute the same values.
+and the XLA path compute the same values. The pooled kernel reads integer rows with `load_codes` instead: the
+codes, scales and biases apart, so that it sums `q * scale` with one fused multiply-add per value and the
+biases once per row (a bag's sum rounds differently from the sum of decoded values, within float32 rounding).
 """
 
 from __future__ import annotations
@@ -138,6 +140,39 @@ def load_packed(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
         else:
             tiles.append(q.astype(jnp.float32) * scale + bias)
     return tiles
+
+
+def load_codes(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
+    """`load_packed` for integer rows (int8 / int4 / int2) without applying the rows' scale and bias:
+    `(codes, scale, bias)`, `codes` the `per_word` float32 tiles of the integer codes (int4 / int2: tile `k`
+    holds `q * 2**(k * bits)`, the code masked where it lies in its word, one AND and no shift; `code_scale`
+    undoes the power of two), `scale` and `bias` `[G]` float32 (zeros where `ok` is False). A pooling kernel then sums `q * scale`
+    (one fused multiply-add per value) and the rows' biases apart (one add per row): a bag's sum is
+    `sum(q * scale) + sum(bias)` over its rows."""
+    nw = value_words(fmt, dim)
+    if wcols.shape[0] + fmt.header_words <= fmt.words:
+        mask = jnp.broadcast_to(ok[:, None], (ok.shape[0], wcols.shape[0]))
+    else:
+        mask = ok[:, None] & (wcols < nw)[None, :]
+    word = plgpu.load(w_ref.at[rows[:, None], (wcols + fmt.header_words)[None, :]], mask=mask, other=0)
+    header = plgpu.load(w_ref.at[rows, jnp.zeros_like(rows)], mask=ok, other=0)
+    codes, m = [], (1 << fmt.bits) - 1
+    for k in range(fmt.per_word):
+        if fmt.bits == 8:  # a byte shifted down: one byte-selecting conversion (I2F.U8) per value
+            codes.append(((word >> (8 * k) if k else word) & m).astype(jnp.float32))
+            continue
+        # int4 / int2: the code masked in place (one AND), `q * 2**s`, exact in float32 (<= 4 significant bits)
+        c = m << (k * fmt.bits)
+        q = word & (c - (1 << 32) if c >= 1 << 31 else c)  # the mask as an int32 constant
+        codes.append(jax.lax.bitcast_convert_type(q, jnp.uint32).astype(jnp.float32))
+    return codes, fp16_bits_to_float(header), fp16_bits_to_float(header >> 16)
+
+
+def code_scale(fmt: RowFormat, k: int) -> float:
+    """The power of two undoing `load_codes`' tile `k` (int4 / int2 codes are `q * 2**(k * bits)`; int8's are
+    `q`): a sum of `code * scale` terms times it is the sum of `q * scale` terms, exactly (scaling by a power of
+    two commutes with rounding)."""
+    return 1.0 if fmt.bits == 8 else 2.0 ** -(k * fmt.bits)
 
 
 def interleave(tiles):
