@@ -57,7 +57,7 @@ def forward_config(text: str):
 def time_cases(args) -> dict:
     import tbe_jax
 
-    cases = fbgemm_quant.workload_cases(args.workloads.split(","), [int(b) for b in args.batch_sizes.split(",") if b]) \
+    cases = fbgemm_quant.workload_cases([w for w in args.workloads.split(",") if w], [int(b) for b in args.batch_sizes.split(",") if b]) \
         + fbgemm_quant.shard_cases(args.shards, args.shard_seed)
     results = []
     configs = args.configs.split(";") if args.configs else [""]
