@@ -48,9 +48,10 @@
 #   host-overlap-grid (~300 s) the overlap probe's copies with their grid capped at 16 and 64 programs (and
 #              uncapped), on a second stream beside the HBM work: does a copy that leaves SMs free overlap?
 #              -> probe-host-overlap-*.json, host-overlap-grid.log
-#   quant-ab   (~500 s) the quantized forward on this tree and on ab_old/ (e.g. `git
-#              archive 0dea75b tbe_jax benchmarks tests | tar -x -C ab_old`: the codes-based pooling), same cases;
-#              ab_old's quant tests compiled first when it has tests/ -> quant-ab-*.json, quant-ab.log
+#   quant-ab   (~400 s) the quantized forward on this tree and on ab_old/ (e.g. `git archive REF tbe_jax
+#              benchmarks tests | tar -x -C ab_old`), same cases ($QA_WORKLOADS, default the presets' and
+#              dims8-192/8; $QA_TYPES, default int4,int8); ab_old's quant tests compiled first when it has tests/
+#              -> quant-ab-*.json, quant-ab.log
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
@@ -132,8 +133,8 @@ for stage in "$@"; do
           timeout 130 python3 -m benchmarks probe_host_overlap --programs $p --variants "$v" --annotation 1 \
             --out "$OUT" 2>&1 | grep -v Warning | sed "s/^/programs $p  /" | tee -a "$OUT/host-overlap-grid.log"; done ;;
     quant-ab) o=$(cd "$OUT" && pwd)
-        QA="python3 -m benchmarks bench_quant --workloads base,zipf,large,mixed,dims8-192/8 --batch-sizes 1024 \
-          --weight-types int4,int8 --iters 30 --reps 3 --hbm-gbs 3000"
+        QA="python3 -m benchmarks bench_quant --workloads ${QA_WORKLOADS:-base,zipf,large,mixed,dims8-192/8} \
+          --batch-sizes 1024 --weight-types ${QA_TYPES:-int4,int8} --iters 30 --reps 3 --hbm-gbs 3000"
         if [ -d ab_old/tests ]; then (cd ab_old && timeout 200 python3 -m pytest -q -n 8 -p no:benchmark \
           tests/test_quant.py tests/test_quant_layers.py 2>&1 | tail -3 | tee "$o/quant-ab-tests.log"); fi
         echo "-- this tree"; timeout 190 $QA --out "$o/quant-ab-this.json" 2>&1 | grep -v Warning | tee "$o/quant-ab.log"
