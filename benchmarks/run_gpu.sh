@@ -21,8 +21,9 @@
 #              dumped to /tmp/dlrmv2_b$B for the torch side -> dlrm_model-b$B-$DTYPE.json, dcnv2.log
 #   dcnv2-torch (per run 280 s) the same model in torch + FBGEMM (FBGEMM unpacked first, ../shared/fbgemm) on
 #              those dumped batches, same $DCNV2_RUNS -> dlrm_torch-b$B-$DTYPE.json, dcnv2.log
-#   quant      (300 s) our quantized inference TBE (int8, int4, fp16 rows) on fbgemm_quant's cases and the first
-#              $QUANT_SHARDS (default 10) sweep shards -> bench-quant.json, quant.log
+#   quant      (560 s) our quantized inference TBE ($QUANT_TYPES, default int8,int4,float16 rows) on
+#              fbgemm_quant's cases and the first $QUANT_SHARDS (default 10) sweep shards -> bench-quant.json,
+#              quant.log (int8 + int4: ~340 s on an H100, mostly compiles; 300 s cut it, session 42)
 #   quant-fbgemm (420 s; FBGEMM with --inference unpacked first) FBGEMM's IntNBit TBE: our rows' bytes and its
 #              forward (--check), then its forward timed on the same cases -> fbgemm-quant-{check,time}.json;
 #              then `python -m benchmarks bench_quant`'s ratios from the two files (`bench_quant.with_fbgemm`)
@@ -171,7 +172,8 @@ for stage in "$@"; do
           timeout 280 python3 benchmarks/dlrm_torch.py --batches /tmp/dlrmv2_b$b --emb-dtype "$dt" --emb-init torchrec \
             --out "$OUT/dlrm_torch-b$b-$dt.json" 2>&1 | grep -v Warning >> "$OUT/dcnv2.log"
           tail -4 "$OUT/dcnv2.log"; done ;;
-    quant) timeout 300 python3 -m benchmarks bench_quant --shards "${QUANT_SHARDS:-10}" --out "$OUT/bench-quant.json" \
+    quant) timeout 560 python3 -m benchmarks bench_quant --shards "${QUANT_SHARDS:-10}" --out "$OUT/bench-quant.json" \
+          --weight-types "${QUANT_TYPES:-int8,int4,float16}" \
           2>&1 | grep -v Warning > "$OUT/quant.log"; tail -5 "$OUT/quant.log" ;;
     quant-fbgemm) timeout 150 python3 -m benchmarks fbgemm_quant --check --out "$OUT/fbgemm-quant-check.json" \
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
