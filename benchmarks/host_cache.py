@@ -95,6 +95,8 @@ def _case(args, location, alpha, sets, load_factor=0.2, policy="lru"):
     max_fills = max(1, int(args.fill_fraction * lookups)) if args.fill_fraction else None
     emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=dtype, cache_load_factor=load_factor,
                                         cache_policy=policy, cache_max_fills=max_fills, interpret=common.interpret(),
+                                        kernel_config=common.config(args.kernel_config, tbe_jax.ForwardConfig),
+                                        backward_config=common.config(args.backward_config, tbe_jax.BackwardConfig),
                                         **({"cache_admit_age": args.admit_age} if args.admit_age >= 0 else {}))
     t0 = time.perf_counter()
     params = emb.init(jax.random.key(0))
@@ -265,6 +267,9 @@ def main(argv=None):
                     help="cache_max_fills as a fraction of a step's lookups (default: the library's, 1/16)")
     ap.add_argument("--admit-age", type=int, default=-1,
                     help="cache_admit_age (default: the library's, 128; 0 admits every miss, as FBGEMM's cache)")
+    ap.add_argument("--kernel-config", default="", help="a tbe_jax.ForwardConfig as a JSON object of its fields, "
+                    "e.g. '{\"bag_groups\": 4}' (fewer, longer forward programs: fewer host rows in flight)")
+    ap.add_argument("--backward-config", default="", help="a tbe_jax.BackwardConfig as a JSON object of its fields")
     ap.add_argument("--profile", type=int, default=0,
                     help="also trace this many steps: device ms per step, by kernel and by kind")
     ap.add_argument("--out", default="")
@@ -311,7 +316,8 @@ def main(argv=None):
                     common.print_kernels(dict(sorted(more.items(), key=lambda kv: -kv[1]["ms"])), 30)
                 jax.clear_caches()
     config = {k: getattr(args, k) for k in ("tables", "rows", "dim", "dtype", "batch", "bag", "sets", "iters", "reps",
-                                            "hbm_budget_gb", "baseline_rows", "fill_fraction", "admit_age")}
+                                            "hbm_budget_gb", "baseline_rows", "fill_fraction", "admit_age",
+                                            "kernel_config", "backward_config")}
     path = common.save("host-cache", {"meta": common.meta(), "config": config, "cases": cases}, args.out)
     print("saved", path)
 
