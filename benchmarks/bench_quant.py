@@ -47,11 +47,12 @@ def byte_floor_ms(case, wt: str, indices: np.ndarray, hbm_gbs: float) -> float:
 
 
 def forward_config(text: str):
-    """`tbe_jax.ForwardConfig` from `"field=int,field=int"` (empty: the default)."""
+    """`tbe_jax.ForwardConfig` from `"field=value,field=value"` (ints, or strings such as `bag_walk=adaptive`;
+    empty: the default)."""
     import tbe_jax
 
     fields = dict(kv.split("=") for kv in text.split(",") if kv)
-    return tbe_jax.ForwardConfig(**{k: int(v) for k, v in fields.items()})
+    return tbe_jax.ForwardConfig(**{k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()})
 
 
 def time_cases(args) -> dict:

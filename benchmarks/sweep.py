@@ -188,18 +188,19 @@ class GpuLock:
 # -- our worker ----------------------------------------------------------------------------------------------------
 
 
-def _ours(shard: Shard, lock: GpuLock, iters: int, reps: int, sets: int = 2, impl: str = "pallas") -> dict:
+def _ours(shard: Shard, lock: GpuLock, iters: int, reps: int, sets: int = 2, impl: str = "pallas",
+          kernel_config: str = "") -> dict:
     import jax
     import jax.numpy as jnp
     import tbe_jax
-    from benchmarks.common import device_ms, enqueued_ms
+    from benchmarks.common import config, device_ms, enqueued_ms
 
     t_setup = time.perf_counter()
     hints = [max(1, round(b)) if shard.hinted else None for b in shard.bags]
     emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(e, d, bag_size_hint=h)
                                          for e, d, h in zip(shard.rows, shard.dims, hints)],
                                         weights_dtype=jnp.dtype(shard.weights_dtype), output_dtype=jnp.float32,
-                                        impl=impl)
+                                        impl=impl, kernel_config=config(kernel_config, tbe_jax.ForwardConfig))
     opt = jax.device_put(tbe_jax.RowwiseAdagrad(learning_rate=LR, eps=EPS))  # (two scalars: no contention)
     host = [batch(shard, k) for k in range(sets)]
 
@@ -358,7 +359,7 @@ def worker(args) -> None:
     if args.worker == "ours":
         import jax
 
-        measure = functools.partial(_ours, impl=args.impl)
+        measure = functools.partial(_ours, impl=args.impl, kernel_config=args.kernel_config)
     else:
         measure = _fbgemm
     for s in mine:
@@ -383,7 +384,8 @@ def _spawn(kind: str, index: int, of: int, shard_file: str, tmp: str, results: s
     env["PYTHONPATH"] = root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--worker", kind, "--index", str(index), "--of", str(of),
            "--shard-file", shard_file, "--lock", os.path.join(tmp, "gpu.lock"), "--results", results,
-           "--iters", str(args.iters), "--reps", str(args.reps), "--impl", args.impl]
+           "--iters", str(args.iters), "--reps", str(args.reps), "--impl", args.impl,
+           "--kernel-config", args.kernel_config]
     return subprocess.Popen(cmd, env=env)
 
 
@@ -552,6 +554,8 @@ def main(argv=None):
     ap.add_argument("--dispatch", default="", help="a dispatch-probe JSON whose dispatch_us goes in the summary")
     ap.add_argument("--out", default="")
     ap.add_argument("--impl", default="pallas", help="our impl (xla: a CPU smoke test of the plumbing)")
+    ap.add_argument("--kernel-config", default="", help="our tbe_jax.ForwardConfig as a JSON object of its fields "
+                    "(e.g. '{\"bag_walk\": \"adaptive\"}'; default: the defaults)")
     # worker mode
     ap.add_argument("--worker", choices=("ours", "fbgemm"))
     ap.add_argument("--index", type=int, default=0)
@@ -591,7 +595,8 @@ def main(argv=None):
               "named": {t["shard"]: t.get("ratio") for t in table if t["shard"] in named},
               "meta": {**(_merged_meta(args.merge) if args.no_run else _meta()), "seed": args.seed,
                        "shapes_drawn": len(drawn), "iters": args.iters,
-                       "reps": args.reps, "distribution": __doc__.split("\n\n")[1]},
+                       "reps": args.reps, "kernel_config": args.kernel_config or "default",
+                       "distribution": __doc__.split("\n\n")[1]},
               "rows": rows, "table": table}
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"sweep-{datetime.datetime.now():%Y%m%d-%H%M}.json")

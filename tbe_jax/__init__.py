@@ -3,7 +3,7 @@
 from tbe_jax import pallas_compat  # noqa: F401  (installs the Triton deprecation filter once)
 from tbe_jax.bounds import BoundsReport
 from tbe_jax.kernels.backward_config import BackwardConfig
-from tbe_jax.kernels.forward import ForwardConfig
+from tbe_jax.kernels.forward_config import ForwardConfig
 from tbe_jax.kernels.histogram import HistogramConfig
 from tbe_jax.optim import (
     SGD, Adagrad, AdagradState, Adam, AdamState, Lamb, Optimizer, PartialRowwiseAdam,

@@ -228,6 +228,52 @@ def test_bag_groups_validated():
             tbe_jax.ForwardConfig(bag_groups=bad)
 
 
+def _walks(lengths, bags, unroll):
+    """Per program of `bags` bags (lengths in order, padded with empty bags): whether `bag_walk="adaptive"` pools
+    its bags one after another (the kernel's rule, `kernels.forward._pool_branch`)."""
+    lp = np.concatenate([lengths, np.zeros((-len(lengths)) % bags, int)]).reshape(-1, bags)
+    walk = (-(-lp // (bags * unroll))).sum(1) + (bags + 3) // 4
+    return walk < -(-lp.max(1) // unroll)
+
+
+@pytest.mark.parametrize("wdtype,weighted,pooling", [("float16", True, "sum"), ("float32", False, "mean")])
+def test_adaptive_bag_walk(rng, wdtype, weighted, pooling):
+    """`ForwardConfig(bag_walk="adaptive")`: programs whose bags differ in length pool them one after another
+    (`G * unroll` rows of one bag a step), the others in the tile's rows as "lanes" does, chosen per program at
+    run time. Long bags of unequal lengths next to short and empty ones, bad ids: the reference's result and
+    the same counts as "lanes"; both walks taken (by the kernel's rule on these lengths)."""
+    tables = specs([60, 9, 300], [32, 8, 17])
+    fmap = [0, 1, 2, 0]
+    batch = [8, 8, 8, 8]
+    cfg = dict(tile_elems=64, max_bags=4, unroll=2)  # G = 2 (D 32, 17), 4 (D 8)
+    lengths = np.concatenate([
+        rng.integers(0, 40, 8),  # feature 0: long, unequal
+        rng.choice([0, 1, 2], 8),  # feature 1: short
+        np.array([0, 37, 1, 0, 25, 3, 0, 17]),  # feature 2: a long bag among empty and short ones
+        np.full(8, 9),  # feature 3: equal lengths (lanes)
+    ])
+    assert _walks(lengths[:8], 2, 2).any() and not _walks(lengths[24:], 2, 2).any()
+    assert _walks(lengths[16:24], 2, 2).any() and not _walks(lengths[8:16], 4, 2).any()
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
+    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx[::11] = 10_000  # bad ids: dropped and counted
+    psw = rng.standard_normal(off[-1]).astype(np.float32) if weighted else None
+    kw = dict(feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype)
+    lanes = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(**cfg), **kw, **KERNEL_KW)
+    walk = tbe_jax.TableBatchedEmbedding(
+        tables, kernel_config=tbe_jax.ForwardConfig(**cfg, bag_walk="adaptive"), **kw, **KERNEL_KW)
+    params = lanes.init(jax.random.key(5))
+    out_l, rep_l = lanes.forward_with_report(params, idx, off, psw)
+    out_w, rep_w = walk.forward_with_report(params, idx, off, psw)
+    assert int(rep_w.invalid_indices) == int(rep_l.invalid_indices) == int(np.sum(idx == 10_000))
+    model = testing.numpy_pooled(tables_f64(walk, params), fmap, batch, idx, off, psw, pooling, False)
+    assert_close(out_w, model, tolerance(wdtype, 40))
+    assert_close(out_w, out_l, tolerance(wdtype, 40))
+    with pytest.raises(ValueError, match="bag_walk"):
+        tbe_jax.ForwardConfig(bag_walk="rows")
+
+
 def test_short_bag_hint_segment(rng):
     """Features whose table has `bag_size_hint` <= 2 get their own segment with `short_bag_groups` sub-groups;
     a wrong hint (longer bags) stays exact: bitwise the output without hints, bad ids counted the same."""

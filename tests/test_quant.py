@@ -199,6 +199,21 @@ def test_many_dims_share_a_branch_per_buffer(rng):
                  testing.numpy_pooled(tabs, fmap, sizes, idx, off, psw, "sum", True), 2e-6)
 
 
+def test_adaptive_bag_walk_every_weight_type(rng):
+    """`ForwardConfig(bag_walk="adaptive")` on quantized rows (integer rows pooled from their codes, the biases
+    summed per row): bags of unequal lengths up to 60 ids next to empty ones, weighted sum and mean, every weight
+    type, tables sharing a buffer. The float64 model."""
+    lengths = rng.integers(0, 61, len(FMAP) * B)
+    lengths[[0, 5, 13]] = 0
+    for pooling in ("sum", "mean"):
+        kern, rows, tabs = _model(rng, output_dtype=jnp.float32, pooling=pooling,
+                                  kernel_config=tbe_jax.ForwardConfig(bag_walk="adaptive", unroll=2), **KERNEL_KW)
+        qp = kern.from_fbgemm(rows)
+        idx, off, psw = _batch(rng, [SPECS[t].num_embeddings for t in FMAP], lengths)
+        model = testing.numpy_pooled(tabs, FMAP, [B] * len(FMAP), idx, off, psw, pooling, False)
+        assert_close(kern(qp, idx, off, psw), model, 4e-6)
+
+
 def test_one_bag_of_one_word_rows(rng):
     """A batch of one bag per feature whose rows hold their values in one word (int4 D = 8, int8 D = 4, int2
     D = 16, fp16 D = 2, fp8 D = 4): one-word tiles, which Triton 3.6 failed to compile as `[1, 1]` joins (a

@@ -38,98 +38,9 @@ import jax.numpy as jnp
 
 from tbe_jax.pallas_compat import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.kernels import programs, quant_rows
+from tbe_jax.kernels.forward_config import ForwardConfig  # noqa: F401 - re-exported (tbe_jax.ForwardConfig)
 from tbe_jax.kernels.programs import DIM, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
-_FP32_ACCUMULATION = ("fp32", "fp64", "twosum")
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardConfig:
-    """Block sizes and launch knobs of the pooled forward kernel.
-
-    Attributes:
-      tile_elems: elements of the `[G, Dp]` tile gathered per step (default 256); `G` (bags per
-        program) is `tile_elems // Dp`, clipped to `[1, max_bags]` and to the batch.
-      max_bags: upper bound on bags per program (default 64).
-      unroll: steps (rows per bag) whose loads are issued together (default 4).
-      num_warps: warps per program (default 1).
-      prefetch: load the next step's ids while this step's rows are in flight (default True).
-      num_stages: Triton software-pipelining depth (default 1).
-      segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
-        launch (default 8): the kernel has one code branch per buffer, and Triton's compile time grows faster
-        than linearly with the branches, so models with more buffers get one launch per `segment_buffers` of
-        them, writing their features' columns of one output in place.
-      bag_groups: sub-groups of `G` bags each program owns (default 1). The first row of every bag of the
-        program's `G * bag_groups` bags is loaded at once, then the sub-groups' remaining rows run one
-        sub-group after the other: one-id bags (the small tables of a DLRM) pay a program's fixed cost once
-        per `G * bag_groups` bags, while long bags get fewer, longer programs. 2 suits models whose
-        features mostly have one or two ids per bag (MLPerf's DLRMv2 tables) and slows long bags
-        (measurements: docs/kernels.md).
-      short_bag_groups: `bag_groups` for the features whose table's `bag_size_hint` is at most 2 (bags known
-        to hold one or two ids): they get a segment of programs of their own (default 2).
-      fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
-        FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
-        "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
-        within 2 ulp of the exact sum of any bag (`tests/test_accuracy.py`), slower than "fp32" (their cost:
-        docs/kernels.md). fp16/bf16 weights always sum in fp32.
-      row_tile_bytes: quantized rows (`tbe_jax.quantize`): stored bytes of the rows a step gathers. Their `G`
-        is the larger of the float rule's `tile_elems // Dp` and `row_tile_bytes // next_pow2(row bytes)`
-        (an int4 row of D = 128 is 80 bytes: 4 bags where an fp16 row gets 2), at most `row_tile_elems // Dp`.
-        None (default): `2 * tile_elems`, the bytes of the fp16 tile `tile_elems` was tuned for. Derived, not
-        yet tuned on a GPU.
-      row_tile_elems: quantized rows: at most this many dequantized fp32 values in a step's tile (`G * Dp`,
-        registers); None (default): `2 * tile_elems`.
-    """
-
-    tile_elems: int = 256
-    max_bags: int = 64
-    unroll: int = 4
-    num_warps: int = 1
-    num_stages: int = 1
-    prefetch: bool = True
-    segment_buffers: int = 8
-    fp32_accumulation: str = "fp32"
-    bag_groups: int = 1
-    short_bag_groups: int = 2
-    row_tile_bytes: int | None = None
-    row_tile_elems: int | None = None
-
-    def __post_init__(self):
-        for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
-        if self.fp32_accumulation not in _FP32_ACCUMULATION:
-            raise ValueError(
-                f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
-                f"got {self.fp32_accumulation!r}"
-            )
-        if self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
-        for name in ("bag_groups", "short_bag_groups"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
-                raise ValueError(f"ForwardConfig.{name} must be a positive power of 2, got {v!r}")
-        for name in ("row_tile_bytes", "row_tile_elems"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"ForwardConfig.{name} must be None or a positive int, got {v!r}")
-
-    @staticmethod
-    def get_default() -> "ForwardConfig":
-        return ForwardConfig()
-
-    def bags_per_program(self, dim: int, max_batch: int, row_bytes: int | None = None) -> int:
-        """`G` for rows of `dim` values (`row_bytes`: the stored bytes of a quantized row, None for float rows)
-        and features of at most `max_batch` bags."""
-        dp = next_pow2(dim)
-        g = self.tile_elems // dp
-        if row_bytes is not None:
-            by_bytes = (self.row_tile_bytes or 2 * self.tile_elems) // next_pow2(row_bytes)
-            g = min(max(g, by_bytes), (self.row_tile_elems or 2 * self.tile_elems) // dp)
-        g = max(1, min(self.max_bags, g))
-        g = min(g, next_pow2(max(max_batch, 1)))
-        return 1 << (g.bit_length() - 1)  # a power of 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +107,7 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
-    meta_cols: int,
+    meta_cols: int, bag_walk: str = "lanes",
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
@@ -338,12 +249,54 @@ def _pool_branch(
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
+    def lanes(start, length, bag_ok):
+        """The program's bags in the tile's rows, one bag a row: its bad-id count."""
+        acc = pool(start, length, 0, (acc0, zeros, nbad0))
+        finish(acc, length, b0 + g, bag_ok)
+        return jnp.sum(acc[2], dtype=jnp.int32)
+
+    def one_by_one(start, length, bag_ok):
+        """`bag_walk="adaptive"`: the program's bags one after another, `G` rows of one bag a step (the tile's
+        rows), summed over the rows at the bag's end: its bad-id count."""
+        def bag(j, nbad):
+            pick = g == j
+            s_j, l_j = jnp.sum(jnp.where(pick, start, 0)), jnp.sum(jnp.where(pick, length, 0))
+
+            def step(k, carry):  # `unroll` chunks of G rows, their loads issued together
+                s, c, nb = carry
+                ids, ws = [], []
+                for u in range(unroll):
+                    at = (k * unroll + u) * br.bags + g
+                    live = at < l_j
+                    ids.append(plgpu.load(indices_ref.at[s_j + at], mask=live, other=-1))
+                    if psw_ref is not None:
+                        ws.append(plgpu.load(psw_ref.at[s_j + at], mask=live, other=0.0))
+                s, c = accumulate(s, c, gather(ids), ws)
+                return s, c, nb + count_bad(ids)
+
+            chunk = br.bags * unroll
+            s, c, nb = jax.lax.fori_loop(0, (l_j + chunk - 1) // chunk, step, (acc0, zeros, nbad0))
+            s, c = (tuple(jnp.sum(x, axis=0)[None, :] for x in t) for t in (s, c))
+            one = jnp.zeros((1,), jnp.int32)
+            finish((s, c, nb), one + l_j, one + b0 + j, one == 0)
+            return nbad + jnp.sum(nb, dtype=jnp.int32)
+
+        return jax.lax.fori_loop(0, jnp.minimum(nbags, br.bags), bag, jnp.int32(0))
+
     if br.groups == 1:
         bag_ok = g < nbags
         start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
-        acc = pool(start, length, 0, (acc0, zeros, nbad0))
-        finish(acc, length, b0 + g, bag_ok)
-        n_bad, n_malformed = jnp.sum(acc[2], dtype=jnp.int32), jnp.sum(malformed, dtype=jnp.int32)
+        if bag_walk == "adaptive" and accumulation == "fp32" and br.bags > 1:
+            # One bag after another where that takes fewer loop iterations than the longest bag does in the
+            # tile's rows (bags of unequal lengths leave rows idle there), counting each bag's end (a sum over the
+            # tile's rows and a store: about a quarter of an iteration in the SASS, sm_90a) against it.
+            chunk = br.bags * unroll
+            walk_iters = jnp.sum((length + chunk - 1) // chunk) + (br.bags + 3) // 4
+            walk = walk_iters < (jnp.max(length) + unroll - 1) // unroll
+            n_bad = jax.lax.cond(walk, one_by_one, lanes, start, length, bag_ok)
+        else:
+            n_bad = lanes(start, length, bag_ok)
+        n_malformed = jnp.sum(malformed, dtype=jnp.int32)
     else:
         # Sub-groups: every bag's first row is loaded up front (one latency for all of them), then each
         # sub-group pools its remaining rows (steps 1..) and stores, one sub-group after the other. The sums
@@ -369,7 +322,7 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols):
+                   accumulation, count_invalid, align, meta_cols, bag_walk):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -382,7 +335,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align, meta_cols=meta_cols,
+                align=align, meta_cols=meta_cols, bag_walk=bag_walk,
             )
 
 
@@ -464,6 +417,7 @@ def pooled_forward(
         count_invalid=count_invalid,
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
+        bag_walk=config.bag_walk,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:

@@ -1,0 +1,110 @@
+"""`ForwardConfig`: the knobs of the pooled forward kernel (`kernels.forward`), and their defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tbe_jax.specs import next_pow2
+
+_FP32_ACCUMULATION = ("fp32", "fp64", "twosum")
+_BAG_WALKS = ("lanes", "adaptive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Block sizes and launch knobs of the pooled forward kernel.
+
+    Attributes:
+      tile_elems: elements of the `[G, Dp]` tile gathered per step (default 256); `G` (bags per
+        program) is `tile_elems // Dp`, clipped to `[1, max_bags]` and to the batch.
+      max_bags: upper bound on bags per program (default 64).
+      unroll: steps (rows per bag) whose loads are issued together (default 4).
+      num_warps: warps per program (default 1).
+      prefetch: load the next step's ids while this step's rows are in flight (default True).
+      num_stages: Triton software-pipelining depth (default 1).
+      segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
+        launch (default 8): the kernel has one code branch per buffer, and Triton's compile time grows faster
+        than linearly with the branches, so models with more buffers get one launch per `segment_buffers` of
+        them, writing their features' columns of one output in place.
+      bag_groups: sub-groups of `G` bags each program owns (default 1). The first row of every bag of the
+        program's `G * bag_groups` bags is loaded at once, then the sub-groups' remaining rows run one
+        sub-group after the other: one-id bags (the small tables of a DLRM) pay a program's fixed cost once
+        per `G * bag_groups` bags, while long bags get fewer, longer programs. 2 suits models whose
+        features mostly have one or two ids per bag (MLPerf's DLRMv2 tables) and slows long bags
+        (measurements: docs/kernels.md).
+      short_bag_groups: `bag_groups` for the features whose table's `bag_size_hint` is at most 2 (bags known
+        to hold one or two ids): they get a segment of programs of their own (default 2).
+      fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
+        FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
+        "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
+        within 2 ulp of the exact sum of any bag (`tests/test_accuracy.py`), slower than "fp32" (their cost:
+        docs/kernels.md). fp16/bf16 weights always sum in fp32.
+      row_tile_bytes: quantized rows (`tbe_jax.quantize`): stored bytes of the rows a step gathers. Their `G`
+        is the larger of the float rule's `tile_elems // Dp` and `row_tile_bytes // next_pow2(row bytes)`
+        (an int4 row of D = 128 is 80 bytes: 4 bags where an fp16 row gets 2), at most `row_tile_elems // Dp`.
+        None (default): `2 * tile_elems`, the bytes of the fp16 tile `tile_elems` was tuned for. Derived, not
+        yet tuned on a GPU.
+      row_tile_elems: quantized rows: at most this many dequantized fp32 values in a step's tile (`G * Dp`,
+        registers); None (default): `2 * tile_elems`.
+      bag_walk: how a program walks its `G` bags. "lanes" (default): one bag per tile row, `max(length)` steps,
+        so bags of unequal lengths leave rows idle (bag lengths uniform in 0..2L at G = 4: ~38% of the rows a
+        step loads are masked; 25-49% on the sweep's shards). "adaptive": each program chooses at run time; one
+        whose bags take fewer loop iterations one after another (`G * unroll` rows of one bag an iteration,
+        summed over the tile's rows at the bag's end, each end counted as a quarter of an iteration) than in
+        the tile's rows pools them so. Sums in another order: within float32 rounding of "lanes". Programs
+        without sub-groups (`bag_groups` 1) and with "fp32" accumulation; the others walk "lanes". Compiled
+        offline for sm_90a (Triton 3.6), not yet timed on a GPU.
+    """
+
+    tile_elems: int = 256
+    max_bags: int = 64
+    unroll: int = 4
+    num_warps: int = 1
+    num_stages: int = 1
+    prefetch: bool = True
+    segment_buffers: int = 8
+    fp32_accumulation: str = "fp32"
+    bag_groups: int = 1
+    short_bag_groups: int = 2
+    row_tile_bytes: int | None = None
+    row_tile_elems: int | None = None
+    bag_walk: str = "lanes"
+
+    def __post_init__(self):
+        for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
+        if self.fp32_accumulation not in _FP32_ACCUMULATION:
+            raise ValueError(
+                f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
+                f"got {self.fp32_accumulation!r}"
+            )
+        if self.bag_walk not in _BAG_WALKS:
+            raise ValueError(f"ForwardConfig.bag_walk must be one of {_BAG_WALKS}, got {self.bag_walk!r}")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
+        for name in ("bag_groups", "short_bag_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"ForwardConfig.{name} must be a positive power of 2, got {v!r}")
+        for name in ("row_tile_bytes", "row_tile_elems"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"ForwardConfig.{name} must be None or a positive int, got {v!r}")
+
+    @staticmethod
+    def get_default() -> "ForwardConfig":
+        return ForwardConfig()
+
+    def bags_per_program(self, dim: int, max_batch: int, row_bytes: int | None = None) -> int:
+        """`G` for rows of `dim` values (`row_bytes`: the stored bytes of a quantized row, None for float rows)
+        and features of at most `max_batch` bags."""
+        dp = next_pow2(dim)
+        g = self.tile_elems // dp
+        if row_bytes is not None:
+            by_bytes = (self.row_tile_bytes or 2 * self.tile_elems) // next_pow2(row_bytes)
+            g = min(max(g, by_bytes), (self.row_tile_elems or 2 * self.tile_elems) // dp)
+        g = max(1, min(self.max_bags, g))
+        g = min(g, next_pow2(max(max_batch, 1)))
+        return 1 << (g.bit_length() - 1)  # a power of 2
