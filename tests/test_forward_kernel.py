@@ -274,6 +274,23 @@ def test_adaptive_bag_walk(rng, wdtype, weighted, pooling):
         tbe_jax.ForwardConfig(bag_walk="rows")
 
 
+def test_adaptive_bag_walk_vbe(rng):
+    """`bag_walk="adaptive"` with a batch size per feature (each walked bag stored at its own output row)."""
+    tables = specs([60, 300], [16, 8])
+    sizes = (7, 3, 5)
+    fmap = [0, 1, 0]
+    lengths = np.concatenate([rng.integers(0, 40, 7), np.array([0, 30, 2]), rng.integers(0, 25, 5)])
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([tables[t].num_embeddings for t in fmap], sizes)
+    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    cfg = tbe_jax.ForwardConfig(tile_elems=64, max_bags=4, unroll=2, bag_walk="adaptive")
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, kernel_config=cfg, **KERNEL_KW)
+    params = emb.init(jax.random.key(6))
+    out = emb(params, idx, off, batch_size_per_feature=sizes)
+    model = testing.numpy_pooled(tables_f64(emb, params), fmap, list(sizes), idx, off, None, "sum", True)
+    assert_close(out, model, tolerance("float32", 40))
+
+
 def test_short_bag_hint_segment(rng):
     """Features whose table has `bag_size_hint` <= 2 get their own segment with `short_bag_groups` sub-groups;
     a wrong hint (longer bags) stays exact: bitwise the output without hints, bad ids counted the same."""
