@@ -272,6 +272,9 @@ def test_adaptive_bag_walk(rng, wdtype, weighted, pooling):
     assert_close(out_w, out_l, tolerance(wdtype, 40))
     with pytest.raises(ValueError, match="bag_walk"):
         tbe_jax.ForwardConfig(bag_walk="rows")
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="word_tiles"):
+            tbe_jax.ForwardConfig(word_tiles=bad)
 
 
 def test_adaptive_bag_walk_vbe(rng):

@@ -214,6 +214,50 @@ def test_adaptive_bag_walk_every_weight_type(rng):
         assert_close(kern(qp, idx, off, psw), model, 4e-6)
 
 
+def test_rows_whose_words_are_not_a_power_of_two_load_as_two_tiles(rng):
+    """`ForwardConfig(word_tiles=2)`: integer rows whose value words are not a power of two load as two tiles of
+    power-of-two widths where each still gives every thread a word and a step gathers at least 4 bags
+    (`quant_rows.word_pieces`: int8 D = 96, 24 words, as 16 + 8 lanes, not 32), each tile storing its own
+    columns: with the default tiles int8 D = 48 and 96, with the adaptive walk too; with larger tiles int4 and
+    int2 too. Garbage padding, weighted sum and mean, empty and long bags; the same dims in one tile (2 bags a
+    step). Matches the float64 model."""
+    from tbe_jax.kernels import forward, quant_rows
+
+    tabs_wts = [(96, "int8"), (80, "int8"), (20, "int8"), (48, "int8"), (64, "int8"), (160, "int8"), (96, "int4"),
+                (160, "int4"), (96, "int2"), (192, "int2")]
+    specs = [tbe_jax.TableSpec(11 + t, d) for t, (d, _) in enumerate(tabs_wts)]
+    wts = [wt for _, wt in tabs_wts]
+    fmap = list(range(len(specs))) + [0]
+    b = 8
+    rows = [_rows(rng, s.num_embeddings, s.embedding_dim, wt, garbage=True) for s, wt in zip(specs, wts)]
+    tabs = [_np_rows(r, wt, s.embedding_dim) for r, s, wt in zip(rows, specs, wts)]
+    lengths = rng.integers(0, 5, len(fmap) * b)
+    lengths[[0, 7, 21]] = 0
+    lengths[[3, 12, 30, 45]] = 40  # programs the adaptive walk pools bag by bag
+    idx, off, psw = _batch(rng, [specs[t].num_embeddings for t in fmap], lengths)
+    two = {("int8", 48), ("int8", 96)}
+    cases = [  # (config, pooling, the (weight type, dim) whose rows load as two tiles)
+        (tbe_jax.ForwardConfig(word_tiles=2), "sum", two),
+        (tbe_jax.ForwardConfig(word_tiles=2), "mean", two),
+        (tbe_jax.ForwardConfig(word_tiles=2, bag_walk="adaptive"), "sum", two),  # bags walked one by one too
+        (tbe_jax.ForwardConfig(word_tiles=2, row_tile_elems=2048, row_tile_bytes=2048), "mean",
+         {("int8", 48), ("int8", 80), ("int8", 96), ("int8", 160), ("int4", 96), ("int4", 160), ("int2", 192)}),
+        (tbe_jax.ForwardConfig(word_tiles=2, max_bags=2, bag_groups=2), "sum", set()),
+    ]
+    for cfg, pooling, two in cases:
+        qemb = tbe_jax.QuantizedTableBatchedEmbedding(specs, wts, feature_table_map=fmap, pooling=pooling,
+                                                      output_dtype=jnp.float32, kernel_config=cfg, **KERNEL_KW)
+        lay = qemb.layout
+        plan = lay.kernel_plan(qemb.plan_for(len(fmap) * b + 1))
+        _, branches, _, _ = forward._schedule(lay.kernel_layout, plan, cfg, range(len(fmap)), frozenset(),
+                                              lay.kernel_layout.formats)
+        assert {(br.fmt.weight_dtype, br.dim) for br in branches
+                if len(quant_rows.word_pieces(br.fmt, br.dim, br.bags)) == 2} == two
+        qp = qemb.from_fbgemm(rows)
+        model = testing.numpy_pooled(tabs, fmap, [b] * len(fmap), idx, off, psw, pooling, False)
+        assert_close(qemb(qp, idx, off, psw), model, 2e-6)
+
+
 def test_one_bag_of_one_word_rows(rng):
     """A batch of one bag per feature whose rows hold their values in one word (int4 D = 8, int8 D = 4, int2
     D = 16, fp16 D = 2, fp8 D = 4): one-word tiles, which Triton 3.6 failed to compile as `[1, 1]` joins (a

@@ -20,7 +20,7 @@ Quantized rows (the inference TBE, `tbe_jax.quant`): a buffer given a static
 word once per lane and unpacks it to fp32 in registers (`quant_rows.load_packed`:
 `per_word` tiles, one per position in the word), and the same accumulation
 follows per tile (integer rows: their codes, with the scales applied by one fused
-multiply-add per value and the biases summed per row, `quant_rows.load_codes`).
+multiply-add per value and the biases summed per row, `quant_rows.codes_of`).
 A quantized buffer may serve features of several dims (one
 row length in words): its branch is compiled for the largest (tile width, bags
 per program) and stores each feature's own dim, read at run time from the
@@ -107,7 +107,7 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
-    meta_cols: int, bag_walk: str = "lanes",
+    meta_cols: int, bag_walk: str = "lanes", word_tiles: int = 1, num_warps: int = 1,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
@@ -131,8 +131,19 @@ def _pool_branch(
     out_cols = cols if parts == 1 else jnp.arange(br.block_dim * parts, dtype=jnp.int32)  # the stored tile's
     # A branch of several dims stores the feature's own `dim` columns; the lanes past them (row padding, or
     # masked past the row) are summed, never stored.
-    col_ok = out_cols < (feat_meta(DIM) if br.dyn_dim else br.dim)
+    dim_limit = feat_meta(DIM) if br.dyn_dim else br.dim
+    col_ok = out_cols < dim_limit
     shape = (br.bags, br.block_dim)
+    # `word_tiles=2`: integer rows whose value words are not a power of two load them as two tiles
+    # (`quant_rows.word_pieces`: int8 D = 96 as 16 + 8 word lanes, not 32); per piece (start word, width, its word
+    # columns, its stored columns and their mask). Every other branch has one piece, the tile above.
+    pieces = [(0, br.block_dim, cols, out_cols, col_ok)]
+    if int_rows and word_tiles == 2 and len(quant_rows.word_pieces(br.fmt, br.dim, br.bags, 32 * num_warps)) > 1:
+        pieces = []
+        for start, width in quant_rows.word_pieces(br.fmt, br.dim, br.bags, 32 * num_warps):
+            pc = start + jnp.arange(width, dtype=jnp.int32)
+            oc = start * parts + jnp.arange(width * parts, dtype=jnp.int32)
+            pieces.append((start, width, pc, oc, oc < dim_limit))
 
     def row_mask(ok):
         # Rows load up to the stride: a padded row (16-byte multiple) then moves in 16-byte vectors. The
@@ -170,8 +181,12 @@ def _pool_branch(
             rows = row_offset + idx
             if br.fmt is None:
                 tiles.append((plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0),))
-            elif int_rows:  # integer codes, their rows' scales and biases (summed apart: `accumulate`)
-                tiles.append(quant_rows.load_codes(w_ref, rows, ok, cols, br.fmt, br.dim))
+            elif int_rows:  # integer codes per piece, their rows' scales and biases (summed apart: `accumulate`)
+                words = [quant_rows.load_words(w_ref, rows, ok, pc, br.fmt, br.dim, start)
+                         for start, _, pc, _, _ in pieces]
+                header = quant_rows.load_header(w_ref, rows, ok)
+                codes = [quant_rows.codes_of(w, br.fmt) for w in words]
+                tiles.append((codes, *quant_rows.scale_bias(header)))
             else:  # int32 words, dequantized to fp32 here
                 tiles.append(tuple(quant_rows.load_packed(w_ref, rows, ok, cols, br.fmt, br.dim)))
         return tiles
@@ -183,14 +198,15 @@ def _pool_branch(
         2**(k * bits)`, so its sums are `2**(k * bits)` times the bag's: every rounding scaled by a power of two,
         the same float32 values once `finish` scales them back (barring subnormal partial sums)."""
         s, c = list(s), list(c)
-        if int_rows:
+        if int_rows:  # `s`: piece p's tile k at p * parts + k; `c`: per piece its bias sums
             for u, (codes, scale, bias) in enumerate(tiles):
                 if ws:
                     scale, bias = scale * ws[u], bias * ws[u]
-                for k, q in enumerate(codes):  # tile k sums q * 2**(k * bits) * scale: scaled back in `finish`
-                    s[k] = s[k] + q * scale[:, None]
-                c[0] = c[0] + bias[:, None]  # [G, Wp] as the codes' tiles (a [G] or [G, 1] sum gets a layout
-                # of its own, and Triton then loads the ids a second time in it)
+                for p, piece in enumerate(codes):
+                    for k, q in enumerate(piece):  # tile k sums q * 2**(k * bits) * scale: scaled back in `finish`
+                        s[p * parts + k] = s[p * parts + k] + q * scale[:, None]
+                    c[p] = c[p] + bias[:, None]  # [G, W] as the piece's tiles (a [G] or [G, 1] sum gets a layout
+                    # of its own, and Triton then loads the ids a second time in it)
             return tuple(s), tuple(c)
         for u, step in enumerate(tiles):
             for k, x in enumerate(step):
@@ -207,6 +223,9 @@ def _pool_branch(
     acc0 = (jnp.zeros(shape, jnp.float64),) * parts if accumulation == "fp64" else zeros
     if int_rows:  # `c`: the bags' bias sums
         zeros = (jnp.zeros(shape, jnp.float32),)
+    if len(pieces) > 1:  # per piece its `parts` code sums, and (`c`) its copy of the bags' bias sums
+        acc0 = tuple(jnp.zeros((br.bags, width), jnp.float32) for _, width, _, _, _ in pieces for _ in range(parts))
+        zeros = tuple(jnp.zeros((br.bags, width), jnp.float32) for _, width, _, _, _ in pieces)
     nbad0 = jnp.zeros((br.bags,), jnp.int32)
 
     def pool(start, length, k0, acc, ahead=None):
@@ -237,10 +256,16 @@ def _pool_branch(
 
     def finish(acc, length, bag, bag_ok):
         s, c, _ = acc
-        out = [s[k] + c[k] for k in range(parts)] if accumulation == "twosum" else s
         if int_rows:  # tile k's codes were q * 2**(k * bits): times 2**-(k * bits) (exact), plus the bias sums
-            out = [(x * quant_rows.code_scale(br.fmt, k) if quant_rows.code_scale(br.fmt, k) != 1 else x) + c[0]
-                   for k, x in enumerate(out)]
+            for p, (_, _, _, oc, ok_cols) in enumerate(pieces):
+                out = [(x * quant_rows.code_scale(br.fmt, k) if quant_rows.code_scale(br.fmt, k) != 1 else x) + c[p]
+                       for k, x in enumerate(s[p * parts : (p + 1) * parts])]
+                store(out, length, bag, bag_ok, oc, ok_cols)
+            return
+        store([s[k] + c[k] for k in range(parts)] if accumulation == "twosum" else s, length, bag, bag_ok,
+              out_cols, col_ok)
+
+    def store(out, length, bag, bag_ok, out_cols, col_ok):
         out = out[0] if parts == 1 else quant_rows.interleave(out)  # quantized: back in value order
         if pooling == "mean":
             out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]
@@ -322,7 +347,7 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols, bag_walk):
+                   accumulation, count_invalid, align, meta_cols, bag_walk, word_tiles, num_warps):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -335,7 +360,8 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align, meta_cols=meta_cols, bag_walk=bag_walk,
+                align=align, meta_cols=meta_cols, bag_walk=bag_walk, word_tiles=word_tiles,
+                num_warps=num_warps,
             )
 
 
@@ -418,6 +444,8 @@ def pooled_forward(
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
         bag_walk=config.bag_walk,
+        word_tiles=config.word_tiles,
+        num_warps=config.num_warps,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:

@@ -12,7 +12,7 @@ per_word`, at bit `bits * (j % per_word)`; a value is shifted and masked out of 
 shifts into `per_word` tiles (value `c * per_word + k` in tile `k`, column `c`), which `interleave` puts back in
 value order (once per bag, before the store); `take_rows` is the same gather
 with `jnp` (the XLA path), in value order. Both decode a value by the same float32 operations, so the kernels
-and the XLA path compute the same values. The pooled kernel reads integer rows with `load_codes` instead: the
+and the XLA path compute the same values. The pooled kernel reads integer rows with `load_words` and `codes_of` instead: the
 codes, scales and biases apart, so that it sums `q * scale` with one fused multiply-add per value and the
 biases once per row (a bag's sum rounds differently from the sum of decoded values, within float32 rounding).
 """
@@ -142,20 +142,56 @@ def load_packed(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
     return tiles
 
 
-def load_codes(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
-    """`load_packed` for integer rows (int8 / int4 / int2) without applying the rows' scale and bias:
-    `(codes, scale, bias)`, `codes` the `per_word` float32 tiles of the integer codes (int4 / int2: tile `k`
-    holds `q * 2**(k * bits)`, the code masked where it lies in its word, one AND and no shift; `code_scale`
-    undoes the power of two), `scale` and `bias` `[G]` float32 (zeros where `ok` is False). A pooling kernel then sums `q * scale`
-    (one fused multiply-add per value) and the rows' biases apart (one add per row): a bag's sum is
-    `sum(q * scale) + sum(bias)` over its rows."""
+def word_pieces(fmt: RowFormat, dim: int, bags: int, threads: int = 32) -> tuple[tuple[int, int], ...]:
+    """The value words of a row of `dim` values as tiles of power-of-two widths: `((start, width), ...)`, for a
+    kernel that gathers `bags` rows a step with `threads` threads.
+
+    One tile of `tile_words` lanes, or two where they take fewer lanes: the largest power of two within the
+    value words, then a tile for the rest, if that tile still gives every thread a word (`bags * width >=
+    threads`; a smaller one is replicated across threads, costs what a full one would, and gets a layout of its
+    own, converted through shared memory), and if the step gathers at least 4 bags (with 2, one tile's loop is
+    already as short as two tiles'; offline SASS counts in `benchmarks/NOTES.md`, session 42). int8 D = 96 (24
+    words, 4 bags) loads 16 + 8 lanes instead of 32: a quarter of the lanes were idle, and the kernel is bound by
+    its instructions. Words past the row's end are masked as in one tile."""
     nw = value_words(fmt, dim)
-    if wcols.shape[0] + fmt.header_words <= fmt.words:
+    full = tile_words(fmt, dim)
+    hi = 1 << (nw.bit_length() - 1)
+    if hi == nw or nw <= 2:
+        return ((0, full),)
+    lo = max(2, next_pow2(nw - hi))
+    if hi + lo >= full or bags * lo < threads or bags < 4:
+        return ((0, full),)
+    return ((0, hi), (hi, lo))
+
+
+def load_header(w_ref, rows, ok):
+    """Inside a kernel: word 0 of integer rows `rows` of `w_ref` (their fp16 scale and bias, `scale_bias`),
+    `[G]` int32, 0 where `ok` is False."""
+    return plgpu.load(w_ref.at[rows, jnp.zeros_like(rows)], mask=ok, other=0)
+
+
+def scale_bias(header):
+    """The float32 scale and bias of integer rows from their word 0 (`load_header`): a zero word gives zeros."""
+    return fp16_bits_to_float(header), fp16_bits_to_float(header >> 16)
+
+
+def load_words(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int, start: int = 0):
+    """The int32 value words `wcols` (`start + arange(width)`, `start` static) of rows `rows` of `w_ref`:
+    `[G, width]`, zeros where `ok` is False or past the row's value words (when the tile reaches past the row)."""
+    nw = value_words(fmt, dim)
+    if start + wcols.shape[0] + fmt.header_words <= fmt.words:  # every tile word lies inside the row
         mask = jnp.broadcast_to(ok[:, None], (ok.shape[0], wcols.shape[0]))
     else:
         mask = ok[:, None] & (wcols < nw)[None, :]
-    word = plgpu.load(w_ref.at[rows[:, None], (wcols + fmt.header_words)[None, :]], mask=mask, other=0)
-    header = plgpu.load(w_ref.at[rows, jnp.zeros_like(rows)], mask=ok, other=0)
+    return plgpu.load(w_ref.at[rows[:, None], (wcols + fmt.header_words)[None, :]], mask=mask, other=0)
+
+
+def codes_of(word, fmt: RowFormat):
+    """Integer rows' (int8 / int4 / int2) value words (`load_words`) as `per_word` float32 tiles of their codes,
+    the rows' scale and bias not applied: tile `k` column `c` the code of the word's value `k` (int4 / int2: `q *
+    2**(k * bits)`, the code masked where it lies in its word, one AND and no shift; `code_scale` undoes the power
+    of two). A pooling kernel then sums `q * scale` (one fused multiply-add per value) and the rows' biases
+    (`load_header`, `scale_bias`) apart, one add per row: a bag's sum is `sum(q * scale) + sum(bias)`."""
     codes, m = [], (1 << fmt.bits) - 1
     for k in range(fmt.per_word):
         if fmt.bits == 8:  # a byte shifted down: one byte-selecting conversion (I2F.U8) per value
@@ -165,11 +201,11 @@ def load_codes(w_ref, rows, ok, wcols, fmt: RowFormat, dim: int):
         c = m << (k * fmt.bits)
         q = word & (c - (1 << 32) if c >= 1 << 31 else c)  # the mask as an int32 constant
         codes.append(jax.lax.bitcast_convert_type(q, jnp.uint32).astype(jnp.float32))
-    return codes, fp16_bits_to_float(header), fp16_bits_to_float(header >> 16)
+    return codes
 
 
 def code_scale(fmt: RowFormat, k: int) -> float:
-    """The power of two undoing `load_codes`' tile `k` (int4 / int2 codes are `q * 2**(k * bits)`; int8's are
+    """The power of two undoing `codes_of`' tile `k` (int4 / int2 codes are `q * 2**(k * bits)`; int8's are
     `q`): a sum of `code * scale` terms times it is the sum of `q * scale` terms, exactly (scaling by a power of
     two commutes with rounding)."""
     return 1.0 if fmt.bits == 8 else 2.0 ** -(k * fmt.bits)
