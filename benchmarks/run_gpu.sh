@@ -21,7 +21,7 @@
 #              dumped to /tmp/dlrmv2_b$B for the torch side -> dlrm_model-b$B-$DTYPE.json, dcnv2.log
 #   dcnv2-torch (per run 280 s) the same model in torch + FBGEMM (FBGEMM unpacked first, ../shared/fbgemm) on
 #              those dumped batches, same $DCNV2_RUNS -> dlrm_torch-b$B-$DTYPE.json, dcnv2.log
-#   quant      (560 s) our quantized inference TBE ($QUANT_TYPES, default int8,int4,float16 rows) on
+#   quant      (560 s) our quantized inference TBE ($QUANT_TYPES, default int8,int4 rows) on
 #              fbgemm_quant's cases and the first $QUANT_SHARDS (default 10) sweep shards -> bench-quant.json,
 #              quant.log (int8 + int4: ~340 s on an H100, mostly compiles; 300 s cut it, session 42)
 #   quant-fbgemm (420 s; FBGEMM with --inference unpacked first) FBGEMM's IntNBit TBE: our rows' bytes and its
@@ -195,7 +195,7 @@ for stage in "$@"; do
             --out "$OUT/dlrm_torch-b$b-$dt.json" 2>&1 | grep -v Warning >> "$OUT/dcnv2.log"
           tail -4 "$OUT/dcnv2.log"; done ;;
     quant) timeout 560 python3 -m benchmarks bench_quant --shards "${QUANT_SHARDS:-10}" --out "$OUT/bench-quant.json" \
-          --weight-types "${QUANT_TYPES:-int8,int4,float16}" \
+          --weight-types "${QUANT_TYPES:-int8,int4}" \
           2>&1 | grep -v Warning > "$OUT/quant.log"; tail -5 "$OUT/quant.log" ;;
     quant-fbgemm) timeout 150 python3 -m benchmarks fbgemm_quant --check --out "$OUT/fbgemm-quant-check.json" \
           2>&1 | grep -v Warning > "$OUT/quant-fbgemm.log"
