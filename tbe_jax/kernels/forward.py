@@ -138,9 +138,10 @@ def _pool_branch(
     # (`quant_rows.word_pieces`: int8 D = 96 as 16 + 8 word lanes, not 32); per piece (start word, width, its word
     # columns, its stored columns and their mask). Every other branch has one piece, the tile above.
     pieces = [(0, br.block_dim, cols, out_cols, col_ok)]
-    if int_rows and word_tiles == 2 and len(quant_rows.word_pieces(br.fmt, br.dim, br.bags, 32 * num_warps)) > 1:
+    split = quant_rows.word_pieces(br.fmt, br.dim, br.bags, 32 * num_warps) if int_rows and word_tiles == 2 else ()
+    if len(split) > 1:
         pieces = []
-        for start, width in quant_rows.word_pieces(br.fmt, br.dim, br.bags, 32 * num_warps):
+        for start, width in split:
             pc = start + jnp.arange(width, dtype=jnp.int32)
             oc = start * parts + jnp.arange(width * parts, dtype=jnp.int32)
             pieces.append((start, width, pc, oc, oc < dim_limit))
