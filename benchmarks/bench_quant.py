@@ -47,7 +47,7 @@ def byte_floor_ms(case, wt: str, indices: np.ndarray, hbm_gbs: float) -> float:
 
 
 def forward_config(text: str):
-    """`tbe_jax.ForwardConfig` from `"field=value,field=value"` (ints, or strings such as `bag_walk=adaptive`;
+    """`tbe_jax.ForwardConfig` from `"field=value,field=value"` (ints, or strings such as `fp32_accumulation=twosum`;
     empty: the default)."""
     import tbe_jax
 

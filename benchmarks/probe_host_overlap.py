@@ -53,7 +53,7 @@ def _side(fn, on_stream: bool, space):
     transform = co.compute_on if "out_memory_spaces" in inspect.signature(co.compute_on).parameters else co.compute_on2
     # `fn` itself, not `jax.jit(fn)`: with the jitted function inside, jax 0.11.2 on an H100 refused every
     # variant at run time ("No ExecutionStreamId found for call-start ... only reachable through embedded
-    # calls": the annotated call sat inside another call; results/host-stage-ab-20261206-s38-NVIDIA_H100.log)
+    # calls": the annotated call sat inside another call; results/archive/host-stage-ab-20261206-s38-NVIDIA_H100.log)
     return transform(fn, compute_type="gpu_stream:1", out_memory_spaces=space)
 
 

@@ -56,15 +56,6 @@
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
-#   host-grid  (~300 s) the host_cached step (lf 0.2, alphas 1.05 and 1.2) with the forward's rows in flight per
-#              program cut (ForwardConfig unroll 4 -> 2 -> 1): do fewer host rows in flight read the bus faster, as
-#              a bus copy on fewer programs does (session 42)? -> host-cache-*.json, host-grid.log
-#   walk-quant (~300 s) the quantized forward with ForwardConfig's bag_walk "lanes" and "adaptive" (session 42),
-#              int8 and int4, on base, mixed and the first 10 sweep shards -> bench-quant-walk.json, walk-quant.log
-#   tiles-quant (~150 s) int8 rows in one tile or two (ForwardConfig.word_tiles 1 / 2, and 2 with the adaptive
-#              walk) on D 24 / 48 / 96, base and shards s000-s002 -> bench-quant-tiles.json, tiles-quant.log
-#   walk-sweep (~520 s) our side of the sweep (first 60 shards + named) with bag_walk "lanes", then "adaptive"
-#              -> sweep-walk-*.json, walk-sweep.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
 #              admitted, as FBGEMM) and 16, against host-bench's default 128 -> host-cache-*.json, host-admit.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
@@ -155,19 +146,6 @@ for stage in "$@"; do
           --load-factors 0.2 --out $o"
         echo "-- this tree"; timeout 150 $HB 2>&1 | grep -v Warning | tee "$o/host-ab.log"
         echo "-- ab_old/"; (cd ab_old && timeout 150 $HB 2>&1 | grep -v Warning | tee -a "$o/host-ab.log") ;;
-    host-grid) for cfg in '{}' '{"unroll": 2}' '{"unroll": 1}'; do timeout 150 python3 -m benchmarks host_cache \
-          --rows 1000000 --tables 8 --locations host_cached --alphas 1.05 1.2 --load-factors 0.2 \
-          --kernel-config "$cfg" --out "$OUT" 2>&1 | grep -v Warning | sed "s/^/$cfg  /" | tee -a "$OUT/host-grid.log"; done ;;
-    walk-quant) timeout 400 python3 -m benchmarks bench_quant --workloads base,mixed --batch-sizes "" --shards 10 \
-          --weight-types int8,int4 --configs ";bag_walk=adaptive" --iters 30 --reps 3 --out "$OUT/bench-quant-walk.json" \
-          2>&1 | grep -v Warning | tee "$OUT/walk-quant.log" | tail -50 ;;
-    tiles-quant) timeout 300 python3 -m benchmarks bench_quant --workloads dims24-24/1,dims48-48/1,dims96-96/1,base \
-          --batch-sizes "" --shards 3 --weight-types int8 --configs ";word_tiles=2;word_tiles=2,bag_walk=adaptive" \
-          --iters 30 --reps 3 --out "$OUT/bench-quant-tiles.json" 2>&1 | grep -v Warning | tee "$OUT/tiles-quant.log" | tail -30 ;;
-    walk-sweep) for cfg in '{}' '{"bag_walk": "adaptive"}'; do timeout 270 python3 -m benchmarks sweep --only ours \
-          --first 60 --named base,zipf,fp32,smalltable,dlrmv2 --budget-s 240 --kernel-config "$cfg" \
-          --out "$OUT/sweep-walk-$(echo "$cfg" | tr -dc a-z).json" 2>&1 | grep -v Warning | tail -3 \
-          | tee -a "$OUT/walk-sweep.log"; done ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
           --locations host_cached --alphas 1.2 1.05 --load-factors 0.2 --admit-age $age --out "$OUT" 2>&1 \
           | grep -v Warning | tee -a "$OUT/host-admit.log"; done ;;
@@ -205,6 +183,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid host-grid walk-quant tiles-quant walk-sweep quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done

@@ -555,7 +555,7 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     ap.add_argument("--impl", default="pallas", help="our impl (xla: a CPU smoke test of the plumbing)")
     ap.add_argument("--kernel-config", default="", help="our tbe_jax.ForwardConfig as a JSON object of its fields "
-                    "(e.g. '{\"bag_walk\": \"adaptive\"}'; default: the defaults)")
+                    "(e.g. '{\"unroll\": 2}'; default: the defaults)")
     # worker mode
     ap.add_argument("--worker", choices=("ours", "fbgemm"))
     ap.add_argument("--index", type=int, default=0)

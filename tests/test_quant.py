@@ -199,27 +199,13 @@ def test_many_dims_share_a_branch_per_buffer(rng):
                  testing.numpy_pooled(tabs, fmap, sizes, idx, off, psw, "sum", True), 2e-6)
 
 
-def test_adaptive_bag_walk_every_weight_type(rng):
-    """`ForwardConfig(bag_walk="adaptive")` on quantized rows (integer rows pooled from their codes, the biases
-    summed per row): bags of unequal lengths up to 60 ids next to empty ones, weighted sum and mean, every weight
-    type, tables sharing a buffer. The float64 model."""
-    lengths = rng.integers(0, 61, len(FMAP) * B)
-    lengths[[0, 5, 13]] = 0
-    for pooling in ("sum", "mean"):
-        kern, rows, tabs = _model(rng, output_dtype=jnp.float32, pooling=pooling,
-                                  kernel_config=tbe_jax.ForwardConfig(bag_walk="adaptive", unroll=2), **KERNEL_KW)
-        qp = kern.from_fbgemm(rows)
-        idx, off, psw = _batch(rng, [SPECS[t].num_embeddings for t in FMAP], lengths)
-        model = testing.numpy_pooled(tabs, FMAP, [B] * len(FMAP), idx, off, psw, pooling, False)
-        assert_close(kern(qp, idx, off, psw), model, 4e-6)
-
-
 def test_rows_whose_words_are_not_a_power_of_two_load_as_two_tiles(rng):
-    """`ForwardConfig(word_tiles=2)`: integer rows whose value words are not a power of two load as two tiles of
-    power-of-two widths where each still gives every thread a word and a step gathers at least 4 bags
-    (`quant_rows.word_pieces`: int8 D = 96, 24 words, as 16 + 8 lanes, not 32), each tile storing its own
-    columns: with the default tiles int8 D = 48 and 96, with the adaptive walk too; with larger tiles int4 and
-    int2 too. Garbage padding, weighted sum and mean, empty and long bags. Matches the float64 model."""
+    """Integer rows whose value words are not a power of two load as two tiles of power-of-two widths where the
+    second is at least 4 words, each still gives every thread a word and a step gathers at least 4 bags
+    (`quant_rows.word_pieces`: int8 D = 96, 24 words, as 16 + 8 lanes, not 32; int8 D = 24 stays one 8-word
+    tile, 4 + 2 was slower), each tile storing its own columns: with the default tiles int8 D = 48 and 96; with
+    larger tiles int4 and int2 too. Garbage padding, weighted sum and mean, empty and long bags. Matches the
+    float64 model."""
     from tbe_jax.kernels import forward, quant_rows
 
     tabs_wts = [(96, "int8"), (80, "int8"), (20, "int8"), (48, "int8"), (64, "int8"), (160, "int8"), (96, "int4"),
@@ -232,15 +218,19 @@ def test_rows_whose_words_are_not_a_power_of_two_load_as_two_tiles(rng):
     tabs = [_np_rows(r, wt, s.embedding_dim) for r, s, wt in zip(rows, specs, wts)]
     lengths = rng.integers(0, 5, len(fmap) * b)
     lengths[[0, 7, 21]] = 0
-    lengths[[3, 12, 30, 45]] = 40  # programs the adaptive walk pools bag by bag
+    lengths[[3, 12, 30, 45]] = 40  # long bags next to short ones
     idx, off, psw = _batch(rng, [specs[t].num_embeddings for t in fmap], lengths)
     two = {("int8", 48), ("int8", 96)}
     cases = [  # (config, pooling, the (weight type, dim) whose rows load as two tiles)
-        (tbe_jax.ForwardConfig(word_tiles=2), "sum", two),
-        (tbe_jax.ForwardConfig(word_tiles=2, bag_walk="adaptive"), "mean", two),  # bags walked one by one too
-        (tbe_jax.ForwardConfig(word_tiles=2, row_tile_elems=2048, row_tile_bytes=2048), "sum",
+        (tbe_jax.ForwardConfig(), "mean", two),
+        (tbe_jax.ForwardConfig(row_tile_elems=2048, row_tile_bytes=2048), "sum",
          {("int8", 48), ("int8", 80), ("int8", 96), ("int8", 160), ("int4", 96), ("int4", 160), ("int2", 192)}),
     ]
+    def int8(d):
+        return quant_rows.RowFormat("int8", quant_format.row_bytes(d, "int8") // 4)
+    assert quant_rows.word_pieces(int8(24), 24, 16) == ((0, 8),)  # 6 value words: not 4 + 2
+    assert quant_rows.word_pieces(int8(96), 96, 4) == ((0, 16), (16, 8))
+    assert quant_rows.word_pieces(int8(96), 96, 2) == ((0, 32),)  # G = 2
     for cfg, pooling, two in cases:
         qemb = tbe_jax.QuantizedTableBatchedEmbedding(specs, wts, feature_table_map=fmap, pooling=pooling,
                                                       output_dtype=jnp.float32, kernel_config=cfg, **KERNEL_KW)

@@ -107,7 +107,7 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
-    meta_cols: int, bag_walk: str = "lanes", word_tiles: int = 1, num_warps: int = 1,
+    meta_cols: int, num_warps: int = 1,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
@@ -134,11 +134,11 @@ def _pool_branch(
     dim_limit = feat_meta(DIM) if br.dyn_dim else br.dim
     col_ok = out_cols < dim_limit
     shape = (br.bags, br.block_dim)
-    # `word_tiles=2`: integer rows whose value words are not a power of two load them as two tiles
+    # Integer rows whose value words are not a power of two load them as two tiles where that saves lanes
     # (`quant_rows.word_pieces`: int8 D = 96 as 16 + 8 word lanes, not 32); per piece (start word, width, its word
     # columns, its stored columns and their mask). Every other branch has one piece, the tile above.
     pieces = [(0, br.block_dim, cols, out_cols, col_ok)]
-    split = quant_rows.word_pieces(br.fmt, br.dim, br.bags, 32 * num_warps) if int_rows and word_tiles == 2 else ()
+    split = quant_rows.word_pieces(br.fmt, br.dim, br.bags, 32 * num_warps) if int_rows else ()
     if len(split) > 1:
         pieces = []
         for start, width in split:
@@ -275,53 +275,12 @@ def _pool_branch(
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
-    def lanes(start, length, bag_ok):
-        """The program's bags in the tile's rows, one bag a row: its bad-id count."""
-        acc = pool(start, length, 0, (acc0, zeros, nbad0))
-        finish(acc, length, b0 + g, bag_ok)
-        return jnp.sum(acc[2], dtype=jnp.int32)
-
-    def one_by_one(start, length, bag_ok):
-        """`bag_walk="adaptive"`: the program's bags one after another, `G` rows of one bag a step (the tile's
-        rows), summed over the rows at the bag's end: its bad-id count."""
-        def bag(j, nbad):
-            pick = g == j
-            s_j, l_j = jnp.sum(jnp.where(pick, start, 0)), jnp.sum(jnp.where(pick, length, 0))
-
-            def step(k, carry):  # `unroll` chunks of G rows, their loads issued together
-                s, c, nb = carry
-                ids, ws = [], []
-                for u in range(unroll):
-                    at = (k * unroll + u) * br.bags + g
-                    live = at < l_j
-                    ids.append(plgpu.load(indices_ref.at[s_j + at], mask=live, other=-1))
-                    if psw_ref is not None:
-                        ws.append(plgpu.load(psw_ref.at[s_j + at], mask=live, other=0.0))
-                s, c = accumulate(s, c, gather(ids), ws)
-                return s, c, nb + count_bad(ids)
-
-            chunk = br.bags * unroll
-            s, c, nb = jax.lax.fori_loop(0, (l_j + chunk - 1) // chunk, step, (acc0, zeros, nbad0))
-            s, c = (tuple(jnp.sum(x, axis=0)[None, :] for x in t) for t in (s, c))
-            one = jnp.zeros((1,), jnp.int32)
-            finish((s, c, nb), one + l_j, one + b0 + j, one == 0)
-            return nbad + jnp.sum(nb, dtype=jnp.int32)
-
-        return jax.lax.fori_loop(0, jnp.minimum(nbags, br.bags), bag, jnp.int32(0))
-
     if br.groups == 1:
         bag_ok = g < nbags
         start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
-        if bag_walk == "adaptive" and accumulation == "fp32" and br.bags > 1:
-            # One bag after another where that takes fewer loop iterations than the longest bag does in the
-            # tile's rows (bags of unequal lengths leave rows idle there), counting each bag's end (a sum over the
-            # tile's rows and a store: about a quarter of an iteration in the SASS, sm_90a) against it.
-            chunk = br.bags * unroll
-            walk_iters = jnp.sum((length + chunk - 1) // chunk) + (br.bags + 3) // 4
-            walk = walk_iters < (jnp.max(length) + unroll - 1) // unroll
-            n_bad = jax.lax.cond(walk, one_by_one, lanes, start, length, bag_ok)
-        else:
-            n_bad = lanes(start, length, bag_ok)
+        acc = pool(start, length, 0, (acc0, zeros, nbad0))
+        finish(acc, length, b0 + g, bag_ok)
+        n_bad = jnp.sum(acc[2], dtype=jnp.int32)
         n_malformed = jnp.sum(malformed, dtype=jnp.int32)
     else:
         # Sub-groups: every bag's first row is loaded up front (one latency for all of them), then each
@@ -348,7 +307,7 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols, bag_walk, word_tiles, num_warps):
+                   accumulation, count_invalid, align, meta_cols, num_warps):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -361,8 +320,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align, meta_cols=meta_cols, bag_walk=bag_walk, word_tiles=word_tiles,
-                num_warps=num_warps,
+                align=align, meta_cols=meta_cols, num_warps=num_warps,
             )
 
 
@@ -444,8 +402,6 @@ def pooled_forward(
         count_invalid=count_invalid,
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
-        bag_walk=config.bag_walk,
-        word_tiles=config.word_tiles,
         num_warps=config.num_warps,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]

@@ -7,7 +7,6 @@ import dataclasses
 from tbe_jax.specs import next_pow2
 
 _FP32_ACCUMULATION = ("fp32", "fp64", "twosum")
-_BAG_WALKS = ("lanes", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,19 +45,6 @@ class ForwardConfig:
         yet tuned on a GPU.
       row_tile_elems: quantized rows: at most this many dequantized fp32 values in a step's tile (`G * Dp`,
         registers); None (default): `2 * tile_elems`.
-      bag_walk: how a program walks its `G` bags. "lanes" (default): one bag per tile row, `max(length)` steps,
-        so bags of unequal lengths leave rows idle (bag lengths uniform in 0..2L at G = 4: ~38% of the rows a
-        step loads are masked; 25-49% on the sweep's shards). "adaptive": each program chooses at run time; one
-        whose bags take fewer loop iterations one after another (`G * unroll` rows of one bag an iteration,
-        summed over the tile's rows at the bag's end, each end counted as a quarter of an iteration) than in
-        the tile's rows pools them so. Sums in another order: within float32 rounding of "lanes". Programs
-        without sub-groups (`bag_groups` 1) and with "fp32" accumulation; the others walk "lanes". Compiled
-        offline for sm_90a (Triton 3.6), not yet timed on a GPU.
-      word_tiles: quantized integer rows (int8 / int4 / int2): 1 (default), a row's value words in one tile of
-        `next_pow2(words)` lanes; 2, in two power-of-two tiles where that takes fewer lanes and each still gives
-        every thread a word and a step gathers at least 4 bags (`quant_rows.word_pieces`: int8 D = 24, 48, 96 with
-        the default tiles; 96 is 24 words, 16 + 8 lanes instead of 32). Offline SASS for sm_90a: 24-25% fewer loop
-        instructions there; not yet timed on a GPU.
     """
 
     tile_elems: int = 256
@@ -73,8 +59,6 @@ class ForwardConfig:
     short_bag_groups: int = 2
     row_tile_bytes: int | None = None
     row_tile_elems: int | None = None
-    bag_walk: str = "lanes"
-    word_tiles: int = 1
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
@@ -86,10 +70,6 @@ class ForwardConfig:
                 f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
                 f"got {self.fp32_accumulation!r}"
             )
-        if self.bag_walk not in _BAG_WALKS:
-            raise ValueError(f"ForwardConfig.bag_walk must be one of {_BAG_WALKS}, got {self.bag_walk!r}")
-        if self.word_tiles not in (1, 2) or isinstance(self.word_tiles, bool):
-            raise ValueError(f"ForwardConfig.word_tiles must be 1 or 2, got {self.word_tiles!r}")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
         for name in ("bag_groups", "short_bag_groups"):

@@ -147,19 +147,21 @@ def word_pieces(fmt: RowFormat, dim: int, bags: int, threads: int = 32) -> tuple
     kernel that gathers `bags` rows a step with `threads` threads.
 
     One tile of `tile_words` lanes, or two where they take fewer lanes: the largest power of two within the
-    value words, then a tile for the rest, if that tile still gives every thread a word (`bags * width >=
-    threads`; a smaller one is replicated across threads, costs what a full one would, and gets a layout of its
-    own, converted through shared memory), and if the step gathers at least 4 bags (with 2, one tile's loop is
-    already as short as two tiles'; offline SASS counts in `benchmarks/NOTES.md`, session 42). int8 D = 96 (24
-    words, 4 bags) loads 16 + 8 lanes instead of 32: a quarter of the lanes were idle, and the kernel is bound by
-    its instructions. Words past the row's end are masked as in one tile."""
+    value words, then a tile for the rest, if that tile is at least 4 words wide (int8 D = 24 as 4 + 2 words ran
+    0.88x one 8-word tile on an H100), still gives every thread a word (`bags * width >= threads`; a smaller one
+    is replicated across threads, costs what a full one would, and gets a layout of its own, converted through
+    shared memory), and if the step gathers at least 4 bags (with 2, one tile's loop is already as short as two
+    tiles'; offline SASS counts in `benchmarks/NOTES.md`, session 42). int8 D = 96 (24 words, 4 bags) loads 16 + 8
+    lanes instead of 32: a quarter of the lanes were idle, and the kernel is bound by its instructions (H100,
+    session 43: 1.14x on D = 96 alone, 1.29-1.31x on sweep shards of D = 96 tables, 1.06x at D = 48). Words past
+    the row's end are masked as in one tile."""
     nw = value_words(fmt, dim)
     full = tile_words(fmt, dim)
     hi = 1 << (nw.bit_length() - 1)
     if hi == nw or nw <= 2:
         return ((0, full),)
     lo = max(2, next_pow2(nw - hi))
-    if hi + lo >= full or bags * lo < threads or bags < 4:
+    if hi + lo >= full or lo < 4 or bags * lo < threads or bags < 4:
         return ((0, full),)
     return ((0, hi), (hi, lo))
 
