@@ -56,6 +56,11 @@
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
+#   walk-quant (~300 s) the quantized forward with ForwardConfig.walk_max_bags 0 (default) and 4 (session 43's
+#              prefetched walk), int8 and int4, on base, mixed and the first 10 sweep shards -> bench-quant-walk.json,
+#              walk-quant.log
+#   walk-sweep (~400 s) our side of the sweep (first 60 shards + named), walk_max_bags 0 then 4
+#              -> sweep-walk-*.json, walk-sweep.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
 #              admitted, as FBGEMM) and 16, against host-bench's default 128 -> host-cache-*.json, host-admit.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
@@ -146,6 +151,13 @@ for stage in "$@"; do
           --load-factors 0.2 --out $o"
         echo "-- this tree"; timeout 150 $HB 2>&1 | grep -v Warning | tee "$o/host-ab.log"
         echo "-- ab_old/"; (cd ab_old && timeout 150 $HB 2>&1 | grep -v Warning | tee -a "$o/host-ab.log") ;;
+    walk-quant) timeout 400 python3 -m benchmarks bench_quant --workloads base,mixed --batch-sizes "" --shards 10 \
+          --weight-types int8,int4 --configs ";walk_max_bags=4" --iters 30 --reps 3 --out "$OUT/bench-quant-walk.json" \
+          2>&1 | grep -v Warning | tee "$OUT/walk-quant.log" | tail -50 ;;
+    walk-sweep) for cfg in '{}' '{"walk_max_bags": 4}'; do timeout 270 python3 -m benchmarks sweep --only ours \
+          --first 60 --named base,zipf,fp32,smalltable,dlrmv2 --budget-s 240 --kernel-config "$cfg" \
+          --out "$OUT/sweep-walk-$(echo "$cfg" | tr -dc a-z).json" 2>&1 | grep -v Warning | tail -3 \
+          | tee -a "$OUT/walk-sweep.log"; done ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
           --locations host_cached --alphas 1.2 1.05 --load-factors 0.2 --admit-age $age --out "$OUT" 2>&1 \
           | grep -v Warning | tee -a "$OUT/host-admit.log"; done ;;
@@ -183,6 +195,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid walk-quant walk-sweep quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done

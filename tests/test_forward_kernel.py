@@ -228,6 +228,73 @@ def test_bag_groups_validated():
             tbe_jax.ForwardConfig(bag_groups=bad)
 
 
+def _walks(lengths, bags, unroll):
+    """Per program of `bags` bags (lengths in order; the last program may have fewer): whether
+    `walk_max_bags` pools its bags one after another (the kernel's rule, `kernels.forward._pool_branch`)."""
+    out = []
+    for p in range(0, len(lengths), bags):
+        lp = np.asarray(lengths[p : p + bags])
+        walk = np.maximum(-(-lp // (bags * unroll)), 1).sum() + (len(lp) + 1) // 2
+        out.append(walk < -(-lp.max() // unroll))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("wdtype,weighted,pooling", [("float16", True, "sum"), ("float32", False, "mean")])
+def test_walked_bags(rng, wdtype, weighted, pooling):
+    """`ForwardConfig(walk_max_bags=4)`: programs whose bags differ in length pool them one after another
+    (`G * unroll` ids of one bag an iteration, the next iteration's ids prefetched across bag ends), the others
+    in the tile's rows as by default, chosen per program at run time. Long bags of unequal lengths next to short and empty ones, bad ids: the reference's result and
+    the same counts as the default; both ways taken (by the kernel's rule on these lengths)."""
+    tables = specs([60, 9, 300], [32, 8, 17])
+    fmap = [0, 1, 2, 0]
+    batch = [8, 8, 8, 8]
+    cfg = dict(tile_elems=64, max_bags=4, unroll=2)  # G = 2 (D 32, 17), 4 (D 8)
+    lengths = np.concatenate([
+        rng.integers(0, 40, 8),  # feature 0: long, unequal
+        rng.choice([0, 1, 2], 8),  # feature 1: short
+        np.array([0, 37, 1, 0, 25, 3, 0, 17]),  # feature 2: a long bag among empty and short ones
+        np.full(8, 9),  # feature 3: equal lengths (lanes)
+    ])
+    assert _walks(lengths[:8], 2, 2).any() and not _walks(lengths[24:], 2, 2).any()
+    assert _walks(lengths[16:24], 2, 2).any() and not _walks(lengths[8:16], 4, 2).any()
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
+    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx[::11] = 10_000  # bad ids: dropped and counted
+    psw = rng.standard_normal(off[-1]).astype(np.float32) if weighted else None
+    kw = dict(feature_table_map=fmap, pooling=pooling, weights_dtype=wdtype)
+    lanes = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(**cfg), **kw, **KERNEL_KW)
+    walk = tbe_jax.TableBatchedEmbedding(
+        tables, kernel_config=tbe_jax.ForwardConfig(**cfg, walk_max_bags=4), **kw, **KERNEL_KW)
+    params = lanes.init(jax.random.key(5))
+    out_l, rep_l = lanes.forward_with_report(params, idx, off, psw)
+    out_w, rep_w = walk.forward_with_report(params, idx, off, psw)
+    assert int(rep_w.invalid_indices) == int(rep_l.invalid_indices) == int(np.sum(idx == 10_000))
+    model = testing.numpy_pooled(tables_f64(walk, params), fmap, batch, idx, off, psw, pooling, False)
+    assert_close(out_w, model, tolerance(wdtype, 40))
+    assert_close(out_w, out_l, tolerance(wdtype, 40))
+    for bad in (-1, True, 2.0, None):
+        with pytest.raises(ValueError, match="walk_max_bags"):
+            tbe_jax.ForwardConfig(walk_max_bags=bad)
+
+
+def test_walked_bags_vbe(rng):
+    """`walk_max_bags` with a batch size per feature (each walked bag stored at its own output row)."""
+    tables = specs([60, 300], [16, 8])
+    sizes = (7, 3, 5)
+    fmap = [0, 1, 0]
+    lengths = np.concatenate([rng.integers(0, 40, 7), np.array([0, 30, 2]), rng.integers(0, 25, 5)])
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([tables[t].num_embeddings for t in fmap], sizes)
+    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    cfg = tbe_jax.ForwardConfig(tile_elems=64, max_bags=4, unroll=2, walk_max_bags=4)
+    emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=fmap, kernel_config=cfg, **KERNEL_KW)
+    params = emb.init(jax.random.key(6))
+    out = emb(params, idx, off, batch_size_per_feature=sizes)
+    model = testing.numpy_pooled(tables_f64(emb, params), fmap, list(sizes), idx, off, None, "sum", True)
+    assert_close(out, model, tolerance("float32", 40))
+
+
 def test_short_bag_hint_segment(rng):
     """Features whose table has `bag_size_hint` <= 2 get their own segment with `short_bag_groups` sub-groups;
     a wrong hint (longer bags) stays exact: bitwise the output without hints, bad ids counted the same."""
