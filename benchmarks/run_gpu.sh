@@ -56,6 +56,8 @@
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
+#   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
+#              ($KT_K: a -k expression, e.g. "walked or two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
 #   walk-quant (~300 s) the quantized forward with ForwardConfig.walk_max_bags 0 (default) and 4 (session 43's
 #              prefetched walk), int8 and int4, on base, mixed and the first 10 sweep shards -> bench-quant-walk.json,
 #              walk-quant.log
@@ -151,6 +153,9 @@ for stage in "$@"; do
           --load-factors 0.2 --out $o"
         echo "-- this tree"; timeout 150 $HB 2>&1 | grep -v Warning | tee "$o/host-ab.log"
         echo "-- ab_old/"; (cd ab_old && timeout 150 $HB 2>&1 | grep -v Warning | tee -a "$o/host-ab.log") ;;
+    kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
+          ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;
     walk-quant) timeout 400 python3 -m benchmarks bench_quant --workloads base,mixed --batch-sizes "" --shards 10 \
           --weight-types int8,int4 --configs ";walk_max_bags=4" --iters 30 --reps 3 --out "$OUT/bench-quant-walk.json" \
           2>&1 | grep -v Warning | tee "$OUT/walk-quant.log" | tail -50 ;;
@@ -195,6 +200,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid walk-quant walk-sweep quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests walk-quant walk-sweep quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
