@@ -295,6 +295,30 @@ def test_walked_bags_vbe(rng):
     assert_close(out, model, tolerance("float32", 40))
 
 
+def test_walked_bags_malformed_offsets(rng):
+    """Offsets that start below 0, decrease, and end past `len(indices)` (the default mode's clamp per bag,
+    `programs.bag_extent`): walked programs pool the same clamped bags as the default walk and count the same
+    repaired entries; nothing read past `indices`."""
+    tables = specs([60, 9], [32, 8])
+    lengths = np.array([30, 0, 2, 25, 17, 40, 3, 33, 1, 1, 2, 1, 0, 3, 1, 2])
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    n = int(off[-1]) - 20
+    off[0], off[3], off[6], off[-1] = -5, off[3] - 12, off[6] + 200, off[-1] + 7  # below 0, decreasing, past N
+    idx = rng.integers(0, 9, n).astype(np.int32)
+    cfg = dict(tile_elems=64, max_bags=4, unroll=2)  # G = 2 (D 32): programs of unequal bags walk
+    start = np.clip(off[:-1], 0, n)
+    assert _walks((np.maximum(np.clip(off[1:], 0, n), start) - start)[:8], 2, 2).any()  # the kernel's clamped bags
+    outs = []
+    for extra in ({}, {"walk_max_bags": 4}):
+        emb = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(**cfg, **extra), **KERNEL_KW)
+        params = emb.init(jax.random.key(7))
+        outs.append(emb.forward_with_report(params, idx, off))
+    (out_l, rep_l), (out_w, rep_w) = outs
+    assert int(rep_w.repaired_offsets) == int(rep_l.repaired_offsets) > 0
+    assert np.all(np.isfinite(np.asarray(out_w)))
+    assert_close(out_w, out_l, tolerance("float32", 40))
+
+
 def test_short_bag_hint_segment(rng):
     """Features whose table has `bag_size_hint` <= 2 get their own segment with `short_bag_groups` sub-groups;
     a wrong hint (longer bags) stays exact: bitwise the output without hints, bad ids counted the same."""
