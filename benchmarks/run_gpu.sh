@@ -58,11 +58,11 @@
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "walked or two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
-#   walk-quant (~300 s) the quantized forward with ForwardConfig.walk_max_bags 0 (default) and 4 (session 43's
-#              prefetched walk), int8 and int4, on base, mixed and the first 10 sweep shards -> bench-quant-walk.json,
-#              walk-quant.log
-#   walk-sweep (~400 s) our side of the sweep (first 60 shards + named), walk_max_bags 0 then 4
-#              -> sweep-walk-*.json, walk-sweep.log
+#   walk-quant (~300 s) the quantized forward with ForwardConfig.walk_max_bags 0 (default) and each of $WALK_N
+#              (default "4"; session 43's prefetched walk), int8 and int4, on base, mixed and the first 10 sweep
+#              shards -> bench-quant-walk.json, walk-quant.log
+#   walk-sweep (~200 s a run) our side of the sweep (first 60 shards + named), walk_max_bags 0 then each of
+#              $WALK_N -> sweep-walk-<N>.json, walk-sweep.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
 #              admitted, as FBGEMM) and 16, against host-bench's default 128 -> host-cache-*.json, host-admit.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
@@ -157,12 +157,12 @@ for stage in "$@"; do
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;
     walk-quant) timeout 400 python3 -m benchmarks bench_quant --workloads base,mixed --batch-sizes "" --shards 10 \
-          --weight-types int8,int4 --configs ";walk_max_bags=4" --iters 30 --reps 3 --out "$OUT/bench-quant-walk.json" \
+          --weight-types int8,int4 --configs "$(for n in ${WALK_N:-4}; do printf ';walk_max_bags=%s' $n; done)" \
+          --iters 30 --reps 3 --out "$OUT/bench-quant-walk.json" \
           2>&1 | grep -v Warning | tee "$OUT/walk-quant.log" | tail -50 ;;
-    walk-sweep) for cfg in '{}' '{"walk_max_bags": 4}'; do timeout 270 python3 -m benchmarks sweep --only ours \
-          --first 60 --named base,zipf,fp32,smalltable,dlrmv2 --budget-s 240 --kernel-config "$cfg" \
-          --out "$OUT/sweep-walk-$(echo "$cfg" | tr -dc a-z).json" 2>&1 | grep -v Warning | tail -3 \
-          | tee -a "$OUT/walk-sweep.log"; done ;;
+    walk-sweep) for n in 0 ${WALK_N:-4}; do timeout 270 python3 -m benchmarks sweep --only ours \
+          --first 60 --named base,zipf,fp32,smalltable,dlrmv2 --budget-s 240 --kernel-config "{\"walk_max_bags\": $n}" \
+          --out "$OUT/sweep-walk-$n.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/walk-sweep.log"; done ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
           --locations host_cached --alphas 1.2 1.05 --load-factors 0.2 --admit-age $age --out "$OUT" 2>&1 \
           | grep -v Warning | tee -a "$OUT/host-admit.log"; done ;;
