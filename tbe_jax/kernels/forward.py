@@ -276,7 +276,7 @@ def _pool_branch(
     g = jnp.arange(br.bags, dtype=jnp.int32)
     n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
 
-    def lanes(start, length, bag_ok, _):
+    def lanes(start, length, bag_ok):
         """The program's bags in the tile's rows, one bag a row: its bad-id count."""
         acc = pool(start, length, 0, (acc0, zeros, nbad0))
         finish(acc, length, b0 + g, bag_ok)
@@ -333,9 +333,9 @@ def _pool_branch(
             n_chunks = jnp.where(bag_ok, jnp.maximum((length + chunk - 1) // chunk, 1), 0)
             walk_iters = jnp.sum(n_chunks) + (jnp.minimum(nbags, br.bags) + 1) // 2
             use_walk = walk_iters < (jnp.max(length) + unroll - 1) // unroll
-            n_bad = jax.lax.cond(use_walk, walk, lanes, start, length, bag_ok, n_chunks)
+            n_bad = jax.lax.cond(use_walk, functools.partial(walk, n_chunks=n_chunks), lanes, start, length, bag_ok)
         else:
-            n_bad = lanes(start, length, bag_ok, None)
+            n_bad = lanes(start, length, bag_ok)
         n_malformed = jnp.sum(malformed, dtype=jnp.int32)
     else:
         # Sub-groups: every bag's first row is loaded up front (one latency for all of them), then each
