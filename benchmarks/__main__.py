@@ -34,6 +34,7 @@ Traces and probes (per-kernel time, one question each):
   probe_repair    the default mode's offsets repair and id counts
   probe_copy_rows  the host tier's row copies alone (fills, stages, write-backs), device time and GB/s
   probe_host_overlap  a bus copy beside HBM work in one program, on one stream or two (compute_on)
+  probe_cpu_gather  the host's CPUs gathering and scattering a step's missed rows; device_put of the staging buffer
   probe_shard_host  a table in pinned host memory inside shard_map (one GPU mesh): the step runs, stays in host memory
   cache_hits       the host tier's hit rates and fills on a scaled-down model (any backend, no timing)
   probe_ranksort  the counting-rank sort against XLA's sort
@@ -73,6 +74,7 @@ SUITES = {
     "host_floor": "benchmarks.host_floor",
     "probe_copy_rows": "benchmarks.probe_copy_rows",
     "probe_host_overlap": "benchmarks.probe_host_overlap",
+    "probe_cpu_gather": "benchmarks.probe_cpu_gather",
     "probe_shard_host": "benchmarks.probe_shard_host",
     "cache_hits": "benchmarks.cache_hits",
     "dlrm_model": "benchmarks.dlrm_model",
