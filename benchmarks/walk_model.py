@@ -50,15 +50,20 @@ def main(argv=None):
     ap.add_argument("--shards", type=int, default=240)
     ap.add_argument("--seed", type=int, default=20261203)
     ap.add_argument("--max-bags", type=int, default=4, help="ForwardConfig.walk_max_bags")
+    ap.add_argument("--named", default="", help="comma-separated named shards to add (sweep.named_shards)")
     ap.add_argument("--show", default="", help="comma-separated shard names to print")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     config = tbe_jax.ForwardConfig()
     pred = {s.name: round(predict(s, args.max_bags, config), 3) for s in sweep.draw_shards(args.shards, args.seed)}
-    vals = np.array(list(pred.values()))
+    vals = np.array(list(pred.values()))  # the summary is over the drawn shards only
+    named = sweep.named_shards()
+    for name in filter(None, args.named.split(",")):
+        pred[name] = round(predict(named[name], args.max_bags, config), 3)
     summary = {"shards": len(vals), "seed": args.seed, "walk_max_bags": args.max_bags,
-               "median": float(np.median(vals)), "share_gt_1_05": float(np.mean(vals > 1.05)),
-               "share_gt_1_10": float(np.mean(vals > 1.10)), "max": float(vals.max()), "min": float(vals.min())}
+               "median": float(np.median(vals)) if len(vals) else None, "share_gt_1_05": float(np.mean(vals > 1.05)) if len(vals) else None,
+               "share_gt_1_10": float(np.mean(vals > 1.10)) if len(vals) else None, "max": float(vals.max()) if len(vals) else None,
+               "min": float(vals.min()) if len(vals) else None}
     print(json.dumps(summary))
     for name in filter(None, args.show.split(",")):
         print(name, pred.get(name))
