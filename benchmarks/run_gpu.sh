@@ -63,6 +63,10 @@
 #              shards -> bench-quant-walk.json, walk-quant.log
 #   walk-sweep (~200 s a run) our side of the sweep (first 60 shards + named), walk_max_bags 0 then each of
 #              $WALK_N -> sweep-walk-<N>.json, walk-sweep.log
+#   walk-tail  (~200 s) probe_forward on the H200 sweep's (seed 20261203) worst forward shards and the presets:
+#              walk_max_bags 0, each of $WALK_N, unroll 4 (the default again: the noise), unroll 8 -> probe-walk-tail.json, walk-tail.log
+#   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
+#              buffer (issue 40's untried overlap design) -> probe-cpu-gather.json, cpu-gather.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
 #              admitted, as FBGEMM) and 16, against host-bench's default 128 -> host-cache-*.json, host-admit.log
 #   host-fbgemm (300 s; FBGEMM unpacked first) FBGEMM's MANAGED_CACHING on the same model -> fbgemm-cache-*.json
@@ -163,6 +167,12 @@ for stage in "$@"; do
     walk-sweep) for n in 0 ${WALK_N:-4}; do timeout 270 python3 -m benchmarks sweep --only ours \
           --first 60 --named base,zipf,fp32,smalltable,dlrmv2 --budget-s 240 --kernel-config "{\"walk_max_bags\": $n}" \
           --out "$OUT/sweep-walk-$n.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/walk-sweep.log"; done ;;
+    walk-tail) timeout 300 python3 -m benchmarks probe_forward --seed 20261203 \
+          --shards s036,s183,s126,s163,s113,s145,s081,base,fp32,smalltable,dlrmv2 --variants '{}' \
+          $(for n in ${WALK_N:-4}; do printf '{"walk_max_bags":%s} ' $n; done) '{"unroll":4}' '{"unroll":8}' \
+          --out "$OUT/probe-walk-tail.json" 2>&1 | grep -v Warning | tee "$OUT/walk-tail.log" | tail -14 ;;
+    cpu-gather) timeout 120 python3 -m benchmarks probe_cpu_gather --out "$OUT/probe-cpu-gather.json" 2>&1 \
+          | grep -v Warning | tee "$OUT/cpu-gather.log" | tail -14 ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
           --locations host_cached --alphas 1.2 1.05 --load-factors 0.2 --admit-age $age --out "$OUT" 2>&1 \
           | grep -v Warning | tee -a "$OUT/host-admit.log"; done ;;
@@ -200,6 +210,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests walk-quant walk-sweep quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests walk-quant walk-sweep walk-tail cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
