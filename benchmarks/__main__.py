@@ -39,7 +39,6 @@ Traces and probes (per-kernel time, one question each):
   cache_hits       the host tier's hit rates and fills on a scaled-down model (any backend, no timing)
   probe_ranksort  the counting-rank sort against XLA's sort
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
-  walk_model      what ForwardConfig.walk_max_bags should save on the sweep's shards, from a loop model (no GPU)
   probe_enqueue_floor  enqueued over device time of programs without our code (XLA fusions, a Pallas copy)
   kernel_resources  registers, spills and SASS size of the backward's kernels (no GPU needed; needs triton)
   ncu_backward    a few backward steps to run under Nsight Compute
@@ -88,7 +87,6 @@ SUITES = {
     "probe_repair": "benchmarks.probe_repair",
     "probe_ranksort": "benchmarks.probe_ranksort",
     "enqueue_gap": "benchmarks.enqueue_gap",
-    "walk_model": "benchmarks.walk_model",
     "kernel_resources": "benchmarks.kernel_resources",
     "ncu_backward": "benchmarks.ncu_backward",
     "triton_hist": "benchmarks.probe_triton_histogram",

@@ -57,14 +57,7 @@
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
-#              ($KT_K: a -k expression, e.g. "walked or two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
-#   walk-quant (~300 s) the quantized forward with ForwardConfig.walk_max_bags 0 (default) and each of $WALK_N
-#              (default "4"; session 43's prefetched walk), int8 and int4, on base, mixed and the first 10 sweep
-#              shards -> bench-quant-walk.json, walk-quant.log
-#   walk-sweep (~200 s a run) our side of the sweep (first 60 shards + named), walk_max_bags 0 then each of
-#              $WALK_N -> sweep-walk-<N>.json, walk-sweep.log
-#   walk-tail  (~200 s) probe_forward on the H200 sweep's (seed 20261203) worst forward shards and the presets:
-#              walk_max_bags 0, each of $WALK_N, unroll 4 (the default again: the noise), unroll 8 -> probe-walk-tail.json, walk-tail.log
+#              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
 #   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
 #              buffer (issue 40's untried overlap design) -> probe-cpu-gather.json, cpu-gather.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
@@ -160,17 +153,6 @@ for stage in "$@"; do
     kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;
-    walk-quant) timeout 400 python3 -m benchmarks bench_quant --workloads base,mixed --batch-sizes "" --shards 10 \
-          --weight-types int8,int4 --configs "$(for n in ${WALK_N:-4}; do printf ';walk_max_bags=%s' $n; done)" \
-          --iters 30 --reps 3 --out "$OUT/bench-quant-walk.json" \
-          2>&1 | grep -v Warning | tee "$OUT/walk-quant.log" | tail -50 ;;
-    walk-sweep) for n in 0 ${WALK_N:-4}; do timeout 270 python3 -m benchmarks sweep --only ours \
-          --first 60 --named base,zipf,fp32,smalltable,dlrmv2 --budget-s 240 --kernel-config "{\"walk_max_bags\": $n}" \
-          --out "$OUT/sweep-walk-$n.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/walk-sweep.log"; done ;;
-    walk-tail) timeout 300 python3 -m benchmarks probe_forward --seed 20261203 \
-          --shards s036,s183,s126,s163,s113,s145,s081,base,fp32,smalltable,dlrmv2 --variants '{}' \
-          $(for n in ${WALK_N:-4}; do printf '{"walk_max_bags":%s} ' $n; done) '{"unroll":4}' '{"unroll":8}' \
-          --out "$OUT/probe-walk-tail.json" 2>&1 | grep -v Warning | tee "$OUT/walk-tail.log" | tail -14 ;;
     cpu-gather) timeout 120 python3 -m benchmarks probe_cpu_gather --out "$OUT/probe-cpu-gather.json" 2>&1 \
           | grep -v Warning | tee "$OUT/cpu-gather.log" | tail -14 ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
@@ -210,6 +192,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests walk-quant walk-sweep walk-tail cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done

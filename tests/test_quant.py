@@ -199,21 +199,6 @@ def test_many_dims_share_a_branch_per_buffer(rng):
                  testing.numpy_pooled(tabs, fmap, sizes, idx, off, psw, "sum", True), 2e-6)
 
 
-def test_walked_bags_every_weight_type(rng):
-    """`ForwardConfig(walk_max_bags=64)` (every branch may walk its bags) on quantized rows (integer rows pooled from their codes, the biases
-    summed per row): bags of unequal lengths up to 60 ids next to empty ones, weighted sum and mean, every weight
-    type, tables sharing a buffer. The float64 model."""
-    lengths = rng.integers(0, 61, len(FMAP) * B)
-    lengths[[0, 5, 13]] = 0
-    for pooling in ("sum", "mean"):
-        kern, rows, tabs = _model(rng, output_dtype=jnp.float32, pooling=pooling,
-                                  kernel_config=tbe_jax.ForwardConfig(walk_max_bags=64, unroll=2), **KERNEL_KW)
-        qp = kern.from_fbgemm(rows)
-        idx, off, psw = _batch(rng, [SPECS[t].num_embeddings for t in FMAP], lengths)
-        model = testing.numpy_pooled(tabs, FMAP, [B] * len(FMAP), idx, off, psw, pooling, False)
-        assert_close(kern(qp, idx, off, psw), model, 4e-6)
-
-
 def test_rows_whose_words_are_not_a_power_of_two_load_as_two_tiles(rng):
     """Integer rows whose value words are not a power of two load as two tiles of power-of-two widths where the
     second is at least 4 words, each still gives every thread a word and a step gathers at least 4 bags

@@ -107,7 +107,7 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
-    meta_cols: int, walk_max_bags: int = 0, num_warps: int = 1,
+    meta_cols: int, num_warps: int = 1,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
@@ -275,67 +275,12 @@ def _pool_branch(
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
-
-    def lanes(start, length, bag_ok):
-        """The program's bags in the tile's rows, one bag a row: its bad-id count."""
-        acc = pool(start, length, 0, (acc0, zeros, nbad0))
-        finish(acc, length, b0 + g, bag_ok)
-        return jnp.sum(acc[2], dtype=jnp.int32)
-
-    def walk(start, length, bag_ok, n_chunks):
-        """`ForwardConfig.walk_max_bags`: the program's bags one after another, `G * unroll` ids of one bag an
-        iteration (`n_chunks` per bag), the tile's rows summed and stored as one row at each bag's end; the next
-        iteration's ids load while this one's rows are in flight, as in `pool`. The bag's start, length and
-        chunks ride in the carry, picked out of the program's vectors only at a bag's end. Its bad-id count."""
-        chunk = br.bags * unroll
-
-        def bag(j):  # bag j's (start, length, chunks): cross-lane picks out of the per-bag vectors
-            return tuple(jnp.sum(jnp.where(g == j, x, 0)) for x in (start, length, n_chunks))
-
-        def fetch_chunk(s_j, l_j, k):
-            ats = [k * chunk + u * br.bags + g for u in range(unroll)]
-            ids = tuple(plgpu.load(indices_ref.at[s_j + at], mask=at < l_j, other=-1) for at in ats)
-            ws = () if psw_ref is None else tuple(
-                plgpu.load(psw_ref.at[s_j + at], mask=at < l_j, other=0.0) for at in ats)
-            return ids, ws
-
-        def store_row(j, l_j, s, c):  # the bag's row, then zeroed sums for the next bag
-            one = jnp.zeros((1,), jnp.int32)
-            row = [tuple(jnp.sum(x, axis=0)[None, :] for x in t) for t in (s, c)]
-            finish((*row, None), one + l_j, one + b0 + j, one == 0)
-            return tuple(jnp.zeros_like(x) for x in s), tuple(jnp.zeros_like(x) for x in c)
-
-        def body(_, carry):
-            j, k, cur, s, c, nb, ids, ws = carry
-            tiles = gather(ids)
-            end = k + 1 >= cur[2]
-            nxt = jax.lax.cond(end, lambda: bag(j + 1), lambda: cur)
-            k2 = jnp.where(end, 0, k + 1)
-            nxt_ids, nxt_ws = fetch_chunk(nxt[0], nxt[1], k2)
-            s, c = accumulate(s, c, tiles, ws)
-            s, c = jax.lax.cond(end, functools.partial(store_row, j, cur[1]), lambda s, c: (s, c), s, c)
-            return jnp.where(end, j + 1, j), k2, nxt, s, c, nb + count_bad(ids), nxt_ids, nxt_ws
-
-        zero = jnp.int32(0)
-        first_bag = bag(zero)
-        carry = (zero, zero, first_bag, acc0, zeros, nbad0, *fetch_chunk(first_bag[0], first_bag[1], zero))
-        return jnp.sum(jax.lax.fori_loop(0, jnp.sum(n_chunks), body, carry)[5], dtype=jnp.int32)
-
     if br.groups == 1:
         bag_ok = g < nbags
         start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
-        if 1 < br.bags <= walk_max_bags and accumulation == "fp32" and prefetch:
-            # One bag after another where that takes fewer iterations than the longest bag does in the tile's
-            # rows (bags of unequal lengths leave rows idle there); an empty bag takes one (masked) iteration,
-            # and the bags' ends (a cross-row sum and a store each) count as half an iteration each (sm_90a SASS:
-            # an iteration of the walk issues 1.02-1.07x the default's, an end 0.3-0.5 of an iteration).
-            chunk = br.bags * unroll
-            n_chunks = jnp.where(bag_ok, jnp.maximum((length + chunk - 1) // chunk, 1), 0)
-            walk_iters = jnp.sum(n_chunks) + (jnp.minimum(nbags, br.bags) + 1) // 2
-            use_walk = walk_iters < (jnp.max(length) + unroll - 1) // unroll
-            n_bad = jax.lax.cond(use_walk, functools.partial(walk, n_chunks=n_chunks), lanes, start, length, bag_ok)
-        else:
-            n_bad = lanes(start, length, bag_ok)
+        acc = pool(start, length, 0, (acc0, zeros, nbad0))
+        finish(acc, length, b0 + g, bag_ok)
+        n_bad = jnp.sum(acc[2], dtype=jnp.int32)
         n_malformed = jnp.sum(malformed, dtype=jnp.int32)
     else:
         # Sub-groups: every bag's first row is loaded up front (one latency for all of them), then each
@@ -362,7 +307,7 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols, walk_max_bags, num_warps):
+                   accumulation, count_invalid, align, meta_cols, num_warps):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -375,7 +320,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align, meta_cols=meta_cols, walk_max_bags=walk_max_bags, num_warps=num_warps,
+                align=align, meta_cols=meta_cols, num_warps=num_warps,
             )
 
 
@@ -457,7 +402,6 @@ def pooled_forward(
         count_invalid=count_invalid,
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
-        walk_max_bags=config.walk_max_bags,
         num_warps=config.num_warps,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]

@@ -45,14 +45,6 @@ class ForwardConfig:
         yet tuned on a GPU.
       row_tile_elems: quantized rows: at most this many dequantized fp32 values in a step's tile (`G * Dp`,
         registers); None (default): `2 * tile_elems`.
-      walk_max_bags: 0 (default): a program pools its `G` bags in the tile's rows, one bag a row, for the longest
-        bag's steps, so bags of unequal lengths leave rows idle (25-49% of the rows on the sweep's shards). N >= 2:
-        programs of `2 <= G <= N` bags (one sub-group, "fp32" accumulation, prefetch) choose at run time to pool
-        their bags one after another instead (`G * unroll` ids of one bag an iteration, the next iteration's ids
-        loaded while this one's rows are in flight) where that takes fewer iterations. Sums in another order:
-        within float32 rounding of the default. A first version without the prefetch lost on the float forward
-        (median 0.965x, to 0.42x with the walk's code in `G` = 32 programs) and won 1.1-1.4x on quantized D = 96
-        / 128 shards (`benchmarks/NOTES.md`, session 43); this one is not yet timed on a GPU.
     """
 
     tile_elems: int = 256
@@ -67,7 +59,6 @@ class ForwardConfig:
     short_bag_groups: int = 2
     row_tile_bytes: int | None = None
     row_tile_elems: int | None = None
-    walk_max_bags: int = 0
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
@@ -85,8 +76,6 @@ class ForwardConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
                 raise ValueError(f"ForwardConfig.{name} must be a positive power of 2, got {v!r}")
-        if not isinstance(self.walk_max_bags, int) or isinstance(self.walk_max_bags, bool) or self.walk_max_bags < 0:
-            raise ValueError(f"ForwardConfig.walk_max_bags must be a non-negative int, got {self.walk_max_bags!r}")
         for name in ("row_tile_bytes", "row_tile_elems"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
