@@ -10,9 +10,12 @@ counts can differ a little from what runs on the GPU; use it to compare variants
   pip install --target /tmp/tsite triton==3.6.0          (not a project dependency; the tool reads PYTHONPATH)
   PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --dims "4-128/4" --variants '{"merge_width": 0}' '{}'
   PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --quant int8,int4,int2 --presets base
+  PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --forward --presets fp32 --forward-configs '{}' '{"unroll": 8}'
 
 `loop_sass` is the size of the kernel's largest loop body: the instructions a warp issues per iteration, the
-measure to compare for an issue-bound loop (the quantized forward: `--quant`).
+measure to compare for an issue-bound loop (the quantized forward: `--quant`). Registers decide occupancy too: a
+one-warp forward program at 64 registers leaves 32 programs an SM, at 72 only 28 (session 44: the walk's branch
+cost the fp32 preset 4% that way without ever being taken).
 
 The dims / variants syntax is `python -m benchmarks trace_backward`'s (variants: JSON objects of BackwardConfig
 fields).
@@ -103,20 +106,27 @@ def loop_instructions(sass: str) -> int:
     return max((sum(lo <= a <= hi for a, _ in ins) for lo, hi in loops), default=0)
 
 
-def quant_kernels(workload: str, weight_type: str):
-    """The pooled forward kernel of the quantized inference TBE on a workload's tables, lowered for CUDA."""
+def forward_kernels(workload: str, weight_type: str = "", config: tbe_jax.ForwardConfig | None = None):
+    """The pooled forward kernel on a workload's tables, lowered for CUDA: the training TBE's (in the workload's
+    weights dtype) when `weight_type` is empty, else the quantized inference TBE's (`weight_type`: int8, int4...)."""
     wl = common.workload(workload)
     specs = [tbe_jax.TableSpec(e, d) for e, d, _ in wl.features()]
-    q = tbe_jax.QuantizedTableBatchedEmbedding(specs, weight_type, output_dtype=jnp.float32, impl="pallas",
-                                               bounds_check="none")
-    q.uses_kernel = lambda: True  # lowered for CUDA here: the kernel path, not run
-    words = {q.layout.buffer_key(b): jax.ShapeDtypeStruct(q.layout.buffer_shape(b), jnp.int32)
-             for b in range(q.layout.num_buffers)}
+    config = config or tbe_jax.ForwardConfig()
+    if weight_type:
+        emb = tbe_jax.QuantizedTableBatchedEmbedding(specs, weight_type, output_dtype=jnp.float32, impl="pallas",
+                                                     bounds_check="none", kernel_config=config)
+        params = {emb.layout.buffer_key(b): jax.ShapeDtypeStruct(emb.layout.buffer_shape(b), jnp.int32)
+                  for b in range(emb.layout.num_buffers)}
+    else:
+        emb = tbe_jax.TableBatchedEmbedding(specs, impl="pallas", weights_dtype=wl.weights_dtype,
+                                            bounds_check="none", kernel_config=config, use_histogram=False)
+        params = jax.eval_shape(emb.init, jax.random.key(0))
+    emb.uses_kernel = lambda: True  # lowered for CUDA here: the kernel path, not run
     n = sum(wl.B * l for _, _, l in wl.features())
     idx = jax.ShapeDtypeStruct((n,), jnp.int32)
     off = jax.ShapeDtypeStruct((len(specs) * wl.B + 1,), jnp.int32)
     psw = jax.ShapeDtypeStruct((n,), jnp.float32) if wl.weighted else None
-    return capture_triton_ir(lambda p, i, o, w: q(p, i, o, w), words, idx, off, psw)
+    return capture_triton_ir(lambda p, i, o, w: emb(p, i, o, w), params, idx, off, psw)
 
 
 def report(kernels, match: str) -> dict:
@@ -175,15 +185,21 @@ def main(argv=None):
                     help="TTKernelConfig variants as JSON objects, one run each")
     ap.add_argument("--quant", default="", help="weight types (e.g. 'int8,int4,int2'): report the quantized "
                     "forward kernel on --presets instead (default preset base)")
+    ap.add_argument("--forward", action="store_true", help="report the training TBE's forward kernel on --presets "
+                    "instead (default preset base)")
+    ap.add_argument("--forward-configs", nargs="*", default=["{}"],
+                    help="with --quant or --forward: ForwardConfig variants as JSON objects")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    if args.quant:
+    if args.quant or args.forward:
         res = {}
         for preset in (args.presets or "base").split(","):
-            for wt in args.quant.split(","):
-                key = f"quant-{preset}-{wt}"
-                print(f"== {key}")
-                res[key] = report(quant_kernels(preset, wt), "")
+            for wt in args.quant.split(",") if args.quant else [""]:
+                for config in args.forward_configs:
+                    key = f"{'quant' if wt else 'forward'}-{preset}{'-' + wt if wt else ''}[{config}]"
+                    print(f"== {key}")
+                    cfg = tbe_jax.ForwardConfig(**json.loads(config or "{}"))
+                    res[key] = report(forward_kernels(preset, wt, cfg), "")
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(res, fh, indent=1)
