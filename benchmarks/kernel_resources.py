@@ -1,4 +1,4 @@
-"""Registers, spills and SASS size of the TBE backward's Pallas kernels, without a GPU.
+"""Registers, spills and SASS size of the TBE's Pallas kernels (backward; forward and quantized forward; TT), without a GPU.
 
 Lowers `apply_gradients` (row-wise Adagrad) for CUDA on this machine (`lowering_platforms=("cuda",)`), captures the
 Triton IR of every `pallas_call` as Pallas builds it, and compiles each with the `triton` package's compiler for
