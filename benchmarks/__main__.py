@@ -40,7 +40,7 @@ Traces and probes (per-kernel time, one question each):
   probe_ranksort  the counting-rank sort against XLA's sort
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
   probe_enqueue_floor  enqueued over device time of programs without our code (XLA fusions, a Pallas copy)
-  kernel_resources  registers, spills and SASS size of the kernels: backward, --forward, --quant, --tt (no GPU; needs triton)
+  kernel_resources  registers, spills and SASS of the kernels: backward, --forward, --quant, --tt (no GPU; triton)
   ncu_backward    a few backward steps to run under Nsight Compute
   triton_hist     Triton's tl.histogram against our histogram kernel (needs jax_triton)
 Reports:

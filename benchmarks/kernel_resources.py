@@ -1,4 +1,4 @@
-"""Registers, spills and SASS size of the TBE's Pallas kernels (backward; forward and quantized forward; TT), without a GPU.
+"""Registers, spills and SASS size of the Pallas kernels (backward; forward, quantized forward; TT), without a GPU.
 
 Lowers `apply_gradients` (row-wise Adagrad) for CUDA on this machine (`lowering_platforms=("cuda",)`), captures the
 Triton IR of every `pallas_call` as Pallas builds it, and compiles each with the `triton` package's compiler for
@@ -10,7 +10,8 @@ counts can differ a little from what runs on the GPU; use it to compare variants
   pip install --target /tmp/tsite triton==3.6.0          (not a project dependency; the tool reads PYTHONPATH)
   PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --dims "4-128/4" --variants '{"merge_width": 0}' '{}'
   PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --quant int8,int4,int2 --presets base
-  PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --forward --presets fp32 --forward-configs '{}' '{"unroll": 8}'
+  PYTHONPATH=/tmp/tsite python -m benchmarks kernel_resources --forward --presets fp32 \
+      --forward-configs '{}' '{"unroll": 8}'
 
 `loop_sass` is the size of the kernel's largest loop body: the instructions a warp issues per iteration, the
 measure to compare for an issue-bound loop (the quantized forward: `--quant`). Registers decide occupancy too: a
