@@ -228,31 +228,6 @@ def test_bag_groups_validated():
             tbe_jax.ForwardConfig(bag_groups=bad)
 
 
-@pytest.mark.parametrize("evict,wdtype", [("stream", "float16"), ("keep_rows", "float32")])
-def test_eviction_hints_change_nothing(rng, evict, wdtype):
-    """`ForwardConfig.evict` only hints the caches: the same output as without hints, bitwise (weighted, VBE,
-    an empty bag, bad ids counted the same)."""
-    tables = specs([40, 9, 300], [32, 8, 17])
-    fmap, batch = [0, 1, 2], [5, 1, 7]
-    kw = dict(feature_table_map=fmap, weights_dtype=wdtype, bounds_check="warning", **KERNEL_KW)
-    plain = tbe_jax.TableBatchedEmbedding(tables, **kw)
-    hinted = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(evict=evict), **kw)
-    params = plain.init(jax.random.key(5))
-    lengths = rng.integers(0, 9, size=sum(batch))
-    lengths[2] = 0
-    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
-    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
-    idx[::5] = 999
-    psw = rng.random(off[-1]).astype(np.float32)
-    out0, rep0 = plain.forward_with_report(params, idx, off, psw, batch_size_per_feature=tuple(batch))
-    out1, rep1 = hinted.forward_with_report(params, idx, off, psw, batch_size_per_feature=tuple(batch))
-    np.testing.assert_array_equal(np.asarray(out1), np.asarray(out0))
-    assert int(rep1.invalid_indices) == int(rep0.invalid_indices) == int(np.sum(idx == 999))
-    with pytest.raises(ValueError, match="evict"):
-        tbe_jax.ForwardConfig(evict="last")
-
-
 def test_short_bag_hint_segment(rng):
     """Features whose table has `bag_size_hint` <= 2 get their own segment with `short_bag_groups` sub-groups;
     a wrong hint (longer bags) stays exact: bitwise the output without hints, bad ids counted the same."""

@@ -107,7 +107,7 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
-    meta_cols: int, num_warps: int = 1, evict: str = "none",
+    meta_cols: int, num_warps: int = 1,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
@@ -153,18 +153,15 @@ def _pool_branch(
             return jnp.broadcast_to(ok[:, None], shape)
         return ok[:, None] & (cols < br.stride)[None, :]
 
-    once = None if evict == "none" else "evict_first"  # `ForwardConfig.evict`: what is read or written once
-    keep = "evict_last" if evict == "keep_rows" else None
-
     def fetch(start, length, k0, steps):
         """Ids (and per-sample weights) of steps k0 .. k0+steps-1; -1 past a bag's end."""
         ids, ws = [], []
         for u in range(steps):
             live = (k0 + u) < length
             pos = start + (k0 + u)
-            ids.append(plgpu.load(indices_ref.at[pos], mask=live, other=-1, eviction_policy=once))
+            ids.append(plgpu.load(indices_ref.at[pos], mask=live, other=-1))
             if psw_ref is not None:
-                ws.append(plgpu.load(psw_ref.at[pos], mask=live, other=0.0, eviction_policy=once))
+                ws.append(plgpu.load(psw_ref.at[pos], mask=live, other=0.0))
         return tuple(ids), tuple(ws)
 
     def count_bad(ids):
@@ -184,8 +181,7 @@ def _pool_branch(
                 ok = ok & (idx < num_rows)
             rows = row_offset + idx
             if br.fmt is None:
-                tiles.append((plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0,
-                                         eviction_policy=keep),))
+                tiles.append((plgpu.load(w_ref.at[rows[:, None], cols[None, :]], mask=row_mask(ok), other=0),))
             elif int_rows:  # integer codes per piece, their rows' scales and biases (summed apart: `accumulate`)
                 words = [quant_rows.load_words(w_ref, rows, ok, pc, br.fmt, br.dim, start)
                          for start, _, pc, _, _ in pieces]
@@ -275,8 +271,7 @@ def _pool_branch(
         if pooling == "mean":
             out = out / jnp.maximum(length, 1).astype(out.dtype)[:, None]
         ptr = aligned(out_base + bag * out_stride, align)[:, None] + out_cols[None, :]
-        plgpu.store(out_ref.at[ptr], out.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :],
-                    eviction_policy=once)
+        plgpu.store(out_ref.at[ptr], out.astype(out_ref.dtype), mask=bag_ok[:, None] & col_ok[None, :])
 
     g = jnp.arange(br.bags, dtype=jnp.int32)
     n_bad, n_malformed = jnp.int32(0), jnp.int32(0)
@@ -312,7 +307,7 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols, num_warps, evict):
+                   accumulation, count_invalid, align, meta_cols, num_warps):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -325,7 +320,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align, meta_cols=meta_cols, num_warps=num_warps, evict=evict,
+                align=align, meta_cols=meta_cols, num_warps=num_warps,
             )
 
 
@@ -408,7 +403,6 @@ def pooled_forward(
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
         num_warps=config.num_warps,
-        evict=config.evict,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:

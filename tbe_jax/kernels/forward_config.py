@@ -7,7 +7,6 @@ import dataclasses
 from tbe_jax.specs import next_pow2
 
 _FP32_ACCUMULATION = ("fp32", "fp64", "twosum")
-_EVICT = ("none", "stream", "keep_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +45,6 @@ class ForwardConfig:
         yet tuned on a GPU.
       row_tile_elems: quantized rows: at most this many dequantized fp32 values in a step's tile (`G * Dp`,
         registers); None (default): `2 * tile_elems`.
-      evict: L2 eviction hints on the kernel's memory accesses. "none" (default): none; "stream": the ids,
-        per-sample weights and the output (each touched once) marked evict-first, so the L2 keeps table rows
-        (Zipf ids reuse them); "keep_rows": "stream", and float table rows marked evict-last.
     """
 
     tile_elems: int = 256
@@ -63,7 +59,6 @@ class ForwardConfig:
     short_bag_groups: int = 2
     row_tile_bytes: int | None = None
     row_tile_elems: int | None = None
-    evict: str = "none"
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_warps", "num_stages", "segment_buffers"):
@@ -75,8 +70,6 @@ class ForwardConfig:
                 f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
                 f"got {self.fp32_accumulation!r}"
             )
-        if self.evict not in _EVICT:
-            raise ValueError(f"ForwardConfig.evict must be one of {_EVICT}, got {self.evict!r}")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
         for name in ("bag_groups", "short_bag_groups"):
