@@ -77,7 +77,8 @@ def checked_forward(emb, params, indices, offsets, per_sample_weights, batch_siz
     # (its count: the entries changed).
     mode = emb.bounds_check
     wanted = not warn or mode == "warning"
-    count = wanted and emb.pooling != "none" and emb.uses_kernel()
+    # No kernel runs on a batch without ids or without bags (the lookup returns zeros): XLA counts then.
+    count = wanted and emb.pooling != "none" and emb.uses_kernel() and n > 0 and plan.num_bags > 0
     n_fixed = None
     if mode == "fatal":
         offsets = inputs.check_fatal(emb, plan, indices, offsets)

@@ -5,10 +5,11 @@
     python tests/fuzz_kernels.py backward --seed 9000 --cases 30
 
 Each case draws a model and a batch (1-4 tables of 1..1000 rows and dims 1..300, shared tables, VBE with empty
-features, bags of 0..70 ids, Zipf or uniform ids, some bad ids, sum or mean, per-sample weights) and a random
+features, bags of 0..70 ids, Zipf or uniform ids, some bad ids, offsets that start or end out of range (and, with
+`bounds_check="warning"`, decrease), sum or mean, per-sample weights) and a random
 `ForwardConfig` (tile, unroll, bag groups, prefetch, max bags; some `bag_size_hint`s), runs the kernels (in
 interpret mode on a CPU, compiled on a GPU) and `impl="xla"` on it, and prints every case whose outputs (or
-invalid-id counts, or, for `backward`, updated tables after one `apply_gradients` step of a random optimizer)
+report counts, or, for `backward`, updated tables after one `apply_gradients` step of a random optimizer)
 differ by more than the storage type's tolerance. `forward`: fp32 / fp16 / bf16 tables; `quant`: `tbe_jax.quantize`
 to each weight type, fp32 or fp16 output; `backward`: the seven optimizers on fp32 / fp16 tables, with the
 counting-rank sort on or off. The process exits 1 if any case failed. Interpret mode keeps every compiled
@@ -68,8 +69,17 @@ def run_case(mode: str, seed: int, interpret: bool):
     if len(idx) and rng.random() < 0.3:
         k = rng.integers(0, len(idx), size=max(1, len(idx) // 10))
         idx[k] = rng.choice([-5, 10**6], size=k.shape)
+    bounds = str(rng.choice(["warning", "ignore"]))
+    if len(off) > 2 and rng.random() < 0.3:  # offsets off the rules (`tbe_jax.bounds`)
+        kind = int(rng.integers(0, 3 if bounds == "warning" else 2))
+        if kind == 0:  # a first entry below 0 or past 0 (never decreasing: the same clamped bags everywhere)
+            off[0] = int(rng.choice([-3, min(2, int(off[1]))]))
+        elif kind == 1:  # a last entry past len(indices)
+            off[-1] = len(idx) + int(rng.integers(1, 5))
+        else:  # a decreasing entry ("warning" repairs it by the running maximum on every impl)
+            off[int(rng.integers(1, len(off) - 1))] = int(rng.integers(0, len(idx) + 1))
     bpf = tuple(c["batch"]) if c["vbe"] else None
-    kw = dict(feature_table_map=c["fmap"], pooling=c["pooling"], bounds_check="warning")
+    kw = dict(feature_table_map=c["fmap"], pooling=c["pooling"], bounds_check=bounds)
     kern = dict(impl="pallas", interpret=interpret)
     counts_equal = True
     if mode == "forward":
@@ -79,7 +89,7 @@ def run_case(mode: str, seed: int, interpret: bool):
         params = emb.init(jax.random.key(seed))
         out, rep = emb.forward_with_report(params, idx, off, psw, batch_size_per_feature=bpf)
         want, rep_ref = ref.forward_with_report(params, idx, off, psw, batch_size_per_feature=bpf)
-        counts_equal = int(rep.invalid_indices) == int(rep_ref.invalid_indices)
+        counts_equal = tuple(map(int, rep)) == tuple(map(int, rep_ref))
         tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}[wd]
     elif mode == "quant":
         od = jnp.dtype(str(rng.choice(["float32", "float16"])))
@@ -89,7 +99,7 @@ def run_case(mode: str, seed: int, interpret: bool):
         q_ref, _ = tbe_jax.quantize(emb, params, wt, output_dtype=od, impl="xla")
         out, rep = q.forward_with_report(qp, idx, off, psw, batch_size_per_feature=bpf)
         want, rep_ref = q_ref.forward_with_report(qp, idx, off, psw, batch_size_per_feature=bpf)
-        counts_equal = int(rep.invalid_indices) == int(rep_ref.invalid_indices)
+        counts_equal = tuple(map(int, rep)) == tuple(map(int, rep_ref))
         tol = 2e-3 if od == jnp.float16 else 1e-5
     else:
         wd = str(rng.choice(["float32", "float16"]))

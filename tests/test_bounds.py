@@ -224,6 +224,27 @@ def test_default_mode_clamps_offsets_the_same_everywhere(impl, pooling):
     assert np.all(np.isfinite(np.asarray(out))) and int(rep.repaired_offsets) == 2
 
 
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_counts_without_ids_or_bags(impl):
+    # A batch where no kernel runs (no ids; or no bags) still counts its malformed offsets entries, the same on
+    # every impl (the kernel path reported 0 until session 45: found by tests/fuzz_kernels.py).
+    kw = KERNEL_KW if impl == "kernel" else dict(impl="xla")
+    none = np.zeros(0, np.int32)
+    for mode, off, want in (("ignore", [0, 0, 0, 0, 3], 1), ("ignore", [-3, 0, 0, 0, 0], 1),
+                            ("ignore", [0, 0, 2, 0, 0], 2), ("warning", [0, 0, 2, 0, 0], 1),
+                            ("ignore", [0, 0, 0, 0, 0], 0)):
+        emb = _emb(mode, **kw)
+        params = emb.init(jax.random.key(0))
+        out, rep = emb.forward_with_report(params, none, np.asarray(off, np.int32))
+        assert not np.any(np.asarray(out)) and int(rep.invalid_indices) == 0
+        assert int(rep.repaired_offsets) == want, (mode, off)
+    emb = _emb("ignore", **kw)  # every feature's batch empty (VBE), ids present
+    params = emb.init(jax.random.key(0))
+    out, rep = emb.forward_with_report(params, np.array([1, 2], np.int32), np.array([2], np.int32),
+                                       batch_size_per_feature=(0, 0))
+    assert np.asarray(out).size == 0 and int(rep.repaired_offsets) == 1
+
+
 def test_none_mode_reads_nothing_outside_indices():
     # "none" repairs nothing, but the kernels clamp each bag to the ids that exist: offsets past the end read no
     # memory past `indices` (here: the same result as the bags cut at len(indices)).
