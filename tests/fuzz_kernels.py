@@ -7,7 +7,7 @@
 Each case draws a model and a batch (1-4 tables of 1..1000 rows and dims 1..300, shared tables, VBE with empty
 features, bags of 0..70 ids, Zipf or uniform ids, some bad ids, offsets that start or end out of range (and, with
 `bounds_check="warning"`, decrease), sum or mean, per-sample weights) and a random
-`ForwardConfig` (tile, unroll, bag groups, prefetch, max bags; some `bag_size_hint`s), runs the kernels (in
+`ForwardConfig` (tile, unroll, bag groups, prefetch, max bags, warps; some `bag_size_hint`s), runs the kernels (in
 interpret mode on a CPU, compiled on a GPU) and `impl="xla"` on it, and prints every case whose outputs (or
 report counts, or, for `backward`, updated tables after one `apply_gradients` step of a random optimizer)
 differ by more than the storage type's tolerance. `forward`: fp32 / fp16 / bf16 tables; `quant`: `tbe_jax.quantize`
@@ -47,7 +47,10 @@ def draw(rng):
     batch = [int(rng.integers(0, 9)) for _ in fmap] if vbe else [int(rng.integers(1, 40))] * len(fmap)
     cfg = tbe_jax.ForwardConfig(tile_elems=int(rng.choice([32, 64, 128, 256, 512])), unroll=int(rng.integers(1, 5)),
                                 bag_groups=int(rng.choice([1, 1, 2, 4])), prefetch=bool(rng.random() < 0.8),
-                                max_bags=int(rng.choice([4, 64])))
+                                max_bags=int(rng.choice([4, 64])),
+                                # its own stream, so that the seeds drawn before it was added draw the same cases
+                                num_warps=int(np.random.default_rng([int(rng.bit_generator.seed_seq.entropy), 1])
+                                              .choice([1, 1, 2, 4])))
     hints = [int(rng.choice([1, 2])) if rng.random() < 0.2 else None for _ in range(t)]
     return dict(dims=dims, rows=rows, fmap=fmap, vbe=vbe, batch=batch, cfg=cfg, hints=hints,
                 bag_len=(0, int(rng.choice([0, 1, 2, 5, 20, 70]))), pooling=str(rng.choice(["sum", "mean"])),

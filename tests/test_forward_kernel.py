@@ -221,6 +221,18 @@ def test_bag_groups_bitwise_equal_one_group(rng, groups, weighted, pooling, wdty
     assert_close(outg, ref(params, idx, off, psw, batch_size_per_feature=tuple(batch)), tolerance(wdtype, 11))
 
 
+# Programs of several warps (`ForwardConfig.num_warps`): the tile's bags spread over the warps. Interpret mode
+# ignores warps, so this checks the compiled layouts only on a GPU; on a CPU it still runs the configs' schedules.
+@pytest.mark.parametrize("wdtype,num_warps,weighted", [("float32", 2, True), ("float16", 4, False)])
+def test_warps_per_program(rng, wdtype, num_warps, weighted):
+    tables = specs([23, 5, 64, 31, 300], [8, 17, 100, 128, 257])
+    fmap = [0, 1, 2, 3, 4, 3]
+    cfg = tbe_jax.ForwardConfig(num_warps=num_warps)
+    _run(rng, tables, fmap, [9, 0, 5, 33, 2, 17], (0, 30), wdtype=wdtype, weighted=weighted, vbe=True, config=cfg)
+    _run(rng, tables, fmap, [8] * len(fmap), (1, 5), wdtype=wdtype, alpha=1.2,
+         config=tbe_jax.ForwardConfig(num_warps=num_warps, unroll=8))
+
+
 def test_bag_groups_validated():
     assert tbe_jax.ForwardConfig().bag_groups == 1
     for bad in (0, 3, -2, 1.0, None):

@@ -276,6 +276,18 @@ def test_mean_fp16_output_and_chained_launches(rng):
     assert_close(out, testing.numpy_pooled(tabs, FMAP, [B] * len(FMAP), idx, off, None, "mean", False), 1e-3)
 
 
+def test_two_warps_per_program(rng):
+    """Programs of two warps (`ForwardConfig(num_warps=2)`; the two-tile rule then needs 64 word lanes a tile):
+    every weight type, weighted sum, garbage padding. Matches the float64 model (the warps' layouts are checked
+    compiled only: interpret mode ignores warps)."""
+    qemb, rows, tabs = _model(rng, output_dtype=jnp.float32, kernel_config=tbe_jax.ForwardConfig(num_warps=2),
+                              **KERNEL_KW)
+    qp = qemb.from_fbgemm(rows)
+    idx, off, psw = _batch(rng, [SPECS[t].num_embeddings for t in FMAP], _lengths(rng))
+    assert_close(qemb(qp, idx, off, psw), testing.numpy_pooled(tabs, FMAP, [B] * len(FMAP), idx, off, psw, "sum",
+                                                              False), 2e-6)
+
+
 def test_output_dtypes_and_sequence(rng):
     """pooling="none" (weighted; two buffers of one dim: one launch each), in bf16 and fp32 outputs, kernel and
     XLA; -1 and out-of-range ids give zero rows."""
