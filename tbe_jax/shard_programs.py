@@ -54,7 +54,7 @@ def forward(s, params, idx, off, psw, want_routed: bool):
     batch, which `update` reuses (None otherwise)."""
     s.check_params(params)
     ax = s.axis_name
-    emb, n = s.emb, s.num_devices
+    emb = s.emb
     nf = emb.num_features
     b = (off.shape[1] - 1) // nf
     sequence = emb.pooling == "none"
@@ -157,7 +157,7 @@ def route_for_update(s, idx, off, psw):
 def update(s, params, opt_state, opt, routed, grad_output):
     """The optimizer step on the owners, from the routed batch and the output gradient: `(params, opt_state)`."""
     ax = s.axis_name
-    emb, n = s.emb, s.num_devices
+    emb = s.emb
     sequence = emb.pooling == "none"
     pspec = jax.tree_util.tree_map(lambda _: P(ax), params)
     sspec = state_specs(s, opt_state)
