@@ -58,9 +58,9 @@
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
-#   warps      (~330 s) two-warp forward programs at the default tile: the warps tests compiled, then
+#   warps      (~450 s) two-warp forward programs at the default tile: the warps tests compiled, then
 #              `probe_forward` (presets, dlrmv2, 16 shards of seed 20261203; `{}` / `{"num_warps": 2}` /
-#              `{"num_warps": 2, "unroll": 8}`), then `bench_quant --configs ";num_warps=2"` (int8, int4)
+#              `{"num_warps": "auto"}`), then `bench_quant --configs ";num_warps=2;num_warps=auto"` (int8, int4)
 #              -> warps-tests.log, probe-warps.json, quant-warps.json, warps.log
 #   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
 #              buffer (issue 40's untried overlap design) -> probe-cpu-gather.json, cpu-gather.log
@@ -161,10 +161,10 @@ for stage in "$@"; do
           -k warps > "$OUT/warps-tests.log" 2>&1; tail -2 "$OUT/warps-tests.log"
         timeout 170 python3 -m benchmarks probe_forward --seed 20261203 --shards fp32,base,zipf,weighted,smalltable,\
 dlrmv2,dlrmv2-hinted,s036,s183,s126,s163,s113,s145,s081,s027,s001,s048,s013,s073,s018,s077,s074 \
-          --variants '{}' '{"num_warps": 2}' '{"num_warps": 2, "unroll": 8}' --out "$OUT/probe-warps.json" 2>&1 \
+          --variants '{}' '{"num_warps": 2}' '{"num_warps": "auto"}' --out "$OUT/probe-warps.json" 2>&1 \
           | grep --line-buffered -v Warning | tee "$OUT/warps.log" | cut -c1-200
-        timeout 150 python3 -m benchmarks bench_quant --workloads base,zipf,mixed,dims8-192/8 --batch-sizes "" \
-          --shards 6 --weight-types int8,int4 --configs ";num_warps=2" --out "$OUT/quant-warps.json" 2>&1 \
+        timeout 220 python3 -m benchmarks bench_quant --workloads base,zipf,mixed,dims8-192/8 --batch-sizes "" \
+          --shards 6 --weight-types int8,int4 --configs ";num_warps=2;num_warps=auto" --out "$OUT/quant-warps.json" 2>&1 \
           | grep --line-buffered -v Warning | tee -a "$OUT/warps.log" | tail -40 ;;
     cpu-gather) timeout 120 python3 -m benchmarks probe_cpu_gather --out "$OUT/probe-cpu-gather.json" 2>&1 \
           | grep -v Warning | tee "$OUT/cpu-gather.log" | tail -14 ;;
