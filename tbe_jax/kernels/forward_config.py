@@ -68,16 +68,14 @@ class ForwardConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
-        if self.num_warps != "auto" and (not isinstance(self.num_warps, int) or isinstance(self.num_warps, bool)
-                                         or self.num_warps < 1):
-            raise ValueError(f"ForwardConfig.num_warps must be a positive int or 'auto', got {self.num_warps!r}")
+        w = self.num_warps
+        if w != "auto" and (not isinstance(w, int) or isinstance(w, bool) or w < 1 or w & (w - 1)):
+            raise ValueError(f"ForwardConfig.num_warps must be a power of 2 or 'auto', got {w!r}")
         if self.fp32_accumulation not in _FP32_ACCUMULATION:
             raise ValueError(
                 f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
                 f"got {self.fp32_accumulation!r}"
             )
-        if self.num_warps != "auto" and self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"ForwardConfig.num_warps must be a power of 2, got {self.num_warps}")
         for name in ("bag_groups", "short_bag_groups"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
