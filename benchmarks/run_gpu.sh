@@ -58,10 +58,6 @@
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
-#   warps      (~450 s) two-warp forward programs at the default tile: the warps tests compiled, then
-#              `probe_forward` (presets, dlrmv2, 16 shards of seed 20261203; `{}` / `{"num_warps": 2}` /
-#              `{"num_warps": "auto"}`), then `bench_quant --configs ";num_warps=2;num_warps=auto"` (int8, int4)
-#              -> warps-tests.log, probe-warps.json, quant-warps.json, warps.log
 #   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
 #              buffer (issue 40's untried overlap design) -> probe-cpu-gather.json, cpu-gather.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
@@ -157,15 +153,6 @@ for stage in "$@"; do
     kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;
-    warps) timeout 100 python3 -m pytest -q -n 4 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
-          -k warps > "$OUT/warps-tests.log" 2>&1; tail -2 "$OUT/warps-tests.log"
-        timeout 170 python3 -m benchmarks probe_forward --seed 20261203 --shards fp32,base,zipf,weighted,smalltable,\
-dlrmv2,dlrmv2-hinted,s036,s183,s126,s163,s113,s145,s081,s027,s001,s048,s013,s073,s018,s077,s074 \
-          --variants '{}' '{"num_warps": 2}' '{"num_warps": "auto"}' --out "$OUT/probe-warps.json" 2>&1 \
-          | grep --line-buffered -v Warning | tee "$OUT/warps.log" | cut -c1-200
-        timeout 220 python3 -m benchmarks bench_quant --workloads base,zipf,mixed,dims8-192/8 --batch-sizes "" \
-          --shards 6 --weight-types int8,int4 --configs ";num_warps=2;num_warps=auto" --out "$OUT/quant-warps.json" 2>&1 \
-          | grep --line-buffered -v Warning | tee -a "$OUT/warps.log" | tail -40 ;;
     cpu-gather) timeout 120 python3 -m benchmarks probe_cpu_gather --out "$OUT/probe-cpu-gather.json" 2>&1 \
           | grep -v Warning | tee "$OUT/cpu-gather.log" | tail -14 ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
@@ -205,6 +192,6 @@ dlrmv2,dlrmv2-hinted,s036,s183,s126,s163,s113,s145,s081,s027,s001,s048,s013,s073
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests cpu-gather quant-ab warps host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done

@@ -48,8 +48,8 @@ def draw(rng, seed: int):
     cfg = tbe_jax.ForwardConfig(tile_elems=int(rng.choice([32, 64, 128, 256, 512])), unroll=int(rng.integers(1, 5)),
                                 bag_groups=int(rng.choice([1, 1, 2, 4])), prefetch=bool(rng.random() < 0.8),
                                 max_bags=int(rng.choice([4, 64])),
-                                # its own stream: a seed's other draws stay those from before it was added
-                                num_warps=[1, 1, 2, 4, "auto"][int(np.random.default_rng([seed, 1]).integers(5))])
+                                # its own stream, so that the seeds drawn before it was added draw the same cases
+                                num_warps=int(np.random.default_rng([seed, 1]).choice([1, 1, 2, 4])))
     hints = [int(rng.choice([1, 2])) if rng.random() < 0.2 else None for _ in range(t)]
     return dict(dims=dims, rows=rows, fmap=fmap, vbe=vbe, batch=batch, cfg=cfg, hints=hints,
                 bag_len=(0, int(rng.choice([0, 1, 2, 5, 20, 70]))), pooling=str(rng.choice(["sum", "mean"])),

@@ -387,8 +387,6 @@ def pooled_forward(
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
         return (out, jnp.zeros((2,), jnp.int32)) if count_invalid else out
     all_fp32 = all(buffers[layout.key(g)].dtype == jnp.float32 for g in used)
-    num_warps = config.warps([(br.bags, br.block_dim, None if br.fmt is not None else
-                               buffers[layout.key(used[br.buffer])].dtype.itemsize) for br in branches])
     accumulation = config.fp32_accumulation if all_fp32 else "fp32"
 
     kernel = functools.partial(
@@ -404,7 +402,7 @@ def pooled_forward(
         count_invalid=count_invalid,
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
-        num_warps=num_warps,
+        num_warps=config.num_warps,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:
@@ -422,7 +420,7 @@ def pooled_forward(
         out_shape=out_shape,
         grid=(pm.num_programs,),
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tbe_pooled_forward",
     )
@@ -485,12 +483,11 @@ def sequence_forward(
         block_dim=block_dim, block_rows=block_rows, n=n, fmt=fmt,
     )
     args = [rows] + ([per_sample_weights] if per_sample_weights is not None else []) + [weights]
-    warps = config.warps([(block_rows, block_dim, None if fmt is not None else weights.dtype.itemsize)])
     return pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, dim), output_dtype),
         grid=(pl.cdiv(n, block_rows),),
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="tbe_sequence_forward",
     )(*args)

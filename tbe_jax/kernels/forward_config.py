@@ -18,10 +18,9 @@ class ForwardConfig:
         program) is `tile_elems // Dp`, clipped to `[1, max_bags]` and to the batch.
       max_bags: upper bound on bags per program (default 64).
       unroll: steps (rows per bag) whose loads are issued together (default 4).
-      num_warps: warps per program (default 1), or "auto": per launch, as many (1, 2 or 4) as keep a
-        thread's share of a step's tile at one 16-byte vector of float rows or two words of quantized rows
-        (default tiles: fp32 rows get 2, fp16 rows 1; int8 rows of D = 24, 40, 48, 80, 96, 112 get 2, of D =
-        64, 128 keep 1). Opt-in, not yet timed (its prediction: `benchmarks/NOTES.md`, session 46).
+      num_warps: warps per program (default 1; a power of 2). Two warps at the default tile measured 0.71-1.12x
+        of one over 22 shards (fp32 rows with weighted bags gained most: 1.08-1.10x; fp16 rows lost up to
+        0.71x): `benchmarks/NOTES.md`, session 47.
       prefetch: load the next step's ids while this step's rows are in flight (default True).
       num_stages: Triton software-pipelining depth (default 1).
       segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
@@ -53,7 +52,7 @@ class ForwardConfig:
     tile_elems: int = 256
     max_bags: int = 64
     unroll: int = 4
-    num_warps: int | str = 1
+    num_warps: int = 1
     num_stages: int = 1
     prefetch: bool = True
     segment_buffers: int = 8
@@ -69,8 +68,8 @@ class ForwardConfig:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
         w = self.num_warps
-        if w != "auto" and (not isinstance(w, int) or isinstance(w, bool) or w < 1 or w & (w - 1)):
-            raise ValueError(f"ForwardConfig.num_warps must be a power of 2 or 'auto', got {w!r}")
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1 or w & (w - 1):
+            raise ValueError(f"ForwardConfig.num_warps must be a positive power of 2, got {w!r}")
         if self.fp32_accumulation not in _FP32_ACCUMULATION:
             raise ValueError(
                 f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
@@ -88,16 +87,6 @@ class ForwardConfig:
     @staticmethod
     def get_default() -> "ForwardConfig":
         return ForwardConfig()
-
-    def warps(self, tiles) -> int:
-        """Warps a program of a launch whose steps gather `tiles`: `(rows, columns, bytes a column or None for a
-        quantized word column)` per branch."""
-        if self.num_warps != "auto":
-            return self.num_warps
-        share = 1  # a thread's share of the largest tile with one warp: 16-byte vectors, or pairs of words
-        for rows, cols, itemsize in tiles:
-            share = max(share, -(-rows * cols * itemsize // 512) if itemsize else -(-rows * cols // 64))
-        return min(4, next_pow2(share))
 
     def bags_per_program(self, dim: int, max_batch: int, row_bytes: int | None = None) -> int:
         """`G` for rows of `dim` values (`row_bytes`: the stored bytes of a quantized row, None for float rows)
