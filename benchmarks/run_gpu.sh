@@ -58,6 +58,10 @@
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
+#   warps-fp32 (~150 s) one warp against two on fp32 tables (probe_forward, seed 20261203): the 8 weighted fp32
+#              shards (s036 s068 s069 s078 s183 s199 s213 s215) and 5 unweighted ones (fp32 s040 s046 s103 s113):
+#              is "two warps for weighted fp32 launches" (80 -> 40-48 registers, NOTES session 47) a rule?
+#              -> probe-warps-fp32.json, warps-fp32.log
 #   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
 #              buffer (issue 40's untried overlap design) -> probe-cpu-gather.json, cpu-gather.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
@@ -153,6 +157,10 @@ for stage in "$@"; do
     kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;
+    warps-fp32) timeout 200 python3 -m benchmarks probe_forward --seed 20261203 \
+          --shards s036,s068,s069,s078,s183,s199,s213,s215,fp32,s040,s046,s103,s113 \
+          --variants '{}' '{"num_warps": 2}' --out "$OUT/probe-warps-fp32.json" 2>&1 \
+          | grep --line-buffered -v Warning | tee "$OUT/warps-fp32.log" | cut -c1-200 ;;
     cpu-gather) timeout 120 python3 -m benchmarks probe_cpu_gather --out "$OUT/probe-cpu-gather.json" 2>&1 \
           | grep -v Warning | tee "$OUT/cpu-gather.log" | tail -14 ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
@@ -192,6 +200,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
