@@ -19,8 +19,8 @@ class ForwardConfig:
       max_bags: upper bound on bags per program (default 64).
       unroll: steps (rows per bag) whose loads are issued together (default 4).
       num_warps: warps per program (default 1; a power of 2). Two warps at the default tile measured 0.71-1.12x
-        of one over 22 shards (fp32 rows with weighted bags gained most: 1.08-1.10x; fp16 rows lost up to
-        0.71x): `benchmarks/NOTES.md`, session 47.
+        of one over 22 shards: fp16 rows mostly lost (to 0.71x), two fp32 shards with weighted bags gained
+        1.08-1.10x (`benchmarks/NOTES.md`, session 47).
       prefetch: load the next step's ids while this step's rows are in flight (default True).
       num_stages: Triton software-pipelining depth (default 1).
       segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
