@@ -59,7 +59,8 @@
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
 #   warps-fp32 (~150 s) one warp against two on fp32 tables (probe_forward, seed 20261203): the 8 weighted fp32
-#              shards (s036 s068 s069 s078 s183 s199 s213 s215) and 5 unweighted ones (fp32 s040 s046 s103 s113):
+#              shards (s036 s068 s069 s078 s183 s199 s213 s215) and 5 unweighted ones (the fp32 preset, s040, s046,
+#              s103, s113):
 #              is "two warps for weighted fp32 launches" (80 -> 40-48 registers, NOTES session 47) a rule?
 #              -> probe-warps-fp32.json, warps-fp32.log
 #   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
