@@ -41,7 +41,6 @@ def main(argv=None):
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from benchmarks.common import device_ms, meta, save
     from examples.dlrm import dcn
