@@ -14,7 +14,7 @@ opaque producer standing in for the TBE kernel, in four ways:
            (h's D columns and the pooled ones: x @ V = x_h @ V[:D] + x_p @ V[D:], and so on)
 
 All four compute the same numbers (checked here against `concat`). Device ms per step (profiler) and the
-optimized HLO's fusions that write a `[B, (F+1)*D]` array are printed and saved.
+optimized HLO's fusions that write an array of `B * (F+1)*D` floats (x0's size, in any shape) are printed and saved.
 
     python -m benchmarks probe_dcn_x0 --batch-sizes 65536,16384 --out results.json
 """
@@ -41,6 +41,7 @@ def main(argv=None):
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from benchmarks.common import device_ms, meta, save
     from examples.dlrm import dcn
@@ -112,7 +113,9 @@ def main(argv=None):
             fn = make_step(mode)
             compiled = fn.lower(dense, dense_x, labels, raw).compile()
             hlo = compiled.as_text()
-            wide_writes = sorted(set(re.findall(rf"(\S+) = f32\[{b},{width}\]\S* fusion\(", hlo)))
+            wide_writes = sorted({f"{name} f32[{dims}]" for name, dims in
+                                  re.findall(r"(\S+) = f32\[([0-9,]+)\]\S* fusion\(", hlo)
+                                  if int(np.prod([int(x) for x in dims.split(",")])) == b * width})
             res = jax.block_until_ready(fn(dense, dense_x, labels, raw))
             if ref is None:
                 ref = res
@@ -123,7 +126,7 @@ def main(argv=None):
             row = {"batch_size": b, "mode": mode, "device_ms": round(ms, 4), "max_rel_err_vs_first": err,
                    "x0_wide_fusions": wide_writes, "top_kernels_ms": {k: round(v, 4) for k, v in top_names.items()}}
             rows.append(row)
-            print(f"B {b} {mode:8s} {ms:.4f} ms  err {err:.1e}  [B,{width}] fusions: {len(wide_writes)} "
+            print(f"B {b} {mode:8s} {ms:.4f} ms  err {err:.1e}  x0-size fusions: {len(wide_writes)} "
                   f"{wide_writes}", flush=True)
     payload = {"meta": meta(bench="probe_dcn_x0", features=f, dim=d, rank=rank, small=args.small,
                             iters=args.iters, rounds=args.rounds, when=time.strftime("%Y-%m-%d %H:%M")),
