@@ -49,7 +49,8 @@ def draw(rng, seed: int):
                                 bag_groups=int(rng.choice([1, 1, 2, 4])), prefetch=bool(rng.random() < 0.8),
                                 max_bags=int(rng.choice([4, 64])),
                                 # its own stream, so that the seeds drawn before it was added draw the same cases
-                                num_warps=int(np.random.default_rng([seed, 1]).choice([1, 1, 2, 4])))
+                                # (0: None, the default rule)
+                                num_warps=int(np.random.default_rng([seed, 1]).choice([0, 1, 2, 4])) or None)
     hints = [int(rng.choice([1, 2])) if rng.random() < 0.2 else None for _ in range(t)]
     return dict(dims=dims, rows=rows, fmap=fmap, vbe=vbe, batch=batch, cfg=cfg, hints=hints,
                 bag_len=(0, int(rng.choice([0, 1, 2, 5, 20, 70]))), pooling=str(rng.choice(["sum", "mean"])),

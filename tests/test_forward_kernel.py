@@ -234,10 +234,46 @@ def test_warps_per_program(rng, wdtype, num_warps, weighted):
 
 
 def test_num_warps_validated():
-    assert tbe_jax.ForwardConfig().num_warps == 1
+    assert tbe_jax.ForwardConfig().num_warps is None
     for bad in (0, 3, "auto", True, 2.0):
         with pytest.raises(ValueError, match="num_warps"):
             tbe_jax.ForwardConfig(num_warps=bad)
+
+
+def test_default_warps_rule():
+    """The default (`num_warps=None`): two warps only for launches of fp32 rows with per-sample weights that
+    have a tile of at most 128 columns; an explicit `num_warps` always wins."""
+    rule = tbe_jax.ForwardConfig().launch_warps
+    assert rule(fp32_rows=True, weighted=True, block_dims=[128]) == 2
+    assert rule(fp32_rows=True, weighted=True, block_dims=[16, 256]) == 2  # a mixed-dims launch
+    assert rule(fp32_rows=True, weighted=True, block_dims=[256]) == 1
+    assert rule(fp32_rows=True, weighted=False, block_dims=[64]) == 1
+    assert rule(fp32_rows=False, weighted=True, block_dims=[64]) == 1  # fp16 or quantized rows
+    for w in (1, 2, 4):
+        assert tbe_jax.ForwardConfig(num_warps=w).launch_warps(fp32_rows=True, weighted=True, block_dims=[64]) == w
+
+
+def test_default_warps_launch(rng, monkeypatch):
+    """What the forward launches under the rule: 2 warps for weighted fp32 rows of D <= 128, 1 otherwise (the
+    warps handed to Triton, captured from `pallas_call`'s compiler params); the results are the reference's."""
+    from tbe_jax.kernels import forward as fwd
+
+    seen = []
+    real = fwd.pallas_call
+
+    def spy(kernel, **kw):
+        if kw.get("name") == "tbe_pooled_forward":
+            seen.append(kw["compiler_params"].num_warps)
+        return real(kernel, **kw)
+
+    monkeypatch.setattr(fwd, "pallas_call", spy)
+    for wdtype, dims, weighted, want in (("float32", [8, 100], True, 2), ("float32", [200], True, 1),
+                                         ("float32", [8, 100], False, 1), ("float16", [8, 100], True, 1)):
+        seen.clear()
+        tables = specs([29, 71][: len(dims)], dims)
+        _run(rng, tables, list(range(len(dims))), [7] * len(dims), (0, 9), wdtype=wdtype, weighted=weighted,
+             config=tbe_jax.ForwardConfig())
+        assert seen and set(seen) == {want}, (wdtype, dims, weighted, seen)
 
 
 def test_bag_groups_validated():

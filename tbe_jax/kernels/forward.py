@@ -388,6 +388,8 @@ def pooled_forward(
         return (out, jnp.zeros((2,), jnp.int32)) if count_invalid else out
     all_fp32 = all(buffers[layout.key(g)].dtype == jnp.float32 for g in used)
     accumulation = config.fp32_accumulation if all_fp32 else "fp32"
+    warps = config.launch_warps(fp32_rows=all_fp32 and formats is None, weighted=per_sample_weights is not None,
+                                block_dims=[br.block_dim for br in branches])
 
     kernel = functools.partial(
         _pooled_kernel,
@@ -402,7 +404,7 @@ def pooled_forward(
         count_invalid=count_invalid,
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
-        num_warps=config.num_warps,
+        num_warps=warps,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:
@@ -420,7 +422,7 @@ def pooled_forward(
         out_shape=out_shape,
         grid=(pm.num_programs,),
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages),
         interpret=interpret,
         name="tbe_pooled_forward",
     )
@@ -487,7 +489,7 @@ def sequence_forward(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, dim), output_dtype),
         grid=(pl.cdiv(n, block_rows),),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps or 1, num_stages=1),
         interpret=interpret,
         name="tbe_sequence_forward",
     )(*args)

@@ -18,9 +18,12 @@ class ForwardConfig:
         program) is `tile_elems // Dp`, clipped to `[1, max_bags]` and to the batch.
       max_bags: upper bound on bags per program (default 64).
       unroll: steps (rows per bag) whose loads are issued together (default 4).
-      num_warps: warps per program (default 1; a power of 2). Two warps at the default tile measured 0.71-1.12x
-        of one over 22 shards: fp16 rows mostly lost (to 0.71x), two fp32 shards with weighted bags gained
-        1.08-1.10x (`benchmarks/NOTES.md`, session 47).
+      num_warps: warps per program (a power of 2), or None (default): `launch_warps`' rule, 2 for a launch of
+        fp32 rows with per-sample weights where some row tile is at most 128 columns wide, else 1. Such a
+        launch takes 80 registers a thread at one warp (25 programs an SM) against 61-64 for every other
+        float launch (32, the cap of one-warp programs), and two warps restore its occupancy: 1.10-1.80x on
+        the 6 such shards timed on an H200 (`benchmarks/NOTES.md`, session 48); fp32 rows of 256-wide tiles
+        (63 registers) lost 0.90x, unweighted fp32 launches 0.83-1.02x and fp16 ones to 0.71x (session 47).
       prefetch: load the next step's ids while this step's rows are in flight (default True).
       num_stages: Triton software-pipelining depth (default 1).
       segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
@@ -52,7 +55,7 @@ class ForwardConfig:
     tile_elems: int = 256
     max_bags: int = 64
     unroll: int = 4
-    num_warps: int = 1
+    num_warps: int | None = None
     num_stages: int = 1
     prefetch: bool = True
     segment_buffers: int = 8
@@ -68,8 +71,8 @@ class ForwardConfig:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ForwardConfig.{name} must be a positive int, got {v!r}")
         w = self.num_warps
-        if not isinstance(w, int) or isinstance(w, bool) or w < 1 or w & (w - 1):
-            raise ValueError(f"ForwardConfig.num_warps must be a positive power of 2, got {w!r}")
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1 or w & (w - 1)):
+            raise ValueError(f"ForwardConfig.num_warps must be None or a positive power of 2, got {w!r}")
         if self.fp32_accumulation not in _FP32_ACCUMULATION:
             raise ValueError(
                 f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
@@ -87,6 +90,14 @@ class ForwardConfig:
     @staticmethod
     def get_default() -> "ForwardConfig":
         return ForwardConfig()
+
+    def launch_warps(self, *, fp32_rows: bool, weighted: bool, block_dims) -> int:
+        """Warps per program of one launch: `num_warps` if set, else 2 where the launch gathers fp32 rows (no
+        quantized or fp16 buffer), has per-sample weights and has a branch whose tile (`block_dims`, one per
+        branch) is at most 128 columns wide, else 1 (the rule and its measurements: `num_warps`)."""
+        if self.num_warps is not None:
+            return self.num_warps
+        return 2 if fp32_rows and weighted and min(block_dims, default=256) <= 128 else 1
 
     def bags_per_program(self, dim: int, max_batch: int, row_bytes: int | None = None) -> int:
         """`G` for rows of `dim` values (`row_bytes`: the stored bytes of a quantized row, None for float rows)
