@@ -58,11 +58,10 @@
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
-#   warps-fp32 (~150 s) one warp against two on fp32 tables (probe_forward, seed 20261203): the 8 weighted fp32
-#              shards (s036 s068 s069 s078 s183 s199 s213 s215) and 5 unweighted ones (the fp32 preset, s040, s046,
-#              s103, s113):
-#              is "two warps for weighted fp32 launches" (80 -> 40-48 registers, NOTES session 47) a rule?
-#              -> probe-warps-fp32.json, warps-fp32.log
+#   warps-fp32 (~80 s) one warp, the default rule and two warps on fp32 tables (probe_forward, seed 20261203): the
+#              8 weighted fp32 shards (s036 s068 s069 s078 s183 s199 s213 s215) and 5 unweighted ones (the fp32
+#              preset, s040, s046, s103, s113); the rule (`ForwardConfig.num_warps=None`, session 48) gives two
+#              warps to weighted fp32 launches with tiles <= 128 columns -> probe-warps-fp32.json, warps-fp32.log
 #   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
 #              buffer (issue 40's untried overlap design) -> probe-cpu-gather.json, cpu-gather.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
@@ -160,7 +159,7 @@ for stage in "$@"; do
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;
     warps-fp32) timeout 200 python3 -m benchmarks probe_forward --seed 20261203 \
           --shards s036,s068,s069,s078,s183,s199,s213,s215,fp32,s040,s046,s103,s113 \
-          --variants '{}' '{"num_warps": 2}' --out "$OUT/probe-warps-fp32.json" 2>&1 \
+          --variants '{"num_warps": 1}' '{}' '{"num_warps": 2}' --out "$OUT/probe-warps-fp32.json" 2>&1 \
           | grep --line-buffered -v Warning | tee "$OUT/warps-fp32.log" | cut -c1-200 ;;
     cpu-gather) timeout 120 python3 -m benchmarks probe_cpu_gather --out "$OUT/probe-cpu-gather.json" 2>&1 \
           | grep -v Warning | tee "$OUT/cpu-gather.log" | tail -14 ;;
