@@ -21,9 +21,9 @@ class ForwardConfig:
       num_warps: warps per program (a power of 2), or None (default): `launch_warps`' rule, 2 for a launch of
         fp32 rows with per-sample weights where some row tile is at most 128 columns wide, else 1. Such a
         launch takes 80 registers a thread at one warp (25 programs an SM) against 61-64 for every other
-        float launch (32, the cap of one-warp programs), and two warps restore its occupancy: 1.10-1.80x on
+        float launch (32, the cap of one-warp programs), and two warps restore its occupancy: 1.09-1.80x on
         the 6 such shards timed on an H200 (`benchmarks/NOTES.md`, session 48); fp32 rows of 256-wide tiles
-        (63 registers) lost 0.90x, unweighted fp32 launches 0.83-1.02x and fp16 ones to 0.71x (session 47).
+        (63 registers) lost 0.89-0.91x, unweighted fp32 launches 0.83-1.02x and fp16 ones to 0.71x (session 47).
       prefetch: load the next step's ids while this step's rows are in flight (default True).
       num_stages: Triton software-pipelining depth (default 1).
       segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
