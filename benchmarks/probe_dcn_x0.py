@@ -88,7 +88,8 @@ def main(argv=None):
                 if mode == "concat":
                     x0_of = lambda o: lambda h: jnp.concatenate([h, o], axis=1)  # noqa: E731
                 else:
-                    x0_of = lambda o: lambda h: jax.lax.optimization_barrier(jnp.concatenate([h, o], axis=1))  # noqa: E731
+                    barrier = jax.lax.optimization_barrier
+                    x0_of = lambda o: lambda h: barrier(jnp.concatenate([h, o], axis=1))  # noqa: E731
 
             def loss(p, o):
                 if mode == "split":
