@@ -33,6 +33,7 @@ Traces and probes (per-kernel time, one question each):
   probe_step_memory  XLA memory analysis of the compiled DCNv2 step at MLPerf sizes (tables not allocated)
   probe_repair    the default mode's offsets repair and id counts
   probe_dcn_x0    the DCNv2 step's dense part with x0 = [h, pooled] built three ways (concat, barrier, in place)
+  probe_pallas_gemm  a Pallas TF32 matmul (and the cross layer's epilogue) against XLA's cuBLAS gemm (issue 38)
   probe_copy_rows  the host tier's row copies alone (fills, stages, write-backs), device time and GB/s
   probe_host_overlap  a bus copy beside HBM work in one program, on one stream or two (compute_on)
   probe_cpu_gather  the host's CPUs gathering and scattering a step's missed rows; device_put of the staging buffer
@@ -87,6 +88,7 @@ SUITES = {
     "probe_step_memory": "benchmarks.probe_step_memory",
     "probe_repair": "benchmarks.probe_repair",
     "probe_dcn_x0": "benchmarks.probe_dcn_x0",
+    "probe_pallas_gemm": "benchmarks.probe_pallas_gemm",
     "probe_ranksort": "benchmarks.probe_ranksort",
     "enqueue_gap": "benchmarks.enqueue_gap",
     "kernel_resources": "benchmarks.kernel_resources",

@@ -65,6 +65,9 @@
 #   fp32-unweighted (~60 s) the unweighted fp32 shards below 1.2x FBGEMM on seed 20261203 (the fp32 preset 1.17x,
 #              s113, s165, s046) and two at 1.27-1.28x (s082, s144): default, two warps, unroll 2, both (issue 35's
 #              fp32 bar; a rule must hold beyond the preset) -> probe-fp32-unweighted.json, fp32-unweighted.log
+#   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
+#              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
+#              -> probe-pallas-gemm.json, pallas-gemm.log
 #   cpu-gather (~60 s) the host's threads gathering / scattering a step's missed rows, device_put of the staging
 #              buffer (issue 40's untried overlap design) -> probe-cpu-gather.json, cpu-gather.log
 #   host-admit (~200 s) the host_cached step at lf 0.2 (alpha 1.2, 1.05) with cache_admit_age 0 (every miss
@@ -169,6 +172,9 @@ for stage in "$@"; do
           --variants '{}' '{"num_warps": 2}' '{"unroll": 2}' '{"num_warps": 2, "unroll": 2}' \
           --out "$OUT/probe-fp32-unweighted.json" 2>&1 | grep --line-buffered -v Warning \
           | tee "$OUT/fp32-unweighted.log" | cut -c1-200 ;;
+    pallas-gemm) timeout 240 python3 -m benchmarks probe_pallas_gemm --batch-size 65536 \
+          --out "$OUT/probe-pallas-gemm.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/pallas-gemm.log" \
+          | cut -c1-300 ;;
     cpu-gather) timeout 120 python3 -m benchmarks probe_cpu_gather --out "$OUT/probe-cpu-gather.json" 2>&1 \
           | grep -v Warning | tee "$OUT/cpu-gather.log" | tail -14 ;;
     host-admit) for age in 0 16; do timeout 120 python3 -m benchmarks host_cache --rows 1000000 --tables 8 \
@@ -208,6 +214,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
