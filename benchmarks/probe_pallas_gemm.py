@@ -112,16 +112,20 @@ def main(argv=None):
     u = jax.random.normal(keys[4], (r, w), jnp.float32) * (2.0 / (w + r)) ** 0.5
     bias = jax.random.normal(keys[5], (w,), jnp.float32) * 0.1
 
-    cases = {
-        "xv": (lambda: jax.jit(lambda a, bb: jnp.dot(a, bb, precision=prec)), (x, v), {}),
-        "hu": (lambda: jax.jit(lambda a, bb: jnp.dot(a, bb, precision=prec)), (h, u), {}),
-        "hu_epi": (lambda: jax.jit(lambda a, bb, c, p, q: (lambda z: (z, p * z + q))(
-            jnp.dot(a, bb, precision=prec) + c)), (h, u, bias, x0, x), {"epi": True}),
-    }
+    @jax.jit
+    def xla_dot(a, bb):
+        return jnp.dot(a, bb, precision=prec)
+
+    @jax.jit
+    def xla_epilogue(a, bb, c, p, q):
+        z = jnp.dot(a, bb, precision=prec) + c
+        return z, p * z + q
+
+    cases = {"xv": (xla_dot, (x, v), {}), "hu": (xla_dot, (h, u), {}),
+             "hu_epi": (xla_epilogue, (h, u, bias, x0, x), {"epi": True})}
     rows = []
     for name in args.cases.split(","):
-        make_xla, operands, opts = cases[name]
-        xla = make_xla()
+        xla, operands, opts = cases[name]
         want = jax.block_until_ready(xla(*operands))
         row = {"case": name, "shape": [list(o.shape) for o in operands[:2]]}
         if not interpret:
