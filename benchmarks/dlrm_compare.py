@@ -3,7 +3,7 @@
     python -m benchmarks dlrm_compare --ours A.json [B.json ...] --torch C.json [D.json ...] [--out FILE.json]
 
 Pairs each `benchmarks.dlrm_model` result with the `benchmarks/dlrm_torch.py` result of the same batch size and
-table dtype (both timed on the same dumped batches), prints a markdown table (examples/s, step ms, embeddings ms,
+table dtype and matmul precision (both timed on the same dumped batches), prints a markdown table (examples/s, step ms, embeddings ms,
 build + init s, peak HBM, ratios) and with `--out` writes the pairs and ratios as one JSON file.
 """
 
@@ -13,16 +13,23 @@ import argparse
 import json
 
 
-def _key(batch_size, dtype) -> tuple[int, str]:
-    return int(batch_size), str(dtype)
+def _matmul(name) -> str:
+    """One name per matmul precision on both sides (torch results before `--matmul` ran TF32)."""
+    name = name or "tensorfloat32"
+    return {"bf16": "bfloat16", "default": "tensorfloat32"}.get(name, name)
+
+
+def _key(batch_size, dtype, matmul) -> tuple[int, str, str]:
+    return int(batch_size), str(dtype), _matmul(matmul)
 
 
 def compare(ours: list[dict], torch: list[dict]) -> list[dict]:
-    by_key = {_key(t["batch_size"], t["emb_dtype"]): t for t in torch}
+    by_key = {_key(t["batch_size"], t["emb_dtype"], t.get("matmul")): t for t in torch}
     rows = []
     for o in ours:
         m = o["meta"]
-        t = by_key.get(_key(m["batch_size"], m["emb_dtype"]))
+        mm = _matmul((m.get("config") or {}).get("matmul_precision"))
+        t = by_key.get(_key(m["batch_size"], m["emb_dtype"], mm))
         if t is None:
             continue
         dumped = (o.get("dumped_step") or {}).get("device_ms")
@@ -33,7 +40,7 @@ def compare(ours: list[dict], torch: list[dict]) -> list[dict]:
         # kernels and sorts by the same patterns); None for traces classified before "sort" was a class
         emb_in_step = tr["ours"] + tr["sort"] if "sort" in tr else None
         rows.append({
-            "batch_size": m["batch_size"], "emb_dtype": m["emb_dtype"],
+            "batch_size": m["batch_size"], "emb_dtype": m["emb_dtype"], "matmul": mm,
             "ours": {"step_ms_dumped_batches": step, "step_ms_full": o["full_step"]["wall_ms"],
                      "examples_per_s": m["batch_size"] * 1e3 / step,
                      "step_source": "dumped batches" if dumped else "full step (batches drawn on the device)", "device_share": o["full_step"]["device_share"],
@@ -52,16 +59,17 @@ def compare(ours: list[dict], torch: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| batch | tables | ours ex/s | torch+FBGEMM ex/s | ratio | ours emb ms | FBGEMM TBE ms | ratio | "
+    lines = ["| batch | tables | matmuls | ours ex/s | torch+FBGEMM ex/s | ratio | ours emb ms | FBGEMM TBE ms | ratio | "
              "in the step: ours / FBGEMM ms | ratio | build+init s (ours / torch) | peak HBM GiB (ours / torch) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         o, t = r["ours"], r["torch_fbgemm"]
         peak = lambda b: "n/a" if b is None else f"{b / 2**30:.1f}"  # noqa: E731
         e = o.get("emb_in_step_ms")
         in_step = "n/a" if e is None else f"{e:.2f} / {t['tbe_in_step_ms']:.2f}"
         in_ratio = "n/a" if e is None else f"{r['embedding_in_step_ratio']:.2f}x"
-        lines.append(f"| {r['batch_size']} | {r['emb_dtype']} | {o['examples_per_s'] / 1e6:.2f}M | "
+        lines.append(f"| {r['batch_size']} | {r['emb_dtype']} | {r.get('matmul', 'tensorfloat32')} | "
+                     f"{o['examples_per_s'] / 1e6:.2f}M | "
                      f"{t['examples_per_s'] / 1e6:.2f}M | {r['throughput_ratio']:.2f}x | {o['emb_ms']:.2f} | "
                      f"{t['tbe_ms']:.2f} | {r['embedding_ratio']:.2f}x | {in_step} | {in_ratio} | "
                      f"{o['build_init_s']:.1f} / "

@@ -5,7 +5,7 @@ What is compared: one training step of the MLPerf DLRMv2 model as TorchRec runs 
 `SplitTableBatchedEmbeddingBagsCodegen` (all tables in HBM, EXACT_ROWWISE_ADAGRAD fused into its backward);
 x0 = cat(bottom, pooled) [B, 3456]; DCN v2, 3 low-rank cross layers x' = x0 * (U(V x) + b) + x (rank 512); top MLP
 3456-1024-1024-512-256-1 (no ReLU on the logit); BCE-with-logits (mean). The dense part runs in eager torch with
-TF32 matmuls and torch.optim.Adagrad (foreach or fused, whichever is faster here). The JAX side writes the batches
+TF32 matmuls (`--matmul bfloat16`: under torch.autocast, bf16 matmuls) and torch.optim.Adagrad (foreach or fused, whichever is faster here). The JAX side writes the batches
 (DIR/meta.json, DIR/batch{k}.npz) so both sides train on the same ids; `--synthetic` draws its own.
 
 How: build + init on the GPU (timed, synchronized); the K batches copied to the GPU once (int64 ids and offsets,
@@ -28,6 +28,7 @@ only torch, numpy, the standard library and fbgemm_gpu.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -283,6 +284,9 @@ def main() -> None:
                    help="FBGEMM bounds_check_mode (default: FBGEMM's own, WARNING)")
     p.add_argument("--index-dtype", choices=["int64", "int32"], default="int64",
                    help="dtype of ids/offsets handed to the TBE (TorchRec: int64)")
+    p.add_argument("--matmul", choices=["tensorfloat32", "bfloat16", "float32"], default=None,
+                   help="the dense matmuls: TF32, bf16 (torch.autocast around the dense model: bf16 operands, fp32 "
+                        "sums, bf16 results) or fp32 (default: meta's matmul_precision, as the JAX side ran)")
     p.add_argument("--dense-opt", choices=["auto", "foreach", "fused"], default="auto",
                    help="torch.optim.Adagrad implementation; auto times both and keeps the faster")
     p.add_argument("--synthetic", action="store_true", help="draw uniform ids instead of reading --batches")
@@ -297,10 +301,18 @@ def main() -> None:
         sys.exit("no CUDA device visible to torch (use --device cpu --emb torch for a smoke test)")
     if args.emb == "fbgemm" and device.type != "cuda":
         sys.exit("--emb fbgemm needs --device cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
     meta, host = load(args)
     args.emb_dtype = args.emb_dtype or meta["emb_dtype"]
+    args.matmul = args.matmul or {"bf16": "bfloat16"}.get(meta.get("matmul_precision"),
+                                                           meta.get("matmul_precision", "tensorfloat32"))
+    if args.matmul not in ("tensorfloat32", "bfloat16", "float32"):
+        sys.exit(f"matmul precision {args.matmul!r}: pass --matmul tensorfloat32, bfloat16 or float32")
+    torch.backends.cuda.matmul.allow_tf32 = args.matmul == "tensorfloat32"
+    torch.backends.cudnn.allow_tf32 = args.matmul == "tensorfloat32"
+    # bf16: the dense model under autocast (its matmuls take bf16 operands and return bf16, the elementwise work
+    # promotes back to fp32 where a parameter or the fp32 pooled embeddings meet it); the TBE and the loss outside
+    dense_ctx = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.matmul == "bfloat16"
+                 else contextlib.nullcontext)
     if args.emb == "torch" and args.emb_dtype != "float32":
         sys.exit("--emb torch supports float32 tables only")
     for k, b in enumerate(host):
@@ -337,7 +349,10 @@ def main() -> None:
         b = batches[k % len(batches)]
         for o in opts:
             o.zero_grad(set_to_none=True)
-        loss = F.binary_cross_entropy_with_logits(model(b["dense"], emb(*b["sparse"])), b["labels"])
+        pooled = emb(*b["sparse"])
+        with dense_ctx():
+            logits = model(b["dense"], pooled)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), b["labels"])
         loss.backward()  # FBGEMM's row-wise Adagrad runs here, inside the TBE's backward
         for o in opts:
             o.step()
@@ -386,6 +401,7 @@ def main() -> None:
         "batch_size": B, "num_batches": len(batches), "table_rows": meta["table_rows"], "bag_sizes": meta["bag_sizes"],
         "emb_dtype": args.emb_dtype, "emb_init": args.emb_init if args.emb == "fbgemm" else "uniform(+-sqrt(1/rows))",
         "index_dtype": args.index_dtype, "tbe_args": tbe_args, "table_gib": round(gib, 2),
+        "matmul": args.matmul,
         "tf32": {"cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                  "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                  "float32_matmul_precision": torch.get_float32_matmul_precision()},

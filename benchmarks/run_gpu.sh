@@ -16,11 +16,12 @@
 #   dlrm       (150 s) the DLRM demo at GPU size, 300 steps -> dlrm.log
 #   features   (280 s) init, compile and step cost at 26..1000 features and the many-dims models -> features-*.json,
 #              features.log
-#   dcnv2      (per run 280 s) the MLPerf DLRMv2 (DCNv2) model at MLPerf's table sizes, ours: for each B:DTYPE of
-#              $DCNV2_RUNS (default "65536:float32 16384:float32") `python -m benchmarks dlrm_model`, the batches
-#              dumped to /tmp/dlrmv2_b$B for the torch side -> dlrm_model-b$B-$DTYPE.json, dcnv2.log
+#   dcnv2      (per run 280 s) the MLPerf DLRMv2 (DCNv2) model at MLPerf's table sizes, ours: for each B:DTYPE[:MM]
+#              of $DCNV2_RUNS (default "65536:float32 16384:float32"; MM the matmuls, tensorfloat32 (default) or
+#              bfloat16) `python -m benchmarks dlrm_model`, the batches dumped to /tmp/dlrmv2_b$B for the torch side
+#              -> dlrm_model-b$B-$DTYPE-$MM.json, dcnv2.log
 #   dcnv2-torch (per run 280 s) the same model in torch + FBGEMM (FBGEMM unpacked first, ../shared/fbgemm) on
-#              those dumped batches, same $DCNV2_RUNS -> dlrm_torch-b$B-$DTYPE.json, dcnv2.log
+#              those dumped batches, same $DCNV2_RUNS -> dlrm_torch-b$B-$DTYPE-$MM.json, dcnv2.log
 #   quant      (560 s) our quantized inference TBE ($QUANT_TYPES, default int8,int4 rows) on
 #              fbgemm_quant's cases and the first $QUANT_SHARDS (default 10) sweep shards -> bench-quant.json,
 #              quant.log (int8 + int4: ~340 s on an H100, mostly compiles; 300 s cut it, session 42)
@@ -194,14 +195,16 @@ for stage in "$@"; do
         tail -3 "$OUT/sharding-tests.log"
         timeout 200 python3 -m benchmarks sharding --weak --capacity-fracs 1,feature --out "$OUT" 2>&1 \
           | grep -v Warning | tee "$OUT/sharding.log" | tail -8 ;;
-    dcnv2) for run in ${DCNV2_RUNS:-65536:float32 16384:float32}; do b=${run%%:*}; dt=${run##*:}
+    dcnv2) for run in ${DCNV2_RUNS:-65536:float32 16384:float32}; do IFS=: read -r b dt mp <<< "$run"; mp=${mp:-tensorfloat32}
           dump=""; [ -f /tmp/dlrmv2_b$b/meta.json ] || dump="--dump /tmp/dlrmv2_b$b --dump-batches 4"
           timeout 280 python3 -m benchmarks dlrm_model --model dcnv2 --size mlperf --batch-size "$b" --emb-dtype "$dt" \
-            --steps 30 $dump --out "$OUT/dlrm_model-b$b-$dt.json" 2>&1 | grep -v Warning >> "$OUT/dcnv2.log"
+            --matmul-precision "$mp" --steps 30 $dump --out "$OUT/dlrm_model-b$b-$dt-$mp.json" 2>&1 \
+            | grep -v Warning >> "$OUT/dcnv2.log"
           tail -4 "$OUT/dcnv2.log"; done ;;
-    dcnv2-torch) for run in ${DCNV2_RUNS:-65536:float32 16384:float32}; do b=${run%%:*}; dt=${run##*:}
+    dcnv2-torch) for run in ${DCNV2_RUNS:-65536:float32 16384:float32}; do IFS=: read -r b dt mp <<< "$run"
+          mp=${mp:-tensorfloat32}
           timeout 280 python3 benchmarks/dlrm_torch.py --batches /tmp/dlrmv2_b$b --emb-dtype "$dt" --emb-init torchrec \
-            --out "$OUT/dlrm_torch-b$b-$dt.json" 2>&1 | grep -v Warning >> "$OUT/dcnv2.log"
+            --matmul "$mp" --out "$OUT/dlrm_torch-b$b-$dt-$mp.json" 2>&1 | grep -v Warning >> "$OUT/dcnv2.log"
           tail -4 "$OUT/dcnv2.log"; done ;;
     quant) timeout 560 python3 -m benchmarks bench_quant --shards "${QUANT_SHARDS:-10}" --out "$OUT/bench-quant.json" \
           --weight-types "${QUANT_TYPES:-int8,int4}" \

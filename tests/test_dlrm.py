@@ -365,13 +365,25 @@ def test_dcnv2_trains_toward_the_oracle_and_its_cross_layer(tmp_path):
     h, pooled = rng.normal(size=(4, d)).astype(np.float32), rng.normal(size=(4, 26 * d)).astype(np.float32)
     assert np.array_equal(np.asarray(model.x0(jnp.asarray(h), jnp.asarray(pooled))), np.concatenate([h, pooled], 1))
 
-    # The benchmark (its compiled functions are the demo's): the dumped batches' format for the torch side.
+    # "bfloat16" matmuls are bf16 operands with fp32 sums (jax's own "bfloat16" name is TF32 on a GPU).
+    assert dcn.precision_of("bfloat16") == dcn.precision_of("bf16") == jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    assert dcn.precision_of("default") is None and dcn.precision_of("tensorfloat32") == "tensorfloat32"
+    got16 = dcn.cross_layer(jnp.asarray(x0), jnp.asarray(x), cross[1], precision=dcn.precision_of("bfloat16"))
+    assert got16.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got16), want, rtol=0.05, atol=0.05)
+
+    # The benchmark (its compiled functions are the demo's), here with bf16 matmuls: the dumped batches' format
+    # for the torch side, which reads the matmul precision from meta.json.
     out = dlrm_model.main(["--model", "dcnv2", "--size", "tiny", "--impl", "xla", "--steps", "2", "--no-split",
+                           "--matmul-precision", "bfloat16",
                            "--dump", str(tmp_path / "d"), "--dump-batches", "2", "--out", str(tmp_path / "r.json")])
     assert out["full_step"]["examples_per_s"] > 0 and out["dumped_step"]["num_batches"] == 2
+    assert np.isfinite(out["full_step"]["wall_ms"])
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["meta"]["model"] == "dcnv2" and saved["init_s"] > 0
+    assert saved["meta"]["config"]["matmul_precision"] == "bfloat16"
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["matmul_precision"] == "bfloat16"
     assert meta["bag_sizes"] == list(data_lib.MLPERF_BAG_SIZES) and meta["batch_size"] == 256
     assert (meta["bottom_mlp"], meta["top_mlp"], meta["dcn_rank"]) == ([32, 16], [64, 32, 1], 32)
     for k in range(2):
@@ -387,3 +399,27 @@ def test_demo_with_host_tables_learns_as_the_all_device_model():
     host = train.main(args + ["--host-tables", "3", "--cache-load-factor", "0.3"])
     assert abs(host["auc_after"] - dev["auc_after"]) < 1e-3
     assert host["auc_after"] > host["auc_before"] + 0.05
+
+
+def test_dlrm_compare_pairs_runs_by_batch_tables_and_matmuls():
+    from benchmarks import dlrm_compare
+
+    def ours(mm, step):
+        return {"meta": {"batch_size": 64, "emb_dtype": "float16", "config": {"matmul_precision": mm}},
+                "full_step": {"wall_ms": step, "device_share": 1.0}, "dumped_step": {"device_ms": step},
+                "split": {"emb_ms": 1.0, "trace_ms": {"ours": 0.5, "sort": 0.1}}, "build_s": 1.0, "init_s": 1.0}
+
+    def torch(mm, step):
+        t = {"batch_size": 64, "emb_dtype": "float16", "step_ms": step, "examples_per_s": 64e3 / step,
+             "device_share": 1.0, "tbe_alone_kernel_ms": 2.0, "tbe_kernel_ms_per_step": 1.2,
+             "dense_kernel_ms_per_step": step - 1.2, "build_init_s": 1.0, "hbm": {"max_allocated_bytes": None},
+             "dense_optimizer": {"impl": "foreach"}}
+        return t if mm is None else {**t, "matmul": mm}
+
+    # A torch result without "matmul" ran TF32 (before the flag); "bf16" and "bfloat16" are one precision.
+    rows = dlrm_compare.compare([ours("tensorfloat32", 10.0), ours("bf16", 6.0)],
+                                [torch("bfloat16", 9.0), torch(None, 13.0)])
+    got = {r["matmul"]: r["throughput_ratio"] for r in rows}
+    assert got == {"tensorfloat32": 1.3, "bfloat16": 1.5}
+    assert "| bfloat16 |" in dlrm_compare.table(rows)
+    assert dlrm_compare.compare([ours("float32", 10.0)], [torch(None, 13.0)]) == []

@@ -11,7 +11,7 @@ of the dcnv2 model as torch's `nn.Linear` (which MLPerf's reference uses): W and
 +-1/sqrt(fan_in) (`init_mlps`; the final logit's bias then starts near 0, not ~N(0, 1) as DLRM's init).
 
 Every matmul takes an explicit `precision` (`jax.lax.Precision` or its name: "tensorfloat32", "float32",
-"bfloat16", "highest", ...; None: XLA's default for the backend).
+"highest", ...; a `jax.lax.DotAlgorithmPreset` for "bfloat16"; None: XLA's default for the backend).
 """
 
 from __future__ import annotations
@@ -22,9 +22,15 @@ import numpy as np
 
 
 def precision_of(name: str):
-    """`DLRMConfig.matmul_precision` as the `precision=` argument: "default" is None (the backend's default),
-    anything else is passed by name (jax accepts "tensorfloat32", "float32", "bfloat16", "highest", ...)."""
-    return None if name == "default" else name
+    """`DLRMConfig.matmul_precision` as the `precision=` argument: "default" is None (the backend's default);
+    "bfloat16" (or "bf16") is `DotAlgorithmPreset.BF16_BF16_F32`: operands rounded to bf16, products summed and
+    returned in fp32 (jax's own name "bfloat16" is an alias of `Precision.DEFAULT`, which an fp32 matmul on a GPU
+    runs as TF32, not bf16); anything else is passed by name ("tensorfloat32", "float32", "highest", ...)."""
+    if name == "default":
+        return None
+    if name in ("bfloat16", "bf16"):
+        return jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    return name
 
 
 def init_mlps(key, *all_widths) -> list[list[dict]]:
