@@ -65,14 +65,15 @@ def _parse(argv):
 
 def kernel_class(name: str) -> str:
     """"ours" (our Pallas kernels), "sort" (XLA's CUB radix sort: in these models only the TBE backward sorts;
-    the torch side counts FBGEMM's sorts in its TBE part by the same patterns), "gemm" (cuBLAS / CUTLASS matmuls)
+    the torch side counts FBGEMM's sorts in its TBE part by the same patterns), "gemm" (cuBLAS / CUTLASS matmuls,
+    cuBLAS's `nvjet_*` kernels included)
     or "other" (XLA fusions, copies; the TBE's few small int32 index fusions among them)."""
     low = name.lower()
     if "tbe_" in low or "prefix_scan" in low:
         return "ours"
     if any(k in low for k in ("radix", "cub::", "sort")):
         return "sort"
-    if any(k in low for k in ("gemm", "cutlass", "xmma", "cublas", "matmul")):
+    if any(k in low for k in ("gemm", "cutlass", "xmma", "cublas", "matmul", "nvjet")):  # nvjet: cuBLAS's bf16
         return "gemm"
     return "other"
 

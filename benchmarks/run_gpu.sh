@@ -66,6 +66,10 @@
 #   fp32-unweighted (~60 s) the unweighted fp32 shards below 1.2x FBGEMM on seed 20261203 (the fp32 preset 1.17x,
 #              s113, s165, s046) and two at 1.27-1.28x (s082, s144): default, two warps, unroll 2, both (issue 35's
 #              fp32 bar; a rule must hold beyond the preset) -> probe-fp32-unweighted.json, fp32-unweighted.log
+#   wide-rows  (~60 s) rows wider than 128 (one bag a one-warp program): `ForwardConfig.wide_bags` 1 (off) and the
+#              default (two bags on two warps a program for short bags), on the D > 128 single-dim shards of three
+#              seeds: the short-bag ones at the forward's worst (0.67-1.01x FBGEMM) and long-bag ones
+#              -> probe-wide-rows-SEED.json (session 50 ran it first with '{}', two warps, two warps + tile 512)
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
 #              -> probe-pallas-gemm.json, pallas-gemm.log
@@ -104,7 +108,7 @@ for stage in "$@"; do
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -12 ;;
     presets) timeout 570 python3 -m benchmarks presets --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/presets.log" \
         | grep "^|" ;;
-    sweep) timeout 560 python3 -m benchmarks sweep --shapes 240 --seed 20261202 --budget-s 530 --big-budget-s 170 \
+    sweep) timeout 560 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --budget-s 520 --big-budget-s 170 \
           --out "$OUT/sweep.json" 2>&1 | grep -v Warning > "$OUT/sweep.log"; tail -3 "$OUT/sweep.log"
         [ -f "$OUT/sweep.json" ] && python3 -m benchmarks table --sweep "$OUT/sweep.json" ;;
     optimizers) timeout 330 python3 -m benchmarks optimizers --out "$OUT" 2>&1 | grep -v Warning \
@@ -173,6 +177,12 @@ for stage in "$@"; do
           --variants '{}' '{"num_warps": 2}' '{"unroll": 2}' '{"num_warps": 2, "unroll": 2}' \
           --out "$OUT/probe-fp32-unweighted.json" 2>&1 | grep --line-buffered -v Warning \
           | tee "$OUT/fp32-unweighted.log" | cut -c1-200 ;;
+    wide-rows) v=('{"wide_bags": 1}' '{}')
+        for sd in 20261207:s083,s193,s109,s040,s218,s003,s013,s157,s130 20261203:s081,s097,s037,s068,s213,s013,s046,s056,s157 \
+                  20261202:s117,s042,s084,s104,s179,s136,s166,s055; do
+          timeout 180 python3 -m benchmarks probe_forward --seed "${sd%%:*}" --shards "${sd#*:}" --variants "${v[@]}" \
+            --out "$OUT/probe-wide-rows-${sd%%:*}.json" 2>&1 | grep --line-buffered -v Warning \
+            | tee -a "$OUT/wide-rows.log" | cut -c1-220; done ;;
     pallas-gemm) timeout 240 python3 -m benchmarks probe_pallas_gemm --batch-size 65536 \
           --out "$OUT/probe-pallas-gemm.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/pallas-gemm.log" \
           | cut -c1-300 ;;

@@ -276,6 +276,61 @@ def test_default_warps_launch(rng, monkeypatch):
         assert seen and set(seen) == {want}, (wdtype, dims, weighted, seen)
 
 
+def test_wide_bags_rule():
+    """`ForwardConfig.for_launch`: `wide_bags` bags and warps a program only for float launches whose every tile
+    is at least `tile_elems` wide, with at least `wide_min_bags` bags averaging at most `wide_max_mean` ids."""
+    cfg = tbe_jax.ForwardConfig()
+    wide = cfg.for_launch(dims=[160, 256], num_ids=2 * 8192, num_bags=8192, quantized=False)
+    assert (wide.tile_elems, wide.num_warps) == (512, 2) and wide.bags_per_program(160, 8192) == 2
+    assert wide.launch_warps(fp32_rows=False, weighted=False, block_dims=[256]) == 2
+    keep = [dict(dims=[160, 128], num_ids=8192, num_bags=8192, quantized=False),  # a tile narrower than 256
+            dict(dims=[192], num_ids=8192, num_bags=8191, quantized=False),  # too few bags
+            dict(dims=[192], num_ids=3 * 8192 + 1, num_bags=8192, quantized=False),  # bags too long
+            dict(dims=[192], num_ids=8192, num_bags=8192, quantized=True),
+            dict(dims=[], num_ids=0, num_bags=8192, quantized=False)]
+    for kw in keep:
+        assert cfg.for_launch(**kw) is cfg, kw
+    for c in (tbe_jax.ForwardConfig(wide_bags=1), tbe_jax.ForwardConfig(num_warps=1)):
+        assert c.for_launch(dims=[256], num_ids=8192, num_bags=8192, quantized=False) is c
+    c = tbe_jax.ForwardConfig(wide_bags=4, wide_min_bags=0, wide_max_mean=1.5)
+    assert c.for_launch(dims=[256], num_ids=3, num_bags=2, quantized=False).num_warps == 4
+    assert c.for_launch(dims=[256], num_ids=4, num_bags=2, quantized=False) is c
+    for bad in (dict(wide_bags=3), dict(wide_bags=0), dict(wide_min_bags=-1), dict(wide_min_bags=1.0),
+                dict(wide_max_mean=-1.0), dict(wide_max_mean=float("nan")), dict(wide_max_mean=True)):
+        with pytest.raises(ValueError, match="wide_"):
+            tbe_jax.ForwardConfig(**bad)
+
+
+def test_wide_bags_launch(rng, monkeypatch):
+    """Wide rows with short bags run two bags a two-warp program (the warps handed to Triton, captured); long
+    bags, a narrow table beside them, or few bags keep one; every launch gives the reference's results,
+    empty bags and duplicates included."""
+    from tbe_jax.kernels import forward as fwd
+
+    seen = []
+    real = fwd.pallas_call
+
+    def spy(kernel, **kw):
+        if kw.get("name") == "tbe_pooled_forward":
+            seen.append((kw["compiler_params"].num_warps, kw["grid"][0]))
+        return real(kernel, **kw)
+
+    monkeypatch.setattr(fwd, "pallas_call", spy)
+    cfg = tbe_jax.ForwardConfig(wide_min_bags=16)
+    for wdtype, dims, bag_len, weighted, batch, want in (
+            ("float16", [160], (0, 3), False, 21, 2), ("float32", [200, 256], (0, 3), True, 9, 2),
+            ("float16", [160], (0, 12), False, 21, 1), ("float16", [160, 64], (0, 3), False, 11, 1),
+            ("float32", [192], (0, 3), False, 15, 1)):
+        seen.clear()
+        tables = specs([29, 7][: len(dims)], dims)  # table 1 (E = 7): heavy duplicates
+        _run(rng, tables, list(range(len(dims))), [batch] * len(dims), bag_len, wdtype=wdtype, weighted=weighted,
+             config=cfg)
+        bags = batch * len(dims)
+        assert [w for w, _ in seen] == [want], (wdtype, dims, bag_len, seen)
+        if want == 2 and len(dims) == 1:
+            assert seen[0][1] == -(-bags // 2)  # two bags a program
+
+
 def test_bag_groups_validated():
     assert tbe_jax.ForwardConfig().bag_groups == 1
     for bad in (0, 3, -2, 1.0, None):

@@ -382,6 +382,8 @@ def pooled_forward(
                 out_flat=out, short=short, formats=formats)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
+    config = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=indices.shape[0],
+                               num_bags=sum(plan.batch), quantized=formats is not None)
     used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats)
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat

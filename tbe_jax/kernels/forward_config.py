@@ -24,6 +24,18 @@ class ForwardConfig:
         float launch (32, the cap of one-warp programs), and two warps restore its occupancy: 1.09-1.80x on
         the 6 such shards timed on an H200 (`benchmarks/NOTES.md`, session 48); fp32 rows of 256-wide tiles
         (63 registers) lost 0.89-0.91x, unweighted fp32 launches 0.83-1.02x and fp16 ones to 0.71x (session 47).
+      wide_bags: bags (and warps) per program of a launch of wide rows with short bags (default 2; 1: off).
+        A float launch whose every row tile is at least `tile_elems` columns (D > 128 at the default) has one
+        bag per one-warp program, and one-warp programs are capped at 32 an SM (the CTA limit), half the warps
+        an SM holds; with short bags such a launch is latency-bound at that occupancy. When the launch's bags
+        average at most `wide_max_mean` ids (the static mean: `len(indices)` over the bags) and there are at
+        least `wide_min_bags` bags, each program takes `wide_bags` bags on as many warps (the same work a
+        thread): 1.24-1.67x on such shards of D 160-256 at B 8192-32768 on an H100, where long bags (whose
+        programs are bound by bandwidth, and two bags in a program wait for the longer) lost up to 1.4x
+        (`benchmarks/NOTES.md`, session 50). Not for quantized rows, nor with an explicit `num_warps`.
+      wide_min_bags: the least bags (all features) for `wide_bags` (default 8192: two waves of one-warp
+        programs on an H100's 132 SMs; fewer bags leave SMs idle rather than short of warps).
+      wide_max_mean: the largest static mean bag length for `wide_bags` (default 3.0).
       prefetch: load the next step's ids while this step's rows are in flight (default True).
       num_stages: Triton software-pipelining depth (default 1).
       segment_buffers: storage buffers (distinct dims; quantized: distinct (weight type, row words)) per
@@ -64,6 +76,9 @@ class ForwardConfig:
     short_bag_groups: int = 2
     row_tile_bytes: int | None = None
     row_tile_elems: int | None = None
+    wide_bags: int = 2
+    wide_min_bags: int = 8192
+    wide_max_mean: float = 3.0
 
     def __post_init__(self):
         for name in ("tile_elems", "max_bags", "unroll", "num_stages", "segment_buffers"):
@@ -78,7 +93,12 @@ class ForwardConfig:
                 f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
                 f"got {self.fp32_accumulation!r}"
             )
-        for name in ("bag_groups", "short_bag_groups"):
+        if not isinstance(self.wide_min_bags, int) or isinstance(self.wide_min_bags, bool) or self.wide_min_bags < 0:
+            raise ValueError(f"ForwardConfig.wide_min_bags must be a non-negative int, got {self.wide_min_bags!r}")
+        m = self.wide_max_mean
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 0:
+            raise ValueError(f"ForwardConfig.wide_max_mean must be a non-negative number, got {m!r}")
+        for name in ("bag_groups", "short_bag_groups", "wide_bags"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
                 raise ValueError(f"ForwardConfig.{name} must be a positive power of 2, got {v!r}")
@@ -98,6 +118,19 @@ class ForwardConfig:
         if self.num_warps is not None:
             return self.num_warps
         return 2 if fp32_rows and weighted and min(block_dims, default=256) <= 128 else 1
+
+    def for_launch(self, *, dims, num_ids: int, num_bags: int, quantized: bool) -> "ForwardConfig":
+        """The config one launch runs with: `self`, or under the `wide_bags` rule (rows of `dims`, every tile at
+        least `tile_elems` wide; `num_ids` ids in `num_bags` bags, static shapes) `self` with `wide_bags` times
+        the tile and as many warps: `wide_bags` bags a program, one a warp."""
+        k = self.wide_bags
+        if k == 1 or quantized or self.num_warps is not None or not dims:
+            return self
+        if min(next_pow2(d) for d in dims) < self.tile_elems or num_bags < max(self.wide_min_bags, 1):
+            return self
+        if num_ids > self.wide_max_mean * num_bags:
+            return self
+        return dataclasses.replace(self, tile_elems=self.tile_elems * k, num_warps=k)
 
     def bags_per_program(self, dim: int, max_batch: int, row_bytes: int | None = None) -> int:
         """`G` for rows of `dim` values (`row_bytes`: the stored bytes of a quantized row, None for float rows)
