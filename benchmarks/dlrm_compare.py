@@ -2,9 +2,10 @@
 
     python -m benchmarks dlrm_compare --ours A.json [B.json ...] --torch C.json [D.json ...] [--out FILE.json]
 
-Pairs each `benchmarks.dlrm_model` result with the `benchmarks/dlrm_torch.py` result of the same batch size and
-table dtype and matmul precision (both timed on the same dumped batches), prints a markdown table (examples/s, step ms, embeddings ms,
-build + init s, peak HBM, ratios) and with `--out` writes the pairs and ratios as one JSON file.
+Pairs each `benchmarks.dlrm_model` result with the `benchmarks/dlrm_torch.py` result of the same batch size,
+table dtype and matmul precision (both timed on the same dumped batches), prints a markdown table (examples/s,
+step ms, embeddings ms, build + init s, peak HBM, ratios) and with `--out` writes the pairs and ratios as one
+JSON file.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def compare(ours: list[dict], torch: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| batch | tables | matmuls | ours ex/s | torch+FBGEMM ex/s | ratio | ours emb ms | FBGEMM TBE ms | ratio | "
+    lines = ["| batch | tables | matmuls | ours ex/s | torch+FBGEMM ex/s | ratio | ours emb ms | FBGEMM TBE ms | "
+             "ratio | "
              "in the step: ours / FBGEMM ms | ratio | build+init s (ours / torch) | peak HBM GiB (ours / torch) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -5,7 +5,8 @@ What is compared: one training step of the MLPerf DLRMv2 model as TorchRec runs 
 `SplitTableBatchedEmbeddingBagsCodegen` (all tables in HBM, EXACT_ROWWISE_ADAGRAD fused into its backward);
 x0 = cat(bottom, pooled) [B, 3456]; DCN v2, 3 low-rank cross layers x' = x0 * (U(V x) + b) + x (rank 512); top MLP
 3456-1024-1024-512-256-1 (no ReLU on the logit); BCE-with-logits (mean). The dense part runs in eager torch with
-TF32 matmuls (`--matmul bfloat16`: under torch.autocast, bf16 matmuls) and torch.optim.Adagrad (foreach or fused, whichever is faster here). The JAX side writes the batches
+TF32 matmuls (`--matmul bfloat16`: under torch.autocast, bf16 matmuls) and torch.optim.Adagrad (foreach or
+fused, whichever is faster here). The JAX side writes the batches
 (DIR/meta.json, DIR/batch{k}.npz) so both sides train on the same ids; `--synthetic` draws its own.
 
 How: build + init on the GPU (timed, synchronized); the K batches copied to the GPU once (int64 ids and offsets,

@@ -6,8 +6,8 @@
 
 Each case draws a model and a batch (1-4 tables of 1..1000 rows and dims 1..300, shared tables, VBE with empty
 features, bags of 0..70 ids, Zipf or uniform ids, some bad ids, offsets that start or end out of range (and, with
-`bounds_check="warning"`, decrease), sum or mean, per-sample weights) and a random
-`ForwardConfig` (tile, unroll, bag groups, prefetch, max bags, warps; some `bag_size_hint`s), runs the kernels (in
+`bounds_check="warning"`, decrease), sum or mean, per-sample weights) and a random `ForwardConfig` (tile,
+unroll, bag groups, prefetch, max bags, warps, the wide-rows rule; some `bag_size_hint`s), runs the kernels (in
 interpret mode on a CPU, compiled on a GPU) and `impl="xla"` on it, and prints every case whose outputs (or
 report counts, or, for `backward`, updated tables after one `apply_gradients` step of a random optimizer)
 differ by more than the storage type's tolerance. `forward`: fp32 / fp16 / bf16 tables; `quant`: `tbe_jax.quantize`
@@ -19,6 +19,7 @@ cases, so one process can run hundreds of cases (200 a mode tried).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -52,6 +53,10 @@ def draw(rng, seed: int):
                                 # its own stream, so that the seeds drawn before it was added draw the same cases
                                 # (0: None, the default rule)
                                 num_warps=int(np.random.default_rng([seed, 1]).choice([0, 1, 2, 4])) or None)
+    # the wide-rows rule (`ForwardConfig.wide_bags`) with thresholds these small batches reach, its own stream too
+    wide = np.random.default_rng([seed, 2])
+    cfg = dataclasses.replace(cfg, wide_bags=int(wide.choice([1, 2, 4])), wide_min_bags=int(wide.choice([0, 8, 8192])),
+                              wide_max_mean=float(wide.choice([3.0, 100.0])))
     hints = [int(rng.choice([1, 2])) if rng.random() < 0.2 else None for _ in range(t)]
     return dict(dims=dims, rows=rows, fmap=fmap, vbe=vbe, batch=batch, cfg=cfg, hints=hints,
                 bag_len=(0, int(rng.choice([0, 1, 2, 5, 20, 70]))), pooling=str(rng.choice(["sum", "mean"])),
