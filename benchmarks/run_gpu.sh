@@ -9,7 +9,8 @@
 #   tests      (520 s) the whole suite compiled, 12 workers, -v so a cut run still names its failures -> tests.log
 #   presets    (570 s) forward then backward on the anchors' presets (make bench) -> forward-*.json,
 #              backward-*.json, presets.log
-#   sweep      (560 s) 240 drawn shard shapes against FBGEMM (FBGEMM from ../shared/fbgemm; its own budget 530 s)
+#   sweep      (570 s) `dispatch` (host us of a jitted call on a zero-work batch, for the summary's dispatch_us), then
+#              240 drawn shard shapes of seed 20261207 against FBGEMM (FBGEMM from ../shared/fbgemm; budget 490 s)
 #              -> sweep.json, sweep.log; then `python -m benchmarks table --sweep $OUT/sweep.json`
 #   optimizers (330 s) each fused optimizer's backward step on base and zipf -> optimizers-*.json, optimizers.log
 #   tt         (300 s) TT forward and training steps, workload a, B 4096 and 32768 -> tt-*.json, tt.log
@@ -108,8 +109,10 @@ for stage in "$@"; do
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -12 ;;
     presets) timeout 570 python3 -m benchmarks presets --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/presets.log" \
         | grep "^|" ;;
-    sweep) timeout 560 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --budget-s 520 --big-budget-s 170 \
-          --out "$OUT/sweep.json" 2>&1 | grep -v Warning > "$OUT/sweep.log"; tail -3 "$OUT/sweep.log"
+    sweep) timeout 40 python3 -m benchmarks dispatch --out "$OUT/dispatch.json" 2>&1 | grep -v Warning > "$OUT/sweep.log"
+        timeout 530 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --budget-s 490 --big-budget-s 170 \
+          --dispatch "$OUT/dispatch.json" --out "$OUT/sweep.json" 2>&1 | grep -v Warning >> "$OUT/sweep.log"
+        tail -3 "$OUT/sweep.log"
         [ -f "$OUT/sweep.json" ] && python3 -m benchmarks table --sweep "$OUT/sweep.json" ;;
     optimizers) timeout 330 python3 -m benchmarks optimizers --out "$OUT" 2>&1 | grep -v Warning \
         | tee "$OUT/optimizers.log" | tail -24 ;;
