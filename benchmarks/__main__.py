@@ -30,6 +30,7 @@ Traces and probes (per-kernel time, one question each):
   trace_tt        per-kernel GPU time of a TT training step (trace_tt.py)
   profile_backward, profile_tt  the steps' pieces timed alone
   probe_forward   ForwardConfig variants on chosen sweep shards, device time
+  probe_backward  BackwardConfig variants on chosen sweep shards, device time of the row-wise Adagrad update
   probe_step_memory  XLA memory analysis of the compiled DCNv2 step at MLPerf sizes (tables not allocated)
   probe_repair    the default mode's offsets repair and id counts
   probe_dcn_x0    the DCNv2 step's dense part with x0 = [h, pooled] built three ways (concat, barrier, in place)
@@ -85,6 +86,7 @@ SUITES = {
     "profile_backward": "benchmarks.profile_backward",
     "profile_tt": "benchmarks.profile_tt",
     "probe_forward": "benchmarks.probe_forward",
+    "probe_backward": "benchmarks.probe_backward",
     "probe_step_memory": "benchmarks.probe_step_memory",
     "probe_repair": "benchmarks.probe_repair",
     "probe_dcn_x0": "benchmarks.probe_dcn_x0",

@@ -71,6 +71,9 @@
 #              default (two bags on two warps a program for short bags), on the D > 128 single-dim shards of three
 #              seeds: the short-bag ones at the forward's worst (0.67-1.01x FBGEMM) and long-bag ones
 #              -> probe-wide-rows-SEED.json (session 50 ran it first with '{}', two warps, two warps + tile 512)
+#   wide-rows-bwd (~120 s) the backward (row-wise Adagrad update) of seed 20261207's worst backward shards (s083,
+#              s193, s164: D > 128 with short bags; s098, s063, s108) and wide long-bag ones with the mid-run, chunk
+#              and long-run kernels at 1 (default), 2 and 4 warps (`probe_backward`) -> probe-wide-rows-bwd.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
 #              -> probe-pallas-gemm.json, pallas-gemm.log
@@ -186,6 +189,10 @@ for stage in "$@"; do
           timeout 180 python3 -m benchmarks probe_forward --seed "${sd%%:*}" --shards "${sd#*:}" --variants "${v[@]}" \
             --out "$OUT/probe-wide-rows-${sd%%:*}.json" 2>&1 | grep --line-buffered -v Warning \
             | tee -a "$OUT/wide-rows.log" | cut -c1-220; done ;;
+    wide-rows-bwd) timeout 240 python3 -m benchmarks probe_backward --seed 20261207 \
+          --shards s083,s193,s164,s098,s063,s108,s003,s157,s013 --variants '{}' '{"num_warps": 2}' '{"num_warps": 4}' \
+          --out "$OUT/probe-wide-rows-bwd.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/wide-rows-bwd.log" \
+          | cut -c1-220 ;;
     pallas-gemm) timeout 240 python3 -m benchmarks probe_pallas_gemm --batch-size 65536 \
           --out "$OUT/probe-pallas-gemm.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/pallas-gemm.log" \
           | cut -c1-300 ;;

@@ -53,10 +53,12 @@ def draw(rng, seed: int):
                                 # its own stream, so that the seeds drawn before it was added draw the same cases
                                 # (0: None, the default rule)
                                 num_warps=int(np.random.default_rng([seed, 1]).choice([0, 1, 2, 4])) or None)
-    # the wide-rows rule (`ForwardConfig.wide_bags`) with thresholds these small batches reach, its own stream too
+    # half the cases make the wide-rows rule (`ForwardConfig.wide_bags`) reachable at these small batches: the
+    # default warps, no least bag count, any mean (its own stream too)
     wide = np.random.default_rng([seed, 2])
-    cfg = dataclasses.replace(cfg, wide_bags=int(wide.choice([1, 2, 4])), wide_min_bags=int(wide.choice([0, 8, 8192])),
-                              wide_max_mean=float(wide.choice([3.0, 100.0])))
+    if wide.random() < 0.5:
+        cfg = dataclasses.replace(cfg, num_warps=None, wide_bags=int(wide.choice([2, 4])), wide_min_bags=0,
+                                  wide_max_mean=float(wide.choice([3.0, 100.0])))
     hints = [int(rng.choice([1, 2])) if rng.random() < 0.2 else None for _ in range(t)]
     return dict(dims=dims, rows=rows, fmap=fmap, vbe=vbe, batch=batch, cfg=cfg, hints=hints,
                 bag_len=(0, int(rng.choice([0, 1, 2, 5, 20, 70]))), pooling=str(rng.choice(["sum", "mean"])),
