@@ -67,6 +67,8 @@
 #   fp32-unweighted (~60 s) the unweighted fp32 shards below 1.2x FBGEMM on seed 20261203 (the fp32 preset 1.17x,
 #              s113, s165, s046) and two at 1.27-1.28x (s082, s144): default, two warps, unroll 2, both (issue 35's
 #              fp32 bar; a rule must hold beyond the preset) -> probe-fp32-unweighted.json, fp32-unweighted.log
+#   wide-check (~200 s) the forward kernel's and bounds test files compiled (the `wide_bags` launch tests among them),
+#              then 20 fuzz cases of the forward compiled (half of them reach the wide-rows rule) -> wide-check.log
 #   wide-rows  (~60 s) rows wider than 128 (one bag a one-warp program): `ForwardConfig.wide_bags` 1 (off) and the
 #              default (two bags on two warps a program for short bags), on the D > 128 single-dim shards of three
 #              seeds: the short-bag ones at the forward's worst (0.67-1.01x FBGEMM) and long-bag ones
@@ -183,6 +185,11 @@ for stage in "$@"; do
           --variants '{}' '{"num_warps": 2}' '{"unroll": 2}' '{"num_warps": 2, "unroll": 2}' \
           --out "$OUT/probe-fp32-unweighted.json" 2>&1 | grep --line-buffered -v Warning \
           | tee "$OUT/fp32-unweighted.log" | cut -c1-200 ;;
+    wide-check) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -v -n 8 -p no:benchmark \
+          tests/test_forward_kernel.py tests/test_bounds.py > "$OUT/wide-check.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/wide-check.log" | tail -8
+        timeout 90 python3 tests/fuzz_kernels.py forward --gpu --seed 860000 --cases 20 2>&1 | grep -v Warning \
+          | tail -3 | tee -a "$OUT/wide-check.log" ;;
     wide-rows) v=('{"wide_bags": 1}' '{}')
         for sd in 20261207:s083,s193,s109,s040,s218,s003,s013,s157,s130 20261203:s081,s097,s037,s068,s213,s013,s046,s056,s157 \
                   20261202:s117,s042,s084,s104,s179,s136,s166,s055; do
