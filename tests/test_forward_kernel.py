@@ -278,12 +278,13 @@ def test_default_warps_launch(rng, monkeypatch):
 
 def test_wide_bags_rule():
     """`ForwardConfig.for_launch`: `wide_bags` bags and warps a program only for float launches whose every tile
-    is at least `tile_elems` wide, with at least `wide_min_bags` bags averaging at most `wide_max_mean` ids."""
+    is `tile_elems` wide, with at least `wide_min_bags` bags averaging at most `wide_max_mean` ids."""
     cfg = tbe_jax.ForwardConfig()
     wide = cfg.for_launch(dims=[160, 256], num_ids=2 * 8192, num_bags=8192, quantized=False)
     assert (wide.tile_elems, wide.num_warps) == (512, 2) and wide.bags_per_program(160, 8192) == 2
     assert wide.launch_warps(fp32_rows=False, weighted=False, block_dims=[256]) == 2
     keep = [dict(dims=[160, 128], num_ids=8192, num_bags=8192, quantized=False),  # a tile narrower than 256
+            dict(dims=[160, 300], num_ids=8192, num_bags=8192, quantized=False),  # one wider: still one bag
             dict(dims=[192], num_ids=8192, num_bags=8191, quantized=False),  # too few bags
             dict(dims=[192], num_ids=3 * 8192 + 1, num_bags=8192, quantized=False),  # bags too long
             dict(dims=[192], num_ids=8192, num_bags=8192, quantized=True),

@@ -25,14 +25,15 @@ class ForwardConfig:
         the 6 such shards timed on an H200 (`benchmarks/NOTES.md`, session 48); fp32 rows of 256-wide tiles
         (63 registers) lost 0.89-0.91x, unweighted fp32 launches 0.83-1.02x and fp16 ones to 0.71x (session 47).
       wide_bags: bags (and warps) per program of a launch of wide rows with short bags (default 2; 1: off).
-        A float launch whose every row tile is at least `tile_elems` columns (D > 128 at the default) has one
+        A float launch whose every row tile is `tile_elems` columns (D 129-256 at the default) has one
         bag per one-warp program, and one-warp programs are capped at 32 an SM (the CTA limit), half the warps
         an SM holds; with short bags such a launch is latency-bound at that occupancy. When the launch's bags
         average at most `wide_max_mean` ids (the static mean: `len(indices)` over the bags) and there are at
         least `wide_min_bags` bags, each program takes `wide_bags` bags on as many warps (the same work a
         thread): 1.24-1.67x on such shards of D 160-256 at B 8192-32768 on an H100, where long bags (whose
         programs are bound by bandwidth, and two bags in a program wait for the longer) lost up to 1.4x
-        (`benchmarks/NOTES.md`, session 50). Not for quantized rows, nor with an explicit `num_warps`.
+        (`benchmarks/NOTES.md`, session 50). Not for quantized rows, nor with an explicit `num_warps`, nor for
+        tiles wider than `tile_elems` (still one bag a program with twice the tile: unmeasured).
       wide_min_bags: the least bags (all features) for `wide_bags` (default 8192: two waves of one-warp
         programs on an H100's 132 SMs; fewer bags leave SMs idle rather than short of warps).
       wide_max_mean: the largest static mean bag length for `wide_bags` (default 3.0).
@@ -120,13 +121,13 @@ class ForwardConfig:
         return 2 if fp32_rows and weighted and min(block_dims, default=256) <= 128 else 1
 
     def for_launch(self, *, dims, num_ids: int, num_bags: int, quantized: bool) -> "ForwardConfig":
-        """The config one launch runs with: `self`, or under the `wide_bags` rule (rows of `dims`, every tile at
-        least `tile_elems` wide; `num_ids` ids in `num_bags` bags, static shapes) `self` with `wide_bags` times
+        """The config one launch runs with: `self`, or under the `wide_bags` rule (rows of `dims`, every tile
+        exactly `tile_elems` wide; `num_ids` ids in `num_bags` bags, static shapes) `self` with `wide_bags` times
         the tile and as many warps: `wide_bags` bags a program, one a warp."""
         k = self.wide_bags
         if k == 1 or quantized or self.num_warps is not None or not dims:
             return self
-        if min(next_pow2(d) for d in dims) < self.tile_elems or num_bags < max(self.wide_min_bags, 1):
+        if any(next_pow2(d) != self.tile_elems for d in dims) or num_bags < max(self.wide_min_bags, 1):
             return self
         if num_ids > self.wide_max_mean * num_bags:
             return self
