@@ -48,7 +48,8 @@ def _parse(argv):
     ap.add_argument("--size", default="mlperf", help="the demo's --size (tiny, small, gpu, mlperf)")
     ap.add_argument("--batch-size", type=int, default=None, help="default: the size's")
     ap.add_argument("--emb-dtype", choices=("float32", "float16"), default="float32")
-    ap.add_argument("--matmul-precision", default=None, help="default: the model's (dcnv2: tensorfloat32); bfloat16: bf16 operands, fp32 sums")
+    ap.add_argument("--matmul-precision", default=None,
+                    help="default: the model's (dcnv2: tensorfloat32); bfloat16: bf16 operands, fp32 sums")
     ap.add_argument("--steps", type=int, default=30, help="timed training steps (after one that compiles)")
     ap.add_argument("--lr", type=float, default=None, help="dense learning rate (default: the demo's)")
     ap.add_argument("--emb-lr", type=float, default=None, help="tables' row-wise Adagrad lr (default: the demo's)")

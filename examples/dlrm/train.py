@@ -331,7 +331,8 @@ def parse_args(argv=None):
                     help="the tables' storage dtype (the TBE's weights_dtype; default float32)")
     ap.add_argument("--matmul-precision", default=None,
                     help="precision= of the dense matmuls: default (the backend's), tensorfloat32, float32, "
-                         "bfloat16 (bf16 operands, fp32 sums), highest (default: tensorfloat32 for dcnv2, default for dlrm)")
+                         "bfloat16 (bf16 operands, fp32 sums), highest (default: tensorfloat32 for dcnv2, default "
+                         "for dlrm)")
     ap.add_argument("--steps", type=int, default=None, help="total training steps (default: per size)")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0, help="fixes the data (hidden model and batches) and the init")
