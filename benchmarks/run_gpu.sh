@@ -73,6 +73,9 @@
 #              default (two bags on two warps a program for short bags), on the D > 128 single-dim shards of three
 #              seeds: the short-bag ones at the forward's worst (0.67-1.01x FBGEMM) and long-bag ones
 #              -> probe-wide-rows-SEED.json (session 50 ran it first with '{}', two warps, two warps + tile 512)
+#   occupancy  (~60 s) the wide-rows idea at D <= 128: the same work a thread, twice / four times the bags and warps a
+#              program (tile_elems 512 / 1024 with 2 / 4 warps) on DLRMv2's tables (issue 35's unhinted 1.2x bar),
+#              the presets and three seed-20261207 shards -> probe-occupancy.json
 #   wide-rows-bwd (~120 s) the backward (row-wise Adagrad update) of seed 20261207's worst backward shards (s083,
 #              s193, s164: D > 128 with short bags; s098, s063, s108) and wide long-bag ones with the mid-run, chunk
 #              and long-run kernels at 1 (default), 2 and 4 warps (`probe_backward`) -> probe-wide-rows-bwd.json
@@ -196,6 +199,11 @@ for stage in "$@"; do
           timeout 180 python3 -m benchmarks probe_forward --seed "${sd%%:*}" --shards "${sd#*:}" --variants "${v[@]}" \
             --out "$OUT/probe-wide-rows-${sd%%:*}.json" 2>&1 | grep --line-buffered -v Warning \
             | tee -a "$OUT/wide-rows.log" | cut -c1-220; done ;;
+    occupancy) timeout 200 python3 -m benchmarks probe_forward --seed 20261207 \
+          --shards dlrmv2,base,zipf,fp32,smalltable,s083,s171,s118 \
+          --variants '{}' '{"num_warps": 2, "tile_elems": 512}' '{"num_warps": 4, "tile_elems": 1024}' \
+          --out "$OUT/probe-occupancy.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/occupancy.log" \
+          | cut -c1-220 ;;
     wide-rows-bwd) timeout 240 python3 -m benchmarks probe_backward --seed 20261207 \
           --shards s083,s193,s164,s098,s063,s108,s003,s157,s013 --variants '{}' '{"num_warps": 2}' '{"num_warps": 4}' \
           --out "$OUT/probe-wide-rows-bwd.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/wide-rows-bwd.log" \
