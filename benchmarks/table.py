@@ -6,6 +6,8 @@ Reads the sweep result named by `SWEEP` below (under `benchmarks/results/`; "new
 and the minimum (its "summary" key, see `benchmarks/sweep.py`); the named shards (presets, DLRMv2: its "named" key);
 the host time per jitted call (`dispatch_us`). With `--write FILE` the text between `<!-- perf-table:begin -->` and
 `<!-- perf-table:end -->` in FILE is replaced by the table; a file without both markers is left alone (exit 1).
+`--by-class` prints, instead, the drawn shards' ratios by class (row width, bag length, storage dtype): where
+a tail sits (session 50 found the forward's in rows wider than 128 with short bags this way).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 
 # The saved sweep the README's table comes from: a file name under benchmarks/results/ (or a path), or "newest".
@@ -98,6 +101,33 @@ def table(result: dict, source: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def shard_class(row: dict) -> str:
+    """A drawn shard's class: its rows' width ("D<=128", "D>128" or "mixed" when its tables are on both sides of
+    128), its bags ("short": every table's mean bag length under 4, else "long") and its storage dtype."""
+    dims = row["dims"]
+    width = "D<=128" if max(dims) <= 128 else "D>128" if min(dims) > 128 else "mixed"
+    bags = "short" if max(row["bags"]) < 4 else "long"
+    return f"{width} {bags} {row.get('weights_dtype', '?')}"
+
+
+def by_class(result: dict) -> str:
+    """Markdown: per class of drawn shards (`shard_class`) and direction, the count, median and min ratio."""
+    groups: dict = {}
+    for row in result.get("table") or []:
+        ratio = row.get("ratio") or {}
+        if row.get("shard", "").startswith("s") and ratio:
+            groups.setdefault(shard_class(row), []).append(ratio)
+    lines = ["| class | shards | " + " | ".join(f"{label} median / min" for _, label in DIRECTIONS) + " |",
+             "|---|---|" + "---|" * len(DIRECTIONS)]
+    for name in sorted(groups):
+        cells = []
+        for key, _ in DIRECTIONS:
+            vals = sorted(r[key] for r in groups[name] if isinstance(r.get(key), (int, float)))
+            cells.append(f"{_x(statistics.median(vals))} / {_x(vals[0])}" if vals else "n/a")
+        lines.append(f"| {name} | {len(groups[name])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write(path: str, text: str) -> bool:
     """Replace the text between the markers in `path` by `text`; False (file untouched) without both markers."""
     with open(path) as fh:
@@ -117,10 +147,14 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", default=SWEEP, help=f"a sweep result (file name, path, or 'newest'; default {SWEEP})")
     ap.add_argument("--write", default="", help="a markdown file whose perf-table markers get the table")
+    ap.add_argument("--by-class", action="store_true", help="the drawn shards' ratios by class instead")
     args = ap.parse_args(argv)
     path = resolve(args.sweep)
     with open(path) as fh:
         result = json.load(fh)
+    if args.by_class:
+        print(by_class(result), end="")
+        return
     rel = os.path.relpath(path, os.path.join(RESULTS, "..", ".."))
     text = table(result, rel)
     print(text, end="")

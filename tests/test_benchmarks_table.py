@@ -54,3 +54,23 @@ def test_write_without_markers_fails(tmp_path):
 def test_configured_sweep_exists():
     assert table.resolve(table.SWEEP)
     assert table.resolve("newest").endswith(".json")
+
+
+def test_by_class(tmp_path, capsys):
+    """`--by-class`: drawn shards grouped by row width, bag length and dtype; named shards left out."""
+    def row(name, dims, bags, fwd, wd="float16"):
+        return {"shard": name, "dims": dims, "bags": bags, "weights_dtype": wd,
+                "ratio": {"fwd": fwd, "bwd": 1.0, "fwdbwd": 1.0}}
+
+    result = {**RESULT, "table": [row("s000", [160], [1.5], 0.7), row("s001", [192, 256], [2.0, 3.9], 0.9),
+                                  row("s002", [64, 192], [30.0, 1.0], 1.6), row("s003", [64], [12.0], 1.8, "float32"),
+                                  row("s004", [160], [2.0], 1.1), row("base", [128], [20.0], 9.9)]}
+    assert table.shard_class(result["table"][1]) == "D>128 short float16"
+    assert table.shard_class(result["table"][2]) == "mixed long float16"
+    text = table.by_class(result)
+    assert "| D>128 short float16 | 3 | 0.90x / 0.70x | 1.00x / 1.00x | 1.00x / 1.00x |" in text
+    assert "| D<=128 long float32 | 1 | 1.80x / 1.80x |" in text and "9.90x" not in text
+    sweep = tmp_path / "s.json"
+    sweep.write_text(json.dumps(result))
+    table.main(["--sweep", str(sweep), "--by-class"])
+    assert capsys.readouterr().out == text
