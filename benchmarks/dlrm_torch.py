@@ -304,8 +304,9 @@ def main() -> None:
         sys.exit("--emb fbgemm needs --device cuda")
     meta, host = load(args)
     args.emb_dtype = args.emb_dtype or meta["emb_dtype"]
-    args.matmul = args.matmul or {"bf16": "bfloat16"}.get(meta.get("matmul_precision"),
-                                                           meta.get("matmul_precision", "tensorfloat32"))
+    # meta's name as `dlrm_compare` pairs it ("default": XLA's on a GPU, TF32); kept here: this file stands alone
+    mp = meta.get("matmul_precision") or "tensorfloat32"
+    args.matmul = args.matmul or {"bf16": "bfloat16", "default": "tensorfloat32"}.get(mp, mp)
     if args.matmul not in ("tensorfloat32", "bfloat16", "float32"):
         sys.exit(f"matmul precision {args.matmul!r}: pass --matmul tensorfloat32, bfloat16 or float32")
     torch.backends.cuda.matmul.allow_tf32 = args.matmul == "tensorfloat32"
