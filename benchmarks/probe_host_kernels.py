@@ -3,7 +3,7 @@ table (zero-copy over PCIe), against the same kernel on a device table.
 
     python -m benchmarks.probe_host_kernels E D
 
-Run on the H200 (jax 0.11.2) with E=4194304 D=128: `results/host-memory-probes-20261204-NVIDIA_H200.log`. In that
+Run on the H200 (jax 0.11.2) with E=4194304 D=128: `results/archive/host-memory-probes-20261204-NVIDIA_H200.log`. In that
 run the repeated scatter failed with "Donation requested for buffer with external reference": the check before it
 held a NumPy view of the host table (`np.asarray(jax.device_get(x))` of a pinned_host array is zero-copy); it now
 copies and drops the view. On the CPU (interpret mode) a Pallas kernel cannot read host-memory operands, so the

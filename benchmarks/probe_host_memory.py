@@ -2,7 +2,7 @@
 
     python -m benchmarks.probe_host_memory E D [probe,probe,...]
 
-Run on the H200 (jax 0.11.2) with E=4194304 D=128: `results/host-memory-probes-20261204-NVIDIA_H200.log`.
+Run on the H200 (jax 0.11.2) with E=4194304 D=128: `results/archive/host-memory-probes-20261204-NVIDIA_H200.log`.
 The `compute_on` probes use the 0.10 spelling `compute_on("device_host")`; 0.11 requires keywords
 (`compute_type=`, `out_memory_spaces=`), so they failed there (recorded in the log)."""
 import json, subprocess, sys, time
