@@ -79,6 +79,10 @@
 #   wide-rows-bwd (~120 s) the backward (row-wise Adagrad update) of seed 20261207's worst backward shards (s083,
 #              s193, s164: D > 128 with short bags; s098, s063, s108) and wide long-bag ones with the mid-run, chunk
 #              and long-run kernels at 1 (default), 2 and 4 warps (`probe_backward`) -> probe-wide-rows-bwd.json
+#   long-block (~330 s) the backward test files compiled (`long_block` among them), then `BackwardConfig.long_block`
+#              1 (one chunk partial a step, as before session 51) against the default 8 and two warps on
+#              seed 20261207's long-run shards, and two warps on its D > 128 shards with few mid-run tasks
+#              -> long-block-tests.log, probe-long-block.json, probe-bwd-warps-wide.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
 #              -> probe-pallas-gemm.json, pallas-gemm.log
@@ -101,6 +105,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 python3 -m pip install --no-deps -q -e . >/dev/null 2>&1 || echo "pip install -e . failed"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout for scripts too (no network: the editable install fails)
 # Packages the device image lacks (dm-haiku, jmp, nbclient...) travel as wheels in .whl/ (git-ignored; pass
 # carry=[".whl"]). Fetch them here first with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -204,6 +209,19 @@ for stage in "$@"; do
           --variants '{}' '{"num_warps": 2, "tile_elems": 512}' '{"num_warps": 4, "tile_elems": 1024}' \
           --out "$OUT/probe-occupancy.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/occupancy.log" \
           | cut -c1-220 ;;
+    long-block) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 170 python3 -m pytest -q -n 8 -p no:benchmark \
+          tests/test_backward.py tests/test_tuning_fields.py > "$OUT/long-block-tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/long-block-tests.log" | tail -8
+        timeout 200 python3 -m benchmarks probe_backward --seed 20261207 \
+          --shards s108,s013,s063,s157,zipf,fp32,s040,s218,s083,s098,s164,dlrmv2 \
+          --variants '{"long_block": 1}' '{}' '{"num_warps": 2}' --out "$OUT/probe-long-block.json" 2>&1 \
+          | grep --line-buffered -v Warning | cut -c1-220
+        timeout 150 python3 -m benchmarks probe_backward --seed 20261207 \
+          --shards s042,s071,s097,s109,s115,s120,s132,s148,s160,s174,s193,s203,s224,s038 \
+          --variants '{}' '{"num_warps": 2}' --out "$OUT/probe-bwd-warps-wide.json" 2>&1 \
+          | grep --line-buffered -v Warning | cut -c1-220
+        timeout 45 python3 tests/fuzz_kernels.py backward --gpu --seed 880000 --cases 8 2>&1 | grep -v Warning \
+          | tail -2 ;;
     wide-rows-bwd) timeout 240 python3 -m benchmarks probe_backward --seed 20261207 \
           --shards s083,s193,s164,s098,s063,s108,s003,s157,s013 --variants '{}' '{"num_warps": 2}' '{"num_warps": 4}' \
           --out "$OUT/probe-wide-rows-bwd.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/wide-rows-bwd.log" \

@@ -117,6 +117,13 @@ def run_case(mode: str, seed: int, interpret: bool):
         opt = getattr(tbe_jax, str(rng.choice(OPTIMIZERS)))(learning_rate=0.1)
         bcfg = tbe_jax.BackwardConfig(rank_sort_max=int(rng.choice([0, 24576])),
                                       small_block=int(rng.choice([1, 8])) if rng.random() < 0.5 else None)
+        # half the cases make long runs of many chunks at these small batches (its own stream, so that the seeds
+        # drawn before it was added draw the same cases)
+        runs = np.random.default_rng([seed, 3])
+        if runs.random() < 0.5:
+            bcfg = dataclasses.replace(bcfg, small_run_max=2, long_run=int(runs.choice([3, 4, 16])),
+                                       long_block=int(runs.choice([1, 2, 8])),
+                                       long_num_warps=int(runs.choice([0, 1, 2, 4])) or None)
         emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, backward_config=bcfg, **kern, **kw)
         ref = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, impl="xla", **kw)
         params = emb.init(jax.random.key(seed))

@@ -104,6 +104,39 @@ def test_run_classes_and_segments_follow_the_config(rng):
         assert_close(a, b, 2e-5)
 
 
+def test_long_block_sums_many_chunks(rng, monkeypatch):
+    """A hot row of ~60 lookups at `long_run=4` is ~15 chunks: the long-run kernel sums them `long_block` a
+    step (1, 4 and 8: several steps with a partial last one, and one step) to the reference's update, with
+    weights and rows of two widths; `long_num_warps` reaches its launch alone (captured compiler params)."""
+    seen = {}
+    real = bwd.pallas_call
+
+    def spy(kernel, **kw):
+        seen[kw["name"]] = kw["compiler_params"].num_warps
+        return real(kernel, **kw)
+
+    monkeypatch.setattr(bwd, "pallas_call", spy)
+    tables = specs([2, 30], [6, 12])
+    idx, off, psw = testing.make_batch(rng, [2, 30], [4, 4], [(10, 20), (3, 9)], weighted=True)
+    counts = np.unique(np.concatenate([idx[off[0]:off[4]], idx[off[4]:off[8]] + 2]), return_counts=True)[1]
+    assert counts.max() >= 8 * 4 + 1  # a run of more than long_block * long_run lookups
+    ref = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, impl="xla")
+    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3)
+    params = ref.init(jax.random.key(2))
+    state = ref.init_opt_state(params, opt)
+    g = rng.standard_normal((4, 18)).astype(np.float32)
+    want = jax.tree_util.tree_leaves(ref.apply_gradients(params, state, opt, idx, off, g, psw))
+    for block, warps in ((1, None), (4, 4), (8, None)):
+        cfg = tbe_jax.BackwardConfig(small_run_max=2, long_run=4, long_block=block, long_num_warps=warps)
+        emb = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, backward_config=cfg, **KERNEL_KW)
+        seen.clear()
+        got = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, jnp.asarray(idx), jnp.asarray(off), g,
+                                                       jnp.asarray(psw)))(params, state)
+        for a, b in zip(jax.tree_util.tree_leaves(got), want):
+            assert_close(a, b, 2e-5)
+        assert seen["tbe_backward_long_runs"] == (warps or 1) and seen["tbe_backward_mid_runs_chunks"] == 1
+
+
 def test_runs_built_with_another_config_are_refused(rng):
     emb, plan, args = _batch(rng)
     runs = runs_lib.build_runs(emb.layout, plan, *args, pooling="mean", config=XLA_RUNS)
@@ -221,6 +254,7 @@ def test_tt_plan_block_sizes(rng):
 # -- cache keys -------------------------------------------------------------------------------------------------
 
 FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConfig, dict(long_run=128)),
+          (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=4)),
           (tbe_jax.BackwardConfig, dict(segment_buffers=4)), (tbe_jax.BackwardConfig, dict(keys_block=512)),
           (tbe_jax.BackwardConfig, dict(rle_block=512)), (tbe_jax.BackwardConfig, dict(scan_chunk=512)),
           (tbe_jax.BackwardConfig, dict(rank_sort_max=1000)), (tbe_jax.BackwardConfig, dict(rank_sort_interpret=True)),
@@ -275,6 +309,8 @@ def test_field_is_part_of_the_cache_key(cls, kw):
     (tbe_jax.BackwardConfig, dict(keys_block=1000), "keys_block=1000 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(rle_block=0), "rle_block=0 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(scan_chunk=3), "scan_chunk=3 must be a power of two"),
+    (tbe_jax.BackwardConfig, dict(long_block=3), "long_block=3 must be a power of two"),
+    (tbe_jax.BackwardConfig, dict(long_num_warps=0), "long_num_warps=0 must be >= 1"),
     (tbe_jax.BackwardConfig, dict(rank_sort_max=None), "rank_sort_max=None must be an int >= 0"),
     (tbe_jax.BackwardConfig, dict(rank_sort_block_i=12), "rank_sort_block_i=12 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(rank_sort_block_i=512), "rank_sort_block_j=256 must be a multiple of"),

@@ -181,7 +181,7 @@ def fused_update(
                         "tbe_backward_mid_runs_chunks", p_mc,
                         [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
                         bufs, extra=[part_shape])
-        aliased(functools.partial(long_kernel, opt=opt, segs=mine, programs=p_long),
+        aliased(functools.partial(long_kernel, opt=opt, segs=mine, programs=p_long, block=config.long_block),
                 "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part],
-                bufs)
+                bufs, plgpu.CompilerParams(num_warps=config.long_num_warps or config.num_warps, num_stages=1))
     return new_w, new_s

@@ -40,6 +40,7 @@ class BackwardConfig:
         several dims, with SGD or row-wise state). None (default): 4096 on a 132-SM GPU, scaled by the SM
         count; 16 in interpret mode. A value set here is used as given.
       num_warps: warps per program of the mid-run, chunk and long-run kernels (default 1).
+      long_num_warps: warps per program of the long-run kernel alone. None (default): `num_warps`.
       sort_in_forward: `tbe_jax.train_step` only: build the runs (sort, run-length encoding) in the step's
         forward half and keep them as residuals for the update (default False: build them in the update).
       prefetch: the mid-run and chunk kernels load step i+1's source offsets while step i's gradient rows
@@ -69,6 +70,8 @@ class BackwardConfig:
         (default 8, >= 1); longer ones are mid runs (one task each) or long runs.
       long_run: runs of at least this many lookups are long runs, split into chunks of this many lookups for the
         two-pass chunk and long-run kernels (default 256, above `small_run_max`).
+      long_block: chunk partials the long-run kernel sums per step, one `[long_block, width]` load (default 8, a
+        power of 2): a hot row's thousands of chunks take that many times fewer dependent steps.
       segment_buffers: most storage buffers per segment: a width class (of one row alignment) with more buffers
         is split into segments, branches of the backward's launches (default 8, >= 1). The runs and the update
         of one step must use the same value (both read it from this config).
@@ -85,6 +88,7 @@ class BackwardConfig:
     programs: int | None = None
     small_programs: int | None = None
     num_warps: int = 1
+    long_num_warps: int | None = None
     sort_in_forward: bool = False
     prefetch: bool | None = None
     rle_kernel: bool = True
@@ -99,6 +103,7 @@ class BackwardConfig:
     narrow_sort_keys: bool = True
     small_run_max: int = 8
     long_run: int = 256
+    long_block: int = 8
     segment_buffers: int = 8
     keys_block: int = 1024
     rle_block: int = 1024
@@ -141,13 +146,13 @@ class BackwardConfig:
                 bad(name, "an int >= 1")
         if not isinstance(self.long_run, int) or isinstance(self.long_run, bool) or self.long_run <= self.small_run_max:
             bad("long_run", f"an int above small_run_max={self.small_run_max}")
-        for name in ("small_block", "lookups_per_step"):
+        for name in ("small_block", "lookups_per_step", "long_block"):
             v = getattr(self, name)
             if v is None and name == "small_block":
                 continue
             if v < 1 or v & (v - 1):
                 raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
-        for name in ("small_num_warps", "num_warps", "programs", "small_programs"):
+        for name in ("small_num_warps", "num_warps", "long_num_warps", "programs", "small_programs"):
             if name != "num_warps" and getattr(self, name) is None:
                 continue
             if getattr(self, name) < 1:

@@ -94,9 +94,14 @@ def _chunk_partials(rng_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_r
     list_kernel_tasks(rng_ref, segs, 4, programs, body)
 
 
-def long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, segs, programs):
-    """One long run per task: the sum of its chunk partials (in chunk order), one row update."""
+def long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, segs, programs,
+                block):
+    """One long run per task: the sum of its chunk partials, `block` partials a step (one `[block, width]` load,
+    summed over its rows, then added in chunk order: a fixed order, so the result is deterministic), one row
+    update. A hot row of a Zipf batch has thousands of chunks: one partial a step made its task a serial chain of
+    that many loads (0.28 ms of a 0.65 ms update on an H100, a 62-row table read 1.9M times)."""
     states = segment_states(refs, opt, segs)
+    j = jnp.arange(block, dtype=jnp.int32)
 
     def body(c, li):
         seg = segs[c]
@@ -104,10 +109,12 @@ def long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part
         c0 = plgpu.load(long_chunk0_ref.at[li])
         c1 = plgpu.load(long_chunk0_ref.at[li + 1])
 
-        def add(ch, acc):
-            return acc + plgpu.load(part_ref.at[(ch + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]])
+        def add(i, acc):
+            ch = c0 + i * block + j
+            tile = plgpu.load(part_ref.at[ch[:, None], cols[None, :]], mask=(ch < c1)[:, None], other=0.0)
+            return acc + jnp.sum(tile, axis=0, keepdims=True)
 
-        acc = jax.lax.fori_loop(c0, c1, add, jnp.zeros((1, seg.width), jnp.float32))
+        acc = jax.lax.fori_loop(0, (c1 - c0 + block - 1) // block, add, jnp.zeros((1, seg.width), jnp.float32))
         key = plgpu.load(run_key_ref.at[plgpu.load(long_ref.at[li])])
         _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 
