@@ -83,6 +83,10 @@
 #              1 (one chunk partial a step, as before session 51) against the default 8 and two warps on
 #              seed 20261207's long-run shards, and two warps on its D > 128 shards with few mid-run tasks
 #              -> long-block-tests.log, probe-long-block.json, probe-bwd-warps-wide.json
+#   long-warps (~120 s) the long-run kernel's warps alone (`BackwardConfig.long_num_warps` 2 and 4, with `long_block`
+#              8 and 16), and shorter chunks (`long_run` 128, 64: a mid run of up to 255 lookups is one task's
+#              serial chain of 32 steps) on seed 20261207's shards with hot long runs (s108, s013, s040, s218) and
+#              on others (zipf, fp32, dlrmv2, s083) -> probe-long-warps.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
 #              -> probe-pallas-gemm.json, pallas-gemm.log
@@ -222,6 +226,11 @@ for stage in "$@"; do
           | grep --line-buffered -v Warning | cut -c1-220
         timeout 45 python3 tests/fuzz_kernels.py backward --gpu --seed 880000 --cases 8 2>&1 | grep -v Warning \
           | tail -2 ;;
+    long-warps) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 \
+          --shards s108,s013,s040,s218,zipf,fp32,dlrmv2,s083 --variants '{}' '{"long_num_warps": 2}' \
+          '{"long_num_warps": 4}' '{"long_num_warps": 4, "long_block": 16}' '{"long_run": 128}' '{"long_run": 64}' \
+          --out "$OUT/probe-long-warps.json" 2>&1 \
+          | grep --line-buffered -v Warning | cut -c1-260 ;;
     wide-rows-bwd) timeout 240 python3 -m benchmarks probe_backward --seed 20261207 \
           --shards s083,s193,s164,s098,s063,s108,s003,s157,s013 --variants '{}' '{"num_warps": 2}' '{"num_warps": 4}' \
           --out "$OUT/probe-wide-rows-bwd.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/wide-rows-bwd.log" \
@@ -270,6 +279,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
