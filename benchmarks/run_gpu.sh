@@ -69,8 +69,8 @@
 #              fp32 bar; a rule must hold beyond the preset) -> probe-fp32-unweighted.json, fp32-unweighted.log
 #   wide-check (~200 s) the forward kernel's and bounds test files compiled (the `wide_bags` launch tests among them),
 #              then 20 fuzz cases of the forward compiled (half of them reach the wide-rows rule) -> wide-check.log
-#   wide-rows  (~60 s) rows wider than 128 (one bag a one-warp program): `ForwardConfig.wide_bags` 1 (off) and the
-#              default (two bags on two warps a program for short bags), on the D > 128 single-dim shards of three
+#   wide-rows  (~80 s) rows wider than 128 (one bag a one-warp program): `ForwardConfig.wide_bags` 1 (off), the
+#              default (two bags on two warps a program for short bags) and 4, on the D > 128 single-dim shards of three
 #              seeds: the short-bag ones at the forward's worst (0.67-1.01x FBGEMM) and long-bag ones
 #              -> probe-wide-rows-SEED.json (session 50 ran it first with '{}', two warps, two warps + tile 512)
 #   occupancy  (~60 s) the wide-rows idea at D <= 128: the same work a thread, twice / four times the bags and warps a
@@ -202,7 +202,7 @@ for stage in "$@"; do
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/wide-check.log" | tail -8
         timeout 90 python3 tests/fuzz_kernels.py forward --gpu --seed 860000 --cases 20 2>&1 | grep -v Warning \
           | tail -3 | tee -a "$OUT/wide-check.log" ;;
-    wide-rows) v=('{"wide_bags": 1}' '{}')
+    wide-rows) v=('{"wide_bags": 1}' '{}' '{"wide_bags": 4}')
         for sd in 20261207:s083,s193,s109,s040,s218,s003,s013,s157,s130 20261203:s081,s097,s037,s068,s213,s013,s046,s056,s157 \
                   20261202:s117,s042,s084,s104,s179,s136,s166,s055; do
           timeout 180 python3 -m benchmarks probe_forward --seed "${sd%%:*}" --shards "${sd#*:}" --variants "${v[@]}" \
