@@ -311,6 +311,9 @@ def test_field_is_part_of_the_cache_key(cls, kw):
     (tbe_jax.BackwardConfig, dict(scan_chunk=3), "scan_chunk=3 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(long_block=3), "long_block=3 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(long_num_warps=0), "long_num_warps=0 must be >= 1"),
+    (tbe_jax.BackwardConfig, dict(long_num_warps=2.0), "long_num_warps=2.0 must be >= 1"),
+    (tbe_jax.BackwardConfig, dict(long_block=True), "long_block=True must be a power of two"),
+    (tbe_jax.BackwardConfig, dict(lookups_per_step=8.0), "lookups_per_step=8.0 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(rank_sort_max=None), "rank_sort_max=None must be an int >= 0"),
     (tbe_jax.BackwardConfig, dict(rank_sort_block_i=12), "rank_sort_block_i=12 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(rank_sort_block_i=512), "rank_sort_block_j=256 must be a multiple of"),
@@ -335,3 +338,6 @@ def test_valid_edges():
     histogram.HistogramConfig(head=255, ids_per_step=1)  # a counter sees 255 ids: fits in 8 bits
     histogram.HistogramConfig(head=2048, ids_per_step=16)
     tbe_jax.BackwardConfig(small_run_max=1, long_run=2, segment_buffers=1)
+    # NumPy integers are integers (a config read from an array); bools and floats are not (the bad values above)
+    assert tbe_jax.BackwardConfig(programs=np.int64(8), long_block=np.int32(4), long_num_warps=np.int64(2)) == \
+        tbe_jax.BackwardConfig(programs=8, long_block=4, long_num_warps=2)

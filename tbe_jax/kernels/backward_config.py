@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from tbe_jax.pallas_compat import sm_count
 
@@ -12,8 +13,13 @@ from tbe_jax.pallas_compat import sm_count
 REFERENCE_SMS = 132
 
 
+def _count(v) -> bool:
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _pow2(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and not v & (v - 1)
+    return _count(v) and v >= 1 and not v & (v - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +133,7 @@ class BackwardConfig:
 
         for name in ("rank_sort_max", "merge_width", "narrow_block"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if not _count(v) or v < 0:
                 bad(name, "an int >= 0")
         for name in ("rank_sort_block_i", "rank_sort_block_j", "rank_sort_merge_block", "keys_block", "rle_block",
                      "scan_chunk"):
@@ -136,24 +142,25 @@ class BackwardConfig:
         if self.rank_sort_block_j % self.rank_sort_block_i:
             bad("rank_sort_block_j", f"a multiple of rank_sort_block_i={self.rank_sort_block_i}")
         chunk = self.rank_sort_chunk
-        if (not isinstance(chunk, int) or chunk < 1 or chunk % self.rank_sort_block_j
+        if (not _count(chunk) or chunk < 1 or chunk % self.rank_sort_block_j
                 or chunk % self.rank_sort_merge_block):
             bad("rank_sort_chunk", f"a multiple of rank_sort_block_j={self.rank_sort_block_j} and of "
                 f"rank_sort_merge_block={self.rank_sort_merge_block}")
         for name in ("small_run_max", "segment_buffers"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _count(v) or v < 1:
                 bad(name, "an int >= 1")
-        if not isinstance(self.long_run, int) or isinstance(self.long_run, bool) or self.long_run <= self.small_run_max:
+        if not _count(self.long_run) or self.long_run <= self.small_run_max:
             bad("long_run", f"an int above small_run_max={self.small_run_max}")
         for name in ("small_block", "lookups_per_step", "long_block"):
             v = getattr(self, name)
             if v is None and name == "small_block":
                 continue
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"BackwardConfig.{name}={v} must be a power of two")
+            if not _pow2(v):
+                raise ValueError(f"BackwardConfig.{name}={v!r} must be a power of two")
         for name in ("small_num_warps", "num_warps", "long_num_warps", "programs", "small_programs"):
-            if name != "num_warps" and getattr(self, name) is None:
+            v = getattr(self, name)
+            if name != "num_warps" and v is None:
                 continue
-            if getattr(self, name) < 1:
-                raise ValueError(f"BackwardConfig.{name}={getattr(self, name)} must be >= 1")
+            if not _count(v) or v < 1:
+                raise ValueError(f"BackwardConfig.{name}={v!r} must be >= 1")
