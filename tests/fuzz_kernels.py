@@ -117,8 +117,8 @@ def run_case(mode: str, seed: int, interpret: bool):
         opt = getattr(tbe_jax, str(rng.choice(OPTIMIZERS)))(learning_rate=0.1)
         bcfg = tbe_jax.BackwardConfig(rank_sort_max=int(rng.choice([0, 24576])),
                                       small_block=int(rng.choice([1, 8])) if rng.random() < 0.5 else None)
-        # half the cases make long runs of many chunks at these small batches (its own stream, so that the seeds
-        # drawn before it was added draw the same cases)
+        # half the cases make long runs of many chunks at these small batches (drawn from a stream of their own,
+        # so the rest of each seed's case, tables and batch, is what it was before)
         runs = np.random.default_rng([seed, 3])
         if runs.random() < 0.5:
             bcfg = dataclasses.replace(bcfg, small_run_max=2, long_run=int(runs.choice([3, 4, 16])),
