@@ -83,10 +83,11 @@
 #              1 (one chunk partial a step, as before session 51) against the default 8 and two warps on
 #              seed 20261207's long-run shards, and two warps on its D > 128 shards with few mid-run tasks
 #              -> long-block-tests.log, probe-long-block.json, probe-bwd-warps-wide.json
-#   long-warps (~120 s) the long-run kernel's warps alone (`BackwardConfig.long_num_warps` 2 and 4, with `long_block`
+#   long-warps (~150 s) the long-run kernel's warps alone (`BackwardConfig.long_num_warps` 2 and 4, with `long_block`
 #              8 and 16), and shorter chunks (`long_run` 128, 64: a mid run of up to 255 lookups is one task's
-#              serial chain of 32 steps) on seed 20261207's shards with hot long runs (s108, s013, s040, s218) and
-#              on others (zipf, fp32, dlrmv2, s083) -> probe-long-warps.json
+#              serial chain of 32 steps) and 16 lookups a step (`lookups_per_step`) on seed 20261207's shards
+#              with hot long runs (s108, s013, s040, s218) and on others (zipf, fp32, dlrmv2, s083)
+#              -> probe-long-warps.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
 #              -> probe-pallas-gemm.json, pallas-gemm.log
@@ -229,6 +230,7 @@ for stage in "$@"; do
     long-warps) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 \
           --shards s108,s013,s040,s218,zipf,fp32,dlrmv2,s083 --variants '{}' '{"long_num_warps": 2}' \
           '{"long_num_warps": 4}' '{"long_num_warps": 4, "long_block": 16}' '{"long_run": 128}' '{"long_run": 64}' \
+          '{"lookups_per_step": 16}' \
           --out "$OUT/probe-long-warps.json" 2>&1 \
           | grep --line-buffered -v Warning | cut -c1-260 ;;
     wide-rows-bwd) timeout 240 python3 -m benchmarks probe_backward --seed 20261207 \
