@@ -86,7 +86,7 @@
 #   long-warps (~150 s) the long-run kernel's warps alone (`BackwardConfig.long_num_warps` 2 and 4, with `long_block`
 #              8 and 16), and shorter chunks (`long_run` 128, 64: a mid run of up to 255 lookups is one task's
 #              serial chain of 32 steps) and 16 lookups a step (`lookups_per_step`) on seed 20261207's shards
-#              with hot long runs (s108, s013, s040, s218) and on others (zipf, fp32, dlrmv2, s083)
+#              with hot long runs (s108, s013, s040, s218) and on others (zipf, fp32, dlrmv2, s083, s098, s164)
 #              -> probe-long-warps.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
@@ -228,7 +228,7 @@ for stage in "$@"; do
         timeout 45 python3 tests/fuzz_kernels.py backward --gpu --seed 880000 --cases 8 2>&1 | grep -v Warning \
           | tail -2 ;;
     long-warps) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 \
-          --shards s108,s013,s040,s218,zipf,fp32,dlrmv2,s083 --variants '{}' '{"long_num_warps": 2}' \
+          --shards s108,s013,s040,s218,zipf,fp32,dlrmv2,s083,s098,s164 --variants '{}' '{"long_num_warps": 2}' \
           '{"long_num_warps": 4}' '{"long_num_warps": 4, "long_block": 16}' '{"long_run": 128}' '{"long_run": 64}' \
           '{"lookups_per_step": 16}' \
           --out "$OUT/probe-long-warps.json" 2>&1 \
