@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import tbe_jax
 from benchmarks import sweep
-from benchmarks.common import device_ms
+from benchmarks.common import device_ms, enqueued_ms
 
 
 def main(argv=None):
@@ -28,6 +28,8 @@ def main(argv=None):
     ap.add_argument("--shapes", type=int, default=240)
     ap.add_argument("--variants", nargs="*", default=['{}', '{"num_warps": 2}'])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--enqueued", action="store_true",
+                    help="also the enqueued ms per call (--iters calls back to back, blocked once; median of 3)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     pool = {s.name: s for s in sweep.draw_shards(args.shapes, args.seed)}
@@ -57,9 +59,12 @@ def main(argv=None):
             ms, top = device_ms(run, args.iters, top=6)
             row[v] = round(ms, 4)
             row["kernels"][v] = {k: round(t, 4) for k, t in top.items()}
+            if args.enqueued:  # wall ms per call of calls enqueued back to back: host-bound where above `ms`
+                row.setdefault("enqueued", {})[v] = round(enqueued_ms(run, args.iters, 3), 4)
             del carry, params
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ["shard", "T", "B", "lookups"] + args.variants}), flush=True)
+        keys = ["shard", "T", "B", "lookups"] + args.variants + (["enqueued"] if args.enqueued else [])
+        print(json.dumps({k: row[k] for k in keys}), flush=True)
         if args.out:  # after every row: a run cut short keeps what it measured
             json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
                        "device": jax.devices()[0].device_kind, "seed": args.seed, "rows": rows},

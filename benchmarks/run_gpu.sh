@@ -88,6 +88,10 @@
 #              serial chain of 32 steps) and 16 lookups a step (`lookups_per_step`) on seed 20261207's shards
 #              with hot long runs (s108, s013, s040, s218) and on others (zipf, fp32, dlrmv2, s083, s098, s164)
 #              -> probe-long-warps.json
+#   sort-enqueue (~90 s) device and enqueued time of updates just past the counting-rank sort (24576 to 65536
+#              lookups, seed 20261207's backward shards of 2.2-2.8x enqueued over device: XLA's CUB sort thunk
+#              breaks the step's CUDA graph) with `rank_sort_max` 24576 (default), 65536 and 131072
+#              -> probe-sort-enqueue.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
 #              -> probe-pallas-gemm.json, pallas-gemm.log
@@ -233,6 +237,10 @@ for stage in "$@"; do
           '{"lookups_per_step": 16}' \
           --out "$OUT/probe-long-warps.json" 2>&1 \
           | grep --line-buffered -v Warning | cut -c1-260 ;;
+    sort-enqueue) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
+          --shards s193,s138,s024,s016,s071,s179,s037,s203 \
+          --variants '{}' '{"rank_sort_max": 65536}' '{"rank_sort_max": 131072}' --out "$OUT/probe-sort-enqueue.json" \
+          2>&1 | grep --line-buffered -v Warning | cut -c1-260 ;;
     wide-rows-bwd) timeout 240 python3 -m benchmarks probe_backward --seed 20261207 \
           --shards s083,s193,s164,s098,s063,s108,s003,s157,s013 --variants '{}' '{"num_warps": 2}' '{"num_warps": 4}' \
           --out "$OUT/probe-wide-rows-bwd.json" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/wide-rows-bwd.log" \
@@ -281,6 +289,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
