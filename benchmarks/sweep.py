@@ -517,7 +517,7 @@ def _measure(args, drawn: list[Shard], extra: list[Shard]) -> list[dict]:
                     rows += run_shards([s], _one(args, side, left), tmp, f"big-{s.name}-{side}")
         ours = drawn[: args.ours_first] + small if args.ours_first else None
         # the named shards (the presets: a few seconds each) before the drawn ones, so a run the budget cuts
-        # still has them (session 51's stopped at 175 of 240 drawn shards without base, zipf, fp32, smalltable)
+        # still has them
         rows += run_shards(small + drawn, _one(args, args.only, deadline - time.time(), args.workers), tmp, "main",
                            ours)
     return rows
