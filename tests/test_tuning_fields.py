@@ -254,7 +254,7 @@ def test_tt_plan_block_sizes(rng):
 # -- cache keys -------------------------------------------------------------------------------------------------
 
 FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConfig, dict(long_run=128)),
-          (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=4)),
+          (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=2)),
           (tbe_jax.BackwardConfig, dict(segment_buffers=4)), (tbe_jax.BackwardConfig, dict(keys_block=512)),
           (tbe_jax.BackwardConfig, dict(rle_block=512)), (tbe_jax.BackwardConfig, dict(scan_chunk=512)),
           (tbe_jax.BackwardConfig, dict(rank_sort_max=1000)), (tbe_jax.BackwardConfig, dict(rank_sort_interpret=True)),
