@@ -17,7 +17,10 @@ Per shard and direction (forward; backward = the fused update; both):
 
 Processes: the GPU is shared by several worker processes (our JAX workers and one FBGEMM worker), which set up and
 compile in parallel but time one at a time (a file lock), so no two measurements overlap on the GPU. The compiled
-programs are compiled ahead of time outside the lock and called as compiled executables.
+programs are compiled ahead of time outside the lock and called as compiled executables. Each worker runs on its
+own share of the host's CPUs (`--cpus`): the enqueued time is host time, and another worker's compile threads on
+the same cores would be counted in it (session 52: one shard's update enqueued 0.30 ms in one run, 1.30 ms in the
+next, at the same device time). Each row records the host's one-minute load average when its timing began.
 
 Usage (on the GPU machine; FBGEMM from `../shared/fbgemm`):
   python -m benchmarks sweep --shapes 240 --seed 20261202 --out benchmarks/results/sweep-....json
@@ -220,6 +223,7 @@ def _ours(shard: Shard, lock: GpuLock, iters: int, reps: int, sets: int = 2, imp
     compile_s = time.perf_counter() - t0
     res = {"compile_s": round(compile_s, 2)}
     with lock:
+        res["loadavg"] = round(os.getloadavg()[0], 2)
         t0 = time.perf_counter()
         inputs = [tuple(None if x is None else jax.device_put(x) for x in b) for b in host]
         params = emb.init(jax.random.key(shard.seed))
@@ -355,6 +359,8 @@ def worker(args) -> None:
     shards = [Shard(**{**d, "rows": tuple(d["rows"]), "dims": tuple(d["dims"]), "bags": tuple(d["bags"])})
               for d in json.load(open(args.shard_file))]
     mine = shards[args.index :: args.of]
+    if args.cpus:  # before jax starts its thread pools (sized by the CPUs this process may use)
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     lock = GpuLock(args.lock)
     if args.worker == "ours":
         import jax
@@ -378,21 +384,31 @@ def worker(args) -> None:
 # -- driver ---------------------------------------------------------------------------------------------------------
 
 
-def _spawn(kind: str, index: int, of: int, shard_file: str, tmp: str, results: str, args) -> subprocess.Popen:
+def cpu_shares(cpus: list[int], n: int) -> list[list[int]]:
+    """`cpus` cut into `n` disjoint, contiguous shares as even as they go (each at least one CPU; with fewer CPUs
+    than shares, shares repeat them)."""
+    if len(cpus) < n:
+        return [[cpus[k % len(cpus)]] for k in range(n)]
+    cuts = [round(k * len(cpus) / n) for k in range(n + 1)]
+    return [cpus[cuts[k]:cuts[k + 1]] for k in range(n)]
+
+
+def _spawn(kind: str, index: int, of: int, shard_file: str, tmp: str, results: str, args,
+           cpus: list[int]) -> subprocess.Popen:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     env["PYTHONPATH"] = root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--worker", kind, "--index", str(index), "--of", str(of),
            "--shard-file", shard_file, "--lock", os.path.join(tmp, "gpu.lock"), "--results", results,
            "--iters", str(args.iters), "--reps", str(args.reps), "--impl", args.impl,
-           "--kernel-config", args.kernel_config]
+           "--kernel-config", args.kernel_config, "--cpus", ",".join(map(str, cpus))]
     return subprocess.Popen(cmd, env=env)
 
 
 def run_shards(shards: list[Shard], args, tmp: str, tag: str, ours: list[Shard] | None = None) -> list[dict]:
     """Measure `shards` (FBGEMM) and `ours` (default: the same) in worker processes sharing one GPU lock."""
     results = os.path.join(tmp, f"results-{tag}.jsonl")
-    procs = []
+    plan = []  # (side, worker index, workers of that side, shard file)
     for side, todo in (("ours", shards if ours is None else ours), ("fbgemm", shards)):
         if args.only not in ("", side) or not todo:
             continue
@@ -400,7 +416,9 @@ def run_shards(shards: list[Shard], args, tmp: str, tag: str, ours: list[Shard] 
         with open(shard_file, "w") as fh:
             json.dump([dataclasses.asdict(s) for s in todo], fh)
         n = min(args.workers, len(todo)) if side == "ours" else 1
-        procs += [_spawn(side, k, n, shard_file, tmp, results, args) for k in range(n)]
+        plan += [(side, k, n, shard_file) for k in range(n)]
+    shares = cpu_shares(sorted(os.sched_getaffinity(0)), max(1, len(plan)))
+    procs = [_spawn(side, k, n, f, tmp, results, args, cpus) for (side, k, n, f), cpus in zip(plan, shares)]
     deadline = time.time() + args.budget_s
     for p in procs:
         try:
@@ -565,6 +583,7 @@ def main(argv=None):
     ap.add_argument("--of", type=int, default=1)
     ap.add_argument("--shard-file")
     ap.add_argument("--lock")
+    ap.add_argument("--cpus", default="", help="worker: the CPUs this worker may run on (comma-separated)")
     ap.add_argument("--results")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the driver's jax (metadata) takes no memory
