@@ -12,6 +12,10 @@
 #   sweep      (570 s) `dispatch` (host us of a jitted call on a zero-work batch, for the summary's dispatch_us), then
 #              240 drawn shard shapes of seed 20261207 against FBGEMM (FBGEMM from ../shared/fbgemm; budget 490 s)
 #              -> sweep.json, sweep.log; then `python -m benchmarks table --sweep $OUT/sweep.json`
+#   sweep-ours (570 s) the same sweep, our side alone (no FBGEMM needed: any call of a lease; the lock is ours alone,
+#              so all 248 shards fit where the shared run reaches ~175) -> sweep-ours.json (and /tmp/sweep-ours.json)
+#   sweep-fbgemm (~300 s, FBGEMM unpacked first, on the lease that ran sweep-ours) `dispatch`, FBGEMM's side alone
+#              (3 workers) -> sweep-fbgemm.json, then both merged -> sweep.json, sweep.log
 #   optimizers (330 s) each fused optimizer's backward step on base and zipf -> optimizers-*.json, optimizers.log
 #   tt         (300 s) TT forward and training steps, workload a, B 4096 and 32768 -> tt-*.json, tt.log
 #   dlrm       (150 s) the DLRM demo at GPU size, 300 steps -> dlrm.log
@@ -134,6 +138,18 @@ for stage in "$@"; do
     sweep) timeout 40 python3 -m benchmarks dispatch --out "$OUT/dispatch.json" 2>&1 | grep -v Warning > "$OUT/sweep.log"
         timeout 530 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --budget-s 490 --big-budget-s 170 \
           --dispatch "$OUT/dispatch.json" --out "$OUT/sweep.json" 2>&1 | grep -v Warning >> "$OUT/sweep.log"
+        tail -3 "$OUT/sweep.log"
+        [ -f "$OUT/sweep.json" ] && python3 -m benchmarks table --sweep "$OUT/sweep.json" ;;
+    sweep-ours) timeout 565 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --only ours --budget-s 530 \
+          --big-budget-s 120 --out "$OUT/sweep-ours.json" 2>&1 | grep -v Warning > "$OUT/sweep-ours.log"
+        tail -3 "$OUT/sweep-ours.log"; cp "$OUT/sweep-ours.json" /tmp/sweep-ours.json ;;
+    sweep-fbgemm) timeout 40 python3 -m benchmarks dispatch --out "$OUT/dispatch.json" 2>&1 | grep -v Warning \
+          > "$OUT/sweep.log"
+        timeout 420 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --only fbgemm --fbgemm-workers 3 \
+          --budget-s 380 --big-budget-s 80 --out "$OUT/sweep-fbgemm.json" 2>&1 | grep -v Warning >> "$OUT/sweep.log"
+        timeout 60 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --no-run --dispatch "$OUT/dispatch.json" \
+          --merge /tmp/sweep-ours.json:ours "$OUT/sweep-fbgemm.json:fbgemm" --out "$OUT/sweep.json" 2>&1 \
+          | grep -v Warning >> "$OUT/sweep.log"
         tail -3 "$OUT/sweep.log"
         [ -f "$OUT/sweep.json" ] && python3 -m benchmarks table --sweep "$OUT/sweep.json" ;;
     optimizers) timeout 330 python3 -m benchmarks optimizers --out "$OUT" 2>&1 | grep -v Warning \
@@ -289,6 +305,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
