@@ -13,7 +13,7 @@
 #              240 drawn shard shapes of seed 20261207 against FBGEMM (FBGEMM from ../shared/fbgemm; budget 490 s)
 #              -> sweep.json, sweep.log; then `python -m benchmarks table --sweep $OUT/sweep.json`
 #   sweep-ours (570 s) the same sweep, our side alone (no FBGEMM needed: any call of a lease; the lock is ours alone,
-#              so all 248 shards fit where the shared run reaches ~175) -> sweep-ours.json (and /tmp/sweep-ours.json)
+#              so all 248 shards should fit where the shared run reached 115-175) -> sweep-ours.json (and /tmp/sweep-ours.json)
 #   sweep-fbgemm (~300 s, FBGEMM unpacked first, on the lease that ran sweep-ours) `dispatch`, FBGEMM's side alone
 #              (3 workers) -> sweep-fbgemm.json, then both merged -> sweep.json, sweep.log
 #   optimizers (330 s) each fused optimizer's backward step on base and zipf -> optimizers-*.json, optimizers.log

@@ -25,7 +25,7 @@ next, at the same device time). Each row records the host's one-minute load aver
 Usage (on the GPU machine; FBGEMM from `../shared/fbgemm`):
   python -m benchmarks sweep --shapes 240 --seed 20261202 --out benchmarks/results/sweep-....json
   python -m benchmarks sweep ... --only fbgemm   # or ours; --merge a.json b.json merges two runs' shard results
-Sharing the lock, the two sides reach ~175 of 248 shards in 490 s (FBGEMM's one worker waits behind our four);
+Sharing the lock, the two sides reached 115-175 of 248 shards in 490 s (FBGEMM's one worker waits behind our four);
 each side alone in its own call reaches all of them (`run_gpu.sh sweep-ours`, then `sweep-fbgemm` on the same
 lease, which merges the two).
 The summary (top-level "summary") gives, per direction, the median and minimum of FBGEMM time / our device time,
