@@ -10,7 +10,8 @@ it. Runs fall in three classes (the bounds are `BackwardConfig.small_run_max`, S
 runs, often of length 1) are updated by blocks of consecutive runs in lockstep
 (no list: the kernel skips the other runs); mid runs
 (S < length < L) one per task; runs of at least L lookups are
-split into chunks of L for a two-pass reduction. All counts stay on the
+split into chunks of L for a two-pass reduction (with `BackwardConfig.split_chunk` C, runs
+of 2C to L - 1 lookups too, in chunks of C). All counts stay on the
 device; task lists are compacted on the device into statically sized arrays.
 The sort is stable, so every run's lookups keep their batch order and the
 summation order (hence the result) is the same run to run.
@@ -41,8 +42,8 @@ class Runs(NamedTuple):
     run_key: jax.Array  # [N] int32: linear row of run r (total_rows past the last run)
     num_runs: jax.Array  # [] int32
     mid: jax.Array  # [N // (S + 1) + 1] int32: runs of S < length < L, in key order, padded with N
-    long: jax.Array  # [N // L + 1] int32: runs of L or more, in key order, padded
-    # [N // L + 2] int32: first chunk task of each long run (the chunk kernel finds each task's long run and
+    long: jax.Array  # [N // M + 1] int32: runs of M = `chunked_min` or more (chunked runs), in key order, padded
+    # [N // M + 2] int32: first chunk task of each chunked run (the chunk kernel finds each task's long run and
     # first sorted lookup from it: `backward.chunk_task`)
     long_chunk0: jax.Array
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
@@ -50,12 +51,17 @@ class Runs(NamedTuple):
     seg_edges: jax.Array | None = None
 
 
-def chunk_tasks(run_start, long, long_chunk0, n: int, long_run: int):
-    """(chunk_run, chunk_first) `[2 * n // long_run + 1]`: per chunk task t (below the chunk count `long_chunk0[-1]`;
-    the slots past it hold clamped values never read) its index into `long` (`searchsorted(long_chunk0, t,
-    "right") - 1`) and its first sorted lookup, in XLA ops. The kernels find both themselves
-    (`backward.chunk_task`); this serves `backward.task_ranges` without the run-length pass's edges."""
-    max_chunks = 2 * n // long_run + 1
+def chunk_length(length, long_run: int, split_chunk: int):
+    """The lookups of each chunk of a chunked run of `length` lookups (`BackwardConfig.long_run`, `split_chunk`)."""
+    return jnp.where(length >= long_run, long_run, split_chunk) if split_chunk else long_run
+
+
+def chunk_tasks(run_start, long, long_chunk0, n: int, long_run: int, split_chunk: int = 0):
+    """(chunk_run, chunk_first) `[BackwardConfig.max_chunks(n)]`: per chunk task t (below the chunk count
+    `long_chunk0[-1]`; the slots past it hold clamped values never read) its index into `long`
+    (`searchsorted(long_chunk0, t, "right") - 1`) and its first sorted lookup, in XLA ops. The kernels find
+    both themselves (`backward.chunk_task`); this serves `backward.task_ranges` without the run-length pass's edges."""
+    max_chunks = 2 * n // (split_chunk or long_run) + 1
     n_long_max = long.shape[0]
     t = jnp.arange(max_chunks, dtype=jnp.int32)
     # The long runs whose chunks end at or before t, as a scatter of each run's chunk end and a prefix sum
@@ -66,7 +72,9 @@ def chunk_tasks(run_start, long, long_chunk0, n: int, long_run: int):
     ends = jnp.where(n_chunks > 0, long_chunk0[1:], max_chunks)
     starts = jnp.zeros((max_chunks,), jnp.int32).at[ends].add(1, mode="drop")
     chunk_run = jnp.clip(jnp.cumsum(starts), 0, n_long_max - 1)
-    chunk_first = run_start[jnp.minimum(long[chunk_run], n - 1)] + (t - long_chunk0[chunk_run]) * long_run
+    r = jnp.minimum(long[chunk_run], n - 1)
+    size = chunk_length(run_start[r + 1] - run_start[r], long_run, split_chunk) if split_chunk else long_run
+    chunk_first = run_start[r] + (t - long_chunk0[chunk_run]) * size
     return chunk_run, chunk_first
 
 
@@ -196,7 +204,8 @@ def build_runs(
     `kernels.rle` instead of XLA ops (same result); batches of at most `rank_sort_limit(interpret)` lookups are
     sorted by the counting-rank kernels (`kernels.ranksort`), others by XLA's sort; with `narrow_sort_keys` XLA's
     sort takes the keys in the narrowest dtype that holds them (`sort_key_dtype`) and they are widened to int32
-    after it; `small_run_max` and `long_run` bound the run classes; the preprocessing kernels' block sizes.
+    after it; `small_run_max` and `chunked_min` (`long_run`, or twice `split_chunk`) bound the run
+    classes; the preprocessing kernels' block sizes.
     `segment_bounds` (static keys, ascending): with the kernels, the runs' `seg_edges` counts the runs below each
     (`rle.encode(bounds=...)`).
     """
@@ -208,7 +217,7 @@ def build_runs(
     unit = per_sample_weights is None and (sequence or pooling == "sum")
     # The Pallas pass where the kernels are compiled; in interpret mode XLA's ops (the same values): the interpreted
     # pass would add CPU compile time to every backward test, and `test_lookup_keys_kernel` runs it there.
-    small, long_run, rle_kernel = config.small_run_max, config.long_run, config.rle_kernel
+    small, chunked, rle_kernel = config.small_run_max, config.chunked_min, config.rle_kernel
     rank = 0 < n <= config.rank_sort_limit(interpret)
     key_dtype = sort_key_dtype(total) if config.narrow_sort_keys and not rank else jnp.int32
     key, src, scale = lookup_keys(layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
@@ -234,14 +243,14 @@ def build_runs(
     # skips the others. Only runs longer than `small` (at most n / (small + 1)) are
     # compacted over n; the mid/long split then works on that short list.
     n_big_max = n // (small + 1) + 1
-    n_long_max = n // long_run + 1
+    n_long_max = n // chunked + 1
     from tbe_jax.kernels import rle
 
     seg_edges = None
     if rle_kernel:  # the mid and long lists (and the segments' edges) straight from the kernel's write pass
         bounds = tuple(segment_bounds)
         run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, *edges = rle.encode(
-            skey, total=total, small=small, n_big_max=n_big_max, long=long_run, n_long_max=n_long_max,
+            skey, total=total, small=small, n_big_max=n_big_max, long=chunked, n_long_max=n_long_max,
             bounds=bounds, block=config.rle_block, scan_chunk=config.scan_chunk, interpret=interpret)
         n_big = n_mid + n_long
         seg_edges = edges[0].reshape(len(bounds), 3) if bounds else None
@@ -256,14 +265,15 @@ def build_runs(
         live = jnp.arange(n) < num_runs
         big, n_big = compact_indices(live & (run_len > small), n_big_max, n)
         big_len = jnp.where(jnp.arange(n_big_max) < n_big, run_len[jnp.minimum(big, n - 1)], 0)
-        mid_at, n_mid = compact_indices((big_len > small) & (big_len < long_run), n_big_max, n_big_max - 1)
+        mid_at, n_mid = compact_indices((big_len > small) & (big_len < chunked), n_big_max, n_big_max - 1)
         mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
-        long_at, n_long = compact_indices(big_len >= long_run, n_long_max, n_big_max - 1)
+        long_at, n_long = compact_indices(big_len >= chunked, n_long_max, n_big_max - 1)
         long = jnp.where(jnp.arange(n_long_max) < n_long, big[long_at], n)
     n_small = num_runs - n_big
     at = jnp.minimum(long, n - 1)
     long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_start[at + 1] - run_start[at], 0)
-    n_chunks = (long_len + long_run - 1) // long_run
+    size = chunk_length(long_len, config.long_run, config.split_chunk)
+    n_chunks = (long_len + size - 1) // size
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
     return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, long_chunk0, counts, seg_edges)

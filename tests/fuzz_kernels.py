@@ -124,6 +124,8 @@ def run_case(mode: str, seed: int, interpret: bool):
             bcfg = dataclasses.replace(bcfg, small_run_max=2, long_run=int(runs.choice([3, 4, 16])),
                                        long_block=int(runs.choice([1, 2, 8])),
                                        long_num_warps=int(runs.choice([0, 1, 2, 4])) or None)
+            if bcfg.long_run == 16:  # runs of 2C..15 chunked in C (drawn last: the draws above stay as they were)
+                bcfg = dataclasses.replace(bcfg, split_chunk=int(runs.choice([0, 2, 3, 5])))
         emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, backward_config=bcfg, **kern, **kw)
         ref = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, impl="xla", **kw)
         params = emb.init(jax.random.key(seed))

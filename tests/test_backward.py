@@ -4,6 +4,7 @@ Kernels run compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW);
 both are checked against the jnp reference and a float64 NumPy model.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -357,33 +358,39 @@ def test_runs_preprocessing(rng):
     assert n_chunks == np.sum(-(-counts[counts >= lg] // lg))
 
 
-def test_chunk_tasks(rng):
+@pytest.mark.parametrize("split", [0, 64])
+def test_chunk_tasks(rng, split):
     # The long runs' chunk tasks (`long_run` lookups each, the last one partial), in key order: for each task its long
-    # run and its first sorted lookup; against NumPy on rows hit 256 to ~700 times, next to short runs.
-    tables = specs([3, 700], [4, 4])
+    # run and its first sorted lookup; against NumPy on rows hit ~100 to ~700 times, next to short runs. With
+    # `split_chunk` 64, runs of 128 to 255 lookups are chunked too, in chunks of 64.
+    tables = specs([3, 8, 700], [4, 4, 4])
     emb = tbe_jax.TableBatchedEmbedding(tables)
-    idx, off, _ = testing.make_batch(rng, [3, 700], [6, 6], (100, 300))
+    idx, off, _ = testing.make_batch(rng, [3, 8, 700], [6, 6, 6], (100, 300))
     plan = emb.plan_for(len(off))
-    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", config=XLA_RUNS))(
+    cfg = dataclasses.replace(XLA_RUNS, split_chunk=split)
+    r = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", config=cfg))(
         jnp.asarray(idx), jnp.asarray(off), None)
     nr, n_long, total = int(r.num_runs), int(r.counts[2]), int(r.counts[3])
     run_start, long = np.asarray(r.run_start), np.asarray(r.long)
     lengths = np.diff(run_start[: nr + 1])
     lg = CFG.long_run
-    want_long = np.flatnonzero(lengths >= lg)
+    want_long = np.flatnonzero(lengths >= (2 * split if split else lg))
     assert n_long == len(want_long) > 0 and np.any(lengths[want_long] > lg)
+    if split:
+        assert np.any((lengths >= 2 * split) & (lengths < lg))  # runs chunked only with split_chunk
+    size = np.where(lengths >= lg, lg, split or lg)
     np.testing.assert_array_equal(long[:n_long], want_long)
     want_run, want_first = [], []
     for li, run in enumerate(want_long):
-        for c in range(-(-lengths[run] // lg)):
+        for c in range(-(-lengths[run] // size[run])):
             want_run.append(li)
-            want_first.append(run_start[run] + c * lg)
+            want_first.append(run_start[run] + c * size[run])
     assert total == len(want_run)
     np.testing.assert_array_equal(np.asarray(r.long_chunk0)[: n_long + 1],
-                                  np.concatenate([[0], np.cumsum(-(-lengths[want_long] // lg))]))
+                                  np.concatenate([[0], np.cumsum(-(-lengths[want_long] // size[want_long]))]))
     n = len(idx)
     # The XLA ops (runs.chunk_tasks: backward.task_ranges without the run-length pass's edges) ...
-    chunk_run, chunk_first = jax.jit(functools.partial(runs_lib.chunk_tasks, n=n, long_run=lg))(
+    chunk_run, chunk_first = jax.jit(functools.partial(runs_lib.chunk_tasks, n=n, long_run=lg, split_chunk=split))(
         r.run_start, r.long, r.long_chunk0)
     np.testing.assert_array_equal(np.asarray(chunk_run)[:total], want_run)
     np.testing.assert_array_equal(np.asarray(chunk_first)[:total], want_first)
@@ -393,7 +400,7 @@ def test_chunk_tasks(rng):
 
     def kernel(chunk0_ref, long_ref, start_ref, run_ref, first_ref):
         def one(t, c):
-            li, first = bwd.chunk_task(chunk0_ref, long_ref, start_ref, t, chunk0_ref.shape[0], lg)
+            li, first = bwd.chunk_task(chunk0_ref, long_ref, start_ref, t, chunk0_ref.shape[0], lg, split)
             plgpu.store(run_ref.at[t], li)
             plgpu.store(first_ref.at[t], first)
             return c

@@ -137,6 +137,35 @@ def test_long_block_sums_many_chunks(rng, monkeypatch):
         assert seen["tbe_backward_long_runs"] == (warps or 1) and seen["tbe_backward_mid_runs_chunks"] == 1
 
 
+def test_split_chunk_chunks_mid_runs(rng):
+    """`split_chunk` 3 at `long_run` 16: runs of 6-15 lookups are chunked in threes, longer ones in sixteens, shorter
+    ones stay mid runs (one task) or small: the update equals the XLA reference's, weighted, two widths."""
+    tables = specs([2, 6, 30], [6, 12, 12])
+    idx, off, psw = testing.make_batch(rng, [2, 6, 30], [4, 4, 4], [(10, 20), (5, 10), (3, 9)], weighted=True)
+    keys = np.concatenate([idx[off[0]:off[4]], idx[off[4]:off[8]] + 2, idx[off[8]:off[12]] + 8])
+    counts = np.unique(keys, return_counts=True)[1]
+    assert counts.max() >= 16 and np.any((counts >= 6) & (counts < 16)) and np.any((counts > 2) & (counts < 6))
+    ref = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, impl="xla")
+    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3)
+    params = ref.init(jax.random.key(3))
+    state = ref.init_opt_state(params, opt)
+    g = rng.standard_normal((4, 30)).astype(np.float32)
+    want = jax.tree_util.tree_leaves(ref.apply_gradients(params, state, opt, idx, off, g, psw))
+    cfg = tbe_jax.BackwardConfig(small_run_max=2, long_run=16, split_chunk=3, long_block=4)
+    emb = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, backward_config=cfg, **KERNEL_KW)
+    got = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, jnp.asarray(idx), jnp.asarray(off), g,
+                                                   jnp.asarray(psw)))(params, state)
+    for a, b in zip(jax.tree_util.tree_leaves(got), want):
+        assert_close(a, b, 2e-5)
+    # the chunk count: ceil(L / 3) for runs of 6-15, ceil(L / 16) from 16 on
+    plan = emb.plan_for(len(off))
+    r = runs_lib.build_runs(emb.layout, plan, jnp.asarray(idx), jnp.asarray(off), jnp.asarray(psw), pooling="sum",
+                            config=cfg, interpret=True)
+    chunked = counts[counts >= 6]
+    assert int(r.counts[2]) == len(chunked)
+    assert int(r.counts[3]) == int(np.sum(np.where(chunked >= 16, -(-chunked // 16), -(-chunked // 3))))
+
+
 def test_runs_built_with_another_config_are_refused(rng):
     emb, plan, args = _batch(rng)
     runs = runs_lib.build_runs(emb.layout, plan, *args, pooling="mean", config=XLA_RUNS)
@@ -255,6 +284,7 @@ def test_tt_plan_block_sizes(rng):
 
 FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConfig, dict(long_run=128)),
           (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=2)),
+          (tbe_jax.BackwardConfig, dict(split_chunk=64)),
           (tbe_jax.BackwardConfig, dict(segment_buffers=4)), (tbe_jax.BackwardConfig, dict(keys_block=512)),
           (tbe_jax.BackwardConfig, dict(rle_block=512)), (tbe_jax.BackwardConfig, dict(scan_chunk=512)),
           (tbe_jax.BackwardConfig, dict(rank_sort_max=1000)), (tbe_jax.BackwardConfig, dict(rank_sort_interpret=True)),
@@ -310,6 +340,9 @@ def test_field_is_part_of_the_cache_key(cls, kw):
     (tbe_jax.BackwardConfig, dict(rle_block=0), "rle_block=0 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(scan_chunk=3), "scan_chunk=3 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(long_block=3), "long_block=3 must be a power of two"),
+    (tbe_jax.BackwardConfig, dict(split_chunk=128), "split_chunk=128 must be 0 or an int C with small_run_max=8 < 2 C"),
+    (tbe_jax.BackwardConfig, dict(split_chunk=4), "split_chunk=4 must be 0 or an int C"),
+    (tbe_jax.BackwardConfig, dict(split_chunk=True), "split_chunk=True must be 0 or an int C"),
     (tbe_jax.BackwardConfig, dict(long_num_warps=0), "long_num_warps=0 must be >= 1"),
     (tbe_jax.BackwardConfig, dict(long_num_warps=2.0), "long_num_warps=2.0 must be >= 1"),
     (tbe_jax.BackwardConfig, dict(long_block=True), "long_block=True must be a power of two"),

@@ -89,9 +89,10 @@ def fused_update(
         hyper = jnp.zeros((NUM_HYPER,), jnp.float32)
     n = runs.src.shape[0]
     small, long_run = config.small_run_max, config.long_run
-    if runs.mid.shape[0] != n // (small + 1) + 1 or runs.long.shape[0] != n // long_run + 1:
+    if runs.mid.shape[0] != n // (small + 1) + 1 or runs.long.shape[0] != n // config.chunked_min + 1:
         raise ValueError(f"fused_update: runs with {runs.mid.shape[0]} mid and {runs.long.shape[0]} long slots were "
-                         f"not built with small_run_max={small}, long_run={long_run} (this config's)")
+                         f"not built with small_run_max={small}, long_run={long_run}, "
+                         f"split_chunk={config.split_chunk} (this config's)")
     ranges = task_ranges(runs, layout, n, config)
     g_flat = g_out.reshape(-1)
     n_slots = opt.num_slots if opt is not None else 0
@@ -110,7 +111,7 @@ def fused_update(
     # run), so the runs carry no scales and the kernels skip those loads.
     scaled = runs.scale is not None
     common = [runs.src, runs.scale if scaled else jnp.ones((1,), jnp.float32), g_flat]
-    max_chunks = 2 * n // long_run + 1  # chunk task slots (`runs.chunk_tasks`)
+    max_chunks = config.max_chunks(n)  # chunk task slots (`runs.chunk_tasks`)
     # Every launch gets the full program count (scaling a class's programs by its share of the
     # tables measured slower: dims-20261130-164044).
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
@@ -177,7 +178,8 @@ def fused_update(
         bufs = [g for seg in mine for g in seg.buffers]
         part_shape = jax.ShapeDtypeStruct((max_chunks, max(seg.width for seg in mine)), jnp.float32)
         part, = aliased(functools.partial(mid_chunk_kernel, opt=opt, segs=mine, k=k, programs=p_mc, scaled=scaled,
-                                          prefetch=prefetch, align=align, long_run=long_run),
+                                          prefetch=prefetch, align=align, long_run=long_run,
+                                          split_chunk=config.split_chunk),
                         "tbe_backward_mid_runs_chunks", p_mc,
                         [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
                         bufs, extra=[part_shape])

@@ -77,6 +77,12 @@ class BackwardConfig:
         (default 8, >= 1); longer ones are mid runs (one task each) or long runs.
       long_run: runs of at least this many lookups are long runs, split into chunks of this many lookups for the
         two-pass chunk and long-run kernels (default 256, above `small_run_max`).
+      split_chunk: 0 (default) or a chunk length C: runs of 2C to `long_run` - 1 lookups are split into chunks of
+        C too (the chunk and long-run kernels, as long runs), not one mid-run task each. Where a batch's longest
+        mid runs set the mid-run kernel's time (a few hundred of ~250 lookups: 32 dependent steps a task), C 64
+        cuts it 4x; where mid tasks already fill the GPU, the chunks' partial pass costs more than it saves.
+        Opt-in: the run-length histogram that decides it is known only on the device. The chunk workspace grows
+        to `(2 N / C + 1, width)` fp32.
       long_block: chunk partials the long-run kernel sums per step, one `[long_block, width]` load (default 16,
         a power of 2): a hot row's thousands of chunks take that many times fewer dependent steps.
       segment_buffers: most storage buffers per segment: a width class (of one row alignment) with more buffers
@@ -110,6 +116,7 @@ class BackwardConfig:
     narrow_sort_keys: bool = True
     small_run_max: int = 8
     long_run: int = 256
+    split_chunk: int = 0
     long_block: int = 16
     segment_buffers: int = 8
     keys_block: int = 1024
@@ -123,6 +130,16 @@ class BackwardConfig:
                 return v
             return 16 if interpret else max(1, round(reference * sm_count() / REFERENCE_SMS))
         return resolve(self.programs, 8192), resolve(self.small_programs, 4096)
+
+    @property
+    def chunked_min(self) -> int:
+        """The shortest run split into chunks: `long_run`, or `2 * split_chunk` when that is set."""
+        return 2 * self.split_chunk if self.split_chunk else self.long_run
+
+    def max_chunks(self, n: int) -> int:
+        """Chunk task slots for `n` lookups: a run of L >= `chunked_min` lookups has at most 2 L / c chunks
+        (c its chunk length, `long_run` or `split_chunk`), so at most 2 n / c_min + 1 in all."""
+        return 2 * n // (self.split_chunk or self.long_run) + 1
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
@@ -153,6 +170,10 @@ class BackwardConfig:
                 bad(name, "an int >= 1")
         if not _count(self.long_run) or self.long_run <= self.small_run_max:
             bad("long_run", f"an int above small_run_max={self.small_run_max}")
+        sc = self.split_chunk
+        if not _count(sc) or sc < 0 or (sc and not self.small_run_max < 2 * sc < self.long_run):
+            bad("split_chunk", f"0 or an int C with small_run_max={self.small_run_max} < 2 C < "
+                f"long_run={self.long_run}")
         for name in ("small_block", "lookups_per_step", "long_block"):
             v = getattr(self, name)
             if v is None and name == "small_block":
