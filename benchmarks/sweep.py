@@ -578,6 +578,8 @@ def main(argv=None):
                     help="measure only the drawn shards with at most this many rows in all tables (0: all); the "
                          "summary still covers every drawn shard (merge the others' rows with --merge)")
     ap.add_argument("--no-run", action="store_true", help="measure nothing: summarize the merged rows")
+    ap.add_argument("--skip-measured", action="store_true",
+                    help="measure only the shards whose side(s) have no error-free row in the --merge files yet")
     ap.add_argument("--dispatch", default="", help="a dispatch-probe JSON whose dispatch_us goes in the summary")
     ap.add_argument("--out", default="")
     ap.add_argument("--impl", default="pallas", help="our impl (xla: a CPU smoke test of the plumbing)")
@@ -607,7 +609,13 @@ def main(argv=None):
         rows += [r for r in json.load(open(path))["rows"] if not side or r["side"] == side]
     if not args.no_run:
         measured = [s for s in drawn if not args.max_total_rows or sum(s.rows) <= args.max_total_rows]
-        rows += _measure(args, measured, extra)
+        todo = extra
+        if args.skip_measured:  # a later call of the same sweep measures only what the merged rows lack
+            sides = [args.only] if args.only else ["ours", "fbgemm"]
+            have = {(r["shard"], r["side"]) for r in rows if "error" not in r}
+            missing = lambda s: any((s.name, side) not in have for side in sides)  # noqa: E731
+            measured, todo = [s for s in measured if missing(s)], [s for s in extra if missing(s)]
+        rows += _measure(args, measured, todo)
     # later rows of a (shard, side) replace earlier ones (a merge keeps the newest measurement)
     last = {}
     for r in rows:
