@@ -53,7 +53,10 @@ class Runs(NamedTuple):
 
 def chunk_length(length, long_run: int, split_chunk: int):
     """The lookups of each chunk of a chunked run of `length` lookups (`BackwardConfig.long_run`, `split_chunk`)."""
-    return jnp.where(length >= long_run, long_run, split_chunk) if split_chunk else long_run
+    if not split_chunk:
+        return long_run
+    # int32 operands, not Python ints: Pallas' Triton lowering gave `where(pred, 256, 64)` an i1 result
+    return jnp.where(length >= long_run, jnp.int32(long_run), jnp.int32(split_chunk))
 
 
 def chunk_tasks(run_start, long, long_chunk0, n: int, long_run: int, split_chunk: int = 0):
