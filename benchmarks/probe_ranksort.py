@@ -25,6 +25,7 @@ def main(argv=None):
     ap.add_argument("--sizes", default="1024,4096,8192,16384,24576,32768,49152,65536,98304,131072")
     ap.add_argument("--ranges", default="1000000,100", help="keys drawn in [0, range)")
     ap.add_argument("--chunks", default="1024,2048,4096,1048576")
+    ap.add_argument("--wide", default="0", help="rank_sort_wide_block values (0: the serial merge), at each chunk")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = []
@@ -41,10 +42,15 @@ def main(argv=None):
                 chunk = int(chunk)
                 if n > 16384 and chunk >= n:
                     continue
-                f = jax.jit(lambda k, p, chunk=chunk: rank_sort(k, p, chunk=chunk, **blocks))
-                got = f(k, p)
-                row[f"rank_c{chunk}_ok"] = all(bool((a == b).all()) for a, b in zip(got, ref))
-                row[f"rank_c{chunk}_ms"] = round(device_ms(lambda i: f(k, p), 20)[0], 4)
+                for wide in map(int, args.wide.split(",")):
+                    if wide and (chunk >= n or chunk % wide):
+                        continue
+                    f = jax.jit(lambda k, p, chunk=chunk, wide=wide: rank_sort(k, p, chunk=chunk, wide_block=wide,
+                                                                               **blocks))
+                    got = f(k, p)
+                    tag = f"rank_c{chunk}" + (f"_w{wide}" if wide else "")
+                    row[f"{tag}_ok"] = all(bool((a == b).all()) for a, b in zip(got, ref))
+                    row[f"{tag}_ms"] = round(device_ms(lambda i: f(k, p), 20)[0], 4)
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,

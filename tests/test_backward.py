@@ -582,9 +582,10 @@ def test_rank_sort_matches_lax_sort(rng, n, key_range):
     key = jnp.asarray(rng.integers(0, key_range, n).astype(np.int32))
     pos, w = jnp.arange(n, dtype=jnp.int32), jnp.asarray(rng.random(n).astype(np.float32))
     want = jax.lax.sort((key, pos, w), num_keys=1, is_stable=True)
-    # Blocks of (i, j, chunk, merge): the defaults (one chunk up to 2048), and small ones (the merge pass from 65).
-    for blocks in ((16, 256, 2048, 256), (8, 32, 64, 32)):
-        kw = dict(zip(("block_i", "block_j", "chunk", "merge_block"), blocks))
+    # Blocks of (i, j, chunk, merge, wide): the defaults (one chunk up to 2048), small ones (the merge pass from 65),
+    # and the wide merge (all chunks searched at once) at 16 and 64 keys a program (up to 18 chunks: 32 columns).
+    for blocks in ((16, 256, 2048, 256, 0), (8, 32, 64, 32, 0), (8, 32, 64, 32, 16), (8, 32, 64, 32, 64)):
+        kw = dict(zip(("block_i", "block_j", "chunk", "merge_block", "wide_block"), blocks))
         got = jax.jit(functools.partial(rank_sort, interpret=KERNEL_KW["interpret"], **kw))(key, pos, w)
         for x, y in zip(got, want):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -603,18 +604,19 @@ def test_runs_rank_sort_equals_xla_sort(rng, weighted):
     args = (jnp.asarray(idx), jnp.asarray(off), None if psw is None else jnp.asarray(psw))
     interp = KERNEL_KW["interpret"]
 
-    def build(limit, chunk=2048):
+    def build(limit, chunk=2048, wide=0):
         cfg = tbe_jax.BackwardConfig(rank_sort_max=limit, rank_sort_interpret=True, rank_sort_chunk=chunk,
-                                     narrow_sort_keys=False)
+                                     narrow_sort_keys=False, rank_sort_wide_block=wide)
         fn = functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="mean" if weighted else "sum",
                                config=cfg, interpret=interp)
         return jax.jit(fn)(*args), str(jax.make_jaxpr(fn)(*args))
 
     (want, want_jaxpr), (got, got_jaxpr), (past, past_jaxpr) = build(0), build(n), build(n - 1)
     merged, merged_jaxpr = build(n, 256)  # several chunks: the merge pass
+    wide, _ = build(n, 256, 32)  # the merge pass searching all chunks at once
     assert n > 256 and "tbe_rank_sort_merge" in merged_jaxpr and "tbe_rank_sort_merge" not in got_jaxpr
     assert "tbe_rank_sort" in got_jaxpr and "tbe_rank_sort" not in want_jaxpr + past_jaxpr
-    for runs in (got, merged):
+    for runs in (got, merged, wide):
         for name, x, y in zip(runs_lib.Runs._fields, runs, want):
             if x is None or y is None:
                 assert x is None and y is None, name

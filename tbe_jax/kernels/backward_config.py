@@ -66,6 +66,10 @@ class BackwardConfig:
         and keys each of them compares against per step (default 256, a multiple of `rank_sort_block_i`); both
         powers of 2.
       rank_sort_merge_block: keys per program of the counting-rank sort's merge pass (default 256, a power of 2).
+      rank_sort_wide_block: 0 (default): the merge pass searches a key's other chunks one after another, a chain of
+        log2(`rank_sort_chunk`) dependent loads per chunk; K (a power of 2 dividing `rank_sort_chunk`): K keys a
+        program search all chunks at once, one `[K, chunks]` gather a halving step (`ranksort._wide_merge_kernel`).
+        Opt-in until timed: the serial merge took 18 of a 61 us update of 17k lookups on an H100 (session 52).
       merge_width: segments of this tile width or less (the narrow ones) share one small-run launch with the
         segment before them, each keeping its own programs (default 32; 0: one launch per segment).
       narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
@@ -111,6 +115,7 @@ class BackwardConfig:
     rank_sort_block_i: int = 16
     rank_sort_block_j: int = 256
     rank_sort_merge_block: int = 256
+    rank_sort_wide_block: int = 0
     merge_width: int = 32
     narrow_block: int = 32
     narrow_sort_keys: bool = True
@@ -170,6 +175,9 @@ class BackwardConfig:
                 bad(name, "an int >= 1")
         if not _count(self.long_run) or self.long_run <= self.small_run_max:
             bad("long_run", f"an int above small_run_max={self.small_run_max}")
+        wb = self.rank_sort_wide_block
+        if not _count(wb) or wb < 0 or (wb and (not _pow2(wb) or self.rank_sort_chunk % wb)):
+            bad("rank_sort_wide_block", f"0 or a power of two dividing rank_sort_chunk={self.rank_sort_chunk}")
         sc = self.split_chunk
         if not _count(sc) or sc < 0 or (sc and not self.small_run_max < 2 * sc < self.long_run):
             bad("split_chunk", f"0 or an int C with small_run_max={self.small_run_max} < 2 C < "

@@ -107,14 +107,47 @@ def _merge_kernel(ckey_ref, cpos_ref, *refs, n, n_payload, chunk, block):
         plgpu.store(dst.at[rank], plgpu.load(src.at[pos], mask=ok), mask=ok)
 
 
+def _wide_merge_kernel(ckey_ref, cpos_ref, *refs, n, n_payload, chunk, block, chunks_p2):
+    """`_merge_kernel` with the other chunks searched at once: `[block, chunks_p2]` bounds, one gather of that shape
+    a halving step, so a key's searches are `log2(chunk)` dependent loads instead of that many per chunk."""
+    pay_refs, out_key_ref, out_pay_refs = refs[:n_payload], refs[n_payload], refs[n_payload + 1:]
+    q = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+    ok = q < n
+    k = plgpu.load(ckey_ref.at[q], mask=ok, other=0)[:, None]
+    c = pl.program_id(0) * block // chunk  # the program's chunk (block divides chunk)
+    b = jnp.arange(chunks_p2, dtype=jnp.int32)[None, :]
+    lo0 = b * chunk  # chunks past the last (b * chunk >= n) are empty: hi0 = n <= lo0, nothing is searched
+    hi0 = jnp.minimum(lo0 + chunk, n)
+    earlier, other = b < c, b != c
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        live = (lo < hi) & other
+        v = plgpu.load(ckey_ref.at[mid], mask=live, other=0)
+        below = jnp.where(earlier, v <= k, v < k)
+        return jnp.where(live & below, mid + 1, lo), jnp.where(live & ~below, mid, hi)
+
+    shape = (block, chunks_p2)
+    lo, _ = jax.lax.fori_loop(0, chunk.bit_length(), halve,
+                              (jnp.broadcast_to(lo0, shape), jnp.broadcast_to(hi0, shape)))
+    rank = jnp.sum(jnp.where(other, lo - lo0, 0), axis=1) + q - c * chunk
+    rank = jnp.where(ok, rank, q)  # distinct slots for the masked lanes (see `_chunk_kernel`)
+    pos = plgpu.load(cpos_ref.at[q], mask=ok, other=0)
+    plgpu.store(out_key_ref.at[rank], k[:, 0], mask=ok)
+    for src, dst in zip(pay_refs, out_pay_refs):
+        plgpu.store(dst.at[rank], plgpu.load(src.at[pos], mask=ok), mask=ok)
+
+
 def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int, chunk: int, merge_block: int,
-              interpret: bool = False):
+              wide_block: int = 0, interpret: bool = False):
     """`(sorted keys, *payloads in that order)`: `jax.lax.sort((keys, *payloads), num_keys=1, is_stable=True)`.
 
     `keys`: `[N]` int32 below 2**31 - 1; each payload `[N]` (any 32-bit dtype). `chunk` (a multiple of `block_j`
     and of `merge_block`, itself a multiple of `block_i`): positions ranked by direct comparison; larger inputs
     take the merge pass. The four sizes: `BackwardConfig.rank_sort_*` (`block_i`, `block_j` and `merge_block`
-    powers of 2)."""
+    powers of 2). `wide_block` (`BackwardConfig.rank_sort_wide_block`; a power of 2 dividing `chunk`, or 0): the
+    merge pass searches all other chunks at once, `wide_block` keys a program (`_wide_merge_kernel`)."""
     n = keys.shape[0]
     if keys.dtype != jnp.int32:
         raise TypeError(f"rank_sort: keys must be int32, got {keys.dtype}")
@@ -124,6 +157,8 @@ def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int,
     if block_j % block_i or chunk % block_j or chunk % merge_block:
         raise ValueError(f"rank_sort: block_j={block_j} must be a multiple of block_i={block_i}, and chunk={chunk} "
                          f"of block_j and of merge_block={merge_block}")
+    if wide_block and (wide_block & (wide_block - 1) or chunk % wide_block):
+        raise ValueError(f"rank_sort: wide_block={wide_block} must be 0 or a power of 2 dividing chunk={chunk}")
     if n == 0:
         return (keys, *payloads)
     final = n <= chunk
@@ -139,8 +174,14 @@ def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int,
     if final:
         return tuple(res)
     ckey, cpos = res
+    if wide_block:
+        merge = functools.partial(_wide_merge_kernel, n=n, n_payload=len(payloads), chunk=chunk, block=wide_block,
+                                  chunks_p2=1 << (pl.cdiv(n, chunk) - 1).bit_length())
+        merge_block = wide_block
+    else:
+        merge = functools.partial(_merge_kernel, n=n, n_payload=len(payloads), chunk=chunk, block=merge_block)
     res = pallas_call(
-        functools.partial(_merge_kernel, n=n, n_payload=len(payloads), chunk=chunk, block=merge_block),
+        merge,
         out_shape=[i32] + [jax.ShapeDtypeStruct((n,), p.dtype) for p in payloads],
         grid=(pl.cdiv(n, merge_block),), compiler_params=params, interpret=interpret, name="tbe_rank_sort_merge",
     )(ckey, cpos, *payloads)
