@@ -104,8 +104,10 @@
 #              -> split-chunk-tests.log, probe-split-chunk.json
 #   rank-merge (~250 s) `BackwardConfig.rank_sort_wide_block` (the rank sort's merge searching all chunks at once)
 #              compiled first (the rank-sort tests), then `probe_ranksort` at 4k-128k keys (serial merge / wide 16,
-#              32, 64) and `probe_backward` on seed 20261207's updates of 7k-44k lookups: the default, wide 32, and
-#              wide 32 with `rank_sort_max` 65536 (past 24576 today's XLA sort breaks the step's CUDA graph)
+#              32, 64; chunks of 512-2048: with the wide merge, smaller chunks cost the merge little) and
+#              `probe_backward` on seed 20261207's updates of 7k-44k lookups: the default, wide 32 (chunks 2048,
+#              1024), wide 16 at chunks of 512, and wide 32 with `rank_sort_max` 65536 (past 24576 today's XLA sort
+#              breaks the step's CUDA graph)
 #              -> rank-merge-tests.log, probe-ranksort-wide.json, probe-rank-merge.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
@@ -277,11 +279,12 @@ s037,zipf,fp32,dlrmv2 --variants '{}' '{"split_chunk": 64}' '{"split_chunk": 32}
     rank-merge) timeout 120 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_tuning_fields.py \
           -k "rank_sort or wide" > "$OUT/rank-merge-tests.log" 2>&1; tail -2 "$OUT/rank-merge-tests.log"
         timeout 120 python3 -m benchmarks probe_ranksort --sizes 4096,8192,17376,24576,41417,65536,131072 \
-          --ranges 1000000,100 --chunks 2048 --wide 0,16,32,64 --out "$OUT/probe-ranksort-wide.json" 2>&1 \
+          --ranges 1000000 --chunks 512,1024,2048 --wide 0,16,32,64 --out "$OUT/probe-ranksort-wide.json" 2>&1 \
           | grep -v Warning | cut -c1-240
         timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
           --shards s042,s097,s109,s224,s016,s024,s071,s193,s179,s148,s098,s083 --variants '{}' \
-          '{"rank_sort_wide_block": 32}' '{"rank_sort_wide_block": 32, "rank_sort_max": 65536}' \
+          '{"rank_sort_wide_block": 32}' '{"rank_sort_wide_block": 32, "rank_sort_chunk": 1024}' \
+          '{"rank_sort_wide_block": 16, "rank_sort_chunk": 512}' '{"rank_sort_wide_block": 32, "rank_sort_max": 65536}' \
           --out "$OUT/probe-rank-merge.json" 2>&1 | grep --line-buffered -v Warning | cut -c1-260 ;;
     sort-enqueue) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
           --shards s193,s138,s024,s016,s071,s179,s037,s203 \
