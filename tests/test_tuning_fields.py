@@ -104,6 +104,24 @@ def test_run_classes_and_segments_follow_the_config(rng):
         assert_close(a, b, 2e-5)
 
 
+def _kernel_updates(rng, tables, idx, off, psw, configs, seed):
+    """(config, emb) for each `BackwardConfig` in `configs`, once its kernel update (row-wise Adagrad, weighted,
+    batch of 4) has been checked against the XLA reference's."""
+    ref = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, impl="xla")
+    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3)
+    params = ref.init(jax.random.key(seed))
+    state = ref.init_opt_state(params, opt)
+    g = rng.standard_normal((4, sum(t.embedding_dim for t in tables))).astype(np.float32)
+    want = jax.tree_util.tree_leaves(ref.apply_gradients(params, state, opt, idx, off, g, psw))
+    for cfg in configs:
+        emb = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, backward_config=cfg, **KERNEL_KW)
+        got = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, jnp.asarray(idx), jnp.asarray(off), g,
+                                                       jnp.asarray(psw)))(params, state)
+        for a, b in zip(jax.tree_util.tree_leaves(got), want):
+            assert_close(a, b, 2e-5)
+        yield cfg, emb
+
+
 def test_long_block_sums_many_chunks(rng, monkeypatch):
     """A hot row of ~60 lookups at `long_run=4` is ~15 chunks: the long-run kernel sums them `long_block` a
     step (1, 4 and 8: several steps with a partial last one, and one step) to the reference's update, with
@@ -120,21 +138,12 @@ def test_long_block_sums_many_chunks(rng, monkeypatch):
     idx, off, psw = testing.make_batch(rng, [2, 30], [4, 4], [(10, 20), (3, 9)], weighted=True)
     counts = np.unique(np.concatenate([idx[off[0]:off[4]], idx[off[4]:off[8]] + 2]), return_counts=True)[1]
     assert counts.max() >= 8 * 4 + 1  # a run of more than long_block * long_run lookups
-    ref = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, impl="xla")
-    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3)
-    params = ref.init(jax.random.key(2))
-    state = ref.init_opt_state(params, opt)
-    g = rng.standard_normal((4, 18)).astype(np.float32)
-    want = jax.tree_util.tree_leaves(ref.apply_gradients(params, state, opt, idx, off, g, psw))
-    for block, warps in ((1, None), (4, 4), (8, None)):
-        cfg = tbe_jax.BackwardConfig(small_run_max=2, long_run=4, long_block=block, long_num_warps=warps)
-        emb = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, backward_config=cfg, **KERNEL_KW)
+    configs = [tbe_jax.BackwardConfig(small_run_max=2, long_run=4, long_block=block, long_num_warps=warps)
+               for block, warps in ((1, None), (4, 4), (8, None))]
+    for cfg, _ in _kernel_updates(rng, tables, idx, off, psw, configs, seed=2):
+        assert seen["tbe_backward_long_runs"] == (cfg.long_num_warps or 1)
+        assert seen["tbe_backward_mid_runs_chunks"] == 1
         seen.clear()
-        got = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, jnp.asarray(idx), jnp.asarray(off), g,
-                                                       jnp.asarray(psw)))(params, state)
-        for a, b in zip(jax.tree_util.tree_leaves(got), want):
-            assert_close(a, b, 2e-5)
-        assert seen["tbe_backward_long_runs"] == (warps or 1) and seen["tbe_backward_mid_runs_chunks"] == 1
 
 
 def test_split_chunk_chunks_mid_runs(rng):
@@ -145,18 +154,8 @@ def test_split_chunk_chunks_mid_runs(rng):
     keys = np.concatenate([idx[off[0]:off[4]], idx[off[4]:off[8]] + 2, idx[off[8]:off[12]] + 8])
     counts = np.unique(keys, return_counts=True)[1]
     assert counts.max() >= 16 and np.any((counts >= 6) & (counts < 16)) and np.any((counts > 2) & (counts < 6))
-    ref = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, impl="xla")
-    opt = tbe_jax.RowwiseAdagrad(0.05, 1e-3)
-    params = ref.init(jax.random.key(3))
-    state = ref.init_opt_state(params, opt)
-    g = rng.standard_normal((4, 30)).astype(np.float32)
-    want = jax.tree_util.tree_leaves(ref.apply_gradients(params, state, opt, idx, off, g, psw))
     cfg = tbe_jax.BackwardConfig(small_run_max=2, long_run=16, split_chunk=3, long_block=4)
-    emb = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, backward_config=cfg, **KERNEL_KW)
-    got = jax.jit(lambda p, s: emb.apply_gradients(p, s, opt, jnp.asarray(idx), jnp.asarray(off), g,
-                                                   jnp.asarray(psw)))(params, state)
-    for a, b in zip(jax.tree_util.tree_leaves(got), want):
-        assert_close(a, b, 2e-5)
+    (_, emb), = _kernel_updates(rng, tables, idx, off, psw, [cfg], seed=3)
     # the chunk count: ceil(L / 3) for runs of 6-15, ceil(L / 16) from 16 on
     plan = emb.plan_for(len(off))
     r = runs_lib.build_runs(emb.layout, plan, jnp.asarray(idx), jnp.asarray(off), jnp.asarray(psw), pooling="sum",
