@@ -70,6 +70,8 @@ class BackwardConfig:
         log2(`rank_sort_chunk`) dependent loads per chunk; K (a power of 2 dividing `rank_sort_chunk`): K keys a
         program search all chunks at once, one `[K, chunks]` gather a halving step (`ranksort._wide_merge_kernel`).
         Opt-in until timed: the serial merge took 18 of a 61 us update of 17k lookups on an H100 (session 52).
+        The tile grows with N / `rank_sort_chunk` (padded to a power of 2): at K 32, 37 registers at 24576 keys,
+        71 at 65536 with chunks of 1024 (offline sm_90a); keep K * chunks within ~2048 past that.
       merge_width: segments of this tile width or less (the narrow ones) share one small-run launch with the
         segment before them, each keeping its own programs (default 32; 0: one launch per segment).
       narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
