@@ -276,7 +276,7 @@ def build_runs(
     n_small = num_runs - n_big
     at = jnp.minimum(long, n - 1)
     long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_start[at + 1] - run_start[at], 0)
-    size = chunk_length(long_len, config.long_run, config.split_chunk)
+    size = chunk_length(long_len, config.long_run, config.mid_chunk)
     n_chunks = (long_len + size - 1) // size
     long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
     counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)

@@ -583,7 +583,8 @@ def test_rank_sort_matches_lax_sort(rng, n, key_range):
     pos, w = jnp.arange(n, dtype=jnp.int32), jnp.asarray(rng.random(n).astype(np.float32))
     want = jax.lax.sort((key, pos, w), num_keys=1, is_stable=True)
     # Blocks of (i, j, chunk, merge, wide): the defaults (one chunk up to 2048), small ones (the merge pass from 65),
-    # and the wide merge (all chunks searched at once) at 16 and 64 keys a program (up to 18 chunks: 32 columns).
+    # and the wide merge (all chunks searched at once) at 16 keys a program (up to 18 chunks: 32 columns) and at 64
+    # (up to 8 chunks; the serial merge past its 512-key tile).
     for blocks in ((16, 256, 2048, 256, 0), (8, 32, 64, 32, 0), (8, 32, 64, 32, 16), (8, 32, 64, 32, 64)):
         kw = dict(zip(("block_i", "block_j", "chunk", "merge_block", "wide_block"), blocks))
         got = jax.jit(functools.partial(rank_sort, interpret=KERNEL_KW["interpret"], **kw))(key, pos, w)

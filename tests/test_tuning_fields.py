@@ -71,10 +71,10 @@ def _assert_runs_equal(a, b):
 # -- the run classes and the segments -------------------------------------------------------------------------
 
 def test_run_classes_and_segments_follow_the_config(rng):
-    """`small_run_max=2`, `long_run=16`, `segment_buffers=1`: the runs are classified by those bounds (both the
-    XLA ops and the run-length kernel), the long runs are cut into chunks of 16, a width class of three buffers
-    becomes three segments, and the optimizer step equals the XLA reference's."""
-    cfg = tbe_jax.BackwardConfig(small_run_max=2, long_run=16, segment_buffers=1)
+    """`small_run_max=2`, `long_run=16` (no mid run chunked), `segment_buffers=1`: the runs are classified by those
+    bounds (both the XLA ops and the run-length kernel), the long runs are cut into chunks of 16, a width class of
+    three buffers becomes three segments, and the optimizer step equals the XLA reference's."""
+    cfg = tbe_jax.BackwardConfig(small_run_max=2, long_run=16, split_chunk=0, segment_buffers=1)
     tables = specs([3, 20, 40], [5, 6, 7])  # one width class (8), two row parities: 2 segments by default
     emb = tbe_jax.TableBatchedEmbedding(tables, pad_rows=False, backward_config=cfg, **KERNEL_KW)
     assert len(bwd.run_segments(emb.layout, tbe_jax.BackwardConfig())) == 2
@@ -159,7 +159,7 @@ def test_split_chunk_chunks_mid_runs(rng):
     # the chunk count: ceil(L / 3) for runs of 6-15, ceil(L / 16) from 16 on
     plan = emb.plan_for(len(off))
     r = runs_lib.build_runs(emb.layout, plan, jnp.asarray(idx), jnp.asarray(off), jnp.asarray(psw), pooling="sum",
-                            config=cfg, interpret=True)
+                            config=cfg, interpret=KERNEL_KW["interpret"])
     chunked = counts[counts >= 6]
     assert int(r.counts[2]) == len(chunked)
     assert int(r.counts[3]) == int(np.sum(np.where(chunked >= 16, -(-chunked // 16), -(-chunked // 3))))
@@ -200,7 +200,11 @@ def test_block_sizes_reach_the_kernels(rng):
     # The rank sort: programs of block_i keys, steps of block_j, and the merge pass past one chunk.
     assert "tbe_rank_sort_merge" not in default and default["tbe_rank_sort"][0] == (-(-n // 16),)
     assert small["tbe_rank_sort"][0] == (-(-n // 8),) and (32,) in small["tbe_rank_sort"][1]
-    assert small["tbe_rank_sort_merge"][0] == (-(-n // 32),)
+    # The merge: wide (16 keys a program, all chunks at once) while 16 x the chunks (padded) <= 512, else serial.
+    chunks_p2 = 1 << (-(-n // 64) - 1).bit_length()
+    assert small["tbe_rank_sort_merge"][0] == ((-(-n // 16),) if 16 * chunks_p2 <= 512 else (-(-n // 32),))
+    serial = kernels(dataclasses.replace(SMALL_BLOCKS, rank_sort_wide_block=0))
+    assert serial["tbe_rank_sort_merge"][0] == (-(-n // 32),)
     # rank_sort_max: past it, XLA's sort.
     assert "tbe_rank_sort" not in kernels(tbe_jax.BackwardConfig(rank_sort_max=n - 1))
 
@@ -340,9 +344,9 @@ def test_field_is_part_of_the_cache_key(cls, kw):
     (tbe_jax.BackwardConfig, dict(rle_block=0), "rle_block=0 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(scan_chunk=3), "scan_chunk=3 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(long_block=3), "long_block=3 must be a power of two"),
-    (tbe_jax.BackwardConfig, dict(split_chunk=128), "split_chunk=128 must be 0 or an int C with small_run_max=8 < 2 C"),
-    (tbe_jax.BackwardConfig, dict(split_chunk=4), "split_chunk=4 must be 0 or an int C"),
-    (tbe_jax.BackwardConfig, dict(split_chunk=True), "split_chunk=True must be 0 or an int C"),
+    (tbe_jax.BackwardConfig, dict(split_chunk=128), "split_chunk=128 must be None, 0 or an int C with small_run_max=8 < 2 C"),
+    (tbe_jax.BackwardConfig, dict(split_chunk=4), "split_chunk=4 must be None, 0 or an int C"),
+    (tbe_jax.BackwardConfig, dict(split_chunk=True), "split_chunk=True must be None, 0 or an int C"),
     (tbe_jax.BackwardConfig, dict(rank_sort_wide_block=48), "rank_sort_wide_block=48 must be 0 or a power of two"),
     (tbe_jax.BackwardConfig, dict(rank_sort_wide_block=4096), "rank_sort_wide_block=4096 must be 0 or a power"),
     (tbe_jax.BackwardConfig, dict(long_num_warps=0), "long_num_warps=0 must be >= 1"),

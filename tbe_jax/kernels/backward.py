@@ -92,7 +92,7 @@ def fused_update(
     if runs.mid.shape[0] != n // (small + 1) + 1 or runs.long.shape[0] != n // config.chunked_min + 1:
         raise ValueError(f"fused_update: runs with {runs.mid.shape[0]} mid and {runs.long.shape[0]} long slots were "
                          f"not built with small_run_max={small}, long_run={long_run}, "
-                         f"split_chunk={config.split_chunk} (this config's)")
+                         f"split_chunk={config.mid_chunk} (this config's)")
     ranges = task_ranges(runs, layout, n, config)
     g_flat = g_out.reshape(-1)
     n_slots = opt.num_slots if opt is not None else 0
@@ -114,8 +114,11 @@ def fused_update(
     max_chunks = config.max_chunks(n)  # chunk task slots (`runs.chunk_tasks`)
     # Every launch gets the full program count (scaling a class's programs by its share of the
     # tables measured slower: dims-20261130-164044).
+    # The mid/chunk launch walks the mid runs and the chunk tasks; the long-run launch walks the chunked runs' list
+    # (`runs.long`, half the chunk slots or fewer): programs past its length would only check and exit.
     p_mid = max(1, min(max_programs, runs.mid.shape[0]))
-    p_long = max(1, min(max_programs, max_chunks))
+    p_chunk = max(1, min(max_programs, max_chunks))
+    p_long = max(1, min(max_programs, runs.long.shape[0]))
 
     keys = [layout.key(g) for g in range(len(layout.dims))]
     prefetch = bool(config.prefetch if config.prefetch is not None else all(
@@ -170,7 +173,7 @@ def fused_update(
                 sum(programs), [rng, hyper, runs.run_start, runs.run_key] + common,
                 [g for seg in group for g in seg.buffers],
                 plgpu.CompilerParams(num_warps=max(warps), num_stages=1))
-    p_mc = max(p_mid, p_long)
+    p_mc = max(p_mid, p_chunk)
     # One mid/chunk launch and one long-run launch per memory kind (device segments, then host ones: each kind's
     # segments are contiguous in key order, `runs.width_classes`); a device-only model has one of each.
     for loc in dict.fromkeys(seg.location for seg in segs):
@@ -179,7 +182,7 @@ def fused_update(
         part_shape = jax.ShapeDtypeStruct((max_chunks, max(seg.width for seg in mine)), jnp.float32)
         part, = aliased(functools.partial(mid_chunk_kernel, opt=opt, segs=mine, k=k, programs=p_mc, scaled=scaled,
                                           prefetch=prefetch, align=align, long_run=long_run,
-                                          split_chunk=config.split_chunk),
+                                          split_chunk=config.mid_chunk),
                         "tbe_backward_mid_runs_chunks", p_mc,
                         [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
                         bufs, extra=[part_shape])

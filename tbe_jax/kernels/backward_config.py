@@ -66,12 +66,12 @@ class BackwardConfig:
         and keys each of them compares against per step (default 256, a multiple of `rank_sort_block_i`); both
         powers of 2.
       rank_sort_merge_block: keys per program of the counting-rank sort's merge pass (default 256, a power of 2).
-      rank_sort_wide_block: 0 (default): the merge pass searches a key's other chunks one after another, a chain of
-        log2(`rank_sort_chunk`) dependent loads per chunk; K (a power of 2 dividing `rank_sort_chunk`): K keys a
-        program search all chunks at once, one `[K, chunks]` gather a halving step (`ranksort._wide_merge_kernel`).
-        Opt-in until timed: the serial merge took 18 of a 61 us update of 17k lookups on an H100 (session 52).
-        The tile grows with N / `rank_sort_chunk` (padded to a power of 2): at K 32, 37 registers at 24576 keys,
-        71 at 65536 with chunks of 1024 (offline sm_90a); keep K * chunks within ~2048 past that.
+      rank_sort_wide_block: K keys a program of the merge pass, which searches all other chunks at once (one
+        `[K, chunks]` gather a halving step, `ranksort._wide_merge_kernel`; default 16, a power of 2 dividing
+        `rank_sort_chunk`) while K times the chunk count (padded to a power of 2) is at most 512, and one chunk
+        after another past that (the tile's registers grow with it); 0: always one after another, a chain of
+        log2(`rank_sort_chunk`) dependent loads per chunk. On an H100 the wide merge took an update of 17k
+        lookups from 0.060 to 0.051 ms (session 53).
       merge_width: segments of this tile width or less (the narrow ones) share one small-run launch with the
         segment before them, each keeping its own programs (default 32; 0: one launch per segment).
       narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
@@ -83,12 +83,14 @@ class BackwardConfig:
         (default 8, >= 1); longer ones are mid runs (one task each) or long runs.
       long_run: runs of at least this many lookups are long runs, split into chunks of this many lookups for the
         two-pass chunk and long-run kernels (default 256, above `small_run_max`).
-      split_chunk: 0 (default) or a chunk length C: runs of 2C to `long_run` - 1 lookups are split into chunks of
-        C too (the chunk and long-run kernels, as long runs), not one mid-run task each. Where a batch's longest
-        mid runs set the mid-run kernel's time (a few hundred of ~250 lookups: 32 dependent steps a task), C 64
-        cuts it 4x; where mid tasks already fill the GPU, the chunks' partial pass costs more than it saves.
-        Opt-in: the run-length histogram that decides it is known only on the device. The chunk workspace grows
-        to `(2 N / C + 1, width)` fp32.
+      split_chunk: a chunk length C: runs of 2C to `long_run` - 1 lookups are split into chunks of C too (the
+        chunk and long-run kernels, as long runs), not one mid-run task each; runs of `long_run` or more keep
+        chunks of `long_run` (a hot row's partials stay few). None (default): `long_run` // 4 (64 by default)
+        where `small_run_max` < 2C < `long_run`, else 0; 0: no mid run is chunked. Where a batch's longest mid
+        runs set the mid-run kernel's time (a few hundred of ~250 lookups: 32 dependent steps a task), C 64
+        quarters the longest task: on an H100 it took 11-19% off such updates (s083, s098, s109, s148) and up
+        to 7% where runs of 128-255 lookups are many (s040, s063), at a cost of up to ~4% (the longer chunk
+        lists) on updates with no such runs (session 53). The chunk workspace is `(2 N / C + 1, width)` fp32.
       long_block: chunk partials the long-run kernel sums per step, one `[long_block, width]` load (default 16,
         a power of 2): a hot row's thousands of chunks take that many times fewer dependent steps.
       segment_buffers: most storage buffers per segment: a width class (of one row alignment) with more buffers
@@ -117,13 +119,13 @@ class BackwardConfig:
     rank_sort_block_i: int = 16
     rank_sort_block_j: int = 256
     rank_sort_merge_block: int = 256
-    rank_sort_wide_block: int = 0
+    rank_sort_wide_block: int = 16
     merge_width: int = 32
     narrow_block: int = 32
     narrow_sort_keys: bool = True
     small_run_max: int = 8
     long_run: int = 256
-    split_chunk: int = 0
+    split_chunk: int | None = None
     long_block: int = 16
     segment_buffers: int = 8
     keys_block: int = 1024
@@ -139,14 +141,22 @@ class BackwardConfig:
         return resolve(self.programs, 8192), resolve(self.small_programs, 4096)
 
     @property
+    def mid_chunk(self) -> int:
+        """`split_chunk` resolved: the chunk length of chunked mid runs, 0 when none is chunked."""
+        if self.split_chunk is not None:
+            return self.split_chunk
+        c = self.long_run // 4
+        return c if self.small_run_max < 2 * c < self.long_run else 0
+
+    @property
     def chunked_min(self) -> int:
-        """The shortest run split into chunks: `long_run`, or `2 * split_chunk` when that is set."""
-        return 2 * self.split_chunk if self.split_chunk else self.long_run
+        """The shortest run split into chunks: `long_run`, or `2 * mid_chunk` when that is set."""
+        return 2 * self.mid_chunk if self.mid_chunk else self.long_run
 
     def max_chunks(self, n: int) -> int:
         """Chunk task slots for `n` lookups: a run of L >= `chunked_min` lookups has at most 2 L / c chunks
-        (c its chunk length, `long_run` or `split_chunk`), so at most 2 n / c_min + 1 in all."""
-        return 2 * n // (self.split_chunk or self.long_run) + 1
+        (c its chunk length, `long_run` or `mid_chunk`), so at most 2 n / c_min + 1 in all."""
+        return 2 * n // (self.mid_chunk or self.long_run) + 1
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
@@ -181,8 +191,8 @@ class BackwardConfig:
         if not _count(wb) or wb < 0 or (wb and (not _pow2(wb) or self.rank_sort_chunk % wb)):
             bad("rank_sort_wide_block", f"0 or a power of two dividing rank_sort_chunk={self.rank_sort_chunk}")
         sc = self.split_chunk
-        if not _count(sc) or sc < 0 or (sc and not self.small_run_max < 2 * sc < self.long_run):
-            bad("split_chunk", f"0 or an int C with small_run_max={self.small_run_max} < 2 C < "
+        if sc is not None and (not _count(sc) or sc < 0 or (sc and not self.small_run_max < 2 * sc < self.long_run)):
+            bad("split_chunk", f"None, 0 or an int C with small_run_max={self.small_run_max} < 2 C < "
                 f"long_run={self.long_run}")
         for name in ("small_block", "lookups_per_step", "long_block"):
             v = getattr(self, name)

@@ -146,7 +146,7 @@ def task_ranges(runs: Runs, layout: StorageLayout, n: int, config: BackwardConfi
 
     long_keys = keys(runs.long, n_long)
     chunk_run = chunk_tasks(runs.run_start, runs.long, runs.long_chunk0, n, config.long_run,
-                            config.split_chunk)[0]
+                            config.mid_chunk)[0]
     chunk_keys = jnp.where(jnp.arange(chunk_run.shape[0]) < n_chunks, long_keys[chunk_run], total)
 
     def bounds(keys):  # searchsorted(keys, bases, "left") as one fused compare-and-count pass: no device

@@ -16,7 +16,7 @@ stable order is its rank, counted:
 2. Merge ranks (`_merge_kernel`, several chunks): the chunk-sorted keys are sorted runs, and a key's rank is its
    rank in its own chunk plus, per other chunk, a binary search: the keys <= it in earlier chunks (their positions
    are all smaller), the keys < it in later ones. Then keys and payloads (gathered through the saved positions) go
-   to their ranks. `_wide_merge_kernel` (opt-in, `BackwardConfig.rank_sort_wide_block`) runs a key's searches in
+   to their ranks. `_wide_merge_kernel` (`BackwardConfig.rank_sort_wide_block`, up to 16 chunks) runs a key's searches in
    all other chunks at once instead of one chunk after another.
 
 Every output slot is written exactly once: no atomics, no initialisation, the same result run to run. The work is
@@ -34,6 +34,11 @@ import jax.numpy as jnp
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 
 _FAR = 2**31 - 1  # the key of positions past the end: above every key, counted by neither test
+# The wide merge's `[wide_block, chunks]` tile (chunks padded to a power of 2) at most this many keys; past it the
+# serial merge. On an H100 (`results/probe-ranksort-wide-20261207-s53-NVIDIA_H100.json`) the wide merge at 16 or 32
+# keys a program took 0.016-0.022 ms against the serial's 0.027-0.036 at 17k-24k keys (12 chunks of 2048), and
+# lost from 21 chunks on (41k keys: 0.072-0.077 against 0.060; 64 chunks: 3x slower).
+_WIDE_TILE_MAX = 512
 
 
 def _chunk_kernel(key_ref, *refs, n, n_payload, block_i, block_j, chunk, final):
@@ -148,7 +153,8 @@ def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int,
     and of `merge_block`, itself a multiple of `block_i`): positions ranked by direct comparison; larger inputs
     take the merge pass. The four sizes: `BackwardConfig.rank_sort_*` (`block_i`, `block_j` and `merge_block`
     powers of 2). `wide_block` (`BackwardConfig.rank_sort_wide_block`; a power of 2 dividing `chunk`, or 0): the
-    merge pass searches all other chunks at once, `wide_block` keys a program (`_wide_merge_kernel`)."""
+    merge pass searches all other chunks at once, `wide_block` keys a program (`_wide_merge_kernel`), while its
+    tile, `wide_block` times the chunk count padded to a power of 2, stays within 512 keys; serially past that."""
     n = keys.shape[0]
     if keys.dtype != jnp.int32:
         raise TypeError(f"rank_sort: keys must be int32, got {keys.dtype}")
@@ -175,9 +181,10 @@ def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int,
     if final:
         return tuple(res)
     ckey, cpos = res
-    if wide_block:
+    chunks_p2 = 1 << (pl.cdiv(n, chunk) - 1).bit_length()
+    if wide_block and wide_block * chunks_p2 <= _WIDE_TILE_MAX:
         merge = functools.partial(_wide_merge_kernel, n=n, n_payload=len(payloads), chunk=chunk, block=wide_block,
-                                  chunks_p2=1 << (pl.cdiv(n, chunk) - 1).bit_length())
+                                  chunks_p2=chunks_p2)
         merge_block = wide_block
     else:
         merge = functools.partial(_merge_kernel, n=n, n_payload=len(payloads), chunk=chunk, block=merge_block)
