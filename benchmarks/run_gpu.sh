@@ -97,18 +97,6 @@
 #              lookups, seed 20261207's backward shards of 2.2-2.8x enqueued over device: XLA's CUB sort thunk
 #              breaks the step's CUDA graph) with `rank_sort_max` 24576 (default), 65536 and 131072
 #              -> probe-sort-enqueue.json
-#   split-chunk (~300 s) `BackwardConfig.split_chunk` (runs of 2C..255 lookups chunked in C) compiled first (its
-#              tests; backward fuzz seeds 920820-920849, 9 of them with it), then 0 / 64 / 32 on 23 of the shards
-#              `long_run` 64 was tried on (session 52: gains to 30% where the longest mid runs set the time, losses
-#              to 15% elsewhere, s108 doubled by its hot row's 4x partials, which `split_chunk` leaves at 256)
-#              -> split-chunk-tests.log, probe-split-chunk.json
-#   rank-merge (~250 s) `BackwardConfig.rank_sort_wide_block` (the rank sort's merge searching all chunks at once)
-#              compiled first (the rank-sort tests), then `probe_ranksort` at 4k-128k keys (serial merge / wide 16,
-#              32, 64; chunks of 512-2048: with the wide merge, smaller chunks cost the merge little) and
-#              `probe_backward` on seed 20261207's updates of 7k-44k lookups: the default, wide 32 (chunks 2048,
-#              1024), wide 16 at chunks of 512, and wide 32 with `rank_sort_max` 65536 (past 24576 today's XLA sort
-#              breaks the step's CUDA graph)
-#              -> rank-merge-tests.log, probe-ranksort-wide.json, probe-rank-merge.json
 #   pallas-gemm (~90 s) a Pallas TF32 matmul (5 tile configs) against XLA's cuBLAS gemm on the DCNv2 cross layer's
 #              shapes at B 65536, and the z gemm with the layer's elementwise epilogue (issue 38's one lever left)
 #              -> probe-pallas-gemm.json, pallas-gemm.log
@@ -267,25 +255,6 @@ for stage in "$@"; do
           '{"lookups_per_step": 16}' \
           --out "$OUT/probe-long-warps.json" 2>&1 \
           | grep --line-buffered -v Warning | cut -c1-260 ;;
-    split-chunk) timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_tuning_fields.py \
-          tests/test_backward.py -k "split or chunk_tasks or long_block" > "$OUT/split-chunk-tests.log" 2>&1
-        tail -2 "$OUT/split-chunk-tests.log"
-        timeout 150 python3 tests/fuzz_kernels.py backward --gpu --seed 920820 --cases 30 2>&1 | grep -v Warning \
-          | tail -2 | tee -a "$OUT/split-chunk-tests.log"
-        timeout 280 python3 -m benchmarks probe_backward --seed 20261207 \
-          --shards s109,s148,s098,s083,s164,s132,s174,s138,s224,s160,s157,s108,s013,s040,s218,s063,s136,s042,s097,\
-s037,zipf,fp32,dlrmv2 --variants '{}' '{"split_chunk": 64}' '{"split_chunk": 32}' \
-          --out "$OUT/probe-split-chunk.json" 2>&1 | grep --line-buffered -v Warning | cut -c1-220 ;;
-    rank-merge) timeout 120 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_tuning_fields.py \
-          -k "rank_sort or wide" > "$OUT/rank-merge-tests.log" 2>&1; tail -2 "$OUT/rank-merge-tests.log"
-        timeout 120 python3 -m benchmarks probe_ranksort --sizes 4096,8192,17376,24576,41417,65536,131072 \
-          --ranges 1000000 --chunks 512,1024,2048 --wide 0,16,32,64 --out "$OUT/probe-ranksort-wide.json" 2>&1 \
-          | grep -v Warning | cut -c1-240
-        timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
-          --shards s042,s097,s109,s224,s016,s024,s071,s193,s179,s148,s098,s083 --variants '{}' \
-          '{"rank_sort_wide_block": 32}' '{"rank_sort_wide_block": 32, "rank_sort_chunk": 1024}' \
-          '{"rank_sort_wide_block": 16, "rank_sort_chunk": 512}' '{"rank_sort_wide_block": 32, "rank_sort_max": 65536}' \
-          --out "$OUT/probe-rank-merge.json" 2>&1 | grep --line-buffered -v Warning | cut -c1-260 ;;
     sort-enqueue) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
           --shards s193,s138,s024,s016,s071,s179,s037,s203 \
           --variants '{}' '{"rank_sort_max": 65536}' '{"rank_sort_max": 131072}' --out "$OUT/probe-sort-enqueue.json" \
@@ -338,6 +307,6 @@ s037,zipf,fp32,dlrmv2 --variants '{}' '{"split_chunk": 64}' '{"split_chunk": 32}
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps split-chunk rank-merge sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
