@@ -146,6 +146,18 @@ def test_long_block_sums_many_chunks(rng, monkeypatch):
         seen.clear()
 
 
+def test_split_chunk_default_follows_long_run():
+    """`split_chunk` None (the default) is `long_run` // 4 where that chunks some mid runs (`small_run_max` < 2C <
+    `long_run`), else 0, so a config with a short `long_run` stays valid; a value given is used as given."""
+    cfg = tbe_jax.BackwardConfig
+    assert cfg().mid_chunk == 64 and cfg().chunked_min == 128 and cfg().max_chunks(1000) == 2 * 1000 // 64 + 1
+    assert cfg(small_run_max=2, long_run=16).mid_chunk == 4 and cfg(long_run=16).mid_chunk == 0
+    assert cfg(small_run_max=2, long_run=4).mid_chunk == 0 and cfg(long_run=128).mid_chunk == 32
+    assert dataclasses.replace(cfg(), small_run_max=2, long_run=3).chunked_min == 3
+    assert cfg(split_chunk=0).mid_chunk == 0 and cfg(split_chunk=0).chunked_min == 256
+    assert cfg(split_chunk=100).mid_chunk == 100 and cfg(split_chunk=100).chunked_min == 200
+
+
 def test_split_chunk_chunks_mid_runs(rng):
     """`split_chunk` 3 at `long_run` 16: runs of 6-15 lookups are chunked in threes, longer ones in sixteens, shorter
     ones stay mid runs (one task) or small: the update equals the XLA reference's, weighted, two widths."""

@@ -71,7 +71,7 @@ class BackwardConfig:
         `rank_sort_chunk`) while K times the chunk count (padded to a power of 2) is at most 512, and one chunk
         after another past that (the tile's registers grow with it); 0: always one after another, a chain of
         log2(`rank_sort_chunk`) dependent loads per chunk. On an H100 the wide merge took an update of 17k
-        lookups from 0.060 to 0.051 ms (session 53).
+        lookups from 0.061 to 0.050 ms (session 53).
       merge_width: segments of this tile width or less (the narrow ones) share one small-run launch with the
         segment before them, each keeping its own programs (default 32; 0: one launch per segment).
       narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
@@ -89,7 +89,7 @@ class BackwardConfig:
         where `small_run_max` < 2C < `long_run`, else 0; 0: no mid run is chunked. Where a batch's longest mid
         runs set the mid-run kernel's time (a few hundred of ~250 lookups: 32 dependent steps a task), C 64
         quarters the longest task: on an H100 it took 11-19% off such updates (s083, s098, s109, s148) and up
-        to 7% where runs of 128-255 lookups are many (s040, s063), at a cost of up to ~4% (the longer chunk
+        to 7% where runs of 128-255 lookups are many (s040, s063), at a cost of up to 2.7% (the longer chunk
         lists) on updates with no such runs (session 53). The chunk workspace is `(2 N / C + 1, width)` fp32.
       long_block: chunk partials the long-run kernel sums per step, one `[long_block, width]` load (default 16,
         a power of 2): a hot row's thousands of chunks take that many times fewer dependent steps.
