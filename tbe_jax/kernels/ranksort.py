@@ -16,8 +16,8 @@ stable order is its rank, counted:
 2. Merge ranks (`_merge_kernel`, several chunks): the chunk-sorted keys are sorted runs, and a key's rank is its
    rank in its own chunk plus, per other chunk, a binary search: the keys <= it in earlier chunks (their positions
    are all smaller), the keys < it in later ones. Then keys and payloads (gathered through the saved positions) go
-   to their ranks. `_wide_merge_kernel` (`BackwardConfig.rank_sort_wide_block`, up to 16 chunks) runs a key's searches in
-   all other chunks at once instead of one chunk after another.
+   to their ranks. `_wide_merge_kernel` (`BackwardConfig.rank_sort_wide_block`, while its tile holds at most 512
+   keys) runs a key's searches in all other chunks at once instead of one chunk after another.
 
 Every output slot is written exactly once: no atomics, no initialisation, the same result run to run. The work is
 N * chunk compares plus N * (N / chunk) * log2(chunk) search steps; `BackwardConfig.rank_sort_max` says up to which
