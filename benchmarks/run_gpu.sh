@@ -88,6 +88,9 @@
 #              1 (one chunk partial a step, as before session 51) against the default 8 and two warps on
 #              seed 20261207's long-run shards, and two warps on its D > 128 shards with few mid-run tasks
 #              -> long-block-tests.log, probe-long-block.json, probe-bwd-warps-wide.json
+#   backward-tests (~300 s) the backward's test files compiled (test_backward.py, test_optimizers.py, test_grad.py)
+#              and 40 backward fuzz cases on the defaults (session 53 moved `split_chunk` and the rank sort's merge;
+#              a 130 s run covered only part of test_backward.py) -> backward-tests.log
 #   long-warps (~150 s) the long-run kernel's warps alone (`BackwardConfig.long_num_warps` 2 and 4, with `long_block`
 #              8 and 16), and shorter chunks (`long_run` 128, 64: a mid run of up to 255 lookups is one task's
 #              serial chain of 32 steps) and 16 lookups a step (`lookups_per_step`) on seed 20261207's shards
@@ -255,6 +258,10 @@ for stage in "$@"; do
           '{"lookups_per_step": 16}' \
           --out "$OUT/probe-long-warps.json" 2>&1 \
           | grep --line-buffered -v Warning | cut -c1-260 ;;
+    backward-tests) timeout 330 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
+          tests/test_grad.py > "$OUT/backward-tests.log" 2>&1; tail -3 "$OUT/backward-tests.log"
+        timeout 150 python3 tests/fuzz_kernels.py backward --gpu --seed 931000 --cases 40 2>&1 | grep -v Warning \
+          | tail -2 | tee -a "$OUT/backward-tests.log" ;;
     sort-enqueue) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
           --shards s193,s138,s024,s016,s071,s179,s037,s203 \
           --variants '{}' '{"rank_sort_max": 65536}' '{"rank_sort_max": 131072}' --out "$OUT/probe-sort-enqueue.json" \
@@ -307,6 +314,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
