@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tbe_jax.kernels.backward_config import BackwardConfig
+from tbe_jax.kernels.backward_config import BackwardConfig, chunk_slots
 from tbe_jax.preprocess import lookup_coefficients, output_rows
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
@@ -64,7 +64,7 @@ def chunk_tasks(run_start, long, long_chunk0, n: int, long_run: int, split_chunk
     `long_chunk0[-1]`; the slots past it hold clamped values never read) its index into `long`
     (`searchsorted(long_chunk0, t, "right") - 1`) and its first sorted lookup, in XLA ops. The kernels find
     both themselves (`backward.chunk_task`); this serves `backward.task_ranges` without the run-length pass's edges."""
-    max_chunks = 2 * n // (split_chunk or long_run) + 1
+    max_chunks = chunk_slots(n, long_run, split_chunk)
     n_long_max = long.shape[0]
     t = jnp.arange(max_chunks, dtype=jnp.int32)
     # The long runs whose chunks end at or before t, as a scatter of each run's chunk end and a prefix sum

@@ -18,6 +18,12 @@ def _count(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def chunk_slots(n: int, long_run: int, split_chunk: int) -> int:
+    """Chunk task slots for `n` lookups: a run of L >= `chunked_min` lookups has at most 2 L / c chunks (c its chunk
+    length, `long_run` or `split_chunk`, the smaller bounding them), so at most 2 n / c + 1 in all."""
+    return 2 * n // (split_chunk or long_run) + 1
+
+
 def _pow2(v) -> bool:
     return _count(v) and v >= 1 and not v & (v - 1)
 
@@ -154,9 +160,8 @@ class BackwardConfig:
         return 2 * self.mid_chunk if self.mid_chunk else self.long_run
 
     def max_chunks(self, n: int) -> int:
-        """Chunk task slots for `n` lookups: a run of L >= `chunked_min` lookups has at most 2 L / c chunks
-        (c its chunk length, `long_run` or `mid_chunk`), so at most 2 n / c_min + 1 in all."""
-        return 2 * n // (self.mid_chunk or self.long_run) + 1
+        """Chunk task slots for `n` lookups (`chunk_slots` at this config's `long_run` and `mid_chunk`)."""
+        return chunk_slots(n, self.long_run, self.mid_chunk)
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
