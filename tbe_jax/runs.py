@@ -232,7 +232,8 @@ def build_runs(
         skey, ssrc, *rest = rank_sort(key, src, *(() if unit else (scale,)), interpret=interpret,
                                       block_i=config.rank_sort_block_i, block_j=config.rank_sort_block_j,
                                       chunk=config.rank_sort_chunk, merge_block=config.rank_sort_merge_block,
-                                      wide_block=config.rank_sort_wide_block)
+                                      wide_block=config.rank_sort_wide_block,
+                                      wide_tile=config.rank_sort_wide_tile)
         sscale = rest[0] if rest else None
     elif unit:
         # No scale to carry: sort the output offsets themselves (the stable sort keeps

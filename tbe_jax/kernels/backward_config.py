@@ -74,10 +74,14 @@ class BackwardConfig:
       rank_sort_merge_block: keys per program of the counting-rank sort's merge pass (default 256, a power of 2).
       rank_sort_wide_block: K keys a program of the merge pass, which searches all other chunks at once (one
         `[K, chunks]` gather a halving step, `ranksort._wide_merge_kernel`; default 16, a power of 2 dividing
-        `rank_sort_chunk`) while K times the chunk count (padded to a power of 2) is at most 512, and one chunk
-        after another past that (the tile's registers grow with it); 0: always one after another, a chain of
+        `rank_sort_chunk`) while K times the chunk count (padded to a power of 2) is at most
+        `rank_sort_wide_tile`, and one chunk after another past that; 0: always one after another, a chain of
         log2(`rank_sort_chunk`) dependent loads per chunk. On an H100 the wide merge took an update of 17k
         lookups from 0.061 to 0.050 ms (session 53).
+      rank_sort_wide_tile: the wide merge's largest tile, K times the padded chunk count (default 512: its
+        registers grow with the tile; on an H100 the merge at 16 or 32 keys a program took 0.016-0.022 ms against
+        the serial 0.027-0.036 at 12 chunks of 2048 and lost from 21 chunks on, 41k keys 0.072-0.077 against
+        0.060: `benchmarks/results/probe-ranksort-wide-20261207-s53-NVIDIA_H100.json`).
       merge_width: segments of this tile width or less (the narrow ones) share one small-run launch with the
         segment before them, each keeping its own programs (default 32; 0: one launch per segment).
       narrow_block: runs per small-run block of those narrow segments (SGD or row-wise state, `small_block`
@@ -126,6 +130,7 @@ class BackwardConfig:
     rank_sort_block_j: int = 256
     rank_sort_merge_block: int = 256
     rank_sort_wide_block: int = 16
+    rank_sort_wide_tile: int = 512
     merge_width: int = 32
     narrow_block: int = 32
     narrow_sort_keys: bool = True
@@ -171,7 +176,7 @@ class BackwardConfig:
         def bad(name, want):
             raise ValueError(f"BackwardConfig.{name}={getattr(self, name)!r} must be {want}")
 
-        for name in ("rank_sort_max", "merge_width", "narrow_block"):
+        for name in ("rank_sort_max", "rank_sort_wide_tile", "merge_width", "narrow_block"):
             v = getattr(self, name)
             if not _count(v) or v < 0:
                 bad(name, "an int >= 0")

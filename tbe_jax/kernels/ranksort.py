@@ -16,8 +16,8 @@ stable order is its rank, counted:
 2. Merge ranks (`_merge_kernel`, several chunks): the chunk-sorted keys are sorted runs, and a key's rank is its
    rank in its own chunk plus, per other chunk, a binary search: the keys <= it in earlier chunks (their positions
    are all smaller), the keys < it in later ones. Then keys and payloads (gathered through the saved positions) go
-   to their ranks. `_wide_merge_kernel` (`BackwardConfig.rank_sort_wide_block`, while its tile holds at most 512
-   keys) runs a key's searches in all other chunks at once instead of one chunk after another.
+   to their ranks. `_wide_merge_kernel` (`BackwardConfig.rank_sort_wide_block`, while its tile holds at most
+   `rank_sort_wide_tile` keys) runs a key's searches in all other chunks at once instead of one chunk after another.
 
 Every output slot is written exactly once: no atomics, no initialisation, the same result run to run. The work is
 N * chunk compares plus N * (N / chunk) * log2(chunk) search steps; `BackwardConfig.rank_sort_max` says up to which
@@ -34,11 +34,6 @@ import jax.numpy as jnp
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 
 _FAR = 2**31 - 1  # the key of positions past the end: above every key, counted by neither test
-# The wide merge's `[wide_block, chunks]` tile (chunks padded to a power of 2) at most this many keys; past it the
-# serial merge. On an H100 (`results/probe-ranksort-wide-20261207-s53-NVIDIA_H100.json`) the wide merge at 16 or 32
-# keys a program took 0.016-0.022 ms against the serial's 0.027-0.036 at 17k-24k keys (12 chunks of 2048), and
-# lost from 21 chunks on (41k keys: 0.072-0.077 against 0.060; 64 chunks: 3x slower).
-_WIDE_TILE_MAX = 512
 
 
 def _chunk_kernel(key_ref, *refs, n, n_payload, block_i, block_j, chunk, final):
@@ -146,7 +141,7 @@ def _wide_merge_kernel(ckey_ref, cpos_ref, *refs, n, n_payload, chunk, block, ch
 
 
 def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int, chunk: int, merge_block: int,
-              wide_block: int = 0, interpret: bool = False):
+              wide_block: int = 0, wide_tile: int = 512, interpret: bool = False):
     """`(sorted keys, *payloads in that order)`: `jax.lax.sort((keys, *payloads), num_keys=1, is_stable=True)`.
 
     `keys`: `[N]` int32 below 2**31 - 1; each payload `[N]` (any 32-bit dtype). `chunk` (a multiple of `block_j`
@@ -154,7 +149,8 @@ def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int,
     take the merge pass. The four sizes: `BackwardConfig.rank_sort_*` (`block_i`, `block_j` and `merge_block`
     powers of 2). `wide_block` (`BackwardConfig.rank_sort_wide_block`; a power of 2 dividing `chunk`, or 0): the
     merge pass searches all other chunks at once, `wide_block` keys a program (`_wide_merge_kernel`), while its
-    tile, `wide_block` times the chunk count padded to a power of 2, stays within 512 keys; serially past that."""
+    tile, `wide_block` times the chunk count padded to a power of 2, holds at most `wide_tile` keys
+    (`BackwardConfig.rank_sort_wide_tile`); serially past that."""
     n = keys.shape[0]
     if keys.dtype != jnp.int32:
         raise TypeError(f"rank_sort: keys must be int32, got {keys.dtype}")
@@ -182,7 +178,7 @@ def rank_sort(keys: jax.Array, *payloads: jax.Array, block_i: int, block_j: int,
         return tuple(res)
     ckey, cpos = res
     chunks_p2 = 1 << (pl.cdiv(n, chunk) - 1).bit_length()
-    if wide_block and wide_block * chunks_p2 <= _WIDE_TILE_MAX:
+    if wide_block and wide_block * chunks_p2 <= wide_tile:
         merge = functools.partial(_wide_merge_kernel, n=n, n_payload=len(payloads), chunk=chunk, block=wide_block,
                                   chunks_p2=chunks_p2)
         merge_block = wide_block
