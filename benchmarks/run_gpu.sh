@@ -91,6 +91,12 @@
 #   backward-tests (~300 s) the backward's test files compiled (test_backward.py, test_optimizers.py, test_grad.py)
 #              and 40 backward fuzz cases on the defaults (session 53 moved `split_chunk` and the rank sort's merge;
 #              a 130 s run covered only part of test_backward.py) -> backward-tests.log
+#   narrow-ab  (~480 s; ab_old/ = the commit before the run-length passes read narrow keys, made here first:
+#              `git archive REF tbe_jax benchmarks | tar -x -C ab_old`; carry=["ab_old"]) the backward's tests of
+#              those passes and of `step_width` compiled, 20 fuzz cases, then `probe_backward` with
+#              `BackwardConfig.step_width` 0 / 128 on narrow-row shards ($SW_SHARDS) and the default update of
+#              ab_old/ on the narrow-key shards ($RLE_SHARDS: sorted by XLA with u8 / u16 keys; this tree's '{}'
+#              column is the other arm) -> narrow-tests.log, probe-step-width.json, probe-rle-old.json
 #   long-warps (~150 s) the long-run kernel's warps alone (`BackwardConfig.long_num_warps` 2 and 4, with `long_block`
 #              8 and 16), and shorter chunks (`long_run` 128, 64: a mid run of up to 255 lookups is one task's
 #              serial chain of 32 steps) and 16 lookups a step (`lookups_per_step`) on seed 20261207's shards
@@ -258,6 +264,17 @@ for stage in "$@"; do
           '{"lookups_per_step": 16}' \
           --out "$OUT/probe-long-warps.json" 2>&1 \
           | grep --line-buffered -v Warning | cut -c1-260 ;;
+    narrow-ab) o=$(cd "$OUT" && pwd)
+        timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_tuning_fields.py \
+          -k "narrow or rle or step_width or long_block or split_chunk" > "$o/narrow-tests.log" 2>&1
+        tail -2 "$o/narrow-tests.log"
+        timeout 100 python3 tests/fuzz_kernels.py backward --gpu --seed 933000 --cases 20 2>&1 | grep -v Warning \
+          | tail -1 | tee -a "$o/narrow-tests.log"
+        PB="python3 -m benchmarks probe_backward --seed 20261207"
+        timeout 250 $PB --shards "${SW_SHARDS:-s096,s000,s037,s138,s136,s016,s024,s115,s129,s119,s106,s192,s143,s135,s064,s036,s123,s063,s164,zipf}" \
+          --variants '{}' '{"step_width": 128}' --out "$o/probe-step-width.json" 2>&1 | grep -v Warning | tail -25
+        (cd ab_old && timeout 100 $PB --shards "${RLE_SHARDS:-s096,s000,s129,s064,s036,s123,s143,s063,zipf}" \
+          --variants '{}' --out "$o/probe-rle-old.json" 2>&1 | grep -v Warning | tail -14) ;;
     backward-tests) timeout 330 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
           tests/test_grad.py > "$OUT/backward-tests.log" 2>&1; tail -3 "$OUT/backward-tests.log"
         timeout 150 python3 tests/fuzz_kernels.py backward --gpu --seed 931000 --cases 40 2>&1 | grep -v Warning \

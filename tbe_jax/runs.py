@@ -206,8 +206,8 @@ def build_runs(
     From `config`: `rle_kernel`: find the runs and the mid and long run lists with the two Pallas passes of
     `kernels.rle` instead of XLA ops (same result); batches of at most `rank_sort_limit(interpret)` lookups are
     sorted by the counting-rank kernels (`kernels.ranksort`), others by XLA's sort; with `narrow_sort_keys` XLA's
-    sort takes the keys in the narrowest dtype that holds them (`sort_key_dtype`) and they are widened to int32
-    after it; `small_run_max` and `chunked_min` (`long_run`, or twice `split_chunk`) bound the run
+    sort takes the keys in the narrowest dtype that holds them (`sort_key_dtype`), which the run-length kernels
+    read as they are (the XLA ops widen them to int32 first); `small_run_max` and `chunked_min` (`long_run`, or twice `split_chunk`) bound the run
     classes; the preprocessing kernels' block sizes.
     `segment_bounds` (static keys, ascending): with the kernels, the runs' `seg_edges` counts the runs below each
     (`rle.encode(bounds=...)`).
@@ -243,7 +243,8 @@ def build_runs(
     else:
         skey, spos = jax.lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
         ssrc, sscale = src[spos], scale[spos]
-    skey = skey.astype(jnp.int32)
+    if not rle_kernel:  # the kernels read narrow keys as they are (no widening pass over N)
+        skey = skey.astype(jnp.int32)
     # Small runs need no list: the small-run kernel walks all runs in blocks and
     # skips the others. Only runs longer than `small` (at most n / (small + 1)) are
     # compacted over n; the mid/long split then works on that short list.

@@ -126,6 +126,10 @@ def run_case(mode: str, seed: int, interpret: bool):
                                        long_num_warps=int(runs.choice([0, 1, 2, 4])) or None)
             if bcfg.long_run == 16:  # runs of 2C..15 chunked in C (drawn last: the draws above stay as they were)
                 bcfg = dataclasses.replace(bcfg, split_chunk=int(runs.choice([0, 2, 3, 5])))
+            # narrow rows' wider steps (a stream of its own again: the draws above stay as they were)
+            steps = np.random.default_rng([seed, 4])
+            if steps.random() < 0.5:
+                bcfg = dataclasses.replace(bcfg, step_width=int(steps.choice([16, 64, 256])))
         emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, backward_config=bcfg, **kern, **kw)
         ref = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, impl="xla", **kw)
         params = emb.init(jax.random.key(seed))

@@ -504,6 +504,37 @@ def test_rle_kernel_matches_xla_ops(rng, case):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("dtype,total", [("uint8", 255), ("uint8", 97), ("uint16", 65535), ("uint16", 300)])
+def test_rle_kernel_reads_narrow_keys(rng, dtype, total):
+    """kernels.rle.encode on the narrow keys of XLA's sort (`runs.sort_key_dtype`, read and zero-extended in the
+    kernels: no widening pass) gives every output bitwise as the same keys in int32 do: the invalid key `total` at
+    the dtype's maximum (255, 65535) and below it, runs of S, S + 1 and L lookups, one across the block boundary,
+    keys 0 and total - 1, with segment bounds."""
+    from tbe_jax.kernels import rle
+
+    s, lg, block = CFG.small_run_max, CFG.long_run, CFG.rle_block
+    lengths = [1, s, s + 1, lg, 2, block + 3, 1, lg + 1, 3]
+    rows = np.sort(rng.choice(np.arange(1, total - 1), size=len(lengths) - 2, replace=False))
+    rows = np.concatenate([[0], rows, [total - 1]])  # the smallest and largest valid keys
+    skey = np.concatenate([np.repeat(rows, lengths), np.full(41, total)]).astype(np.int32)
+    n = len(skey)
+    bounds = tuple(sorted({1, int(rows[3]), int(rows[4]) + 1, total - 1, total}))
+    fn = jax.jit(functools.partial(
+        rle.encode, total=total, small=s, n_big_max=n // (s + 1) + 1, long=lg, n_long_max=n // lg + 1,
+        bounds=bounds, block=block, scan_chunk=CFG.scan_chunk, interpret=KERNEL_KW["interpret"]))
+    want, got = fn(jnp.asarray(skey)), fn(jnp.asarray(skey.astype(dtype)))
+    assert int(want[2]) == len(rows) and int(want[3]) == n - 41  # runs, valid lookups
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert x.dtype == jnp.int32, i
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(i))
+    with pytest.raises(ValueError, match="unsigned dtype holding"):
+        fn(jnp.asarray(skey.astype("int16")))
+    if dtype == "uint8":
+        with pytest.raises(ValueError, match="unsigned dtype holding"):
+            jax.jit(functools.partial(rle.encode, total=256, small=s, n_big_max=n, long=lg, n_long_max=n,
+                                      block=block, scan_chunk=CFG.scan_chunk))(jnp.asarray(skey.astype(dtype)))
+
+
 @pytest.mark.parametrize("rows,width", [(1, 1), (2500, 3), (1024, 2), (3000, 4)])
 def test_exclusive_scan(rng, rows, width):
     """kernels.scan.exclusive_scan (the per-block prefix sums of the rle and TT plan passes): one chunk, several

@@ -146,6 +146,33 @@ def test_long_block_sums_many_chunks(rng, monkeypatch):
         seen.clear()
 
 
+def test_step_width_scales_narrow_steps(rng, monkeypatch):
+    """`step_width` 64: segments of width 8 and 16 (dims 6 and 12) gather 8x / 4x `lookups_per_step` rows a step
+    and sum 8x / 4x `long_block` partials a step (captured kernel arguments), and the update still equals the
+    reference's, with mid runs, chunked runs and partial last steps; 0 leaves K and the block at every width."""
+    cfg = tbe_jax.BackwardConfig
+    assert cfg(step_width=128).steps_at(8, 16) == 64 and cfg(step_width=128).steps_at(16, 256) == 16
+    assert cfg().steps_at(8, 16) == 8 and cfg(step_width=16).steps_at(4, 32) == 4
+    seen = {}
+    real = bwd.pallas_call
+
+    def spy(kernel, **kw):
+        if isinstance(kernel, functools.partial) and kw["name"] in ("tbe_backward_mid_runs_chunks",
+                                                                     "tbe_backward_long_runs"):
+            seen[kw["name"]] = kernel.keywords.get("k", kernel.keywords.get("block"))
+        return real(kernel, **kw)
+
+    monkeypatch.setattr(bwd, "pallas_call", spy)
+    tables = specs([2, 30], [6, 12])
+    idx, off, psw = testing.make_batch(rng, [2, 30], [4, 4], [(10, 20), (3, 9)], weighted=True)
+    configs = [cfg(small_run_max=2, long_run=8, lookups_per_step=2, long_block=1, step_width=sw) for sw in (0, 64)]
+    for c, _ in _kernel_updates(rng, tables, idx, off, psw, configs, seed=4):
+        scale = (8, 4) if c.step_width else (1, 1)
+        assert seen["tbe_backward_mid_runs_chunks"] == tuple(2 * x for x in scale)
+        assert seen["tbe_backward_long_runs"] == scale
+        seen.clear()
+
+
 def test_split_chunk_default_follows_long_run():
     """`split_chunk` None (the default) is `long_run` // 4 where that chunks some mid runs (`small_run_max` < 2C <
     `long_run`), else 0, so a config with a short `long_run` stays valid; a value given is used as given."""
@@ -299,6 +326,7 @@ def test_tt_plan_block_sizes(rng):
 
 FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConfig, dict(long_run=128)),
           (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=2)),
+          (tbe_jax.BackwardConfig, dict(step_width=128)),
           (tbe_jax.BackwardConfig, dict(split_chunk=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_block=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_tile=64)),
@@ -365,6 +393,8 @@ def test_field_is_part_of_the_cache_key(cls, kw):
     (tbe_jax.BackwardConfig, dict(long_num_warps=0), "long_num_warps=0 must be >= 1"),
     (tbe_jax.BackwardConfig, dict(long_num_warps=2.0), "long_num_warps=2.0 must be >= 1"),
     (tbe_jax.BackwardConfig, dict(long_block=True), "long_block=True must be a power of two"),
+    (tbe_jax.BackwardConfig, dict(step_width=96), "step_width=96 must be 0 or a power of two"),
+    (tbe_jax.BackwardConfig, dict(step_width=True), "step_width=True must be 0 or a power of two"),
     (tbe_jax.BackwardConfig, dict(lookups_per_step=8.0), "lookups_per_step=8.0 must be a power of two"),
     (tbe_jax.BackwardConfig, dict(rank_sort_max=None), "rank_sort_max=None must be an int >= 0"),
     (tbe_jax.BackwardConfig, dict(rank_sort_wide_tile=-1), "rank_sort_wide_tile=-1 must be an int >= 0"),

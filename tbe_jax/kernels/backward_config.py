@@ -103,6 +103,10 @@ class BackwardConfig:
         lists) on updates with no such runs (session 53). The chunk workspace is `(2 N / C + 1, width)` fp32.
       long_block: chunk partials the long-run kernel sums per step, one `[long_block, width]` load (default 16,
         a power of 2): a hot row's thousands of chunks take that many times fewer dependent steps.
+      step_width: segments of a tile width W below this gather `lookups_per_step * step_width / W` rows a step
+        in the mid-run and chunk tasks and sum `long_block * step_width / W` partials a step in the long-run
+        kernel: a step moves as many elements as at width `step_width`, so a narrow row's run takes that many
+        times fewer dependent steps (`steps_at`). 0 (default): K and `long_block` at every width. A power of 2.
       segment_buffers: most storage buffers per segment: a width class (of one row alignment) with more buffers
         is split into segments, branches of the backward's launches (default 8, >= 1). The runs and the update
         of one step must use the same value (both read it from this config).
@@ -138,6 +142,7 @@ class BackwardConfig:
     long_run: int = 256
     split_chunk: int | None = None
     long_block: int = 16
+    step_width: int = 0
     segment_buffers: int = 8
     keys_block: int = 1024
     rle_block: int = 1024
@@ -167,6 +172,10 @@ class BackwardConfig:
     def max_chunks(self, n: int) -> int:
         """Chunk task slots for `n` lookups (`chunk_slots` at this config's `long_run` and `mid_chunk`)."""
         return chunk_slots(n, self.long_run, self.mid_chunk)
+
+    def steps_at(self, base: int, width: int) -> int:
+        """`base` rows a step (`lookups_per_step` or `long_block`) at tile width `width`, scaled by `step_width`."""
+        return base * max(1, self.step_width // width) if self.step_width else base
 
     def rank_sort_limit(self, interpret: bool) -> int:
         """The largest batch (lookups) sorted by the counting-rank kernel."""
@@ -204,6 +213,8 @@ class BackwardConfig:
         if sc is not None and (not _count(sc) or sc < 0 or (sc and not self.small_run_max < 2 * sc < self.long_run)):
             bad("split_chunk", f"None, 0 or an int C with small_run_max={self.small_run_max} < 2 C < "
                 f"long_run={self.long_run}")
+        if self.step_width and not _pow2(self.step_width):
+            bad("step_width", "0 or a power of two")
         for name in ("small_block", "lookups_per_step", "long_block"):
             v = getattr(self, name)
             if v is None and name == "small_block":

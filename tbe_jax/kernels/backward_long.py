@@ -26,7 +26,8 @@ def mid_chunk_kernel(rng_ref, hyper_ref, mid_ref, long_chunk0_ref, long_ref, run
                       split_chunk=0):
     """The mid-run tasks, then the chunk tasks, on the same persistent programs: one launch (two cost ~6 us more
     per step, even with no task). `refs`: the buffers' state (inputs, aliased outputs), then the chunk partials'
-    workspace. `long_run`, `split_chunk`: the chunk lengths (`BackwardConfig`, `runs.chunk_length`)."""
+    workspace. `long_run`, `split_chunk`: the chunk lengths (`BackwardConfig`, `runs.chunk_length`). `k`: rows
+    gathered a step, per segment (`BackwardConfig.steps_at`)."""
     _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref, scale_ref, g_ref,
                segment_states(refs[:-1], opt, segs), opt=opt, segs=segs, k=k, programs=programs, scaled=scaled,
                prefetch=prefetch, align=align)
@@ -45,7 +46,7 @@ def _mid_tasks(rng_ref, hyper_ref, mid_ref, run_start_ref, run_key_ref, src_ref,
         end = plgpu.load(run_start_ref.at[r + 1])
         key = plgpu.load(run_key_ref.at[r])
         col_ok = cols < seg.dims[0] if seg.single else cols_below(cols, seg.dim_of(key), align)
-        acc = gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+        acc = gather_sum(src_ref, scale_ref, g_ref, first, end, k=k[c], cols=cols, col_ok=col_ok, scaled=scaled,
                           prefetch=prefetch, align=align)
         _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 
@@ -99,7 +100,7 @@ def _chunk_partials(rng_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_r
             end = jnp.minimum(first + long_run, plgpu.load(run_start_ref.at[r + 1]))
         col_ok = (cols < seg.dims[0] if seg.single
                   else cols_below(cols, seg.dim_of(plgpu.load(run_key_ref.at[r])), align))
-        acc = gather_sum(src_ref, scale_ref, g_ref, first, end, k=k, cols=cols, col_ok=col_ok, scaled=scaled,
+        acc = gather_sum(src_ref, scale_ref, g_ref, first, end, k=k[c], cols=cols, col_ok=col_ok, scaled=scaled,
                           prefetch=prefetch, align=align)
         plgpu.store(part_ref.at[(t + jnp.zeros((1,), jnp.int32))[:, None], cols[None, :]], acc)
 
@@ -108,25 +109,26 @@ def _chunk_partials(rng_ref, long_chunk0_ref, long_ref, run_start_ref, run_key_r
 
 def long_kernel(rng_ref, hyper_ref, long_ref, long_chunk0_ref, run_key_ref, part_ref, *refs, opt, segs, programs,
                 block):
-    """One long run per task: the sum of its chunk partials, `block` partials a step (one `[block, width]` load,
+    """One long run per task: the sum of its chunk partials, `block[c]` partials a step in segment c (one
+    `[block, width]` load,
     summed over its rows, then added in chunk order: a fixed order, so the result is deterministic), one row
     update. A hot row of a Zipf batch has thousands of chunks: one partial a step made its task a serial chain of
     that many loads (0.28 ms of a 0.65 ms update on an H100, a 62-row table read 1.9M times)."""
     states = segment_states(refs, opt, segs)
-    j = jnp.arange(block, dtype=jnp.int32)
 
     def body(c, li):
-        seg = segs[c]
+        seg, blk = segs[c], block[c]
         cols = jnp.arange(seg.width, dtype=jnp.int32)
+        j = jnp.arange(blk, dtype=jnp.int32)
         c0 = plgpu.load(long_chunk0_ref.at[li])
         c1 = plgpu.load(long_chunk0_ref.at[li + 1])
 
         def add(i, acc):
-            ch = c0 + i * block + j
+            ch = c0 + i * blk + j
             tile = plgpu.load(part_ref.at[ch[:, None], cols[None, :]], mask=(ch < c1)[:, None], other=0.0)
             return acc + jnp.sum(tile, axis=0, keepdims=True)
 
-        acc = jax.lax.fori_loop(0, (c1 - c0 + block - 1) // block, add, jnp.zeros((1, seg.width), jnp.float32))
+        acc = jax.lax.fori_loop(0, (c1 - c0 + blk - 1) // blk, add, jnp.zeros((1, seg.width), jnp.float32))
         key = plgpu.load(run_key_ref.at[plgpu.load(long_ref.at[li])])
         _update_key_row(opt, hyper_ref, seg, states[c], key, acc, cols)
 

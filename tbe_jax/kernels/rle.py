@@ -38,18 +38,28 @@ from tbe_jax.pallas_compat import pallas_call, pl, plgpu
 from tbe_jax.kernels.scan import exclusive_scan
 
 
+def _key(skey_ref, at, mask, other=None):
+    """`skey_ref[at]` as int32 where `mask`, else `other` (None: a value equal to no valid key). Narrow unsigned keys
+    (`runs.sort_key_dtype`) are loaded as they are and widened here (zero-extended), so no pass over N widens them
+    before the kernels; their "no key" is the dtype's maximum (at least `total`: `encode` checks), not -1."""
+    if skey_ref.dtype == jnp.int32:
+        return plgpu.load(skey_ref.at[at], mask=mask, other=-1 if other is None else other)
+    fill = jnp.iinfo(skey_ref.dtype).max if other is None else other
+    return plgpu.load(skey_ref.at[at], mask=mask, other=jnp.asarray(fill, skey_ref.dtype)).astype(jnp.int32)
+
+
 def _flags(skey_ref, pid, *, n, total, small, long, block):
     """Per sorted lookup of the block: (position, key, valid, run start, per list whether it starts a run of it).
     Lists: the runs longer than `small` and shorter than `long`, and those of `long` or more."""
     j = pid * block + jnp.arange(block, dtype=jnp.int32)
     live = j < n
-    k = plgpu.load(skey_ref.at[j], mask=live, other=total)
-    prev = plgpu.load(skey_ref.at[j - 1], mask=live & (j > 0), other=-1)
-    far = plgpu.load(skey_ref.at[j + small], mask=j + small < n, other=-1)
+    k = _key(skey_ref, j, live, total)
+    prev = _key(skey_ref, j - 1, live & (j > 0))
+    far = _key(skey_ref, j + small, j + small < n)
     valid = k < total
     start = valid & (k != prev)
     big = start & (far == k)
-    is_long = start & (plgpu.load(skey_ref.at[j + long - 1], mask=j + long - 1 < n, other=-1) == k)
+    is_long = start & (_key(skey_ref, j + long - 1, j + long - 1 < n) == k)
     lists = (big & ~is_long, is_long)
     i32 = jnp.int32
     return j, k, valid.astype(i32), start.astype(i32), tuple(x.astype(i32) for x in lists)
@@ -99,15 +109,15 @@ def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds, blo
     whose key is b or more (position n, past the keys, if none; it reads as key `total`), into
     `edges_ref[b * len(slots) + c]`. Keys ascend, so that position is unique: each edge is written once."""
     j0 = pid * block
-    first_prev = plgpu.load(skey_ref.at[jnp.maximum(j0 - 1, 0)])
+    first_prev = plgpu.load(skey_ref.at[jnp.maximum(j0 - 1, 0)]).astype(jnp.int32)
     first_prev = jnp.where(j0 > 0, first_prev, -1)
     last = j0 + block - 1
-    last_key = jnp.where(last < n, plgpu.load(skey_ref.at[jnp.minimum(last, n - 1)]), total)
-    prev = plgpu.load(skey_ref.at[j - 1], mask=(j > 0) & (j <= n), other=-1)
+    last_key = jnp.where(last < n, plgpu.load(skey_ref.at[jnp.minimum(last, n - 1)]).astype(jnp.int32), total)
+    prev = _key(skey_ref, j - 1, (j > 0) & (j <= n))
     width = len(slots)
     for bi, b in enumerate(bounds):
         def write(bi=bi, b=b):
-            at = (j <= n) & (k >= b) & (prev < b)
+            at = (j <= n) & (k >= b) & ((prev < b) | (j == 0))
             for c, x in enumerate(slots):
                 plgpu.store(edges_ref.at[jnp.int32(bi * width + c)], jnp.sum(jnp.where(at, x, 0)))
 
@@ -116,7 +126,8 @@ def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds, blo
 
 def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int, n_long_max: int,
            block: int, scan_chunk: int, bounds: tuple[int, ...] = (), interpret: bool = False):
-    """Runs of the sorted keys `skey` ([N] int32, invalid keys == `total`, sorted last).
+    """Runs of the sorted keys `skey` ([N] int32, or the narrow unsigned dtype of `runs.sort_key_dtype(total)`;
+    invalid keys == `total`, sorted last).
 
     Returns (run_start [N + 1], run_key [N], num_runs, n_valid, mid [n_big_max], n_mid, long [n_long_max], n_long):
     run r spans sorted lookups [run_start[r], run_start[r + 1]); run_start past
@@ -129,6 +140,9 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     `[len(bounds) * 3]`: per bound, the numbers of runs, mid runs and long runs whose keys are below it.
     """
     n = skey.shape[0]
+    dt = jnp.dtype(skey.dtype)
+    if dt != jnp.int32 and not (jnp.issubdtype(dt, jnp.unsignedinteger) and jnp.iinfo(dt).max >= total):
+        raise ValueError(f"sorted keys of dtype {dt}: int32 or an unsigned dtype holding {total}")
     sizes = (n_big_max, n_long_max)
     if max(sizes) > n:
         raise ValueError(f"list sizes {sizes} must be <= N={n}")
