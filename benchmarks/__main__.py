@@ -31,6 +31,7 @@ Traces and probes (per-kernel time, one question each):
   profile_backward, profile_tt  the steps' pieces timed alone
   probe_forward   ForwardConfig variants on chosen sweep shards, device time
   probe_backward  BackwardConfig variants on chosen sweep shards, device time of the row-wise Adagrad update
+  probe_step_width  which compiled backward cases fail with `BackwardConfig.step_width` (a process per case)
   probe_step_memory  XLA memory analysis of the compiled DCNv2 step at MLPerf sizes (tables not allocated)
   probe_repair    the default mode's offsets repair and id counts
   probe_dcn_x0    the DCNv2 step's dense part with x0 = [h, pooled] built three ways (concat, barrier, in place)
@@ -87,6 +88,7 @@ SUITES = {
     "profile_tt": "benchmarks.profile_tt",
     "probe_forward": "benchmarks.probe_forward",
     "probe_backward": "benchmarks.probe_backward",
+    "probe_step_width": "benchmarks.probe_step_width",
     "probe_step_memory": "benchmarks.probe_step_memory",
     "probe_repair": "benchmarks.probe_repair",
     "probe_dcn_x0": "benchmarks.probe_dcn_x0",

@@ -89,8 +89,10 @@
 #              seed 20261207's long-run shards, and two warps on its D > 128 shards with few mid-run tasks
 #              -> long-block-tests.log, probe-long-block.json, probe-bwd-warps-wide.json
 #   backward-tests (~300 s) the backward's test files compiled (test_backward.py, test_optimizers.py, test_grad.py)
-#              and 40 backward fuzz cases on the defaults (session 53 moved `split_chunk` and the rank sort's merge;
-#              a 130 s run covered only part of test_backward.py) -> backward-tests.log
+#              and 40 backward fuzz cases on the defaults (session 53 moved `split_chunk` and the rank sort's merge,
+#              session 54 `step_width`: run it first on a tree with new defaults) -> backward-tests.log
+#   step-width (~90 s) `probe_step_width`: the failing-looking test's case and one factor changed at a time, each
+#              compiled in a process of its own against the XLA path -> probe-step-width-diag.json, step-width.log
 #   narrow-ab  (~480 s; ab_old/ = the commit before the run-length passes read narrow keys, made here first:
 #              `git archive REF tbe_jax benchmarks | tar -x -C ab_old`; carry=["ab_old"]) the backward's tests of
 #              those passes and of `step_width` compiled, 20 fuzz cases, then `probe_backward` with
@@ -275,6 +277,8 @@ for stage in "$@"; do
           --variants '{}' '{"step_width": 128}' --out "$o/probe-step-width.json" 2>&1 | grep -v Warning | tail -25
         (cd ab_old && timeout 100 $PB --shards "${RLE_SHARDS:-s096,s000,s129,s064,s036,s123,s143,s063,zipf}" \
           --variants '{}' --out "$o/probe-rle-old.json" 2>&1 | grep -v Warning | tail -14) ;;
+    step-width) timeout 200 python3 -m benchmarks probe_step_width --out "$OUT/probe-step-width-diag.json" 2>&1 \
+          | grep -v Warning | tee "$OUT/step-width.log" ;;
     backward-tests) timeout 330 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
           tests/test_grad.py > "$OUT/backward-tests.log" 2>&1; tail -3 "$OUT/backward-tests.log"
         timeout 150 python3 tests/fuzz_kernels.py backward --gpu --seed 931000 --cases 40 2>&1 | grep -v Warning \

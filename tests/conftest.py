@@ -34,6 +34,12 @@ if _cpu_only() and "xla_force_host_platform_device_count" not in os.environ.get(
     os.environ["XLA_FLAGS"] = " ".join(
         [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
 
+# Several pytest-xdist workers on one GPU: each would preallocate most of its memory at its first call, and the
+# workers that start late fail every test with an allocation error (session 54: 97 of 197 compiled tests, the
+# kernels not at fault). Allocate on demand instead, unless the caller chose otherwise.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax  # noqa: E402
 import numpy as np
 import pytest

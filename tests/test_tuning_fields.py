@@ -149,10 +149,12 @@ def test_long_block_sums_many_chunks(rng, monkeypatch):
 def test_step_width_scales_narrow_steps(rng, monkeypatch):
     """`step_width` 64: segments of width 8 and 16 (dims 6 and 12) gather 8x / 4x `lookups_per_step` rows a step
     and sum 8x / 4x `long_block` partials a step (captured kernel arguments), and the update still equals the
-    reference's, with mid runs, chunked runs and partial last steps; 0 leaves K and the block at every width."""
+    reference's, with mid runs, chunked runs and partial last steps; 0 leaves K and the block at every width;
+    the default is 128."""
     cfg = tbe_jax.BackwardConfig
     assert cfg(step_width=128).steps_at(8, 16) == 64 and cfg(step_width=128).steps_at(16, 256) == 16
-    assert cfg().steps_at(8, 16) == 8 and cfg(step_width=16).steps_at(4, 32) == 4
+    assert cfg().steps_at(8, 16) == 64 and cfg(step_width=0).steps_at(8, 16) == 8
+    assert cfg(step_width=16).steps_at(4, 32) == 4
     seen = {}
     real = bwd.pallas_call
 
@@ -326,7 +328,7 @@ def test_tt_plan_block_sizes(rng):
 
 FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConfig, dict(long_run=128)),
           (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=2)),
-          (tbe_jax.BackwardConfig, dict(step_width=128)),
+          (tbe_jax.BackwardConfig, dict(step_width=0)),
           (tbe_jax.BackwardConfig, dict(split_chunk=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_block=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_tile=64)),
