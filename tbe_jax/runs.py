@@ -207,8 +207,8 @@ def build_runs(
     `kernels.rle` instead of XLA ops (same result); batches of at most `rank_sort_limit(interpret)` lookups are
     sorted by the counting-rank kernels (`kernels.ranksort`), others by XLA's sort; with `narrow_sort_keys` XLA's
     sort takes the keys in the narrowest dtype that holds them (`sort_key_dtype`), which the run-length kernels
-    read as they are (the XLA ops widen them to int32 first); `small_run_max` and `chunked_min` (`long_run`, or twice `split_chunk`) bound the run
-    classes; the preprocessing kernels' block sizes.
+    read as they are (the XLA ops widen them to int32 first); `small_run_max` and `chunked_min` (`long_run`, or
+    twice `split_chunk`) bound the run classes; the preprocessing kernels' block sizes.
     `segment_bounds` (static keys, ascending): with the kernels, the runs' `seg_edges` counts the runs below each
     (`rle.encode(bounds=...)`).
     """

@@ -107,8 +107,8 @@ class BackwardConfig:
         in the mid-run and chunk tasks and sum `long_block * step_width / W` partials a step in the long-run
         kernel: a step moves as many elements as at width `step_width`, so a narrow row's run takes that many
         times fewer dependent steps (`steps_at`). Default 128 (widths 128 and up unchanged); 0: K and
-        `long_block` at every width. A power of 2. On an H100 (session 54) 128 took 35% off a 72-row D-16
-        table read 4.4M times (s096) and 9-13% off other D 8-32 updates with long or mid runs; 3% on s000.
+        `long_block` at every width. A power of 2. On an H100, 128 made updates of narrow rows with long or mid
+        runs 4-35% faster and one 3% slower (`docs/kernels.md`, "Tuning fields").
       segment_buffers: most storage buffers per segment: a width class (of one row alignment) with more buffers
         is split into segments, branches of the backward's launches (default 8, >= 1). The runs and the update
         of one step must use the same value (both read it from this config).
