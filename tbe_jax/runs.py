@@ -40,6 +40,8 @@ class Runs(NamedTuple):
     #                        None when every valid lookup's scale is 1 (unweighted sum pooling or sequence)
     run_start: jax.Array  # [N + 1] int32: first sorted lookup of run r (run r ends at run_start[r+1])
     run_key: jax.Array  # [N] int32: linear row of run r (total_rows past the last run)
+    # (with `BackwardConfig.rle_fill` False, run_start past run_start[num_runs], run_key past the runs and the mid
+    # and long lists past their counts are undefined: the kernels read below the counts only)
     num_runs: jax.Array  # [] int32
     mid: jax.Array  # [N // (S + 1) + 1] int32: runs of S < length < L, in key order, padded with N
     long: jax.Array  # [N // M + 1] int32: runs of M = `chunked_min` or more (chunked runs), in key order, padded
@@ -257,7 +259,8 @@ def build_runs(
         bounds = tuple(segment_bounds)
         run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, *edges = rle.encode(
             skey, total=total, small=small, n_big_max=n_big_max, long=chunked, n_long_max=n_long_max,
-            bounds=bounds, block=config.rle_block, scan_chunk=config.scan_chunk, interpret=interpret)
+            bounds=bounds, block=config.rle_block, scan_chunk=config.scan_chunk, fill=config.rle_fill,
+            interpret=interpret)
         n_big = n_mid + n_long
         seg_edges = edges[0].reshape(len(bounds), 3) if bounds else None
     else:

@@ -414,24 +414,28 @@ def test_chunk_tasks(rng, split):
     np.testing.assert_array_equal(np.asarray(got_first), want_first)
 
 
-def test_task_ranges_from_rle_edges(rng):
+@pytest.mark.parametrize("fill", [True, False], ids=["fill", "no_fill"])
+def test_task_ranges_from_rle_edges(rng, fill):
     # The segments' task ranges from the run-length pass's edges (rle.encode(bounds=...)) equal the XLA
     # compare-and-count over the run and task lists: seven segments (widths 8 to 256, two parities in w64), small
     # E so every segment has mid and long runs (rows hit 256+ times: chunk tasks), and a table no lookup reads.
+    # Without `rle_fill` the lists' slots past their counts are undefined: the count masks them itself.
     from tbe_jax.kernels import backward as bwd
+
+    cfg = dataclasses.replace(CFG, rle_fill=fill)
 
     dims = [4, 8, 36, 40, 100, 250, 64, 12]
     tables = specs([2, 3, 2, 40, 3, 2, 5, 9], dims)
     emb = tbe_jax.TableBatchedEmbedding(tables, feature_table_map=[0, 1, 2, 3, 4, 5, 6], pad_rows=False,
-                                        **KERNEL_KW)
-    assert len(bwd.run_segments(emb.layout, CFG)) == 7
+                                        backward_config=cfg, **KERNEL_KW)
+    assert len(bwd.run_segments(emb.layout, cfg)) == 7
     idx, off, _ = testing.make_batch(rng, [2, 3, 2, 40, 3, 2, 5], [4] * 7, (100, 300))
     plan = emb.plan_for(len(off))
     r = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(jnp.asarray(idx), jnp.asarray(off))
     assert r.seg_edges is not None and r.seg_edges.shape == (6, 3) and int(r.counts[2]) > 0
     n = len(idx)
-    got = np.asarray(bwd.task_ranges(r, emb.layout, n, CFG))
-    want = np.asarray(bwd.task_ranges(r._replace(seg_edges=None), emb.layout, n, CFG))
+    got = np.asarray(bwd.task_ranges(r, emb.layout, n, cfg))
+    want = np.asarray(bwd.task_ranges(r._replace(seg_edges=None), emb.layout, n, cfg))
     np.testing.assert_array_equal(got, want)
     assert got[:, 1].max() == int(r.num_runs) and (got[:, 4:6] > got[:, 4:6].min()).any()
 
@@ -442,12 +446,14 @@ def _sorted_keys(rng, lengths, n_invalid, total):
     return np.concatenate([np.repeat(rows, lengths), np.full(n_invalid, total)]).astype(np.int32)
 
 
+@pytest.mark.parametrize("fill", [True, False], ids=["fill", "no_fill"])
 @pytest.mark.parametrize("case", ["boundaries", "one_row", "all_invalid", "block_multiple", "random"])
-def test_rle_kernel_matches_xla_ops(rng, case):
+def test_rle_kernel_matches_xla_ops(rng, case, fill):
     """kernels.rle.encode against the XLA ops of build_runs and a NumPy model: runs of
     length 1, S, S + 1, L - 1, L, L + 1 (`small_run_max`, `long_run`), runs across the kernel's
     block boundary, a single row hit by every lookup, no valid lookup, N a multiple of
-    the block (run_start[N] written by the extra program)."""
+    the block (run_start[N] written by the extra program). Without `fill`, the slots up to each count (and
+    run_start[num_runs], the last run's end) are those of the filled form."""
     from tbe_jax.kernels import rle
 
     total = 5000
@@ -489,19 +495,21 @@ def test_rle_kernel_matches_xla_ops(rng, case):
     bounds = tuple(sorted({b for b in cands if 0 < b <= total}))
     run_start, run_key, num_runs, n_valid, mid, n_mid, long, n_long, edges = jax.jit(functools.partial(
         rle.encode, total=total, small=s, n_big_max=n_big_max, long=lg, n_long_max=n_long_max, bounds=bounds,
-        block=block, scan_chunk=CFG.scan_chunk, interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
+        block=block, scan_chunk=CFG.scan_chunk, fill=fill, interpret=KERNEL_KW["interpret"]))(jnp.asarray(skey))
     kinds = [np.ones(len(keys), bool), (lens > s) & (lens < lg), lens >= lg]
     want_edges = [[int(np.sum(kind & (keys < b))) for kind in kinds] for b in bounds]
     np.testing.assert_array_equal(np.asarray(edges).reshape(len(bounds), 3), want_edges)
-    np.testing.assert_array_equal(np.asarray(run_start), want_start)
-    np.testing.assert_array_equal(np.asarray(run_key), want_key)
+    ends = (None, None) if fill else (len(starts) + 1, len(starts))  # the defined prefixes without `fill`
+    np.testing.assert_array_equal(np.asarray(run_start)[: ends[0]], want_start[: ends[0]])
+    np.testing.assert_array_equal(np.asarray(run_key)[: ends[1]], want_key[: ends[1]])
     assert int(num_runs) == len(starts) and int(n_valid) == nv
     for got, count, want_runs, size in ((mid, n_mid, np.flatnonzero((lens > s) & (lens < lg)), n_big_max),
                                         (long, n_long, np.flatnonzero(lens >= lg), n_long_max)):
         want = np.full(size, n)
         want[: len(want_runs)] = want_runs
         assert int(count) == len(want_runs)
-        np.testing.assert_array_equal(np.asarray(got), want)
+        m = None if fill else len(want_runs)
+        np.testing.assert_array_equal(np.asarray(got)[:m], want[:m])
 
 
 @pytest.mark.parametrize("dtype,total", [("uint8", 255), ("uint8", 97), ("uint16", 65535), ("uint16", 300)])
@@ -940,8 +948,10 @@ def _apply_step_w(emb, opt, params, state, idx, off, g, psw):
 
 @pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2),
                                  dict(rank_sort_max=1 << 20, rank_sort_interpret=True),
-                                 dict(rank_sort_max=0), dict(rank_sort_max=0, narrow_sort_keys=False)],
-                         ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort", "xla_sort_int32_keys"])
+                                 dict(rank_sort_max=0), dict(rank_sort_max=0, narrow_sort_keys=False),
+                                 dict(rle_fill=False), dict(rle_fill=False, rank_sort_max=0)],
+                         ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort", "xla_sort_int32_keys",
+                              "no_fill", "no_fill_xla_sort"])
 def test_backward_config_variants(rng, cfg):
     # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
     tables = specs([3, 300], [8, 16])

@@ -328,7 +328,7 @@ def test_tt_plan_block_sizes(rng):
 
 FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConfig, dict(long_run=128)),
           (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=2)),
-          (tbe_jax.BackwardConfig, dict(step_width=0)),
+          (tbe_jax.BackwardConfig, dict(step_width=0)), (tbe_jax.BackwardConfig, dict(rle_fill=False)),
           (tbe_jax.BackwardConfig, dict(split_chunk=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_block=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_tile=64)),

@@ -154,6 +154,8 @@ def task_ranges(runs: Runs, layout: StorageLayout, n: int, config: BackwardConfi
         edges = jnp.sum(keys[None, :] < bases[:, None], axis=1, dtype=jnp.int32)
         return edges[:-1], edges[1:]
 
-    # Small runs: the range of all runs in the segment (run_key is sorted, padded with total).
-    parts = [bounds(runs.run_key), bounds(keys(runs.mid, n_mid)), bounds(chunk_keys), bounds(long_keys)]
+    # Small runs: the range of all runs in the segment (run_key is sorted; past the runs, total: masked here, as
+    # the run-length pass leaves those slots undefined without `rle_fill`).
+    run_keys = jnp.where(jnp.arange(runs.run_key.shape[0]) < runs.num_runs, runs.run_key, total)
+    parts = [bounds(run_keys), bounds(keys(runs.mid, n_mid)), bounds(chunk_keys), bounds(long_keys)]
     return jnp.stack([e for lo_hi in parts for e in lo_hi], axis=1)

@@ -15,10 +15,12 @@ and a launch; on the H200 they took ~0.2 ms of a 0.7 ms backward
 2. An exclusive prefix sum over the block counts (N / block values; `scan.exclusive_scan`, one program).
 3. `_write_kernel`: per block, the in-block exclusive prefix sums give each start
    its run slot and each listed start its slot in its list; scatter the
-   run's first lookup, its key, and the run index. Slots past the counts get
+   run's first lookup, its key, and the run index. With `fill`, slots past the counts get
    the fill values (`n_valid`, `total`, N), so every output element is written
    exactly once (scatter slots and fill slots are disjoint): no initialisation,
-   no atomics, and the result is the same run to run.
+   no atomics, and the result is the same run to run. Without, only `run_start[num_runs]` (the last run's end)
+   is written past the counts: on N lookups in few runs the fills are ~8 N of the pass's bytes, and no kernel
+   reads past the counts.
 
 With `bounds` (static keys, ascending: where the backward's segments of buffers
 begin), the write pass also gives, per bound b, how many runs, mid runs and long
@@ -76,7 +78,7 @@ def _count_kernel(skey_ref, counts_ref, *, n, total, small, long, block):
     plgpu.store(counts_ref.at[pid * len(sums) + lane], c, mask=lane < len(sums))
 
 
-def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, block, sizes, bounds):
+def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, block, sizes, bounds, fill):
     # refs: the totals (runs, per list its count, valid), then the outputs: run_start, run_key, one per list, and
     # with `bounds` the edges
     n_lists = len(sizes)
@@ -91,15 +93,18 @@ def _write_kernel(skey_ref, base_ref, *refs, n, total, small, long, block, sizes
     is_start = start > 0
     plgpu.store(run_start_ref.at[slot], j, mask=is_start)
     plgpu.store(run_key_ref.at[slot], k, mask=is_start)
-    # Fill the slots past the counts (each index j is this program's to fill).
-    plgpu.store(run_start_ref.at[j], jnp.full_like(j, n_valid), mask=(j >= num_runs) & (j <= n))
-    plgpu.store(run_key_ref.at[j], jnp.full_like(j, total), mask=(j >= num_runs) & (j < n))
+    # Fill the slots past the counts (each index j is this program's to fill); without `fill`, the last run's end.
+    plgpu.store(run_start_ref.at[j], jnp.full_like(j, n_valid),
+                mask=((j >= num_runs) & (j <= n)) if fill else (j == num_runs))
+    if fill:
+        plgpu.store(run_key_ref.at[j], jnp.full_like(j, total), mask=(j >= num_runs) & (j < n))
     lslots = []
     for i, (ref, flag, count, size) in enumerate(zip(list_refs, lists, counts, sizes)):
         lslot = plgpu.load(base_ref.at[pid * width + 1 + i]) + jnp.cumsum(flag) - flag
         lslots.append(lslot)
         plgpu.store(ref.at[lslot], slot, mask=flag > 0)
-        plgpu.store(ref.at[j], jnp.full_like(j, n), mask=(j >= count) & (j < size))
+        if fill:
+            plgpu.store(ref.at[j], jnp.full_like(j, n), mask=(j >= count) & (j < size))
     if bounds:
         _write_edges(skey_ref, edges_ref, pid, j, k, (slot, *lslots), n=n, total=total, bounds=bounds, block=block)
 
@@ -125,7 +130,7 @@ def _write_edges(skey_ref, edges_ref, pid, j, k, slots, *, n, total, bounds, blo
 
 
 def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int, n_long_max: int,
-           block: int, scan_chunk: int, bounds: tuple[int, ...] = (), interpret: bool = False):
+           block: int, scan_chunk: int, bounds: tuple[int, ...] = (), fill: bool = True, interpret: bool = False):
     """Runs of the sorted keys `skey` ([N] int32, or the narrow unsigned dtype of `runs.sort_key_dtype(total)`;
     invalid keys == `total`, sorted last).
 
@@ -134,7 +139,8 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     the last run is n_valid, run_key is `total`; `mid` lists, in key order, the runs longer than `small` lookups
     and shorter than `long`, `long` those of `long` lookups or more, each padded with N. Matches the XLA ops of
     `runs.build_runs` exactly (tested). `block`: sorted lookups per program, `scan_chunk`: rows per step of the
-    block counts' prefix sum (`scan.exclusive_scan`); both powers of 2.
+    block counts' prefix sum (`scan.exclusive_scan`); both powers of 2. Without `fill`, `run_start[num_runs]` is
+    n_valid and every slot past that and past the lists' counts is undefined.
 
     `bounds` (static keys in (0, total], ascending): one more result, `edges`
     `[len(bounds) * 3]`: per bound, the numbers of runs, mid runs and long runs whose keys are below it.
@@ -161,7 +167,7 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     # Each block's first run and list slots (and the totals): one single-program scan, not XLA's cumsum and sums.
     base, tot = exclusive_scan(counts, width, chunk=scan_chunk, interpret=interpret)
     outs = pallas_call(
-        functools.partial(_write_kernel, sizes=sizes, bounds=bounds, **kw),
+        functools.partial(_write_kernel, sizes=sizes, bounds=bounds, fill=bool(fill), **kw),
         out_shape=[jax.ShapeDtypeStruct((n + 1,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
         + [jax.ShapeDtypeStruct((s,), jnp.int32) for s in sizes]
         + ([jax.ShapeDtypeStruct((len(bounds) * (len(sizes) + 1),), jnp.int32)] if bounds else []),
