@@ -102,7 +102,6 @@ def fused_update(
     # runs per task and more warps per program keep more of those loads in flight (BackwardConfig).
     elementwise = opt is not None and not all(opt.slot_rowwise)
     small_warps = config.small_num_warps or (4 if elementwise else 2)
-    k = config.lookups_per_step
     blk = config.small_block or (4 if elementwise else 8)
     # Interpret mode runs programs one after another: the default there is few programs, which keeps CPU tests
     # fast and makes each program walk several tasks (the strided loop is tested).
@@ -180,15 +179,16 @@ def fused_update(
         mine = tuple(seg for seg in segs if seg.location == loc)
         bufs = [g for seg in mine for g in seg.buffers]
         part_shape = jax.ShapeDtypeStruct((max_chunks, max(seg.width for seg in mine)), jnp.float32)
-        ks = tuple(config.steps_at(k, seg.width) for seg in mine)
+        # rows gathered / partials summed a step, per segment (`BackwardConfig.step_width`)
+        ks = tuple(config.steps_at(config.lookups_per_step, seg.width) for seg in mine)
+        blocks = tuple(config.steps_at(config.long_block, seg.width) for seg in mine)
         part, = aliased(functools.partial(mid_chunk_kernel, opt=opt, segs=mine, k=ks, programs=p_mc, scaled=scaled,
                                           prefetch=prefetch, align=align, long_run=long_run,
                                           split_chunk=config.mid_chunk),
                         "tbe_backward_mid_runs_chunks", p_mc,
                         [rng, hyper, runs.mid, runs.long_chunk0, runs.long, runs.run_start, runs.run_key] + common,
                         bufs, extra=[part_shape])
-        aliased(functools.partial(long_kernel, opt=opt, segs=mine, programs=p_long,
-                                  block=tuple(config.steps_at(config.long_block, seg.width) for seg in mine)),
+        aliased(functools.partial(long_kernel, opt=opt, segs=mine, programs=p_long, block=blocks),
                 "tbe_backward_long_runs", p_long, [rng, hyper, runs.long, runs.long_chunk0, runs.run_key, part],
                 bufs, plgpu.CompilerParams(num_warps=config.long_num_warps or config.num_warps, num_stages=1))
     return new_w, new_s
