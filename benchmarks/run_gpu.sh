@@ -91,10 +91,10 @@
 #   backward-tests (~300 s) the backward's test files compiled (test_backward.py, test_optimizers.py, test_grad.py)
 #              and 40 backward fuzz cases on the defaults (session 53 moved `split_chunk` and the rank sort's merge,
 #              session 54 `step_width`: run it first on a tree with new defaults) -> backward-tests.log
-#   rle-fill   (~330 s) `BackwardConfig.rle_fill` False (the run-length write pass writes no fills past the
-#              counts): its tests compiled, 30 fuzz cases (a quarter of them without fills), then `probe_backward`
-#              with it on and off on the big small-table updates where the fills were most of the pass's bytes
-#              and on controls -> rle-fill.log, probe-rle-fill.json
+#   rle-fill   (~250 s) `BackwardConfig.rle_fill` (default False since session 55: the run-length write pass
+#              writes no fills past the counts): its tests compiled, 30 fuzz cases (a quarter of them with fills),
+#              then `probe_backward` without and with the fills on the big small-table updates where the fills
+#              were most of the pass's bytes and on controls -> rle-fill.log, probe-rle-fill.json
 #   step-width (~90 s) `probe_step_width`: the failing-looking test's case and one factor changed at a time, each
 #              compiled in a process of its own against the XLA path -> probe-step-width-diag.json, step-width.log
 #   narrow-ab  (~480 s; ab_old/ = the commit before the run-length passes read narrow keys, made here first:
@@ -283,16 +283,16 @@ for stage in "$@"; do
           --variants '{}' --out "$o/probe-rle-old.json" 2>&1 | grep -v Warning | tail -14) ;;
     rle-fill) timeout 120 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py \
           -k "rle or task_ranges or config_variants or narrow" > "$OUT/rle-fill.log" 2>&1; tail -2 "$OUT/rle-fill.log"
-        timeout 100 python3 tests/fuzz_kernels.py backward --gpu --seed 935000 --cases 30 2>&1 | grep -v Warning \
-          | tail -1 | tee -a "$OUT/rle-fill.log"
+        timeout 100 python3 tests/fuzz_kernels.py backward --gpu --seed 935000 --cases 30 2>&1 | grep -E "cases|FAIL|ERROR" \
+          | tail -2 | tee -a "$OUT/rle-fill.log"
         timeout 240 python3 -m benchmarks probe_backward --seed 20261207 \
           --shards "${RF_SHARDS:-s096,s000,s143,s129,s064,s036,s123,s063,s042,s037,s083,zipf,base}" \
-          --variants '{}' '{"rle_fill": false}' --out "$OUT/probe-rle-fill.json" 2>&1 | grep -v Warning | tail -14 ;;
+          --variants '{}' '{"rle_fill": true}' --out "$OUT/probe-rle-fill.json" 2>&1 | grep -v Warning | tail -14 ;;
     step-width) timeout 200 python3 -m benchmarks probe_step_width --out "$OUT/probe-step-width-diag.json" 2>&1 \
           | grep -v Warning | tee "$OUT/step-width.log" ;;
     backward-tests) timeout 330 python3 -m pytest -q -n 8 -p no:benchmark tests/test_backward.py tests/test_optimizers.py \
           tests/test_grad.py > "$OUT/backward-tests.log" 2>&1; tail -3 "$OUT/backward-tests.log"
-        timeout 150 python3 tests/fuzz_kernels.py backward --gpu --seed 931000 --cases 40 2>&1 | grep -v Warning \
+        timeout 150 python3 tests/fuzz_kernels.py backward --gpu --seed 931000 --cases 40 2>&1 | grep -E "cases|FAIL|ERROR" \
           | tail -2 | tee -a "$OUT/backward-tests.log" ;;
     sort-enqueue) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
           --shards s193,s138,s024,s016,s071,s179,s037,s203 \

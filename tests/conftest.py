@@ -116,6 +116,24 @@ def jaxpr_eqns(jaxpr):
                     yield from jaxpr_eqns(inner)
 
 
+def assert_runs_equal(a, b):
+    """Two `runs.Runs` equal in every defined slot: the whole of src, scale, num_runs, long_chunk0, counts and
+    seg_edges; run_start up to run_start[num_runs], run_key and the mid and long lists below their counts (the
+    run-length pass leaves the slots past them undefined without `BackwardConfig.rle_fill`)."""
+    num_runs, counts = int(a.num_runs), np.asarray(a.counts)
+    assert int(b.num_runs) == num_runs
+    np.testing.assert_array_equal(counts, np.asarray(b.counts), err_msg="counts")
+    upto = {"run_start": num_runs + 1, "run_key": num_runs, "mid": int(counts[1]), "long": int(counts[2])}
+    for name, x, y in zip(type(a)._fields, a, b):
+        if x is None or y is None:
+            assert x is None and y is None, name
+        else:
+            x, y = np.asarray(x), np.asarray(y)
+            assert x.shape == y.shape, name
+            end = upto.get(name, x.shape[0] if x.ndim else None)
+            np.testing.assert_array_equal(x[:end] if x.ndim else x, y[:end] if y.ndim else y, err_msg=name)
+
+
 def specs(rows, dims):
     return [tbe_jax.TableSpec(e, d, name=f"t{i}") for i, (e, d) in enumerate(zip(rows, dims))]
 

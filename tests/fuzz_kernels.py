@@ -130,8 +130,8 @@ def run_case(mode: str, seed: int, interpret: bool):
             steps = np.random.default_rng([seed, 4])
             if steps.random() < 0.5:
                 bcfg = dataclasses.replace(bcfg, step_width=int(steps.choice([16, 64, 256])))
-        if np.random.default_rng([seed, 5]).random() < 0.25:  # the run-length pass without fills
-            bcfg = dataclasses.replace(bcfg, rle_fill=False)
+        if np.random.default_rng([seed, 5]).random() < 0.25:  # the run-length pass with fills (the default writes none)
+            bcfg = dataclasses.replace(bcfg, rle_fill=True)
         emb = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, backward_config=bcfg, **kern, **kw)
         ref = tbe_jax.TableBatchedEmbedding(specs, weights_dtype=wd, impl="xla", **kw)
         params = emb.init(jax.random.key(seed))

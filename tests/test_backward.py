@@ -15,7 +15,7 @@ import pytest
 import tbe_jax
 from tbe_jax import runs as runs_lib
 from tbe_jax import dispatch, testing
-from conftest import KERNEL_KW, ON_GPU, assert_close, model_step_f64, specs, tables_f64
+from conftest import KERNEL_KW, ON_GPU, assert_close, assert_runs_equal, model_step_f64, specs, tables_f64
 
 CFG = tbe_jax.BackwardConfig()  # the defaults: run classes, segments, block sizes
 XLA_RUNS = tbe_jax.BackwardConfig(rle_kernel=False, rank_sort_max=0, narrow_sort_keys=False)  # build_runs in XLA ops
@@ -605,11 +605,7 @@ def test_runs_rle_kernel_equals_xla_path(rng):
                                   config=tbe_jax.BackwardConfig(rank_sort_max=0, narrow_sort_keys=False),
                                   interpret=KERNEL_KW["interpret"]))(*args)
     b = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="sum", config=XLA_RUNS))(*args)
-    for name, x, y in zip(runs_lib.Runs._fields, a, b):
-        if x is None or y is None:
-            assert x is None and y is None, name
-        else:
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    assert_runs_equal(a, b)
 
 
 @pytest.mark.parametrize("n,key_range", [(1, 5), (31, 3), (33, 1), (300, 10**9), (700, 40), (1100, 2**31 - 2)])
@@ -657,11 +653,7 @@ def test_runs_rank_sort_equals_xla_sort(rng, weighted):
     assert n > 256 and "tbe_rank_sort_merge" in merged_jaxpr and "tbe_rank_sort_merge" not in got_jaxpr
     assert "tbe_rank_sort" in got_jaxpr and "tbe_rank_sort" not in want_jaxpr + past_jaxpr
     for runs in (got, merged, wide):
-        for name, x, y in zip(runs_lib.Runs._fields, runs, want):
-            if x is None or y is None:
-                assert x is None and y is None, name
-            else:
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+        assert_runs_equal(runs, want)
 
 
 @pytest.mark.parametrize("rows,dtype,weighted", [
@@ -689,11 +681,7 @@ def test_narrow_sort_keys_equal_int32_keys(rng, rows, dtype, weighted):
     (want, _), (got, got_jaxpr) = build(False), build(True)
     if dtype != "int32":
         assert f"{'u8' if dtype == 'uint8' else 'u16'}[" in got_jaxpr
-    for name, x, y in zip(runs_lib.Runs._fields, got, want):
-        if x is None or y is None:
-            assert x is None and y is None, name
-        else:
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    assert_runs_equal(got, want)
 
 
 @pytest.mark.parametrize("opt,pooling,weighted", [
@@ -949,9 +937,9 @@ def _apply_step_w(emb, opt, params, state, idx, off, g, psw):
 @pytest.mark.parametrize("cfg", [dict(prefetch=True), dict(lookups_per_step=2),
                                  dict(rank_sort_max=1 << 20, rank_sort_interpret=True),
                                  dict(rank_sort_max=0), dict(rank_sort_max=0, narrow_sort_keys=False),
-                                 dict(rle_fill=False), dict(rle_fill=False, rank_sort_max=0)],
+                                 dict(rle_fill=True), dict(rle_fill=True, rank_sort_max=0)],
                          ids=["prefetch", "lookups_per_step2", "rank_sort", "xla_sort", "xla_sort_int32_keys",
-                              "no_fill", "no_fill_xla_sort"])
+                              "fill", "fill_xla_sort"])
 def test_backward_config_variants(rng, cfg):
     # The optional kernel variants give the default path's result (runs of every class, weighted, mean).
     tables = specs([3, 300], [8, 16])

@@ -22,7 +22,7 @@ from tbe_jax.kernels import backward as bwd, histogram, scan
 from tt_jax import prefix
 from tt_jax.kernels import plan as plan_kernels
 from tt_jax.kernels.config import TTForwardConfig, TTKernelConfig
-from conftest import KERNEL_KW, assert_close, specs, tables_f64, tolerance
+from conftest import KERNEL_KW, assert_close, assert_runs_equal, specs, tables_f64, tolerance
 
 XLA_RUNS = tbe_jax.BackwardConfig(rle_kernel=False, rank_sort_max=0, narrow_sort_keys=False)
 
@@ -58,14 +58,6 @@ def _batch(rng):
     idx, off, psw = testing.make_batch(rng, [7, 700, 3], [5, 5, 5], (0, 60), weighted=True)
     idx[4] = -1
     return emb, emb.plan_for(len(off)), (jnp.asarray(idx), jnp.asarray(off), jnp.asarray(psw))
-
-
-def _assert_runs_equal(a, b):
-    for name, x, y in zip(runs_lib.Runs._fields, a, b):
-        if x is None or y is None:
-            assert x is None and y is None, name
-        else:
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
 # -- the run classes and the segments -------------------------------------------------------------------------
@@ -257,7 +249,7 @@ def test_block_sizes_give_the_same_runs(rng):
     cfg = dataclasses.replace(SMALL_BLOCKS, rank_sort_interpret=True)
     got = jax.jit(functools.partial(runs_lib.build_runs, emb.layout, plan, pooling="mean", config=cfg,
                                     interpret=interp))(*args)
-    _assert_runs_equal(got, runs_lib.build_runs(emb.layout, plan, *args, pooling="mean", config=XLA_RUNS))
+    assert_runs_equal(got, runs_lib.build_runs(emb.layout, plan, *args, pooling="mean", config=XLA_RUNS))
     kw = dict(pooling="mean", kernel=True, interpret=interp, config=cfg)
     for x, y in zip(jax.jit(lambda *a: runs_lib.lookup_keys(emb.layout, plan, *a, **kw))(*args),
                     runs_lib.lookup_keys(emb.layout, plan, *args, pooling="mean")):
@@ -328,7 +320,7 @@ def test_tt_plan_block_sizes(rng):
 
 FIELDS = [(tbe_jax.BackwardConfig, dict(small_run_max=4)), (tbe_jax.BackwardConfig, dict(long_run=128)),
           (tbe_jax.BackwardConfig, dict(long_block=2)), (tbe_jax.BackwardConfig, dict(long_num_warps=2)),
-          (tbe_jax.BackwardConfig, dict(step_width=0)), (tbe_jax.BackwardConfig, dict(rle_fill=False)),
+          (tbe_jax.BackwardConfig, dict(step_width=0)), (tbe_jax.BackwardConfig, dict(rle_fill=True)),
           (tbe_jax.BackwardConfig, dict(split_chunk=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_block=64)),
           (tbe_jax.BackwardConfig, dict(rank_sort_wide_tile=64)),
