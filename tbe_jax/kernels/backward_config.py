@@ -64,7 +64,7 @@ class BackwardConfig:
         count, `run_key` with the total row count, the mid and long lists with N). False (default): it writes
         only `run_start[num_runs]` (the last run's end) and leaves the rest undefined; the kernels read below the
         counts only, and an update of N lookups in few runs writes ~8 N bytes fewer (0.3-4.5% faster updates on
-        an H100: s096 -3.9%, s143 -4.6%, s000 -2.7%, base -0.4%; session 55).
+        an H100, none slower: `benchmarks/results/probe-rle-fill-20261207-s55-NVIDIA_H100.json`).
       rank_sort_max: batches of at most this many lookups are sorted by the counting-rank kernels
         (`kernels.ranksort`) instead of XLA's sort (default 24576; 0: never). In interpret mode only with
         `rank_sort_interpret`.
