@@ -91,6 +91,7 @@
 #   backward-tests (~300 s) the backward's test files compiled (test_backward.py, test_optimizers.py, test_grad.py)
 #              and 40 backward fuzz cases on the defaults (session 53 moved `split_chunk` and the rank sort's merge,
 #              session 54 `step_width`: run it first on a tree with new defaults) -> backward-tests.log
+#   backward-fuzz (~130 s) backward-tests' 40 fuzz cases alone (seeds 931000-931039) -> backward-fuzz.log
 #   rle-fill   (~250 s) `BackwardConfig.rle_fill` (default False since session 55: the run-length write pass
 #              writes no fills past the counts): its tests compiled, 30 fuzz cases (a quarter of them with fills),
 #              then `probe_backward` without and with the fills on the big small-table updates where the fills
@@ -294,6 +295,8 @@ for stage in "$@"; do
           tests/test_grad.py > "$OUT/backward-tests.log" 2>&1; tail -3 "$OUT/backward-tests.log"
         timeout 150 python3 tests/fuzz_kernels.py backward --gpu --seed 931000 --cases 40 2>&1 | grep -E "cases|FAIL|ERROR" \
           | tail -2 | tee -a "$OUT/backward-tests.log" ;;
+    backward-fuzz) timeout 200 python3 tests/fuzz_kernels.py backward --gpu --seed 931000 --cases 40 2>&1 \
+          | grep -E "cases|FAIL|ERROR" | tail -3 | tee "$OUT/backward-fuzz.log" ;;
     sort-enqueue) timeout 200 python3 -m benchmarks probe_backward --seed 20261207 --enqueued \
           --shards s193,s138,s024,s016,s071,s179,s037,s203 \
           --variants '{}' '{"rank_sort_max": 65536}' '{"rank_sort_max": 131072}' --out "$OUT/probe-sort-enqueue.json" \
