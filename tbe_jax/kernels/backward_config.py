@@ -82,7 +82,7 @@ class BackwardConfig:
         `rank_sort_chunk`) while K times the chunk count (padded to a power of 2) is at most
         `rank_sort_wide_tile`, and one chunk after another past that; 0: always one after another, a chain of
         log2(`rank_sort_chunk`) dependent loads per chunk. On an H100 the wide merge took an update of 17k
-        lookups from 0.061 to 0.050 ms (session 53).
+        lookups from 0.061 to 0.050 ms (`benchmarks/results/probe-rank-merge-20261207-s53-NVIDIA_H100.json`).
       rank_sort_wide_tile: the wide merge's largest tile, K times the padded chunk count (default 512: its
         registers grow with the tile; on an H100 the merge at 16 or 32 keys a program took 0.016-0.022 ms against
         the serial 0.027-0.036 at 12 chunks of 2048 and lost from 21 chunks on, 41k keys 0.072-0.077 against
@@ -105,7 +105,8 @@ class BackwardConfig:
         runs set the mid-run kernel's time (a few hundred of ~250 lookups: 32 dependent steps a task), C 64
         quarters the longest task: on an H100 it took 11-19% off such updates (s083, s098, s109, s148) and up
         to 7% where runs of 128-255 lookups are many (s040, s063), at a cost of up to 2.7% (the longer chunk
-        lists) on updates with no such runs (session 53). The chunk workspace is `(2 N / C + 1, width)` fp32.
+        lists) on updates with no such runs (`benchmarks/results/probe-split-chunk-20261207-s53-NVIDIA_H100.json`,
+        `probe-defaults-20261207-s53-NVIDIA_H100.json`). The chunk workspace is `(2 N / C + 1, width)` fp32.
       long_block: chunk partials the long-run kernel sums per step, one `[long_block, width]` load (default 16,
         a power of 2): a hot row's thousands of chunks take that many times fewer dependent steps.
       step_width: segments of a tile width W below this gather `lookups_per_step * step_width / W` rows a step
