@@ -40,8 +40,9 @@ from benchmarks import common
 from benchmarks.trace_backward import variant as backward_variant
 
 
-def capture_triton_ir(fn, *args) -> list[tuple[str, str, int]]:
-    """(kernel name, Triton IR text, num_warps) of every pallas_call in `fn(*args)` lowered for CUDA."""
+def capture_triton_ir(fn, *args) -> list[tuple[str, str, int, int]]:
+    """(kernel name, Triton IR text, num_warps, num_stages) of every pallas_call in `fn(*args)` lowered for
+    CUDA."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     captured = []
@@ -49,9 +50,10 @@ def capture_triton_ir(fn, *args) -> list[tuple[str, str, int]]:
 
     def spy(jaxpr, grid_mapping, *a, **kw):
         res = orig(jaxpr, grid_mapping, *a, **kw)
-        warps = sys._getframe(1).f_locals.get("num_warps", 4)  # pallas_call_lowering's, set before this call
+        caller = sys._getframe(1).f_locals  # pallas_call_lowering's, both set before this call
+        warps, stages = caller.get("num_warps", 4), caller.get("num_stages", 1)
         captured.append((jaxpr.debug_info.func_name, res.module.operation.get_asm(enable_debug_info=False),
-                         int(warps)))
+                         int(warps), int(stages)))
         return res
 
     reg.lowering.lower_jaxpr_to_triton_module = spy
@@ -62,7 +64,7 @@ def capture_triton_ir(fn, *args) -> list[tuple[str, str, int]]:
     return captured
 
 
-def compile_report(ir: str, num_warps: int) -> dict:
+def compile_report(ir: str, num_warps: int, num_stages: int = 1) -> dict:
     """Compile one Triton IR module for sm_90a: registers, spills, SASS instructions."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -72,7 +74,8 @@ def compile_report(ir: str, num_warps: int) -> dict:
         path = os.path.join(d, "k.ttir")
         with open(path, "w") as fh:
             fh.write(ir)
-        k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
+        k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                              "num_stages": num_stages})
         out = {}
         ttgir = k.asm.get("ttgir", "")
         out["convert_layout"] = len(re.findall(r"convert_layout", ttgir))
@@ -134,16 +137,16 @@ def report(kernels, match: str) -> dict:
     """`compile_report` of each captured kernel whose name contains `match`, printed as it goes; a kernel met twice
     gets `__1`, `__2`... (as XLA names repeated launches)."""
     out, seen = {}, {}
-    for name, ir, warps in kernels:
+    for name, ir, warps, stages in kernels:
         if match not in name:
             continue
         seen[name] = seen.get(name, -1) + 1
         label = name + (f"__{seen[name]}" if seen[name] else "")
         try:
-            rep = compile_report(ir, warps)
+            rep = compile_report(ir, warps, stages)
         except Exception as e:  # noqa: BLE001 - report and go on with the other kernels
             rep = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        rep["num_warps"] = warps
+        rep["num_warps"], rep["num_stages"] = warps, stages
         out[label] = rep
         print(f"  {label:40s} " + " ".join(f"{a}={b}" for a, b in rep.items()), flush=True)
     return out
