@@ -60,6 +60,9 @@
 #              benchmarks tests | tar -x -C ab_old`), same cases ($QA_WORKLOADS, default the presets' and
 #              dims8-192/8; $QA_TYPES, default int4,int8); ab_old's quant tests compiled first when it has tests/
 #              -> quant-ab-*.json, quant-ab.log
+#   forward-ab (~60 s a round) the forward's device time on sweep shards ($FA_SHARDS of seed $FA_SEED, default
+#              20261207, or named ones) on this tree, then on ab_old/ (made as for host-ab), $FA_ROUNDS rounds
+#              (default 1) -> forward-ab-{this,old}K.json, forward-ab.log
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
@@ -219,6 +222,14 @@ for stage in "$@"; do
         echo "-- this tree"; timeout 190 $QA --out "$o/quant-ab-this.json" 2>&1 | grep -v Warning | tee "$o/quant-ab.log"
         echo "-- ab_old/"; (cd ab_old && timeout 190 $QA --out "$o/quant-ab-old.json" 2>&1 | grep -v Warning \
           | tee -a "$o/quant-ab.log") ;;
+    forward-ab) o=$(cd "$OUT" && pwd)
+        FA="python3 -m benchmarks probe_forward --seed ${FA_SEED:-20261207} --shards ${FA_SHARDS:-dlrmv2,base} --variants {}"
+        for k in $(seq "${FA_ROUNDS:-1}"); do
+          echo "-- this tree ($k)"; timeout 150 $FA --out "$o/forward-ab-this$k.json" 2>&1 | grep -v Warning \
+            | cut -c1-160 | tee -a "$o/forward-ab.log"
+          echo "-- ab_old/ ($k)"; (cd ab_old && timeout 150 $FA --out "$o/forward-ab-old$k.json" 2>&1 | grep -v Warning \
+            | cut -c1-160 | tee -a "$o/forward-ab.log")
+        done ;;
     host-ab) o=$(cd "$OUT" && pwd)
         HB="python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --load-factors 0.2 --out $o"

@@ -53,6 +53,7 @@ class _Branch:
     groups: int = 1  # sub-groups of `bags` bags per program (`bag_groups`, or `short_bag_groups` for hinted features)
     fmt: quant_rows.RowFormat | None = None  # quantized rows: their format (None: rows of the buffer's dtype)
     dyn_dim: bool = False  # features of several dims (quantized rows): each one's dim read from the feature table
+    auto: int = -1  # the feature table's auto column (`programs.auto_choice`) if the segment has auto features
 
     @property
     def bags(self) -> int:
@@ -61,10 +62,11 @@ class _Branch:
 
 
 def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features, short=frozenset(),
-              formats=None):
+              formats=None, auto=frozenset()):
     """Per used buffer a branch per segment of programs (the `short` features, those with bags of at most two
     ids, in a segment of their own), the program map and the feature table. `formats`: per buffer of `layout`
-    its quantized `RowFormat` (None: float rows).
+    its quantized `RowFormat` (None: float rows). `auto`: features left to the histogram kernel in a batch
+    where their bags are long (`programs.auto_choice`): the branches of segments holding any check it.
 
     A quantized buffer may serve features of several dims (`plan.dim`; its rows are long enough for the
     largest): its branches' tiles and bags per program are the largest dim's, and the feature table then
@@ -87,15 +89,18 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
                 sub = max(1, min(sub, next_pow2(-(-max(plan.batch[f] for f in part) // bags))))
                 groups.append((part, bags * sub))
     pm = programs.build(plan.bag_base, plan.batch, groups)
+    seg_feats = [pm.flist[seg.feat_base : seg.feat_base + seg.num_feats, 0].tolist() for seg in pm.segments]
+    dyn = [any(plan.dim[f] != dim[plan.group[fs[0]]] for f in fs) for fs in seg_feats]
+    auto_col = programs.auto_column(any(dyn))
     branches = []
-    for seg in pm.segments:
-        f0 = int(pm.flist[seg.feat_base, 0])
-        g = plan.group[f0]
+    for seg, feats, dyn_dim in zip(pm.segments, seg_feats, dyn):
+        g = plan.group[feats[0]]
         d = dim[g]
         width = next_pow2(d) if fmt(g) is None else quant_rows.tile_words(fmt(g), d)  # quantized: a lane per word
-        dyn = any(plan.dim[f] != d for f in pm.flist[seg.feat_base : seg.feat_base + seg.num_feats, 0].tolist())
-        branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g), dyn))
-    return used, tuple(branches), pm, feature_table(plan, dims=any(br.dyn_dim for br in branches))
+        branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g),
+                                dyn_dim, auto_col if any(f in auto for f in feats) else -1))
+    meta = feature_table(plan, dims=any(dyn), auto=sorted(set(auto) & set(features)), min_bag=programs.AUTO_MIN_BAG)
+    return used, tuple(branches), pm, meta
 
 
 def _two_sum(s, c, x):
@@ -113,7 +118,10 @@ def _pool_branch(
     # interpret mode rejects Python ints as ref indices. The program's feature row
     # names its first bag in `offsets` directly, so the offsets load waits for one
     # load only (each dependent load costs a full memory latency).
-    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
+    f, first, nbags, b0, batch = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
+    if br.auto >= 0:  # an auto feature with long bags in this batch is the histogram kernel's
+        auto, long = programs.auto_choice(offsets_ref, feat_ref, meta_cols, br.auto, f, first - b0, batch)
+        nbags = jnp.where(auto & long, 0, nbags)
 
     def feat_meta(col):
         return plgpu.load(feat_ref.at[meta_cols * f + col])
@@ -339,10 +347,10 @@ def pooled_forward(
     interpret: bool,
     count_invalid: bool = False,
     features=None,
-    live=None,
     out_flat=None,
     short=frozenset(),
     formats=None,
+    auto=frozenset(),
 ):
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
 
@@ -355,8 +363,8 @@ def pooled_forward(
 
     Only `features` (default: all) are computed; other features' columns are
     left for another kernel to write (see `histogram.histogram_forward`).
-    `live` (a traced `[F]` 0/1 array, see `programs.operands`) drops more of them
-    at run time: a feature of `features` with `live == 0` is left unwritten too.
+    `auto`: features of `features` that are left unwritten too in a batch where their mean bag length is at
+    least `histogram.MIN_BAG` (the histogram kernel's then), decided by their programs from the batch's offsets.
 
     With `count_invalid`, also returns `[2]` int32 counts made by the kernel itself:
     ids outside `[0, E)` (other than -1) inside the bags, and malformed entries of
@@ -378,13 +386,14 @@ def pooled_forward(
             res = pooled_forward(
                 buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                 output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
-                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], live=live,
-                out_flat=out, short=short, formats=formats)
+                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part],
+                out_flat=out, short=short, formats=formats, auto=auto)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
     config = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=indices.shape[0],
                                num_bags=sum(plan.batch), quantized=formats is not None)
-    used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats)
+    used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats,
+                                              frozenset(auto))
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
         return (out, jnp.zeros((2,), jnp.int32)) if count_invalid else out
@@ -408,7 +417,7 @@ def pooled_forward(
         meta_cols=feat_meta.shape[1],
         num_warps=warps,
     )
-    args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
+    args = [*programs.operands(pm), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)
