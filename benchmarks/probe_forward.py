@@ -33,6 +33,7 @@ def main(argv=None):
     ap.add_argument("--layouts", default="as-drawn",
                     help="comma list: as-drawn; sorted (tables by mean bag length, longest first); "
                          "hinted (each table's bag_size_hint = its mean bag length: static paths, no 'auto')")
+    ap.add_argument("--top", type=int, default=0, help="also each variant's N largest kernels (device ms a call)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     pool = {s.name: s for s in sweep.draw_shards(args.shapes, args.seed)}
@@ -60,7 +61,11 @@ def main(argv=None):
                 params = emb.init(jax.random.key(0))
             f = jax.jit(lambda p, i, o, w, emb=emb: emb(p, i, o, w))
             jax.block_until_ready(f(params, i, o, w))
-            row[v] = round(device_ms(lambda k: f(params, i, o, w), 20)[0], 4)
+            ms, names = device_ms(lambda k: f(params, i, o, w), 20, top=args.top)
+            row[v] = round(ms, 4)
+            if args.top:
+                row[v + " kernels"] = {k: round(t, 4) for k, t in names.items()}
+                print(v, row[v + " kernels"], flush=True)
         rows.append(row)
         print(json.dumps({k: row[k] for k in ["shard", "layout", "T", "B", "lookups"] + args.variants}), flush=True)
         del params

@@ -186,16 +186,19 @@ def _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
     paths = emb.plan(weighted=per_sample_weights is not None, vbe=plan.vbe)
     generic = [f for f, p in enumerate(paths) if p != "histogram"]
     hist = [f for f, p in enumerate(paths) if p != "generic"]
-    # "auto" features are in both launches: each of their programs finds from this batch's offsets whether
-    # the feature's bags are long (the histogram kernel's) or not (the generic kernel's), and the other returns
-    auto = frozenset(f for f, p in enumerate(paths) if p == "auto")
+    auto = [f for f, p in enumerate(paths) if p == "auto"]
+    live_generic = live_hist = None
+    if auto:  # chosen on the device from this batch's bag lengths: each kernel skips the other's features
+        fixed = np.asarray([p == "histogram" for p in paths], np.int32)
+        live_hist = jnp.asarray(fixed) + hist_kernels.long_bags(plan, offsets, auto)
+        live_generic = 1 - live_hist
     flat = None
     if generic:
         flat = fwd_kernels.pooled_forward(
             params, emb.layout, plan, indices, offsets, per_sample_weights,
             pooling=emb.pooling, output_dtype=emb.output_dtype, check_upper=check_upper,
             config=emb.kernel_config, interpret=emb.interpret,
-            count_invalid=count, features=generic, short=short_bag_features(emb), auto=auto,
+            count_invalid=count, features=generic, live=live_generic, short=short_bag_features(emb),
         )
         if count:
             flat, n_bad = flat
@@ -203,7 +206,7 @@ def _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
         flat = hist_kernels.histogram_forward(
             flat, params, emb.layout, plan, hist, indices, offsets,
             pooling=emb.pooling, check_upper=check_upper, interpret=emb.interpret,
-            config=emb.histogram_config, count_invalid=count, auto=auto,
+            config=emb.histogram_config, count_invalid=count, live=live_hist,
         )
         if count:
             flat, hist_bad = flat

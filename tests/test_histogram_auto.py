@@ -2,11 +2,9 @@
 
 A table with E <= 64 and 64 <= D <= 128 (fp16 weights, fp32 output) always takes the
 histogram backward; its forward follows `bag_size_hint`, and without one ("auto")
-both forward kernels run, each of their programs choosing from the batch's bag
-lengths (`programs.auto_choice`). Runs compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW).
+both forward kernels run with per-feature `live` masks computed from the batch's
+bag lengths. Runs compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW).
 """
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ import pytest
 
 import tbe_jax
 from tbe_jax import testing
-from tbe_jax.kernels import forward, histogram
+from tbe_jax.kernels import histogram
 from tbe_jax.specs import FeaturePlan
 from conftest import KERNEL_KW, assert_close, model_step_f64, tables_f64, tolerance
 
@@ -38,36 +36,18 @@ def test_plan_without_hints():
     assert _emb([small], weights_dtype="float32").plan() == ("generic",)
 
 
-def test_each_kernel_decides_auto_features_from_the_batch():
-    """The generic and the histogram forward each decide per auto feature from the batch's offsets: mean bag
-    length >= MIN_BAG (64) -> the histogram kernel writes its columns and the generic one leaves them; below
-    it, the other way round. A hinted histogram feature is always the histogram kernel's. Mean lengths: 64
-    (long), 63.75 (short), 100 (long), 0 (empty: short); the hinted feature 1."""
-    assert histogram.MIN_BAG == 64
-    lengths = [[64] * 4, [64, 64, 64, 63], [100, 100, 50, 150], [0] * 4, [1] * 4]
+def test_long_bags_mask():
+    # Features of 4 bags: mean lengths 64 (long), 63.75 (short), 100 (long), 0 (empty: short).
+    lengths = [[64] * 4, [64, 64, 64, 63], [100, 100, 50, 150], [0] * 4]
     off = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
-    tables = [tbe_jax.TableSpec(8, 64)] * 4 + [tbe_jax.TableSpec(8, 64, bag_size_hint=100)]
+    tables = [tbe_jax.TableSpec(8, 64)] * 4
     emb = _emb(tables)
-    assert emb.plan() == ("auto",) * 4 + ("histogram",)
-    params = emb.init(jax.random.key(0))
     plan = emb.plan_for(len(off))
     assert isinstance(plan, FeaturePlan)
-    idx = jnp.asarray(np.random.default_rng(0).integers(0, 8, int(off[-1])).astype(np.int32))
-    nan = jnp.full((plan.out_size,), jnp.nan, jnp.float32)
-    auto = frozenset(range(4))
-    hist = histogram.histogram_forward(nan, params, emb.layout, plan, range(5), idx, jnp.asarray(off),
-                                       pooling="sum", check_upper=True, interpret=emb.interpret, auto=auto)
-    gen = forward.pooled_forward(params, emb.layout, plan, idx, jnp.asarray(off), None, pooling="sum",
-                                 output_dtype=jnp.float32, check_upper=True, config=tbe_jax.ForwardConfig(),
-                                 interpret=emb.interpret, features=range(4), out_flat=nan, auto=auto)
-
-    def written(flat):  # per feature: every column of every bag written, or none
-        w = ~np.isnan(np.asarray(flat).reshape(4, 5, 64))
-        assert np.all(w == w[:1, :, :1]), w
-        return w[0, :, 0].tolist()
-
-    assert written(hist) == [True, False, True, False, True]
-    assert written(gen) == [False, True, False, True, False]
+    got = jax.jit(lambda o: histogram.long_bags(plan, o, [0, 1, 2, 3]))(jnp.asarray(off))
+    np.testing.assert_array_equal(np.asarray(got), [1, 0, 1, 0])
+    got = histogram.long_bags(plan, jnp.asarray(off), [1, 2])  # features left out stay 0
+    np.testing.assert_array_equal(np.asarray(got), [0, 0, 1, 0])
 
 
 def _batch(rng, rows, lengths_per_feature, pad_to=None):
@@ -162,8 +142,8 @@ def test_auto_tables_train_with_the_histogram_backward(rng):
 
 
 def test_auto_lowers_to_both_forward_kernels_and_no_sort_for_small_tables():
-    """Lowered for CUDA: the auto forward is the generic and the histogram kernel and nothing else (no
-    conditional, no pass computing the choice), and a model of small tables only trains without a sort."""
+    """Lowered for CUDA: the auto forward has the generic and the histogram kernel (no conditional),
+    and a model of small tables only trains without a sort."""
     emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(64, 128)], weights_dtype="float16")
     emb.uses_kernel = lambda: True  # lowered for CUDA on any machine: the kernel path, not run
     params = jax.eval_shape(emb.init, jax.random.key(0))
@@ -171,8 +151,7 @@ def test_auto_lowers_to_both_forward_kernels_and_no_sort_for_small_tables():
     o = jax.ShapeDtypeStruct((33,), jnp.int32)
     text = jax.jit(lambda p, i, o: emb(p, i, o)).trace(params, i, o).lower(lowering_platforms=("cuda",)).as_text()
     assert "tbe_pooled_forward" in text and "tbe_histogram_forward" in text
-    # nothing runs before them: the choice is made by the kernels' programs (no gather of offsets, no mask)
-    assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"constant", "custom_call", "reshape", "output_operand_alias"}
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
     opt = tbe_jax.RowwiseAdagrad(0.1, 0.1)
     state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
     g = jax.ShapeDtypeStruct((32, 128), jnp.float32)

@@ -53,7 +53,6 @@ class _Branch:
     groups: int = 1  # sub-groups of `bags` bags per program (`bag_groups`, or `short_bag_groups` for hinted features)
     fmt: quant_rows.RowFormat | None = None  # quantized rows: their format (None: rows of the buffer's dtype)
     dyn_dim: bool = False  # features of several dims (quantized rows): each one's dim read from the feature table
-    auto: int = -1  # the feature table's auto column (`programs.auto_choice`) if the segment has auto features
 
     @property
     def bags(self) -> int:
@@ -62,11 +61,10 @@ class _Branch:
 
 
 def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, features, short=frozenset(),
-              formats=None, auto=frozenset()):
+              formats=None):
     """Per used buffer a branch per segment of programs (the `short` features, those with bags of at most two
     ids, in a segment of their own), the program map and the feature table. `formats`: per buffer of `layout`
-    its quantized `RowFormat` (None: float rows). `auto`: features left to the histogram kernel in a batch
-    where their bags are long (`programs.auto_choice`): the branches of segments holding any check it.
+    its quantized `RowFormat` (None: float rows).
 
     A quantized buffer may serve features of several dims (`plan.dim`; its rows are long enough for the
     largest): its branches' tiles and bags per program are the largest dim's, and the feature table then
@@ -89,18 +87,15 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
                 sub = max(1, min(sub, next_pow2(-(-max(plan.batch[f] for f in part) // bags))))
                 groups.append((part, bags * sub))
     pm = programs.build(plan.bag_base, plan.batch, groups)
-    seg_feats = [pm.flist[seg.feat_base : seg.feat_base + seg.num_feats, 0].tolist() for seg in pm.segments]
-    dyn = [any(plan.dim[f] != dim[plan.group[fs[0]]] for f in fs) for fs in seg_feats]
-    auto_col = programs.auto_column(any(dyn))
     branches = []
-    for seg, feats, dyn_dim in zip(pm.segments, seg_feats, dyn):
-        g = plan.group[feats[0]]
+    for seg in pm.segments:
+        f0 = int(pm.flist[seg.feat_base, 0])
+        g = plan.group[f0]
         d = dim[g]
         width = next_pow2(d) if fmt(g) is None else quant_rows.tile_words(fmt(g), d)  # quantized: a lane per word
-        branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g),
-                                dyn_dim, auto_col if any(f in auto for f in feats) else -1))
-    meta = feature_table(plan, dims=any(dyn), auto=sorted(set(auto) & set(features)), min_bag=programs.AUTO_MIN_BAG)
-    return used, tuple(branches), pm, meta
+        dyn = any(plan.dim[f] != d for f in pm.flist[seg.feat_base : seg.feat_base + seg.num_feats, 0].tolist())
+        branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g), dyn))
+    return used, tuple(branches), pm, feature_table(plan, dims=any(br.dyn_dim for br in branches))
 
 
 def _two_sum(s, c, x):
@@ -112,16 +107,13 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
-    meta_cols: int, num_warps: int = 1,
+    meta_cols: int, num_warps: int = 1, masked: bool = False,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
     # names its first bag in `offsets` directly, so the offsets load waits for one
     # load only (each dependent load costs a full memory latency).
-    f, first, nbags, b0, batch = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
-    if br.auto >= 0:  # an auto feature with long bags in this batch is the histogram kernel's
-        auto, long = programs.auto_choice(offsets_ref, feat_ref, meta_cols, br.auto, f, first - b0, batch)
-        nbags = jnp.where(auto & long, 0, nbags)
+    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref, masked)
 
     def feat_meta(col):
         return plgpu.load(feat_ref.at[meta_cols * f + col])
@@ -315,7 +307,7 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols, num_warps):
+                   accumulation, count_invalid, align, meta_cols, num_warps, masked):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
@@ -328,7 +320,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
             _pool_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
                 br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align, meta_cols=meta_cols, num_warps=num_warps,
+                align=align, meta_cols=meta_cols, num_warps=num_warps, masked=masked,
             )
 
 
@@ -347,10 +339,10 @@ def pooled_forward(
     interpret: bool,
     count_invalid: bool = False,
     features=None,
+    live=None,
     out_flat=None,
     short=frozenset(),
     formats=None,
-    auto=frozenset(),
 ):
     """Flat pooled output of `plan.out_size` elements (reshape is the caller's).
 
@@ -363,8 +355,8 @@ def pooled_forward(
 
     Only `features` (default: all) are computed; other features' columns are
     left for another kernel to write (see `histogram.histogram_forward`).
-    `auto`: features of `features` that are left unwritten too in a batch where their mean bag length is at
-    least `histogram.MIN_BAG` (the histogram kernel's then), decided by their programs from the batch's offsets.
+    `live` (a traced `[F]` 0/1 array, see `programs.operands`) drops more of them
+    at run time: a feature of `features` with `live == 0` is left unwritten too.
 
     With `count_invalid`, also returns `[2]` int32 counts made by the kernel itself:
     ids outside `[0, E)` (other than -1) inside the bags, and malformed entries of
@@ -386,14 +378,13 @@ def pooled_forward(
             res = pooled_forward(
                 buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                 output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
-                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part],
-                out_flat=out, short=short, formats=formats, auto=auto)
+                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], live=live,
+                out_flat=out, short=short, formats=formats)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
     config = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=indices.shape[0],
                                num_bags=sum(plan.batch), quantized=formats is not None)
-    used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats,
-                                              frozenset(auto))
+    used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats)
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
         return (out, jnp.zeros((2,), jnp.int32)) if count_invalid else out
@@ -416,8 +407,9 @@ def pooled_forward(
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
         num_warps=warps,
+        masked=live is not None,
     )
-    args = [*programs.operands(pm), programs.const(feat_meta), offsets, indices]
+    args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)

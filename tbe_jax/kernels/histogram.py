@@ -26,9 +26,8 @@ only needed where an fp32 operand meets the tensor cores, as in the backward's
 Eligibility is static (see `eligible`): E <= 64, 64 <= D <= 128, fp16 weights,
 fp32 output, unweighted, no VBE. The backward of an eligible table always takes
 the histogram kernels; its forward follows `forward_mode` (the table's
-`bag_size_hint`, or without one a choice on the device per batch, made by each
-program of both forward kernels from the feature's offsets (`programs.auto_choice`):
-no pass before them, no host sync, no recompile).
+`bag_size_hint`, or without one a choice on the device per batch: `live` masks
+on both forward kernels, so no host sync and no recompile).
 """
 
 from __future__ import annotations
@@ -42,14 +41,13 @@ import numpy as np
 
 from tbe_jax.pallas_compat import pallas_call, pl, plgpu, sm_count
 from tbe_jax.kernels import programs  # the program map and feature table are shared with the generic kernel
-from tbe_jax.kernels.programs import NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
+from tbe_jax.kernels.programs import META_COLS, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, TableSpec, next_pow2
 
 # Ids per bag and round of the backward's counting (`histogram_backward`). Not a knob: it is the largest count exact
 # in bf16 (the counts' dtype in its `counts^T @ dout` dots), and a smaller round only adds rounds of dots.
 GRAD_ROUND = 256
-MAX_ROWS, MIN_DIM, MAX_DIM = 64, 64, 128
-MIN_BAG = programs.AUTO_MIN_BAG  # an auto feature's forward is this kernel's in batches of longer bags
+MAX_ROWS, MIN_DIM, MAX_DIM, MIN_BAG = 64, 64, 128, 64
 WORDS = 16  # int32 words per bag slot of the packed counters, each holding E_padded / 16 8-bit counters
 
 
@@ -183,12 +181,25 @@ def forward_mode(table: TableSpec) -> str:
     64-128 ids per bag and B = 65536, up to 1.7x slower at 4-16), so it follows the
     table's `bag_size_hint` when one is given (>= MIN_BAG: histogram) and otherwise
     is "auto": chosen on the device per batch and feature, histogram when the
-    feature's mean bag length is >= MIN_BAG (see `programs.auto_choice`).
+    feature's mean bag length is >= MIN_BAG (see `long_bags`).
     """
     hint = table.bag_size_hint
     if hint is None:
         return "auto"
     return "histogram" if hint >= MIN_BAG else "generic"
+
+
+def long_bags(plan: FeaturePlan, offsets: jax.Array, features) -> jax.Array:
+    """`[F]` int32 on the device: 1 for each of `features` whose mean bag length in this batch
+    is >= MIN_BAG, else 0 (one tiny fused op on `offsets`, no host sync)."""
+    # Dense over all F features (need 0: never long), so that it is one gather-compare that XLA fuses into its
+    # consumers (`programs.operands`), not a scatter of its own.
+    feats = set(features)
+    starts = np.asarray(plan.bag_base[: plan.num_features], np.int32)
+    ends = starts + np.asarray(plan.batch, np.int32)
+    need = np.asarray([MIN_BAG * plan.batch[f] if f in feats else 0 for f in range(plan.num_features)], np.int32)
+    total = offsets[jnp.asarray(ends)] - offsets[jnp.asarray(starts)]
+    return ((total >= jnp.asarray(need)) & jnp.asarray(need > 0)).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +209,6 @@ class _Branch:
     dim: int
     block_dim: int
     rows_padded: int  # >= 16: a tensor-core dot needs K >= 16
-    auto: int = -1  # the feature table's auto column (`programs.auto_choice`) if the segment has auto features
 
 
 def rows_padded(num_rows: int) -> int:
@@ -216,16 +226,14 @@ def _groups(plan: FeaturePlan, features, bags: int):
     return out
 
 
-def _schedule(layout: StorageLayout, plan: FeaturePlan, features, bags: int, auto=frozenset()):
+def _schedule(layout: StorageLayout, plan: FeaturePlan, features, bags: int):
     groups = _groups(plan, features, bags)
     pm = programs.build(plan.bag_base, plan.batch, [(feats, b) for _, feats, b in groups])
     branches = []
     for pos, ((g, feats, _), seg) in enumerate(zip(groups, pm.segments)):
         d = layout.dims[g]
-        branches.append(_Branch(pos, seg, d, next_pow2(d), rows_padded(max(plan.num_rows[f] for f in feats)),
-                                programs.auto_column(False) if any(f in auto for f in feats) else -1))
-    meta = feature_table(plan, auto=sorted(set(auto) & set(features)), min_bag=MIN_BAG)
-    return [g for g, _, _ in groups], tuple(branches), pm, meta
+        branches.append(_Branch(pos, seg, d, next_pow2(d), rows_padded(max(plan.num_rows[f] for f in feats))))
+    return [g for g, _, _ in groups], tuple(branches), pm, feature_table(plan)
 
 
 # -- packed counting --------------------------------------------------------------------
@@ -279,25 +287,22 @@ def _count_packed(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, l
 
 def _hist_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, w_ref, out_ref, bad_ref, counts_ref,
-    *, br: _Branch, cfg: HistogramConfig, pooling: str, check_upper: bool, cols_meta: int,
+    *, br: _Branch, cfg: HistogramConfig, pooling: str, check_upper: bool, masked: bool,
 ):
     def meta(ref, cols, row, col):
         return plgpu.load(ref.at[cols * row + col])
 
     bags = cfg.bags
-    f, first, nbags, b0, batch = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref)
-    if br.auto >= 0:  # an auto feature is this kernel's only in a batch where its bags are long
-        auto, long = programs.auto_choice(offsets_ref, feat_ref, cols_meta, br.auto, f, first - b0, batch)
-        nbags = jnp.where(~auto | long, nbags, 0)
+    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref, masked)
 
     def body():
         g = jnp.arange(bags, dtype=jnp.int32)
         bag_ok = g < nbags
         start, length, malformed = programs.bag_extent(offsets_ref, first + g, bag_ok, indices_ref.shape[0])
-        num_rows = meta(feat_ref, cols_meta, f, NUM_ROWS)
-        row_offset = meta(feat_ref, cols_meta, f, ROW_OFFSET)
-        out_base = meta(feat_ref, cols_meta, f, OUT_BASE)
-        out_stride = meta(feat_ref, cols_meta, f, OUT_STRIDE)
+        num_rows = meta(feat_ref, META_COLS, f, NUM_ROWS)
+        row_offset = meta(feat_ref, META_COLS, f, ROW_OFFSET)
+        out_base = meta(feat_ref, META_COLS, f, OUT_BASE)
+        out_stride = meta(feat_ref, META_COLS, f, OUT_STRIDE)
 
         def n_bad(ids):  # elementwise: summed after the loops, not per step
             if bad_ref is None:
@@ -371,7 +376,7 @@ def _hist_branch(
 
 
 def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid, save_counts, cfg, aliased,
-                 cols_meta):
+                 masked):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     w_refs = refs[5 : 5 + n_buffers]
     rest = list(refs[5 + n_buffers :])
@@ -386,7 +391,7 @@ def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid
         def _(br=br):
             _hist_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, w_refs[br.buffer], out_ref, bad_ref,
-                counts_ref, br=br, cfg=cfg, pooling=pooling, check_upper=check_upper, cols_meta=cols_meta,
+                counts_ref, br=br, cfg=cfg, pooling=pooling, check_upper=check_upper, masked=masked,
             )
 
 
@@ -405,20 +410,20 @@ def histogram_forward(
     config: HistogramConfig | None = None,
     count_invalid: bool = False,
     save_counts: bool = False,
-    auto=frozenset(),
+    live=None,
 ):
     """Writes the histogram features' columns into `out_flat` (aliased, no copy).
 
     With `out_flat=None` (every feature takes this path) the output is fresh.
-    `auto`: features of `features` left as they are (the generic kernel's) in a batch where their mean bag
-    length is below `MIN_BAG`, decided by their programs from the batch's offsets.
+    `live` (traced `[F]` 0/1, see `programs.operands`): features of `features`
+    with `live == 0` are left as they are (the generic kernel wrote them).
 
     Returns `out_flat`, plus `[2]` counts (`count_invalid`: bad ids skipped, malformed offsets entries) and
     the per-bag counts `[programs * bags, E_padded]` int32 (`save_counts`; row
     `p * bags + b` is bag b of program p, in `histogram_programs` order), each when asked.
     """
     cfg = config or HistogramConfig()
-    used, branches, pm, feat_meta = _schedule(layout, plan, tuple(features), cfg.bags, frozenset(auto))
+    used, branches, pm, feat_meta = _schedule(layout, plan, tuple(features), cfg.bags)
     n_prog = pm.num_programs
     out_shape = [jax.ShapeDtypeStruct((plan.out_size,), jnp.float32)]
     if count_invalid:
@@ -429,9 +434,9 @@ def histogram_forward(
     kernel = functools.partial(
         _hist_kernel, branches=branches, n_buffers=len(used), pooling=pooling, check_upper=check_upper,
         count_invalid=count_invalid, save_counts=save_counts, cfg=cfg, aliased=out_flat is not None,
-        cols_meta=feat_meta.shape[1],
+        masked=live is not None,
     )
-    args = [*programs.operands(pm), programs.const(feat_meta), offsets, indices]
+    args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     args += [buffers[layout.key(g)] for g in used]
     if out_flat is not None:
         args.append(out_flat)

@@ -209,7 +209,7 @@ def _grad_branch(pid, lo, hi, flist_ref, prefix_ref, feat_ref, offsets_ref, indi
 
     def tile(i, carry):
         acc, occ = carry
-        f, first, nbags, b0, _ = programs.locate(seg, lo + i, flist_ref, prefix_ref)
+        f, first, nbags, b0 = programs.locate(seg, lo + i, flist_ref, prefix_ref)
         out_base = plgpu.load(feat_ref.at[META_COLS * f + OUT_BASE])
         out_stride = plgpu.load(feat_ref.at[META_COLS * f + OUT_STRIDE])
         bag_ok = g < nbags

@@ -30,38 +30,13 @@ FLIST_COLS = 3  # feature, first bag (its entry in offsets), number of bags
 NUM_ROWS, ROW_OFFSET, OUT_BASE, OUT_STRIDE = range(4)
 META_COLS = 4
 DIM = 4  # the table with `dims`: the feature's dim (a kernel branch serving features of several dims)
-# An auto feature (a small table without `bag_size_hint`) is the histogram forward's in a batch whose bags hold
-# this many ids on average, else the generic forward's (`auto_choice`; `histogram.MIN_BAG`).
-AUTO_MIN_BAG = 64
 
 
-def feature_table(plan, dims: bool = False, auto=(), min_bag: int = 0) -> np.ndarray:
+def feature_table(plan, dims: bool = False) -> np.ndarray:
     """Per feature of a `FeaturePlan`: (E, first row in its buffer, output base, output stride), `[F, 4]` int32;
-    with `dims`, its dim too (column `DIM`), `[F, META_COLS + 1]`; with `auto` (features), a last column
-    (`auto_column`): `min_bag * B_f` for those features, 0 for the others (`auto_choice`'s threshold)."""
+    with `dims`, its dim too (column `DIM`), `[F, META_COLS + 1]`."""
     cols = [plan.num_rows, plan.row_offset, plan.out_base, plan.out_stride] + ([plan.dim] if dims else [])
-    if auto:
-        cols.append([min_bag * plan.batch[f] if f in set(auto) else 0 for f in range(plan.num_features)])
     return np.stack(cols, axis=1).astype(np.int32)
-
-
-def auto_column(dims: bool) -> int:
-    """The column of `feature_table`'s auto threshold (a table built with `auto`)."""
-    return META_COLS + int(dims)
-
-
-def auto_choice(offsets_ref, feat_ref, meta_cols: int, col: int, f, feat_first, batch):
-    """(auto, long) for feature `f` (bags `feat_first ..` of `offsets`, `batch` of them): whether it is an
-    auto feature (a nonzero threshold in `feature_table`'s column `col`), and whether its bags hold at least
-    that many ids in this batch, by the raw offsets entries at its two ends: the per-batch choice between the
-    histogram and the generic forward of a small table without a `bag_size_hint`. Every program of a
-    segment with such features makes it (three loads beside its own offsets loads), so the two kernels need
-    no pass before them."""
-    last = offsets_ref.shape[0] - 1
-    need = plgpu.load(feat_ref.at[meta_cols * f + col])
-    lo = plgpu.load(offsets_ref.at[jnp.clip(feat_first, 0, last)])
-    hi = plgpu.load(offsets_ref.at[jnp.clip(feat_first + batch, 0, last)])
-    return need > 0, hi - lo >= need
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,20 +94,23 @@ def build(bag_base: Sequence[int], batch: Sequence[int], groups) -> ProgramMap:
     return ProgramMap(tuple(segs), flist_arr, prefix_arr)
 
 
-def locate(seg: Segment, q, flist_ref, prefix_ref):
-    """Program `q` of segment `seg` (0-based within it): (feature, first bag in offsets, bags, b0, batch).
+def locate(seg: Segment, q, flist_ref, prefix_ref, masked: bool = False):
+    """Program `q` of segment `seg` (0-based within it): (feature, first bag in offsets, bags, b0).
 
     `b0` is the program's first bag within its feature; `bags` counts the bags that
-    exist (fewer than `seg.bags` at the end of a feature); `batch` is the feature's bag count (its first bag
-    in offsets is `first - b0`). Every index is a traced
-    int32 (interpret mode rejects Python ints as ref indices).
+    exist (fewer than `seg.bags` at the end of a feature). Every index is a traced
+    int32 (interpret mode rejects Python ints as ref indices). `masked`: the kernel's `flist` came from
+    `operands` with a `live` mask, so its bag counts are read, never taken from the static map.
     """
     if seg.feat0 >= 0:
-        # Arithmetic, no load: the offsets loads that follow need not wait for one.
+        # Arithmetic. The bag count is loaded only where `operands`' `live` can zero it at run time (in parallel
+        # with the offsets loads that follow: `bag_extent` loads without waiting for the count); elsewhere it is
+        # the map's (one load less: the fp32 preset's forward 0.1176 -> 0.1132 ms on an H100,
+        # `benchmarks/results/forward-ab-20261207-s56-NVIDIA_H100.json`).
         i = q // seg.ppf
         b0 = (q - i * seg.ppf) * seg.bags
-        return seg.feat0 + i, seg.base0 + i * seg.batch0 + b0, jnp.minimum(seg.bags, seg.batch0 - b0), b0, \
-            jnp.int32(seg.batch0)
+        batch = plgpu.load(flist_ref.at[FLIST_COLS * (seg.feat_base + i) + 2]) if masked else seg.batch0
+        return seg.feat0 + i, seg.base0 + i * seg.batch0 + b0, jnp.minimum(seg.bags, batch - b0), b0
     if seg.ppf:
         i = q // seg.ppf
         within = q - i * seg.ppf
@@ -151,7 +129,7 @@ def locate(seg: Segment, q, flist_ref, prefix_ref):
     bag_base = plgpu.load(flist_ref.at[row + 1])
     batch = plgpu.load(flist_ref.at[row + 2])
     b0 = within * seg.bags
-    return f, bag_base + b0, jnp.minimum(seg.bags, batch - b0), b0, batch
+    return f, bag_base + b0, jnp.minimum(seg.bags, batch - b0), b0
 
 
 def bag_extent(offsets_ref, bag, ok, n: int):
@@ -207,6 +185,19 @@ def const(values) -> jax.Array:
     return jnp.asarray(a.astype(np.int32))
 
 
-def operands(pm: ProgramMap):
-    """The two kernel operands (flat int32 device constants): `flist` and `prefix`."""
+def operands(pm: ProgramMap, live=None):
+    """The two kernel operands (flat int32 device arrays).
+
+    `live`: None, or a traced `[F]` int32 of 0/1 per feature (decided on the device
+    from the batch). A feature with `live == 0` is given no bags: its programs
+    still run but do nothing, so another kernel can own its output columns. The
+    grid and every static fact stay the same, whatever `live` holds.
+    """
+    if live is not None and pm.flist.shape[0]:
+        # One elementwise op (XLA fuses it with `live`'s own ops: no scatter, no extra launch): the batch column
+        # times the feature's `live`, every other entry times 1.
+        rows, cols = pm.flist.shape
+        scale = jnp.where(jnp.asarray(np.arange(cols) == 2)[None, :],
+                          live.astype(jnp.int32)[jnp.asarray(pm.flist[:, 0])][:, None], 1)
+        return (jnp.asarray(pm.flist) * scale).reshape(-1), const(pm.prefix)
     return const(pm.flist), const(pm.prefix)
