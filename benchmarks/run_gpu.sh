@@ -66,6 +66,10 @@
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
+#   persistent (~250 s) the forward's persistent grid (session 57): its tests compiled (test_forward_kernel.py -k
+#              "max_programs or persistent or mixed_dims or bag_groups or short_bag"), then probe_forward with
+#              `persistent_max_mean` 0 (the default) against 10 on DLRMv2 and 12 seed-20261207 shards whose bags
+#              average at most 10 ids -> persistent-tests.log, probe-persistent-rule.json
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
 #   warps-fp32 (~80 s) one warp, the default rule and two warps on fp32 tables (probe_forward, seed 20261203): the
@@ -235,6 +239,13 @@ for stage in "$@"; do
           --load-factors 0.2 --out $o"
         echo "-- this tree"; timeout 150 $HB 2>&1 | grep -v Warning | tee "$o/host-ab.log"
         echo "-- ab_old/"; (cd ab_old && timeout 150 $HB 2>&1 | grep -v Warning | tee -a "$o/host-ab.log") ;;
+    persistent) timeout 150 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py \
+          -k "max_programs or persistent or mixed_dims or bag_groups or short_bag" > "$OUT/persistent-tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/persistent-tests.log" | tail -6
+        timeout 120 python3 -m benchmarks probe_forward --seed 20261207 \
+          --shards dlrmv2,s110,s077,s115,s119,s130,s001,s218,s098,s144,s069,s040,s164 \
+          --variants '{}' '{"persistent_max_mean": 10}' --out "$OUT/probe-persistent-rule.json" 2>&1 \
+          | grep --line-buffered shard | cut -c1-250 ;;
     kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;

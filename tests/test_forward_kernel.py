@@ -221,6 +221,61 @@ def test_bag_groups_bitwise_equal_one_group(rng, groups, weighted, pooling, wdty
     assert_close(outg, ref(params, idx, off, psw, batch_size_per_feature=tuple(batch)), tolerance(wdtype, 11))
 
 
+# ForwardConfig.max_programs: a persistent grid, P looping programs running entries pid, pid + P, ... and one
+# program for each entry of the rest (2 and 3 loops over the 12 entries of three segments, the hinted short
+# one among them): each bag is pooled by the same code in the same order, so the outputs are bitwise equal
+# and the bad-id counts the same; a cap above a third of the entries is the plain grid.
+@pytest.mark.parametrize("cap", [2, 3, 1000])
+def test_max_programs_persistent_grid_bitwise(rng, cap):
+    tables = [tbe_jax.TableSpec(40, 32), tbe_jax.TableSpec(9, 8, bag_size_hint=1), tbe_jax.TableSpec(300, 17)]
+    fmap = [0, 1, 2, 1]
+    batch = [13, 1, 6, 9]
+    kw = dict(feature_table_map=fmap, weights_dtype="float16", bounds_check="warning", **KERNEL_KW)
+    one = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(tile_elems=64), **kw)
+    few = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(tile_elems=64, max_programs=cap),
+                                        **kw)
+    params = one.init(jax.random.key(4))
+    lengths = rng.choice([0, 1, 1, 2, 11], size=sum(batch))
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
+    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx[::5] = 10_000
+    out1, rep1 = one.forward_with_report(params, idx, off, batch_size_per_feature=tuple(batch))
+    outp, repp = few.forward_with_report(params, idx, off, batch_size_per_feature=tuple(batch))
+    np.testing.assert_array_equal(np.asarray(outp), np.asarray(out1))
+    assert int(repp.invalid_indices) == int(rep1.invalid_indices) == int(np.sum(idx == 10_000))
+    ref = tbe_jax.TableBatchedEmbedding(tables, impl="xla", feature_table_map=fmap, weights_dtype="float16")
+    assert_close(outp, ref(params, idx, off, batch_size_per_feature=tuple(batch)), tolerance("float16", 11))
+
+
+def test_max_programs_validated():
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_programs"):
+            tbe_jax.ForwardConfig(max_programs=bad)
+    for bad in (-1.0, True, "10"):
+        with pytest.raises(ValueError, match="persistent_max_mean"):
+            tbe_jax.ForwardConfig(persistent_max_mean=bad)
+
+
+# The rule: one resident wave of looping programs (32 an SM) for one-warp float launches whose bags average at
+# most `persistent_max_mean` ids; plain grids for longer bags, several warps, quantized rows, or with the rule
+# off (the default); an explicit `max_programs` wins.
+def test_persistent_rule(monkeypatch):
+    from tbe_jax.kernels import forward_config
+    monkeypatch.setattr(forward_config, "sm_count", lambda: 132)
+    assert tbe_jax.ForwardConfig().launch_programs(warps=1, num_ids=1, num_bags=1_000, quantized=False) is None
+    cfg = tbe_jax.ForwardConfig(persistent_max_mean=10)
+    assert cfg.launch_programs(warps=1, num_ids=8_000, num_bags=1_000, quantized=False) == 4224
+    assert cfg.launch_programs(warps=1, num_ids=10_000, num_bags=1_000, quantized=False) == 4224
+    assert cfg.launch_programs(warps=1, num_ids=10_001, num_bags=1_000, quantized=False) is None
+    assert cfg.launch_programs(warps=2, num_ids=1_000, num_bags=1_000, quantized=False) is None
+    assert cfg.launch_programs(warps=1, num_ids=1_000, num_bags=1_000, quantized=True) is None
+    off = tbe_jax.ForwardConfig(persistent_max_mean=0)
+    assert off.launch_programs(warps=1, num_ids=1, num_bags=1_000, quantized=False) is None
+    assert off.launch_programs(warps=1, num_ids=0, num_bags=1_000, quantized=False) is None
+    assert tbe_jax.ForwardConfig(max_programs=7).launch_programs(warps=2, num_ids=9, num_bags=1, quantized=True) == 7
+
+
 # Programs of several warps (`ForwardConfig.num_warps`): the tile's bags spread over the warps. Interpret mode
 # ignores warps, so this checks the compiled layouts only on a GPU; on a CPU it still runs the configs' schedules.
 @pytest.mark.parametrize("wdtype,num_warps,weighted", [("float32", 2, True), ("float16", 4, False)])

@@ -431,8 +431,10 @@ def test_comm_dtype_bfloat16():
 def test_program_does_not_grow_with_batch(bcfg):
     """The sharded forward and step, lowered for the kernels (CUDA) at two batch sizes: the same program text
     up to the shapes' digits (no constant grows with b). The backward's sort is pinned to one path at both
-    sizes (XLA's sort; the counting-rank sort with its merge pass): the default picks by size."""
+    sizes (XLA's sort; the counting-rank sort with its merge pass), and the forward to the plain grid (its
+    persistent grid starts at a size too): the defaults pick by size."""
     emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="pallas",
+                                        kernel_config=tbe_jax.ForwardConfig(persistent_max_mean=0),
                                         backward_config=tbe_jax.BackwardConfig(**bcfg))
     emb.uses_kernel = lambda: True  # lower the kernels without a GPU
     sharded = tbe_jax.shard(emb, mesh(auto=True), "data", MIXED)

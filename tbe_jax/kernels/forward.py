@@ -307,21 +307,39 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols, num_warps, masked):
+                   accumulation, count_invalid, align, meta_cols, num_warps, masked, loops, each):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
     rest = refs[5:]
     psw_ref = rest[0] if weighted else None
     w_refs = rest[int(weighted) : int(weighted) + n_buffers]
     out_ref, bad_ref = (rest[-2], rest[-1]) if count_invalid else (rest[-1], None)
+
+    def run(pid):  # entry `pid` of the schedule
+        for br in branches:
+            @pl.when((pid >= br.seg.prog_start) & (pid < br.seg.prog_end))
+            def _(br=br):
+                _pool_branch(
+                    pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref,
+                    bad_ref, br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper,
+                    accumulation=accumulation, align=align, meta_cols=meta_cols, num_warps=num_warps, masked=masked,
+                )
+
     pid = pl.program_id(0)
-    for br in branches:
-        @pl.when((pid >= br.seg.prog_start) & (pid < br.seg.prog_end))
-        def _(br=br):
-            _pool_branch(
-                pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref, bad_ref,
-                br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper, accumulation=accumulation,
-                align=align, meta_cols=meta_cols, num_warps=num_warps, masked=masked,
-            )
+    if not each:
+        run(pid)
+        return
+    # A persistent grid (`ForwardConfig.max_programs`): the first `loops` programs run entries pid, pid + loops,
+    # ... (`each` of them) one after another, and every later program one entry of the rest: launched as the
+    # loops finish, those balance the end as a plain grid does.
+    looping = pid < loops
+    first = jnp.where(looping, pid, loops * each + pid - loops)
+    count = jnp.where(looping, jnp.int32(each), jnp.int32(1))  # int32, as the loop's other bounds
+
+    def step(i, carry):
+        run(first + i * loops)
+        return carry
+
+    jax.lax.fori_loop(0, count, step, jnp.int32(0))
 
 
 def pooled_forward(
@@ -393,6 +411,14 @@ def pooled_forward(
     warps = config.launch_warps(fp32_rows=all_fp32 and formats is None, weighted=per_sample_weights is not None,
                                 block_dims=[br.block_dim for br in branches])
 
+    loops = config.launch_programs(warps=warps, num_ids=indices.shape[0], num_bags=sum(plan.batch),
+                                   quantized=formats is not None)
+    each = 0 if loops is None else pm.num_programs // loops - 1  # entries a looping program runs
+    grid = pm.num_programs
+    if each > 1:  # else a plain grid: one entry a program
+        grid = pm.num_programs - loops * (each - 1)  # the loops, then the rest (loops .. 2 * loops - 1) one each
+    else:
+        loops, each = 0, 0
     kernel = functools.partial(
         _pooled_kernel,
         branches=branches,
@@ -408,6 +434,8 @@ def pooled_forward(
         meta_cols=feat_meta.shape[1],
         num_warps=warps,
         masked=live is not None,
+        loops=loops,
+        each=each,
     )
     args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
     if per_sample_weights is not None:
@@ -423,7 +451,7 @@ def pooled_forward(
     call = pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(pm.num_programs,),
+        grid=(grid,),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages),
         interpret=interpret,
