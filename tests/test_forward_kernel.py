@@ -276,6 +276,36 @@ def test_persistent_rule(monkeypatch):
     assert tbe_jax.ForwardConfig(max_programs=7).launch_programs(warps=2, num_ids=9, num_bags=1, quantized=True) == 7
 
 
+# The rule end to end: bags of 1.5 ids on average, 2 SMs (64 looping programs over 256 entries: 3 each, then
+# 64 plain programs) against the rule off, bitwise, with weights, empty bags and bad ids.
+def test_persistent_rule_launch(rng, monkeypatch):
+    from tbe_jax.kernels import forward_config
+    monkeypatch.setattr(forward_config, "sm_count", lambda: 2)
+    taken = []
+    rule = forward_config.ForwardConfig.launch_programs
+    monkeypatch.setattr(forward_config.ForwardConfig, "launch_programs",
+                        lambda self, **kw: taken.append(rule(self, **kw)) or taken[-1])
+    tables = specs([50, 7000], [128, 128])
+    batch = [256, 256]
+    kw = dict(weights_dtype="float16", bounds_check="warning", **KERNEL_KW)
+    on = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(persistent_max_mean=10), **kw)
+    off = tbe_jax.TableBatchedEmbedding(tables, **kw)
+    params = on.init(jax.random.key(5))
+    lengths = rng.choice([0, 1, 1, 2, 3], size=sum(batch))
+    off_ = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([t.num_embeddings for t in tables], batch)
+    idx = (rng.random(off_[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx[::9] = 10_000
+    psw = rng.random(off_[-1]).astype(np.float32)
+    out_on, rep_on = on.forward_with_report(params, idx, off_, psw)
+    assert 64 in taken
+    taken.clear()
+    out_off, rep_off = off.forward_with_report(params, idx, off_, psw)
+    assert taken and all(t is None for t in taken)
+    np.testing.assert_array_equal(np.asarray(out_on), np.asarray(out_off))
+    assert int(rep_on.invalid_indices) == int(rep_off.invalid_indices) == int(np.sum(idx == 10_000))
+
+
 # Programs of several warps (`ForwardConfig.num_warps`): the tile's bags spread over the warps. Interpret mode
 # ignores warps, so this checks the compiled layouts only on a GPU; on a CPU it still runs the configs' schedules.
 @pytest.mark.parametrize("wdtype,num_warps,weighted", [("float32", 2, True), ("float16", 4, False)])
