@@ -68,8 +68,9 @@
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
 #   persistent (~250 s) the forward's persistent grid (session 57): its tests compiled (test_forward_kernel.py -k
 #              "max_programs or persistent or mixed_dims or bag_groups or short_bag"), then probe_forward with
-#              `persistent_max_mean` 0 (the default) against 10 on DLRMv2 and 12 seed-20261207 shards whose bags
-#              average at most 10 ids -> persistent-tests.log, probe-persistent-rule.json
+#              `persistent_max_mean` 0 (the default) against 10 on DLRMv2 and the 9 seed-20261207 shards whose
+#              launch the rule changes, with s098, s119, s164 as controls -> persistent-tests.log,
+#              probe-persistent-rule.json
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
 #   warps-fp32 (~80 s) one warp, the default rule and two warps on fp32 tables (probe_forward, seed 20261203): the
