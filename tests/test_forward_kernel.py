@@ -35,6 +35,14 @@ def _run(rng, tables, fmap, batch, bag_len, *, pooling="sum", wdtype="float32", 
     return out, model
 
 
+def _batch_of_lengths(rng, tables, fmap, batch, choices):
+    """Offsets and ids (uniform over each feature's table) of bags whose lengths are drawn from `choices`."""
+    lengths = rng.choice(choices, size=sum(batch))
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
+    return (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32), off
+
+
 # Storage dtype x pooling x weighting pairwise (6 of the 12 combinations: every dtype with both poolings and
 # both weightings, every pooling with both weightings); each combination is one interpret-mode compile on CPU.
 @pytest.mark.parametrize("wdtype,pooling,weighted", [
@@ -203,10 +211,7 @@ def test_bag_groups_bitwise_equal_one_group(rng, groups, weighted, pooling, wdty
     many = tbe_jax.TableBatchedEmbedding(
         tables, kernel_config=tbe_jax.ForwardConfig(tile_elems=64, bag_groups=groups), **kw)
     params = one.init(jax.random.key(3))
-    lengths = rng.choice([0, 1, 1, 2, 11], size=sum(batch))  # one-id bags mostly, some empty, some long
-    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
-    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx, off = _batch_of_lengths(rng, tables, fmap, batch, [0, 1, 1, 2, 11])  # one-id bags mostly, some empty, long
     idx[::7] = 10_000  # bad ids: dropped and counted the same
     psw = rng.random(off[-1]).astype(np.float32) if weighted else None
     out1, rep1 = one.forward_with_report(params, idx, off, psw, batch_size_per_feature=tuple(batch))
@@ -235,10 +240,7 @@ def test_max_programs_persistent_grid_bitwise(rng, cap):
     few = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(tile_elems=64, max_programs=cap),
                                         **kw)
     params = one.init(jax.random.key(4))
-    lengths = rng.choice([0, 1, 1, 2, 11], size=sum(batch))
-    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    rows = np.repeat([tables[t].num_embeddings for t in fmap], batch)
-    idx = (rng.random(off[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx, off = _batch_of_lengths(rng, tables, fmap, batch, [0, 1, 1, 2, 11])
     idx[::5] = 10_000
     out1, rep1 = one.forward_with_report(params, idx, off, batch_size_per_feature=tuple(batch))
     outp, repp = few.forward_with_report(params, idx, off, batch_size_per_feature=tuple(batch))
@@ -291,10 +293,7 @@ def test_persistent_rule_launch(rng, monkeypatch):
     on = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(persistent_max_mean=10), **kw)
     off = tbe_jax.TableBatchedEmbedding(tables, **kw)
     params = on.init(jax.random.key(5))
-    lengths = rng.choice([0, 1, 1, 2, 3], size=sum(batch))
-    off_ = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    rows = np.repeat([t.num_embeddings for t in tables], batch)
-    idx = (rng.random(off_[-1]) * np.repeat(rows, lengths)).astype(np.int32)
+    idx, off_ = _batch_of_lengths(rng, tables, [0, 1], batch, [0, 1, 1, 2, 3])
     idx[::9] = 10_000
     psw = rng.random(off_[-1]).astype(np.float32)
     out_on, rep_on = on.forward_with_report(params, idx, off_, psw)
