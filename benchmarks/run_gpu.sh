@@ -66,10 +66,11 @@
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
-#   persistent (~250 s) the forward's persistent grid (session 57): its tests compiled (test_forward_kernel.py -k
-#              "max_programs or persistent or mixed_dims or bag_groups or short_bag"), then probe_forward with
-#              `persistent_max_mean` 0 (the default) against 10 on DLRMv2 and the 9 seed-20261207 shards whose
-#              launch the rule changes, with s098, s119, s164 as controls -> persistent-tests.log,
+#   persistent (~250 s) the forward's persistent grid (sessions 57-58): its tests compiled (test_forward_kernel.py -k
+#              "max_programs or persistent or mixed_dims or bag_groups or short_bag"), then probe_forward with the
+#              rule off (`persistent_max_mean` 0), the default (10 ids and 1280 values a bag) and values alone (ids
+#              up to 1000) on the 15 shards whose launch the values bound alone changes (DLRMv2, hinted and not,
+#              and 13 of seed 20261207's; the default changes 9 of them) -> persistent-tests.log,
 #              probe-persistent-rule.json
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
@@ -243,9 +244,10 @@ for stage in "$@"; do
     persistent) timeout 150 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py \
           -k "max_programs or persistent or mixed_dims or bag_groups or short_bag" > "$OUT/persistent-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/persistent-tests.log" | tail -6
-        timeout 120 python3 -m benchmarks probe_forward --seed 20261207 \
-          --shards dlrmv2,s110,s077,s115,s119,s130,s001,s218,s098,s144,s069,s040,s164 \
-          --variants '{}' '{"persistent_max_mean": 10}' --out "$OUT/probe-persistent-rule.json" 2>&1 \
+        timeout 200 python3 -m benchmarks probe_forward --seed 20261207 \
+          --shards dlrmv2,dlrmv2-hinted,s001,s008,s041,s066,s069,s077,s110,s112,s114,s115,s130,s144,s149 \
+          --variants '{"persistent_max_mean": 0}' '{}' '{"persistent_max_mean": 1000}' \
+          --out "$OUT/probe-persistent-rule.json" 2>&1 \
           | grep --line-buffered shard | cut -c1-250 ;;
     kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1

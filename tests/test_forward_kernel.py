@@ -255,27 +255,37 @@ def test_max_programs_validated():
         with pytest.raises(ValueError, match="max_programs"):
             tbe_jax.ForwardConfig(max_programs=bad)
     for bad in (-1.0, True, "10"):
-        with pytest.raises(ValueError, match="persistent_max_mean"):
-            tbe_jax.ForwardConfig(persistent_max_mean=bad)
+        for name in ("persistent_max_mean", "persistent_max_values"):
+            with pytest.raises(ValueError, match=name):
+                tbe_jax.ForwardConfig(**{name: bad})
 
 
-# The rule: one resident wave of looping programs (32 an SM) for one-warp float launches whose bags average at
-# most `persistent_max_mean` ids; plain grids for longer bags, several warps, quantized rows, or with the rule
-# off (the default); an explicit `max_programs` wins.
+# The rule: one resident wave of looping programs (32 an SM) for one-warp float launches whose bags hold at most
+# `persistent_max_mean` ids and pool at most `persistent_max_values` values on average (ids a bag times the bags'
+# mean row width); plain grids for more, several warps, quantized rows, or with the rule off; an explicit
+# `max_programs` wins.
 def test_persistent_rule(monkeypatch):
     from tbe_jax.kernels import forward_config
     monkeypatch.setattr(forward_config, "sm_count", lambda: 132)
-    assert tbe_jax.ForwardConfig().launch_programs(warps=1, num_ids=1, num_bags=1_000, quantized=False) is None
-    cfg = tbe_jax.ForwardConfig(persistent_max_mean=10)
-    assert cfg.launch_programs(warps=1, num_ids=8_000, num_bags=1_000, quantized=False) == 4224
-    assert cfg.launch_programs(warps=1, num_ids=10_000, num_bags=1_000, quantized=False) == 4224
-    assert cfg.launch_programs(warps=1, num_ids=10_001, num_bags=1_000, quantized=False) is None
-    assert cfg.launch_programs(warps=2, num_ids=1_000, num_bags=1_000, quantized=False) is None
-    assert cfg.launch_programs(warps=1, num_ids=1_000, num_bags=1_000, quantized=True) is None
-    off = tbe_jax.ForwardConfig(persistent_max_mean=0)
-    assert off.launch_programs(warps=1, num_ids=1, num_bags=1_000, quantized=False) is None
-    assert off.launch_programs(warps=1, num_ids=0, num_bags=1_000, quantized=False) is None
-    assert tbe_jax.ForwardConfig(max_programs=7).launch_programs(warps=2, num_ids=9, num_bags=1, quantized=True) == 7
+    cfg = tbe_jax.ForwardConfig()
+    assert (cfg.persistent_max_mean, cfg.persistent_max_values) == (10, 1280)
+    kw = dict(warps=1, num_bags=1_000, quantized=False)
+    assert cfg.launch_programs(num_ids=8_000, mean_dim=128, **kw) == 4224
+    assert cfg.launch_programs(num_ids=10_000, mean_dim=128, **kw) == 4224
+    assert cfg.launch_programs(num_ids=10_001, mean_dim=128, **kw) is None
+    assert cfg.launch_programs(num_ids=8_400, mean_dim=192, **kw) is None  # 1613 values a bag
+    assert cfg.launch_programs(num_ids=6_600, mean_dim=192, **kw) == 4224
+    assert cfg.launch_programs(num_ids=20_000, mean_dim=32, **kw) is None  # few values, but 20 ids a bag
+    wide = tbe_jax.ForwardConfig(persistent_max_mean=100)
+    assert wide.launch_programs(num_ids=40_000, mean_dim=32, **kw) == 4224
+    assert wide.launch_programs(num_ids=40_001, mean_dim=32, **kw) is None
+    assert cfg.launch_programs(num_ids=1_000, mean_dim=128, warps=2, num_bags=1_000, quantized=False) is None
+    assert cfg.launch_programs(num_ids=1_000, mean_dim=128, warps=1, num_bags=1_000, quantized=True) is None
+    for off in (tbe_jax.ForwardConfig(persistent_max_mean=0), tbe_jax.ForwardConfig(persistent_max_values=0)):
+        assert off.launch_programs(num_ids=1, mean_dim=128, **kw) is None
+        assert off.launch_programs(num_ids=0, mean_dim=128, **kw) is None
+    assert tbe_jax.ForwardConfig(max_programs=7).launch_programs(
+        warps=2, num_ids=9, num_bags=1, mean_dim=8, quantized=True) == 7
 
 
 # The rule end to end: bags of 1.5 ids on average, 2 SMs (64 looping programs over 256 entries: 3 each, then
@@ -290,8 +300,8 @@ def test_persistent_rule_launch(rng, monkeypatch):
     tables = specs([50, 7000], [128, 128])
     batch = [256, 256]
     kw = dict(weights_dtype="float16", bounds_check="warning", **KERNEL_KW)
-    on = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(persistent_max_mean=10), **kw)
-    off = tbe_jax.TableBatchedEmbedding(tables, **kw)
+    on = tbe_jax.TableBatchedEmbedding(tables, **kw)
+    off = tbe_jax.TableBatchedEmbedding(tables, kernel_config=tbe_jax.ForwardConfig(persistent_max_values=0), **kw)
     params = on.init(jax.random.key(5))
     idx, off_ = _batch_of_lengths(rng, tables, [0, 1], batch, [0, 1, 1, 2, 3])
     idx[::9] = 10_000

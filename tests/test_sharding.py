@@ -434,7 +434,7 @@ def test_program_does_not_grow_with_batch(bcfg):
     sizes (XLA's sort; the counting-rank sort with its merge pass), and the forward to the plain grid (its
     persistent grid starts at a size too): the defaults pick by size."""
     emb = tbe_jax.TableBatchedEmbedding(TABLES, feature_table_map=FMAP, impl="pallas",
-                                        kernel_config=tbe_jax.ForwardConfig(persistent_max_mean=0),
+                                        kernel_config=tbe_jax.ForwardConfig(persistent_max_values=0),
                                         backward_config=tbe_jax.BackwardConfig(**bcfg))
     emb.uses_kernel = lambda: True  # lower the kernels without a GPU
     sharded = tbe_jax.shard(emb, mesh(auto=True), "data", MIXED)

@@ -411,8 +411,9 @@ def pooled_forward(
     warps = config.launch_warps(fp32_rows=all_fp32 and formats is None, weighted=per_sample_weights is not None,
                                 block_dims=[br.block_dim for br in branches])
 
-    loops = config.launch_programs(warps=warps, num_ids=indices.shape[0], num_bags=sum(plan.batch),
-                                   quantized=formats is not None)
+    bags = sum(plan.batch)
+    loops = config.launch_programs(warps=warps, num_ids=indices.shape[0], num_bags=bags, quantized=formats is not None,
+                                   mean_dim=sum(b * d for b, d in zip(plan.batch, plan.dim)) / max(bags, 1))
     each = 0 if loops is None else pm.num_programs // loops - 1  # entries a looping program runs
     grid = pm.num_programs
     if each > 1:  # else a plain grid: one entry a program

@@ -54,18 +54,20 @@ class ForwardConfig:
       short_bag_groups: `bag_groups` for the features whose table's `bag_size_hint` is at most 2 (bags known
         to hold one or two ids): they get a segment of programs of their own (default 2).
       max_programs: looping programs of the pooled forward's launch (a persistent grid), or None (default):
-        `persistent_max_mean`'s rule. With P looping programs and a schedule of n entries (`G` bags each),
+        the rule of `persistent_max_mean` and `persistent_max_values`. With P looping programs and a schedule of n entries (`G` bags each),
         program p < P runs entries p, p + P, ... (`n // P - 1` of them) in a loop, and each later program one of
         the remaining entries, launched as the loops finish (they balance the end as a plain grid does). The
         same code pools each bag, in the same order: the outputs are bitwise those of the plain grid (one
         program an entry), which a launch keeps where `n < 3 P`.
-      persistent_max_mean: the largest static mean bag length (`len(indices)` over the launch's bags) for which
-        a one-warp float launch gets `32 * sms` looping programs (one resident wave: the CTA limit of an SM
-        times its SMs) when `max_programs` is None (default 0.0: never; 10.0 is the candidate rule). Short bags
-        make many programs of little work each, and a thread block a program costs more than their pooling: on
-        an H100, DLRMv2's tables 0.1211 -> 0.1089 ms with 4224 looping programs; long bags lose to the static
-        split (base, bags of 20: +5%; 56: +19%) (`benchmarks/NOTES.md`, session 57). Off by default until the
-        looping kernel's tests have run compiled and the rule has been timed beyond the shards it was found on.
+      persistent_max_mean, persistent_max_values: the rule for `max_programs` None: a one-warp float launch
+        whose bags hold at most `persistent_max_mean` ids on average (the static `len(indices)` over the launch's
+        bags; default 10) and pool at most `persistent_max_values` values (that mean times the bags' mean row
+        width; default 1280, ten rows of 128) gets `32 * sms` looping programs (one resident wave: the CTA limit
+        of an SM times its SMs); 0 in either turns the rule off. Short bags make many programs of little work
+        each, and a thread block a program costs more than their pooling: on an H100, DLRMv2's tables (8.2 ids,
+        1053 values a bag) 0.1229 -> 0.1108 ms, the seed shards under both bounds 1-11% faster; more work a bag
+        loses to the plain grid (8.4 ids of 192 values: +5.5%; base's 20 of 128: +5%; 56 ids: +19%)
+        (`benchmarks/NOTES.md`, sessions 57-58).
       fp32_accumulation: how fp32 weights are summed. "fp32" (default): fp32 sums, as
         FBGEMM's CUDA kernels do (their accumulator type for fp32 weights is fp32);
         "fp64": fp64 accumulators, "twosum": an fp32 sum and its TwoSum error term, both
@@ -91,7 +93,8 @@ class ForwardConfig:
     bag_groups: int = 1
     short_bag_groups: int = 2
     max_programs: int | None = None
-    persistent_max_mean: float = 0.0
+    persistent_max_mean: float = 10.0
+    persistent_max_values: float = 1280.0
     row_tile_bytes: int | None = None
     row_tile_elems: int | None = None
     wide_bags: int = 2
@@ -113,7 +116,7 @@ class ForwardConfig:
             )
         if not isinstance(self.wide_min_bags, int) or isinstance(self.wide_min_bags, bool) or self.wide_min_bags < 0:
             raise ValueError(f"ForwardConfig.wide_min_bags must be a non-negative int, got {self.wide_min_bags!r}")
-        for name in ("wide_max_mean", "persistent_max_mean"):
+        for name in ("wide_max_mean", "persistent_max_mean", "persistent_max_values"):
             m = getattr(self, name)
             if isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 0:
                 raise ValueError(f"ForwardConfig.{name} must be a non-negative number, got {m!r}")
@@ -151,14 +154,19 @@ class ForwardConfig:
             return self
         return dataclasses.replace(self, tile_elems=self.tile_elems * k, num_warps=k)
 
-    def launch_programs(self, *, warps: int, num_ids: int, num_bags: int, quantized: bool) -> int | None:
+    def launch_programs(self, *, warps: int, num_ids: int, num_bags: int, mean_dim: float,
+                        quantized: bool) -> int | None:
         """Looping programs of one pooled-forward launch (`max_programs`), or None for a plain grid: `max_programs`
         if set, else one resident wave, `32 * sm_count()`, for a one-warp float launch whose `num_ids` ids in
-        `num_bags` bags (static shapes) average at most `persistent_max_mean` (the rule and its measurements:
-        `persistent_max_mean`)."""
+        `num_bags` bags (static shapes) of rows `mean_dim` wide on average (weighted by bags) hold at most
+        `persistent_max_mean` ids and pool at most `persistent_max_values` values a bag (the rule and its
+        measurements: `persistent_max_mean`)."""
         if self.max_programs is not None:
             return self.max_programs
-        if quantized or warps != 1 or not self.persistent_max_mean or num_ids > self.persistent_max_mean * num_bags:
+        ids, values = self.persistent_max_mean, self.persistent_max_values
+        if quantized or warps != 1 or not ids or not values:
+            return None
+        if num_ids > ids * num_bags or num_ids * mean_dim > values * num_bags:
             return None
         return _CTAS_PER_SM * sm_count()
 
