@@ -203,7 +203,8 @@ class Optimizer:
     # and kept beside the fields, so a call pays two attribute reads (~20 us less host time per call measured on
     # the H200's host, `benchmarks/results/archive/dispatch-20261202-*`).
     # Number leaves go out as device arrays made once per instance (`jit` copies a Python number to the device on
-    # every call: 198 against 59 us of host time per `apply_gradients` call, `results/archive/dispatch-20261203-s26.json`).
+    # every call: 198 against 59 us of host time per `apply_gradients` call,
+    # `results/archive/dispatch-20261203-s26.json`).
     def tree_flatten(self):
         aux = self.__dict__.get("_tree_aux")
         if aux is None:
