@@ -22,7 +22,7 @@ import sys
 
 # The saved sweep the README's table comes from: a file name under benchmarks/results/ (or a path), or "newest".
 # The 196-shard merged run of 2026-12-02 is the last complete one; the 80-shard run of 2026-12-03 is a partial one.
-SWEEP = "sweep-20261203-s2-narrowkeys-merged-NVIDIA_H200.json"
+SWEEP = "sweep-20261207-s58-NVIDIA_H200.json"
 
 BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
