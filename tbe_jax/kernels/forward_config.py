@@ -54,11 +54,11 @@ class ForwardConfig:
       short_bag_groups: `bag_groups` for the features whose table's `bag_size_hint` is at most 2 (bags known
         to hold one or two ids): they get a segment of programs of their own (default 2).
       max_programs: looping programs of the pooled forward's launch (a persistent grid), or None (default):
-        the rule of `persistent_max_mean` and `persistent_max_values`. With P looping programs and a schedule of n entries (`G` bags each),
-        program p < P runs entries p, p + P, ... (`n // P - 1` of them) in a loop, and each later program one of
-        the remaining entries, launched as the loops finish (they balance the end as a plain grid does). The
-        same code pools each bag, in the same order: the outputs are bitwise those of the plain grid (one
-        program an entry), which a launch keeps where `n < 3 P`.
+        the rule of `persistent_max_mean` and `persistent_max_values`. With P looping programs and a schedule
+        of n entries (`G` bags each), program p < P runs entries p, p + P, ... (`n // P - 1` of them) in a
+        loop, and each later program one of the remaining entries, launched as the loops finish (they balance
+        the end as a plain grid does). The same code pools each bag, in the same order: the outputs are bitwise
+        those of the plain grid (one program an entry), which a launch keeps where `n < 3 P`.
       persistent_max_mean, persistent_max_values: the rule for `max_programs` None: a one-warp float launch
         whose bags hold at most `persistent_max_mean` ids on average (the static `len(indices)` over the launch's
         bags; default 10) and pool at most `persistent_max_values` values (that mean times the bags' mean row
