@@ -400,8 +400,9 @@ def pooled_forward(
                 out_flat=out, short=short, formats=formats)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
+    bags = sum(plan.batch)
     config = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=indices.shape[0],
-                               num_bags=sum(plan.batch), quantized=formats is not None)
+                               num_bags=bags, quantized=formats is not None)
     used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats)
     if not branches or plan.out_size == 0:
         out = jnp.zeros((plan.out_size,), output_dtype) if out_flat is None else out_flat
@@ -411,7 +412,6 @@ def pooled_forward(
     warps = config.launch_warps(fp32_rows=all_fp32 and formats is None, weighted=per_sample_weights is not None,
                                 block_dims=[br.block_dim for br in branches])
 
-    bags = sum(plan.batch)
     loops = config.launch_programs(warps=warps, num_ids=indices.shape[0], num_bags=bags, quantized=formats is not None,
                                    mean_dim=sum(b * d for b, d in zip(plan.batch, plan.dim)) / max(bags, 1))
     each = 0 if loops is None else pm.num_programs // loops - 1  # entries a looping program runs
