@@ -13,8 +13,10 @@
 #              240 drawn shard shapes of seed 20261207 against FBGEMM (FBGEMM from ../shared/fbgemm; budget 490 s)
 #              -> sweep.json, sweep.log; then `python -m benchmarks table --sweep $OUT/sweep.json`
 #   sweep-ours (570 s) the same sweep, our side alone (no FBGEMM needed: any call of a lease; the lock is ours alone,
-#              so all 248 shards should fit where the shared run reached 115-175) -> sweep-ours.json (and
-#              /tmp/sweep-ours.json; a second sweep-ours on the lease measures only the shards the first missed)
+#              so all 248 shards should fit where the shared run reached 115-175), six workers of 2-3 CPUs each
+#              (the run is compile-bound: ~4-7 s of compile a shard against ~0.7 s under the lock, session 59)
+#              -> sweep-ours.json (and /tmp/sweep-ours.json; a second sweep-ours on the lease measures only the
+#              shards the first missed)
 #   sweep-fbgemm (~300 s, FBGEMM unpacked first, on the lease that ran sweep-ours) `dispatch`, FBGEMM's side alone
 #              (3 workers) -> sweep-fbgemm.json, then both merged -> sweep.json, sweep.log
 #   optimizers (330 s) each fused optimizer's backward step on base and zipf -> optimizers-*.json, optimizers.log
@@ -167,8 +169,9 @@ for stage in "$@"; do
         tail -3 "$OUT/sweep.log"
         [ -f "$OUT/sweep.json" ] && python3 -m benchmarks table --sweep "$OUT/sweep.json" ;;
     sweep-ours) more=(); [ -f /tmp/sweep-ours.json ] && more=(--merge /tmp/sweep-ours.json:ours --skip-measured)
-        timeout 565 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --only ours --budget-s 530 \
-          --big-budget-s 120 "${more[@]}" --out "$OUT/sweep-ours.json" 2>&1 | grep -v Warning > "$OUT/sweep-ours.log"
+        timeout 565 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --only ours --workers 6 \
+          --budget-s 530 --big-budget-s 120 "${more[@]}" --out "$OUT/sweep-ours.json" 2>&1 \
+          | grep -v Warning > "$OUT/sweep-ours.log"
         tail -3 "$OUT/sweep-ours.log"; cp "$OUT/sweep-ours.json" /tmp/sweep-ours.json ;;
     sweep-fbgemm) timeout 40 python3 -m benchmarks dispatch --out "$OUT/dispatch.json" 2>&1 | grep -v Warning \
           > "$OUT/sweep.log"
