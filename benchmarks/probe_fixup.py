@@ -62,7 +62,7 @@ def main(argv=None):
     import tbe_jax
     from benchmarks import sweep
     from benchmarks.common import device_ms, enqueued_ms
-    from tbe_jax.kernels.forward_config import sm_count
+    from tbe_jax.pallas_compat import sm_count
 
     sms = sm_count()
     out = {"meta": {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "sms": sms,

@@ -74,6 +74,10 @@
 #              up to 1000) on the 15 shards whose launch the values bound alone changes (DLRMv2, hinted and not,
 #              and 13 of seed 20261207's; the default changes 9 of them) -> persistent-tests.log,
 #              probe-persistent-rule.json
+#   fixup      (~220 s) `probe_fixup` (issue 36 item 2's candidate: what an always-launched no-op kernel after the
+#              forward costs on base, smalltable and 4 small shards, one program and one per SM) -> probe-fixup.json,
+#              then test_forward_kernel.py and test_bounds.py compiled (the persistent default's whole files)
+#              -> fixup.log
 #   kernel-tests (400 s) the forward kernel's and the quantized forward's test files compiled, 12 workers, -v
 #              ($KT_K: a -k expression, e.g. "two_tiles") -> kernel-tests.log (whole files: >230 s, session 43)
 #   warps-fp32 (~80 s) one warp, the default rule and two warps on fp32 tables (probe_forward, seed 20261203): the
@@ -252,6 +256,10 @@ for stage in "$@"; do
           --variants '{"persistent_max_mean": 0}' '{}' '{"persistent_max_mean": 1000}' \
           --out "$OUT/probe-persistent-rule.json" 2>&1 \
           | grep --line-buffered shard | cut -c1-250 ;;
+    fixup) timeout 90 python3 -m benchmarks probe_fixup --first 4 --out "$OUT/probe-fixup.json" 2>&1 \
+          | grep -v Warning > "$OUT/fixup.log"; tail -3 "$OUT/fixup.log" | cut -c1-300
+        timeout 130 python3 -m pytest -q -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_bounds.py -rfE \
+          >> "$OUT/fixup.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/fixup.log" | tail -6 ;;
     kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -12 ;;
@@ -377,6 +385,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
