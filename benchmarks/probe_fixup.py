@@ -6,8 +6,10 @@ a bag end below its start (a compare it already makes), and a second kernel, lau
 once unless the flag is set and otherwise redoes the bags from the repaired offsets. Its cost on well-formed input
 is one launch that does nothing. This probe times that launch alone: a jitted forward, then the same forward
 followed by a no-op Pallas kernel that reads one word (here `offsets[0]`, standing in for the flag) and writes
-its (aliased) output only on a value that never occurs, with one program or one per SM. Device time (profiler)
-and enqueued time, interleaved rounds, on the named `base` and `smalltable` shards and the first sweep shards.
+its (aliased) output only on a value that never occurs, with one program or one per SM, and (`flag<SMs>`) the
+same reading a zeroed word that it may write (aliased: XLA zeroes a fresh one every call, as the flag would
+be). Device time (profiler) and enqueued time, interleaved rounds, on the named `base` and `smalltable` shards
+and the first sweep shards.
 
     python -m benchmarks probe_fixup --first 8 --out results.json
 """
@@ -20,30 +22,37 @@ import statistics
 import time
 
 
-def _noop_after(out, offsets, programs: int):
-    """`out` through a Pallas kernel of `programs` programs that each read `offsets[0]` and write row 0 of `out`
-    only if it equals -7 (never, for offsets this probe makes): the launch, its read and the aliasing, no work."""
+def _noop_after(out, word, programs: int, writable: bool = False):
+    """`out` through a Pallas kernel of `programs` programs that each read `word[0]` and write row 0 of `out` only
+    if it equals -7 (never here): the launch, its read and the aliasing, no work. `writable`: `word` is aliased
+    too (the flag the forward would raise), so XLA hands the kernel a fresh zeroed word on every call."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     width = out.shape[1]
-    cols = pl.next_power_of_2(width) if hasattr(pl, "next_power_of_2") else 1 << (width - 1).bit_length()
+    cols = 1 << (width - 1).bit_length()
 
-    def kernel(off_ref, out_in_ref, out_ref):
+    def kernel(word_ref, out_in_ref, *outs):
         del out_in_ref
-        flag = plgpu.load(off_ref.at[jnp.int32(0)])
+        out_ref = outs[0]
+        flag = plgpu.load(word_ref.at[jnp.int32(0)])
         idx = jnp.arange(cols)
 
         @pl.when(flag == -7)
         def _():
             plgpu.store(out_ref.at[jnp.int32(0), idx], jnp.zeros((cols,), out_ref.dtype), mask=idx < width)
 
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype), grid=(programs,),
-                          input_output_aliases={1: 0},
-                          compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-                          interpret=jax.default_backend() != "gpu")(offsets, out)
+    shapes = [jax.ShapeDtypeStruct(out.shape, out.dtype)]
+    aliases = {1: 0}
+    if writable:
+        shapes.append(jax.ShapeDtypeStruct(word.shape, word.dtype))
+        aliases[0] = 1
+    res = pl.pallas_call(kernel, out_shape=shapes, grid=(programs,), input_output_aliases=aliases,
+                         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+                         interpret=jax.default_backend() != "gpu")(word, out)
+    return res[0]
 
 
 def main(argv=None):
@@ -80,6 +89,8 @@ def main(argv=None):
             "plain": jax.jit(lambda p, i, o, w: emb(p, i, o, w)),
             "noop1": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), o, 1)),
             f"noop{sms}": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), o, sms)),
+            f"flag{sms}": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), jnp.zeros((1,), jnp.int32), sms,
+                                                                  writable=True)),
         }
         ref = jax.block_until_ready(arms["plain"](params, i, o, w))
         for f in arms.values():
@@ -97,7 +108,7 @@ def main(argv=None):
             row[f"{k}_cost"] = round(row[f"{k}_dev_ms"] / max(row["plain_dev_ms"], 1e-9), 4)
         out["shards"].append(row)
         print(row, flush=True)
-    for k in ("noop1", f"noop{sms}"):
+    for k in ("noop1", f"noop{sms}", f"flag{sms}"):
         xs = [r[f"{k}_cost"] for r in out["shards"]]
         out[f"{k}_cost"] = {"median": statistics.median(xs), "max": max(xs)}
         print(k, out[f"{k}_cost"])
