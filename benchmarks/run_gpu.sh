@@ -19,6 +19,10 @@
 #              shards the first missed)
 #   sweep-fbgemm (~300 s, FBGEMM unpacked first, on the lease that ran sweep-ours) `dispatch`, FBGEMM's side alone
 #              (3 workers) -> sweep-fbgemm.json, then both merged -> sweep.json, sweep.log
+#   dispatch   (40 s) `dispatch` alone -> dispatch.json (and /tmp/dispatch.json for sweep-one)
+#   sweep-one  (535 s, FBGEMM unpacked first) both sides in one call, our six workers and FBGEMM's two sharing the
+#              lock (session 58's split run: FBGEMM's 248 shards held the lock 218 s, ours ~0.7 s a shard, our
+#              compiles ~280 s over six workers), with `dispatch`'s /tmp/dispatch.json -> sweep.json, sweep.log
 #   optimizers (330 s) each fused optimizer's backward step on base and zipf -> optimizers-*.json, optimizers.log
 #   tt         (300 s) TT forward and training steps, workload a, B 4096 and 32768 -> tt-*.json, tt.log
 #   dlrm       (150 s) the DLRM demo at GPU size, 300 steps -> dlrm.log
@@ -177,6 +181,13 @@ for stage in "$@"; do
           --budget-s 530 --big-budget-s 120 "${more[@]}" --out "$OUT/sweep-ours.json" 2>&1 \
           | grep -v Warning > "$OUT/sweep-ours.log"
         tail -3 "$OUT/sweep-ours.log"; cp "$OUT/sweep-ours.json" /tmp/sweep-ours.json ;;
+    dispatch) timeout 40 python3 -m benchmarks dispatch --out "$OUT/dispatch.json" 2>&1 | grep -v Warning \
+          > "$OUT/dispatch.log"; cp "$OUT/dispatch.json" /tmp/dispatch.json; tail -4 "$OUT/dispatch.log" ;;
+    sweep-one) d=(); [ -f /tmp/dispatch.json ] && d=(--dispatch /tmp/dispatch.json)
+        timeout 535 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --workers 6 --fbgemm-workers 2 \
+          --budget-s 500 --big-budget-s 120 "${d[@]}" --out "$OUT/sweep.json" 2>&1 | grep -v Warning > "$OUT/sweep.log"
+        tail -3 "$OUT/sweep.log"
+        [ -f "$OUT/sweep.json" ] && python3 -m benchmarks table --sweep "$OUT/sweep.json" ;;
     sweep-fbgemm) timeout 40 python3 -m benchmarks dispatch --out "$OUT/dispatch.json" 2>&1 | grep -v Warning \
           > "$OUT/sweep.log"
         timeout 420 python3 -m benchmarks sweep --shapes 240 --seed 20261207 --only fbgemm --fbgemm-workers 3 \
