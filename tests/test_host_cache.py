@@ -43,15 +43,17 @@ def _pair(impl=XLA, pooling="sum", policy="lru", load_factor=0.3, ways=4, **kw):
 
 
 def _batch(rng, b=5, max_len=5, weighted=False, pad=3, hot=None):
-    """A random batch (feature-major offsets, `pad` padding ids past the bags); `hot` draws ids from the first
-    `hot` rows of each table."""
+    """A random batch (feature-major offsets, `pad` padding ids past the bags, then -1s up to one length for
+    every batch of these `b` and `max_len`, so that eager calls reuse their compiled programs); `hot` draws ids
+    from the first `hot` rows of each table."""
     lens = rng.integers(0, max_len, len(FMAP) * b)
     off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     ids = []
     for f, t in enumerate(FMAP):
         hi = ROWS[t] if hot is None else min(hot, ROWS[t])
         ids.append(rng.integers(0, hi, lens[f * b:(f + 1) * b].sum()))
-    ids = np.concatenate(ids + [rng.integers(0, 3, pad)]).astype(np.int32)
+    n = len(FMAP) * b * (max_len - 1) + pad
+    ids = np.concatenate(ids + [rng.integers(0, 3, pad), np.full(n - pad - off[-1], -1)]).astype(np.int32)
     w = jnp.asarray(rng.uniform(0.5, 1.5, ids.shape[0]).astype(np.float32)) if weighted else None
     return jnp.asarray(ids), jnp.asarray(off), w
 
@@ -638,7 +640,7 @@ def test_bad_ids_and_offsets_as_the_all_device_model(bounds_check, impl):
     for k in range(3):
         idx, off, _ = _batch(rng, hot=20)
         idx = np.asarray(idx).copy()
-        idx[rng.choice(idx.shape[0], 4, replace=False)] = [-1, 64, -7, 1000]  # every table has < 64 rows
+        idx[rng.choice(int(off[-1]), 4, replace=False)] = [-1, 64, -7, 1000]  # in bags; every table has < 64 rows
         off = np.asarray(off).copy()
         if bounds_check == "warning":  # a decreasing entry and an end past the ids
             off[3], off[-1] = off[5] + 1, idx.shape[0] + 4
