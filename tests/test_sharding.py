@@ -3,6 +3,7 @@
 CPU: 4 fake devices (tests/conftest.py); GPU: the devices present (2 on the 2-GPU machine).
 """
 
+import gc
 import warnings
 
 import jax
@@ -361,6 +362,9 @@ def test_other_mesh_buffers_refused_with_the_way_out():
             call()
 
 
+# The refused restore leaves orbax's read coroutines unawaited; collected later, they were reported as
+# unraisable-exception warnings under whichever test ran then: collected here, inside this test, and ignored.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_orbax_restore_of_sharded_arrays_onto_another_mesh_is_refused(tmp_path):
     """The sharded arrays themselves saved with orbax (not `to_unsharded`'s) and restored onto a mesh of 2: with
     their saved shapes they are refused by the sharded calls (pointing to to_unsharded / from_unsharded); with the
@@ -390,6 +394,7 @@ def test_orbax_restore_of_sharded_arrays_onto_another_mesh_is_refused(tmp_path):
     shapes_of_two = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), p2)
     with ocp.StandardCheckpointer() as ckpt, pytest.raises(ValueError, match="strict=False"):
         ckpt.restore(tmp_path / "sharded", {"params": shapes_of_two, "state": target["state"]})
+    gc.collect()
 
 
 def test_mean_pooling_training_forward_routes_the_ids_once():
