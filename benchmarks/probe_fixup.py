@@ -8,8 +8,12 @@ is one launch that does nothing. This probe times that launch alone: a jitted fo
 followed by a no-op Pallas kernel that reads one word (here `offsets[0]`, standing in for the flag) and writes
 its (aliased) output only on a value that never occurs, with one program or one per SM, and (`flag<SMs>`) the
 same reading a zeroed word that it may write (aliased: XLA zeroes a fresh one every call, as the flag would
-be). Device time (profiler) and enqueued time, interleaved rounds, on the named `base` and `smalltable` shards
-and the first sweep shards.
+be). A second candidate (NOTES, session 60) launches nothing more: each forward program takes a ticket on a
+zeroed word and the last one repairs. Its floor: the zeroed word (`flag<SMs>` less `noop<SMs>`) and one
+same-address atomic per program of the forward, which the L2 serializes: arms `flagP` and `ticketP` (a kernel of
+the forward's own program count reading the zeroed word, then taking a ticket on it: their difference is the
+atomics). Device time (profiler) and enqueued time, interleaved rounds, on the named `base` and `smalltable`
+shards and the first sweep shards.
 
     python -m benchmarks probe_fixup --first 8 --out results.json
 """
@@ -22,10 +26,12 @@ import statistics
 import time
 
 
-def _noop_after(out, word, programs: int, writable: bool = False):
+def _noop_after(out, word, programs: int, writable: bool = False, ticket: bool = False):
     """`out` through a Pallas kernel of `programs` programs that each read `word[0]` and write row 0 of `out` only
     if it equals -7 (never here): the launch, its read and the aliasing, no work. `writable`: `word` is aliased
-    too (the flag the forward would raise), so XLA hands the kernel a fresh zeroed word on every call."""
+    too (the flag the forward would raise), so XLA hands the kernel a fresh zeroed word on every call. `ticket`
+    (with `writable`): each program takes a ticket instead of reading, one `atomic_add` on the word, as the
+    last-ticket candidate's programs would (NOTES, session 60): same-address atomics, one a program."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -37,7 +43,10 @@ def _noop_after(out, word, programs: int, writable: bool = False):
     def kernel(word_ref, out_in_ref, *outs):
         del out_in_ref
         out_ref = outs[0]
-        flag = plgpu.load(word_ref.at[jnp.int32(0)])
+        if ticket:
+            flag = plgpu.atomic_add(outs[1], jnp.int32(0), jnp.int32(1))
+        else:
+            flag = plgpu.load(word_ref.at[jnp.int32(0)])
         idx = jnp.arange(cols)
 
         @pl.when(flag == -7)
@@ -53,6 +62,26 @@ def _noop_after(out, word, programs: int, writable: bool = False):
                          compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
                          interpret=jax.default_backend() != "gpu")(word, out)
     return res[0]
+
+
+def _forward_programs(emb, params, i, o, w) -> int:
+    """The programs of the forward's (first) Pallas launch on this batch, from its traced grid."""
+    import jax
+    import numpy as np
+
+    def eqns(jaxpr):  # nested jaxprs (jit, custom_vjp) included
+        for e in jaxpr.eqns:
+            yield e
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from eqns(inner)
+
+    for e in eqns(jax.make_jaxpr(lambda p, i, o, w: emb(p, i, o, w))(params, i, o, w).jaxpr):
+        if e.primitive.name == "pallas_call":
+            return int(np.prod(e.params["grid_mapping"].grid))
+    return 1
 
 
 def main(argv=None):
@@ -85,12 +114,18 @@ def main(argv=None):
         emb = tbe_jax.TableBatchedEmbedding([tbe_jax.TableSpec(e, d) for e, d in zip(shard.rows, shard.dims)],
                                             weights_dtype=jnp.dtype(shard.weights_dtype), output_dtype=jnp.float32)
         params = emb.init(jax.random.key(0))
+        progs = _forward_programs(emb, params, i, o, w)
+        zero = lambda: jnp.zeros((1,), jnp.int32)  # noqa: E731
         arms = {
             "plain": jax.jit(lambda p, i, o, w: emb(p, i, o, w)),
             "noop1": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), o, 1)),
             f"noop{sms}": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), o, sms)),
             f"flag{sms}": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), jnp.zeros((1,), jnp.int32), sms,
                                                                   writable=True)),
+            # the forward's own program count: a zeroed word read by each, then a ticket taken by each
+            "flagP": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), zero(), progs, writable=True)),
+            "ticketP": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), zero(), progs, writable=True,
+                                                              ticket=True)),
         }
         ref = jax.block_until_ready(arms["plain"](params, i, o, w))
         for f in arms.values():
@@ -101,14 +136,15 @@ def main(argv=None):
             for k, f in arms.items():
                 dev[k].append(device_ms(lambda _, f=f: f(params, i, o, w), args.iters)[0])
                 enq[k].append(enqueued_ms(lambda _, f=f: f(params, i, o, w), args.iters, 1))
-        row = {"shard": shard.name, "T": shard.T, "B": shard.B, "lookups": int(host[0].shape[0])}
+        row = {"shard": shard.name, "T": shard.T, "B": shard.B, "lookups": int(host[0].shape[0]),
+               "forward_programs": progs}
         for k in arms:
             row[f"{k}_dev_ms"] = round(min(dev[k]), 5)
             row[f"{k}_enq_ms"] = round(statistics.median(enq[k]), 5)
             row[f"{k}_cost"] = round(row[f"{k}_dev_ms"] / max(row["plain_dev_ms"], 1e-9), 4)
         out["shards"].append(row)
         print(row, flush=True)
-    for k in ("noop1", f"noop{sms}", f"flag{sms}"):
+    for k in ("noop1", f"noop{sms}", f"flag{sms}", "flagP", "ticketP"):
         xs = [r[f"{k}_cost"] for r in out["shards"]]
         out[f"{k}_cost"] = {"median": statistics.median(xs), "max": max(xs)}
         print(k, out[f"{k}_cost"])
