@@ -69,16 +69,9 @@ def _forward_programs(emb, params, i, o, w) -> int:
     import jax
     import numpy as np
 
-    def eqns(jaxpr):  # nested jaxprs (jit, custom_vjp) included
-        for e in jaxpr.eqns:
-            yield e
-            for v in e.params.values():
-                for sub in v if isinstance(v, (list, tuple)) else [v]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from eqns(inner)
+    from tbe_jax.testing import jaxpr_eqns
 
-    for e in eqns(jax.make_jaxpr(lambda p, i, o, w: emb(p, i, o, w))(params, i, o, w).jaxpr):
+    for e in jaxpr_eqns(jax.make_jaxpr(lambda p, i, o, w: emb(p, i, o, w))(params, i, o, w).jaxpr):
         if e.primitive.name == "pallas_call":
             return int(np.prod(e.params["grid_mapping"].grid))
     return 1

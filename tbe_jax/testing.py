@@ -238,3 +238,15 @@ def stack_batches(indices, offsets, weights=None, *, num_features: int, pad_to: 
     ids = np.array(gi + [0] * pad, np.int32)
     w = None if weights is None else np.array(gw + [0] * pad, np.float32)
     return ids, np.array(go, np.int32), w, where
+
+
+def jaxpr_eqns(jaxpr):
+    """Every equation of `jaxpr`, those of nested jaxprs (jit, custom_vjp, shard_map, cond, while and pallas bodies)
+    included: for structural checks of a traced program (its launches, its collectives)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)

@@ -45,6 +45,7 @@ import numpy as np
 import pytest
 
 import tbe_jax
+from tbe_jax.testing import jaxpr_eqns  # noqa: F401  (the tests import it from here)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -103,17 +104,6 @@ def rng(request):
     # Fresh data for every test, reproducible run to run: seeded from the test's id
     # (crc32, not hash(): Python randomises string hashes per process).
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def jaxpr_eqns(jaxpr):
-    """Every equation of `jaxpr`, those of nested jaxprs (jit, shard_map, cond, while and pallas bodies) included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (list, tuple)) else [v]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from jaxpr_eqns(inner)
 
 
 def assert_runs_equal(a, b):
