@@ -34,7 +34,7 @@ Traces and probes (per-kernel time, one question each):
   probe_step_width  which compiled backward cases fail with `BackwardConfig.step_width` (a process per case)
   probe_step_memory  XLA memory analysis of the compiled DCNv2 step at MLPerf sizes (tables not allocated)
   probe_repair    the default mode's offsets repair and id counts
-  probe_fixup     an always-launched no-op kernel after the forward (issue 36 item 2's candidate)
+  probe_fixup     the floor of issue 36 item 2's two repair designs (a no-op launch, a zeroed word, tickets)
   probe_dcn_x0    the DCNv2 step's dense part with x0 = [h, pooled] built three ways (concat, barrier, in place)
   probe_pallas_gemm  a Pallas TF32 matmul (and the cross layer's epilogue) against XLA's cuBLAS gemm (issue 38)
   probe_copy_rows  the host tier's row copies alone (fills, stages, write-backs), device time and GB/s

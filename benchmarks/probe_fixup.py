@@ -113,8 +113,7 @@ def main(argv=None):
             "plain": jax.jit(lambda p, i, o, w: emb(p, i, o, w)),
             "noop1": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), o, 1)),
             f"noop{sms}": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), o, sms)),
-            f"flag{sms}": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), jnp.zeros((1,), jnp.int32), sms,
-                                                                  writable=True)),
+            f"flag{sms}": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), zero(), sms, writable=True)),
             # the forward's own program count: a zeroed word read by each, then a ticket taken by each
             "flagP": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), zero(), progs, writable=True)),
             "ticketP": jax.jit(lambda p, i, o, w: _noop_after(emb(p, i, o, w), zero(), progs, writable=True,

@@ -78,7 +78,7 @@
 #              up to 1000) on the 15 shards whose launch the values bound alone changes (DLRMv2, hinted and not,
 #              and 13 of seed 20261207's; the default changes 9 of them) -> persistent-tests.log,
 #              probe-persistent-rule.json
-#   fixup      (~260 s) `probe_fixup` (issue 36 item 2's candidates: what an always-launched no-op kernel after the
+#   fixup      (~370 s) `probe_fixup` (issue 36 item 2's candidates: what an always-launched no-op kernel after the
 #              forward costs on base, smalltable and 4 small shards, one program and one per SM; a zeroed word and
 #              one same-address atomic per forward program, the last-ticket candidate) -> probe-fixup.json,
 #              then test_forward_kernel.py and test_bounds.py compiled (the persistent default's whole files)
@@ -270,7 +270,7 @@ for stage in "$@"; do
           | grep --line-buffered shard | cut -c1-250 ;;
     fixup) timeout 130 python3 -m benchmarks probe_fixup --first 4 --out "$OUT/probe-fixup.json" 2>&1 \
           | grep -v Warning > "$OUT/fixup.log"; tail -3 "$OUT/fixup.log" | cut -c1-300
-        timeout 130 python3 -m pytest -q -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_bounds.py -rfE \
+        timeout 240 python3 -m pytest -q -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_bounds.py -rfE \
           >> "$OUT/fixup.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/fixup.log" | tail -6 ;;
     kernel-tests) timeout 400 python3 -m pytest -v -n 12 -p no:benchmark tests/test_forward_kernel.py tests/test_quant.py \
           ${KT_K:+-k "$KT_K"} > "$OUT/kernel-tests.log" 2>&1
