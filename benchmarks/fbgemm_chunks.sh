@@ -1,26 +1,40 @@
 #!/usr/bin/env bash
 # FBGEMM 1.6.0 for the GPU machine in chunks that fit one device call beside this checkout: runs
-# ../shared/fbgemm/prepare.sh (50 MB chunks, which no longer fit the 64 MiB upload beside the ~17 MB tree),
-# then re-splits its archive into 41 MB chunks under .fbgemm/1 .. .fbgemm/n (git-ignored), each with stash.sh.
+# ../shared/fbgemm/prepare.sh (its 50 MB chunks do not fit the 64 MiB upload beside the tree), then re-splits its
+# archive into equal chunks under .fbgemm/1 .. .fbgemm/n (.fbgemm-inf/ with --inference; git-ignored), each with
+# stash.sh. The chunk size is derived from the tree: 64 MiB less the tracked files less 2 MB of margin (the tree
+# grew from ~17 MB to 25.5 MB by session 61, when 41 MB chunks stopped fitting).
 #   bash benchmarks/fbgemm_chunks.sh [--inference]      (from the repo root; ~4-10 minutes of xz here)
+#   bash benchmarks/fbgemm_chunks.sh --resplit DIR      (re-split the chunks already in DIR for today's tree)
 # On a warm device machine, one call per chunk, back to back (each may also run other work after its stash):
-#   carry [".fbgemm/k", ...]:  bash .fbgemm/k/stash.sh; ...
-#   last call:                 bash .fbgemm/n/stash.sh && source .fbgemm/n/unpack.sh && python3 -m benchmarks ...
+#   carry [".fbgemm/k"]:  bash .fbgemm/k/stash.sh; ...
+#   last call:            bash .fbgemm/n/stash.sh && source .fbgemm/n/unpack.sh && python3 -m benchmarks ...
 set -euo pipefail
-bash ../shared/fbgemm/prepare.sh "$@"
 work=${TMPDIR:-/tmp}/fbgemm-pack
-rm -rf .fbgemm "$work"/part* && mkdir -p "$work/split"
-(cd "$work/split" && rm -f part* && split -b 41000000 -d "$work/fb.tar.xz" part)
-n=0
+if [ "${1:-}" = "--resplit" ]; then
+  dir=${2:?usage: fbgemm_chunks.sh --resplit DIR}
+  mkdir -p "$work" && cat "$dir"/*/part* > "$work/fb.tar.xz"
+else
+  dir=.fbgemm; [ "${1:-}" = "--inference" ] && dir=.fbgemm-inf
+  bash ../shared/fbgemm/prepare.sh "$@"
+fi
+total=$(stat -c %s "$work/fb.tar.xz")
+tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+room=$((64 * 1048576 - tree - 2000000))
+[ "$room" -gt 4000000 ] || { echo "the tree ($tree bytes) leaves no room for a chunk in a 64 MiB upload"; exit 1; }
+n=$(((total + room - 1) / room)); size=$(((total + n - 1) / n))
+rm -rf "$dir" "$work/split" && mkdir -p "$work/split"
+(cd "$work/split" && split -b "$size" -d "$work/fb.tar.xz" part)
+k=0
 for p in "$work"/split/part*; do
-  n=$((n + 1)); mkdir -p ".fbgemm/$n"; mv "$p" ".fbgemm/$n/"
-  printf '#!/usr/bin/env bash\nmkdir -p /tmp/fbparts && cp "$(dirname "$0")"/part* /tmp/fbparts/\n' > ".fbgemm/$n/stash.sh"
+  k=$((k + 1)); mkdir -p "$dir/$k"; mv "$p" "$dir/$k/"
+  printf '#!/usr/bin/env bash\nmkdir -p /tmp/fbparts && cp "$(dirname "$0")"/part* /tmp/fbparts/\n' > "$dir/$k/stash.sh"
 done
-cat > ".fbgemm/$n/unpack.sh" <<'EOT'
+cat > "$dir/$k/unpack.sh" <<'EOT'
 # source me on the device after the last stash.sh
 if [ ! -d /tmp/fbsite/fbgemm_gpu ]; then
   mkdir -p /tmp/fbsite && cat /tmp/fbparts/part* | xz -d -T8 | tar x -C /tmp/fbsite || echo "FBGEMM unpack failed: were all chunks stashed on this machine?"
 fi
 export PYTHONPATH=/tmp/fbsite${PYTHONPATH:+:$PYTHONPATH}
 EOT
-echo "FBGEMM in $n chunk(s) of 41 MB under .fbgemm/"; ls -la .fbgemm/*
+echo "FBGEMM in $k chunk(s) of $size bytes under $dir/ (tree $tree bytes)"; ls -la "$dir"/*
