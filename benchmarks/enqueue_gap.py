@@ -57,7 +57,7 @@ def profile_calls(run, iters: int):
     return busy / 1e6 / iters, span, top
 
 
-def probe(names: list[str], iters: int) -> dict:
+def probe(names: list[str], iters: int, seed: int = 20261202) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -65,7 +65,7 @@ def probe(names: list[str], iters: int) -> dict:
     from benchmarks import sweep
     from benchmarks.common import enqueued_ms, host_us
 
-    drawn = {s.name: s for s in sweep.draw_shards(240, 20261202)}
+    drawn = {s.name: s for s in sweep.draw_shards(240, seed)}
     drawn.update(sweep.named_shards())
     res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
            "device": jax.devices()[0].device_kind, "shards": {}}
@@ -187,6 +187,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", default="s099,s080,s114,s184,s019")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=20261202, help="the sweep's seed the shard names refer to")
     ap.add_argument("--xla-flags", nargs="*", default=[])
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--diagnose", default="", help="write diagnose()'s result for --shards to this JSON")
@@ -199,7 +200,7 @@ def main(argv=None):
             json.dump(diagnose(names, args.trace_dir), fh, indent=1)
         return
     if args.child:
-        print("@@" + json.dumps(probe(names, args.iters)))
+        print("@@" + json.dumps(probe(names, args.iters, args.seed)))
         return
     runs = []
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -208,7 +209,7 @@ def main(argv=None):
         env["PYTHONPATH"] = root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         print(f"== XLA_FLAGS={flags!r}", flush=True)
         proc = subprocess.run([sys.executable, "-m", "benchmarks.enqueue_gap", "--child", "--shards", args.shards,
-                               "--iters", str(args.iters)], env=env, capture_output=True, text=True)
+                               "--iters", str(args.iters), "--seed", str(args.seed)], env=env, capture_output=True, text=True)
         sys.stdout.write("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("@@")) + "\n")
         if proc.returncode:
             sys.stdout.write(proc.stderr[-3000:])
