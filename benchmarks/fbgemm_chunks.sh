@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # FBGEMM 1.6.0 for the GPU machine in chunks that fit one device call beside this checkout: runs
-# ../shared/fbgemm/prepare.sh (its 50 MB chunks do not fit the 64 MiB upload beside the tree), then re-splits its
-# archive into equal chunks under .fbgemm/1 .. .fbgemm/n (.fbgemm-inf/ with --inference; git-ignored), each with
-# stash.sh. The chunk size is derived from the tree: 64 MiB less the tracked files less 2 MB of margin (the tree
-# grew from ~17 MB to 25.5 MB by session 61, when 41 MB chunks stopped fitting).
-#   bash benchmarks/fbgemm_chunks.sh [--inference]      (from the repo root; ~4-10 minutes of xz here)
-#   bash benchmarks/fbgemm_chunks.sh --resplit DIR      (re-split the chunks already in DIR for today's tree)
+# ../shared/fbgemm/prepare.sh (its 50 MB chunks do not fit the 64 MiB upload beside the tree), keeps only the
+# sm_90 cubins of its libraries (`benchmarks/fatbin_strip.py`: the H100 and H200 run nothing else; the archive
+# goes from 149 to ~55 MB), then splits the archive into equal chunks under .fbgemm/1 .. .fbgemm/n (.fbgemm-inf/
+# with --inference; git-ignored), each with stash.sh. The chunk size is derived from the tree: 64 MiB less the
+# tracked files less 2 MB of margin (the tree grew from ~17 MB to 25.5 MB by session 61, when 41 MB chunks stopped
+# fitting).
+#   bash benchmarks/fbgemm_chunks.sh [--inference]      (from the repo root; ~6-12 minutes of xz here)
+#   bash benchmarks/fbgemm_chunks.sh --resplit DIR      (strip and re-split the chunks already in DIR, in place)
 # On a warm device machine, one call per chunk, back to back (each may also run other work after its stash):
 #   carry [".fbgemm/k"]:  bash .fbgemm/k/stash.sh; ...
 #   last call:            bash .fbgemm/n/stash.sh && source .fbgemm/n/unpack.sh && python3 -m benchmarks ...
@@ -17,7 +19,11 @@ if [ "${1:-}" = "--resplit" ]; then
 else
   dir=.fbgemm; [ "${1:-}" = "--inference" ] && dir=.fbgemm-inf
   bash ../shared/fbgemm/prepare.sh "$@"
+  [ "$dir" = .fbgemm ] || rm -rf .fbgemm  # prepare.sh's 50 MB chunks of this archive
 fi
+rm -rf "$work/strip" && mkdir -p "$work/strip" && xz -d -c "$work/fb.tar.xz" | tar x -C "$work/strip"
+python3 benchmarks/fatbin_strip.py --keep 90 "$work/strip"
+(cd "$work/strip" && tar cf - . | xz -9 -T0 > "$work/fb.tar.xz") && rm -rf "$work/strip"
 total=$(stat -c %s "$work/fb.tar.xz")
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
 room=$((64 * 1048576 - tree - 2000000))
