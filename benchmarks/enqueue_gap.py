@@ -208,8 +208,9 @@ def main(argv=None):
         env = dict(os.environ, XLA_FLAGS=flags, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         print(f"== XLA_FLAGS={flags!r}", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.enqueue_gap", "--child", "--shards", args.shards,
-                               "--iters", str(args.iters), "--seed", str(args.seed)], env=env, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "benchmarks.enqueue_gap", "--child", "--shards", args.shards,
+               "--iters", str(args.iters), "--seed", str(args.seed)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stdout.write("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("@@")) + "\n")
         if proc.returncode:
             sys.stdout.write(proc.stderr[-3000:])
