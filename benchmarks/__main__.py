@@ -14,6 +14,7 @@ Measurements (meant for an H200; on a CPU most run as smoke tests in interpret m
   tt           TT embedding-bag forward and training steps against XLA baselines (bench_tt.py)
   sharding     sharded training steps over the GPUs of one host (bench_sharding.py)
   sweep        hundreds of drawn shard shapes against FBGEMM (sweep.py)
+  fbgemm_smoke FBGEMM loads and computes right on the GPU machine (seconds; run it right after unpacking)
   fbgemm_quant FBGEMM's quantized inference TBE: our row bytes and its forward checked (--check), its forward
                kernel timed on int8 / int4 / fp16 tables (--time) (fbgemm_quant.py)
   bench_quant  our quantized inference TBE on fbgemm_quant's cases, with the ratios to its --time JSON
@@ -68,6 +69,7 @@ SUITES = {
     "tt": "benchmarks.bench_tt",
     "sharding": "benchmarks.bench_sharding",
     "sweep": "benchmarks.sweep",
+    "fbgemm_smoke": "benchmarks.fbgemm_smoke",
     "fbgemm_quant": "benchmarks.fbgemm_quant",
     "bench_quant": "benchmarks.bench_quant",
     "dispatch": "benchmarks.dispatch",

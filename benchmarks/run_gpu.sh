@@ -19,6 +19,8 @@
 #              shards the first missed)
 #   sweep-fbgemm (~300 s, FBGEMM unpacked first, on the lease that ran sweep-ours) `dispatch`, FBGEMM's side alone
 #              (3 workers) -> sweep-fbgemm.json, then both merged -> sweep.json, sweep.log
+#   fbgemm-smoke (~20 s; FBGEMM unpacked first) FBGEMM's training TBE against float64 (forward and row-wise
+#              Adagrad update) and its int8 inference forward: the first check of `fbgemm_chunks.sh`'s sm_90a-only pack
 #   dispatch   (40 s) `dispatch` alone -> dispatch.json (and /tmp/dispatch.json for sweep-one)
 #   sweep-one  (535 s, FBGEMM unpacked first) both sides in one call, our six workers and FBGEMM's two sharing the
 #              lock (session 58's split run: FBGEMM's 248 shards held the lock 218 s, ours ~0.7 s a shard, our
@@ -182,6 +184,7 @@ for stage in "$@"; do
           --budget-s 530 --big-budget-s 120 "${more[@]}" --out "$OUT/sweep-ours.json" 2>&1 \
           | grep -v Warning > "$OUT/sweep-ours.log"
         tail -3 "$OUT/sweep-ours.log"; cp "$OUT/sweep-ours.json" /tmp/sweep-ours.json ;;
+    fbgemm-smoke) timeout 120 python3 -m benchmarks fbgemm_smoke 2>&1 | grep -v Warning | tail -4 ;;
     dispatch) timeout 40 python3 -m benchmarks dispatch --out "$OUT/dispatch.json" 2>&1 | grep -v Warning \
           > "$OUT/dispatch.log"; cp "$OUT/dispatch.json" /tmp/dispatch.json; tail -4 "$OUT/dispatch.log" ;;
     sweep-one) d=(); [ -f /tmp/dispatch.json ] && d=(--dispatch /tmp/dispatch.json)
@@ -397,6 +400,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets fbgemm-smoke sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
