@@ -58,7 +58,8 @@ def forward_config(text: str):
 def time_cases(args) -> dict:
     import tbe_jax
 
-    cases = fbgemm_quant.workload_cases([w for w in args.workloads.split(",") if w], [int(b) for b in args.batch_sizes.split(",") if b]) \
+    workloads = [w for w in args.workloads.split(",") if w]
+    cases = fbgemm_quant.workload_cases(workloads, [int(b) for b in args.batch_sizes.split(",") if b]) \
         + fbgemm_quant.shard_cases(args.shards, args.shard_seed)
     results = []
     configs = args.configs.split(";") if args.configs else [""]
@@ -93,12 +94,13 @@ def time_cases(args) -> dict:
             res["enqueued_ms"] = round(common.enqueued_ms(run, args.iters, args.reps), 5)
             res["latency_ms"] = round(_latency_ms(run, args.iters), 5)
             if wt == "int4":
-                res["floor_ms"] = round(byte_floor_ms(case, wt, np.asarray(sets[0][0]), args.hbm_gbs), 5)
+                res["floor_ms"] = round(byte_floor_ms(case, wt, np.asarray(sets[0][0]), args.hbm_gbs), 7)
         except Exception as exc:  # noqa: BLE001
             res["error"] = f"{type(exc).__name__}: {exc}"[:400]
         results.append(res)
-        print(f"{wt:>7} {case.name:<22} {config} " + (f"device {res['device_ms']:.4f} ms  enqueued {res['enqueued_ms']:.4f}"
-              f"  latency {res['latency_ms']:.4f}" if "error" not in res else res["error"][:200]), flush=True)
+        times = (f"device {res['device_ms']:.4f} ms  enqueued {res['enqueued_ms']:.4f}  latency {res['latency_ms']:.4f}"
+                 if "error" not in res else res["error"][:200])
+        print(f"{wt:>7} {case.name:<22} {config} " + times, flush=True)
     return {"results": results, "output_dtype": "float32", "bounds_check": "none", "pooling": "sum",
             "iters": args.iters, "reps": args.reps, "hbm_gbs": args.hbm_gbs}
 
@@ -115,7 +117,7 @@ def with_fbgemm(ours: dict, fbgemm: dict) -> dict:
                "fbgemm_kernel_ms": t["kernel_ms"], "ratio": t["kernel_ms"] / r["device_ms"],
                "ours_latency_ms": r["latency_ms"], "fbgemm_latency_ms": t["latency_ms"],
                "latency_ratio": t["latency_ms"] / r["latency_ms"]}
-        if "floor_ms" in r:
+        if r.get("floor_ms"):  # (0 where rounding took a B = 1 case's floor below 1e-5 ms)
             row["floor_ratio"] = r["device_ms"] / r["floor_ms"]
         rows.append(row)
     summary = {}
