@@ -96,6 +96,12 @@
 #              fp32 bar; a rule must hold beyond the preset) -> probe-fp32-unweighted.json, fp32-unweighted.log
 #   wide-check (~200 s) the forward kernel's and bounds test files compiled (the `wide_bags` launch tests among them),
 #              then 20 fuzz cases of the forward compiled (half of them reach the wide-rows rule) -> wide-check.log
+#   merge      (~450 s) `ForwardConfig.merge_programs` (opt-in, session 62: more than `segment_buffers` buffers
+#              kept in one launch when it runs few programs): its tests and 24 forward fuzz cases compiled, then
+#              probe_forward always merging (up to 16 buffers) against the default on 14 ten-dim shards of seed
+#              20261207 (two launches today; small and large) -> merge.log, probe-merge.json
+#   merge-quant (~300 s) the same for the quantized forward: int8 and int4 on the mixed-dims models at B 16, 128,
+#              1024 and their own -> quant-merge-ab.json, merge-quant.log
 #   wide-rows  (~80 s) rows wider than 128 (one bag a one-warp program): `ForwardConfig.wide_bags` 1 (off), the
 #              default (two bags on two warps a program for short bags) and 4, on the D > 128 single-dim shards of three
 #              seeds: the short-bag ones at the forward's worst (0.67-1.01x FBGEMM) and long-bag ones
@@ -292,6 +298,17 @@ for stage in "$@"; do
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/wide-check.log" | tail -8
         timeout 90 python3 tests/fuzz_kernels.py forward --gpu --seed 860000 --cases 20 2>&1 | grep -v Warning \
           | tail -3 | tee -a "$OUT/wide-check.log" ;;
+    merge) timeout 150 python3 -m pytest -q -p no:benchmark tests/test_forward_kernel.py \
+          -k "small_launch or more_buffers" > "$OUT/merge.log" 2>&1; tail -2 "$OUT/merge.log"
+        timeout 150 python3 tests/fuzz_kernels.py forward --gpu --seed 960000 --cases 24 2>&1 | grep -v Warning \
+          | tee -a "$OUT/merge.log" | tail -1
+        timeout 260 python3 -m benchmarks probe_forward --seed 20261207 \
+          --shards s078,s159,s198,s021,s201,s186,s202,s056,s088,s136,s034,s199,s055,s230 \
+          --variants '{}' '{"merge_programs": 1048576}' --out "$OUT/probe-merge.json" 2>&1 \
+          | grep --line-buffered -v Warning | tee -a "$OUT/merge.log" | cut -c1-200 ;;
+    merge-quant) timeout 300 python3 -m benchmarks bench_quant --weight-types int8,int4 --workloads "dims8-192/8,mixed" \
+          --batch-sizes 16,128,1024 --iters 30 --reps 3 --configs ";merge_programs=1048576" \
+          --out "$OUT/quant-merge-ab.json" 2>&1 | grep -v Warning | tee "$OUT/merge-quant.log" | tail -40 ;;
     wide-rows) v=('{"wide_bags": 1}' '{}' '{"wide_bags": 4}')
         for sd in 20261207:s083,s193,s109,s040,s218,s003,s013,s157,s130 20261203:s081,s097,s037,s068,s213,s013,s046,s056,s157 \
                   20261202:s117,s042,s084,s104,s179,s136,s166,s055; do
@@ -400,6 +417,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets fbgemm-smoke sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets fbgemm-smoke sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup merge merge-quant host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done

@@ -59,6 +59,12 @@ def draw(rng, seed: int):
     if wide.random() < 0.5:
         cfg = dataclasses.replace(cfg, num_warps=None, wide_bags=int(wide.choice([2, 4])), wide_min_bags=0,
                                   wide_max_mean=float(wide.choice([3.0, 100.0])))
+    # a quarter of them split the launch every one or two buffers (`segment_buffers`), or keep it whole up to
+    # some program count (`merge_programs`; its own stream)
+    seg = np.random.default_rng([seed, 3])
+    if seg.random() < 0.25:
+        cfg = dataclasses.replace(cfg, segment_buffers=int(seg.choice([1, 2])),
+                                  merge_programs=int(seg.choice([0, 4, 1 << 20])))
     hints = [int(rng.choice([1, 2])) if rng.random() < 0.2 else None for _ in range(t)]
     return dict(dims=dims, rows=rows, fmap=fmap, vbe=vbe, batch=batch, cfg=cfg, hints=hints,
                 bag_len=(0, int(rng.choice([0, 1, 2, 5, 20, 70]))), pooling=str(rng.choice(["sum", "mean"])),

@@ -190,6 +190,53 @@ def test_more_buffers_than_one_launch(rng):
     assert len(re.findall(r"stablehlo\.custom_call", text)) == 2  # (eight of the dims: one)
 
 
+def test_small_launch_stays_whole(rng):
+    # ForwardConfig.merge_programs: ten dims (two launches by default) stay one launch when the whole launch runs
+    # at most `merge_programs` programs (and has at most 2 * segment_buffers buffers). The same branches pool the
+    # same bags in the same order: outputs bitwise those of the two launches; bad ids counted across the one.
+    import re
+
+    dims = [4, 8, 12, 16, 20, 24, 28, 32, 5, 3]
+    tables = specs([7, 9, 5, 8, 6, 7, 9, 5, 8, 6], dims)
+    merged_cfg = tbe_jax.ForwardConfig(merge_programs=1 << 20)
+    split = tbe_jax.TableBatchedEmbedding(tables, bounds_check="warning", **KERNEL_KW)
+    merged = tbe_jax.TableBatchedEmbedding(tables, bounds_check="warning", kernel_config=merged_cfg, **KERNEL_KW)
+    params = split.init(jax.random.key(int(rng.integers(1 << 30))))
+    idx, off, _ = testing.make_batch(rng, [t.num_embeddings for t in tables], [3] * 10, (0, 6))
+    idx[off[1]] = 10_000  # a bad id in feature 0 (the first launch when split)
+    idx[off[-2]] = -3  # and one in feature 9 (the second)
+    out, rep = merged.forward_with_report(params, idx, off)
+    want, want_rep = split.forward_with_report(params, idx, off)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    assert int(rep.invalid_indices) == int(want_rep.invalid_indices) == 2
+
+    def launches(cfg, quantized=False):
+        kw = dict(impl="pallas", kernel_config=cfg)
+        if quantized:  # int8 rows: their (weight type, row words) buffers, the same rule
+            emb = tbe_jax.QuantizedTableBatchedEmbedding(specs([7] * 10, [4 * d for d in dims]), "int8", **kw)
+            p = {emb.layout.buffer_key(b): jax.ShapeDtypeStruct(emb.layout.buffer_shape(b), jnp.int32)
+                 for b in range(emb.layout.num_buffers)}
+            assert emb.layout.num_buffers > cfg.segment_buffers
+        else:
+            emb = tbe_jax.TableBatchedEmbedding(tables, weights_dtype="float16", **kw)
+            p = {emb.layout.key(g): jax.ShapeDtypeStruct((emb.layout.group_rows[g], d), jnp.float16)
+                 for g, d in enumerate(emb.layout.dims)}
+        (emb._base if quantized else emb).uses_kernel = lambda: True  # lowered for CUDA here, not run
+        i, o = jax.ShapeDtypeStruct((10 * 4 * 6,), jnp.int32), jax.ShapeDtypeStruct((10 * 4 + 1,), jnp.int32)
+        text = jax.jit(lambda p, i, o: emb(p, i, o)).trace(p, i, o).lower(lowering_platforms=("cuda",)).as_text()
+        return len(re.findall(r"stablehlo\.custom_call", text))
+
+    assert launches(tbe_jax.ForwardConfig()) == 2
+    assert launches(merged_cfg) == 1
+    assert launches(tbe_jax.ForwardConfig(merge_programs=1)) == 2  # more programs than that: split
+    assert launches(tbe_jax.ForwardConfig(merge_programs=1 << 20, segment_buffers=4)) == 3  # > 2 x 4 buffers
+    assert launches(tbe_jax.ForwardConfig(), quantized=True) == 2
+    assert launches(merged_cfg, quantized=True) == 1
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="merge_programs must be a non-negative int"):
+            tbe_jax.ForwardConfig(merge_programs=bad)
+
+
 # ForwardConfig.bag_groups: a program owns G * bag_groups bags (G = 2 here: tile_elems 64 over dims up to 32),
 # loads every bag's first row at once, then pools the sub-groups one after another. The sums run in the same
 # order as with one group, so the outputs are bitwise those of bag_groups=1 without weights (with weights the

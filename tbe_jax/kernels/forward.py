@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from tbe_jax.pallas_compat import aligned, pallas_call, pl, plgpu, row_align
 from tbe_jax.kernels import programs, quant_rows
-from tbe_jax.kernels.forward_config import ForwardConfig  # noqa: F401 - re-exported (tbe_jax.ForwardConfig)
+from tbe_jax.kernels.forward_config import ForwardConfig  # (also re-exported: tbe_jax.ForwardConfig)
 from tbe_jax.kernels.programs import DIM, NUM_ROWS, OUT_BASE, OUT_STRIDE, ROW_OFFSET, feature_table
 from tbe_jax.specs import FeaturePlan, StorageLayout, next_pow2
 
@@ -96,6 +96,16 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
         dyn = any(plan.dim[f] != d for f in pm.flist[seg.feat_base : seg.feat_base + seg.num_feats, 0].tolist())
         branches.append(_Branch(used.index(g), seg, d, width, layout.strides[g], seg.bags // tile[g], fmt(g), dyn))
     return used, tuple(branches), pm, feature_table(plan, dims=any(br.dyn_dim for br in branches))
+
+
+def _merge(layout, plan, config: ForwardConfig, features, short, formats, num_ids: int, num_bags: int) -> bool:
+    """Whether the buffers of `features`, more than `config.segment_buffers` of them, stay one launch: at most
+    twice as many, and at most `config.merge_programs` programs in the one launch (`ForwardConfig`)."""
+    if not config.merge_programs or len({plan.group[f] for f in features}) > 2 * config.segment_buffers:
+        return False
+    launch = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=num_ids, num_bags=num_bags,
+                               quantized=formats is not None)
+    return _schedule(layout, plan, launch, features, frozenset(short), formats)[2].num_programs <= config.merge_programs
 
 
 def _two_sum(s, c, x):
@@ -382,14 +392,16 @@ def pooled_forward(
 
     `out_flat`: an output whose other columns are already written (aliased and
     filled in place, no copy). Models with more than `config.segment_buffers`
-    storage buffers among `features` get one launch per that many, chained so.
+    storage buffers among `features` get one launch per that many, chained so
+    (unless `config.merge_programs` keeps a small launch whole: `_merge`).
     """
     if features is None:
         features = range(plan.num_features)
     features = tuple(features)
     used = sorted({plan.group[f] for f in features})
     seg = config.segment_buffers
-    if len(used) > seg:
+    bags = sum(plan.batch)
+    if len(used) > seg and not _merge(layout, plan, config, features, short, formats, indices.shape[0], bags):
         out, n_bad = out_flat, jnp.zeros((2,), jnp.int32)
         for i in range(0, len(used), seg):
             part = set(used[i : i + seg])
@@ -400,7 +412,6 @@ def pooled_forward(
                 out_flat=out, short=short, formats=formats)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
-    bags = sum(plan.batch)
     config = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=indices.shape[0],
                                num_bags=bags, quantized=formats is not None)
     used, branches, pm, feat_meta = _schedule(layout, plan, config, features, frozenset(short), formats)

@@ -45,6 +45,11 @@ class ForwardConfig:
         launch (default 8): the kernel has one code branch per buffer, and Triton's compile time grows faster
         than linearly with the branches, so models with more buffers get one launch per `segment_buffers` of
         them, writing their features' columns of one output in place.
+      merge_programs: a launch over more than `segment_buffers` buffers (at most twice as many) stays one
+        launch when it runs at most this many programs; 0 (default) always splits. Split launches run one
+        after the other, and a small one leaves most SMs idle: on an H100 a ten-dim shard at B 512 took
+        51 + 35 us, its second launch 160 programs of long bags running alone. Opt-in until timed
+        (`benchmarks/NOTES.md`, session 62).
       bag_groups: sub-groups of `G` bags each program owns (default 1). The first row of every bag of the
         program's `G * bag_groups` bags is loaded at once, then the sub-groups' remaining rows run one
         sub-group after the other: one-id bags (the small tables of a DLRM) pay a program's fixed cost once
@@ -89,6 +94,7 @@ class ForwardConfig:
     num_stages: int = 1
     prefetch: bool = True
     segment_buffers: int = 8
+    merge_programs: int = 0
     fp32_accumulation: str = "fp32"
     bag_groups: int = 1
     short_bag_groups: int = 2
@@ -114,8 +120,10 @@ class ForwardConfig:
                 f"ForwardConfig.fp32_accumulation must be one of {_FP32_ACCUMULATION}, "
                 f"got {self.fp32_accumulation!r}"
             )
-        if not isinstance(self.wide_min_bags, int) or isinstance(self.wide_min_bags, bool) or self.wide_min_bags < 0:
-            raise ValueError(f"ForwardConfig.wide_min_bags must be a non-negative int, got {self.wide_min_bags!r}")
+        for name in ("wide_min_bags", "merge_programs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"ForwardConfig.{name} must be a non-negative int, got {v!r}")
         for name in ("wide_max_mean", "persistent_max_mean", "persistent_max_values"):
             m = getattr(self, name)
             if isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 0:
