@@ -100,6 +100,9 @@
 #              kept in one launch when it runs few programs): its tests and 24 forward fuzz cases compiled, then
 #              probe_forward always merging (up to 16 buffers) against the default on 14 ten-dim shards of seed
 #              20261207 (two launches today; small and large) -> merge.log, probe-merge.json
+#   quant-code (~120 s) int4 dims8-192/8 (7 branches, 5288 SASS) against base (664) at B 16 and 128 and their own,
+#              `unroll` 4 / 2 / 1 (the code's size): does dims8-192/8's B 128 loss (0.84x FBGEMM) track the code's
+#              size? -> quant-code.json, quant-code.log
 #   merge-quant (~300 s) the same for the quantized forward: int8 and int4 on the mixed-dims models at B 16, 128,
 #              1024 and their own -> quant-merge-ab.json, merge-quant.log
 #   wide-rows  (~80 s) rows wider than 128 (one bag a one-warp program): `ForwardConfig.wide_bags` 1 (off), the
@@ -306,6 +309,9 @@ for stage in "$@"; do
           --shards s078,s159,s198,s021,s201,s186,s202,s056,s088,s136,s034,s199,s055,s230 \
           --variants '{}' '{"merge_programs": 1048576}' --out "$OUT/probe-merge.json" 2>&1 \
           | grep --line-buffered -v Warning | tee -a "$OUT/merge.log" | cut -c1-200 ;;
+    quant-code) timeout 200 python3 -m benchmarks bench_quant --weight-types int4 --workloads "dims8-192/8,base" \
+          --batch-sizes 16,128 --iters 30 --reps 3 --configs ";unroll=2;unroll=1" --out "$OUT/quant-code.json" 2>&1 \
+          | grep -v Warning | tee "$OUT/quant-code.log" | tail -20 ;;
     merge-quant) timeout 300 python3 -m benchmarks bench_quant --weight-types int8,int4 --workloads "dims8-192/8,mixed" \
           --batch-sizes 16,128,1024 --iters 30 --reps 3 --configs ";merge_programs=1048576" \
           --out "$OUT/quant-merge-ab.json" 2>&1 | grep -v Warning | tee "$OUT/merge-quant.log" | tail -40 ;;
@@ -417,6 +423,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets fbgemm-smoke sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup merge merge-quant host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets fbgemm-smoke sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup merge merge-quant quant-code host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
