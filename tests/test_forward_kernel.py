@@ -190,7 +190,7 @@ def test_more_buffers_than_one_launch(rng):
     assert len(re.findall(r"stablehlo\.custom_call", text)) == 2  # (eight of the dims: one)
 
 
-def test_small_launch_stays_whole(rng):
+def test_small_launch_stays_whole(rng, monkeypatch):
     # ForwardConfig.merge_programs: ten dims (two launches by default) stay one launch when the whole launch runs
     # at most `merge_programs` programs (and has at most 2 * segment_buffers buffers). The same branches pool the
     # same bags in the same order: outputs bitwise those of the two launches; bad ids counted across the one.
@@ -229,6 +229,21 @@ def test_small_launch_stays_whole(rng):
     assert launches(tbe_jax.ForwardConfig()) == 2
     assert launches(merged_cfg) == 1
     assert launches(tbe_jax.ForwardConfig(merge_programs=1)) == 2  # more programs than that: split
+    # the bound itself: the one launch's program count (lowering records it) merges, one less splits
+    from tbe_jax.kernels import forward as fwd_kernels
+    counts, schedule = [], fwd_kernels._schedule
+
+    def spy(*a, **k):
+        res = schedule(*a, **k)
+        counts.append(res[2].num_programs)
+        return res
+
+    with monkeypatch.context() as m:
+        m.setattr(fwd_kernels, "_schedule", spy)
+        launches(merged_cfg)
+    programs = counts[-1]  # the launch's own schedule, after `_merge`'s
+    assert launches(tbe_jax.ForwardConfig(merge_programs=programs)) == 1
+    assert launches(tbe_jax.ForwardConfig(merge_programs=programs - 1)) == 2
     assert launches(tbe_jax.ForwardConfig(merge_programs=1 << 20, segment_buffers=4)) == 3  # > 2 x 4 buffers
     assert launches(tbe_jax.ForwardConfig(), quantized=True) == 2
     assert launches(merged_cfg, quantized=True) == 1
