@@ -98,10 +98,11 @@ def _schedule(layout: StorageLayout, plan: FeaturePlan, cfg: ForwardConfig, feat
     return used, tuple(branches), pm, feature_table(plan, dims=any(br.dyn_dim for br in branches))
 
 
-def _merge(layout, plan, config: ForwardConfig, features, short, formats, num_ids: int, num_bags: int) -> bool:
-    """Whether the buffers of `features`, more than `config.segment_buffers` of them, stay one launch: at most
-    twice as many, and at most `config.merge_programs` programs in the one launch (`ForwardConfig`)."""
-    if not config.merge_programs or len({plan.group[f] for f in features}) > 2 * config.segment_buffers:
+def _merge(layout, plan, config: ForwardConfig, features, short, formats, num_ids: int, num_bags: int,
+           num_buffers: int) -> bool:
+    """Whether the `num_buffers` buffers of `features`, more than `config.segment_buffers`, stay one launch: at
+    most twice as many, and at most `config.merge_programs` programs in the one launch (`ForwardConfig`)."""
+    if not config.merge_programs or num_buffers > 2 * config.segment_buffers:
         return False
     launch = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=num_ids, num_bags=num_bags,
                                quantized=formats is not None)
@@ -401,7 +402,8 @@ def pooled_forward(
     used = sorted({plan.group[f] for f in features})
     seg = config.segment_buffers
     bags = sum(plan.batch)
-    if len(used) > seg and not _merge(layout, plan, config, features, short, formats, indices.shape[0], bags):
+    if len(used) > seg and not _merge(layout, plan, config, features, short, formats, indices.shape[0], bags,
+                                      len(used)):
         out, n_bad = out_flat, jnp.zeros((2,), jnp.int32)
         for i in range(0, len(used), seg):
             part = set(used[i : i + seg])
