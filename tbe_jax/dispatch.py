@@ -187,18 +187,17 @@ def _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
     generic = [f for f, p in enumerate(paths) if p != "histogram"]
     hist = [f for f, p in enumerate(paths) if p != "generic"]
     auto = [f for f, p in enumerate(paths) if p == "auto"]
-    live_generic = live_hist = None
-    if auto:  # chosen on the device from this batch's bag lengths: each kernel skips the other's features
+    long_bags = None
+    if auto:  # chosen on the device from this batch's bag lengths: both kernels read the one `[F]` choice
         fixed = np.asarray([p == "histogram" for p in paths], np.int32)
-        live_hist = jnp.asarray(fixed) + hist_kernels.long_bags(plan, offsets, auto)
-        live_generic = 1 - live_hist
+        long_bags = jnp.asarray(fixed) + hist_kernels.long_bags(plan, offsets, auto)
     flat = None
     if generic:
         flat = fwd_kernels.pooled_forward(
             params, emb.layout, plan, indices, offsets, per_sample_weights,
             pooling=emb.pooling, output_dtype=emb.output_dtype, check_upper=check_upper,
             config=emb.kernel_config, interpret=emb.interpret,
-            count_invalid=count, features=generic, live=live_generic, short=short_bag_features(emb),
+            count_invalid=count, features=generic, long_bags=long_bags, short=short_bag_features(emb),
         )
         if count:
             flat, n_bad = flat
@@ -206,7 +205,7 @@ def _lookup_impl(emb, plan, count, params, per_sample_weights, indices, offsets)
         flat = hist_kernels.histogram_forward(
             flat, params, emb.layout, plan, hist, indices, offsets,
             pooling=emb.pooling, check_upper=check_upper, interpret=emb.interpret,
-            config=emb.histogram_config, count_invalid=count, live=live_hist,
+            config=emb.histogram_config, count_invalid=count, long_bags=long_bags,
         )
         if count:
             flat, hist_bad = flat

@@ -2,9 +2,11 @@
 
 A table with E <= 64 and 64 <= D <= 128 (fp16 weights, fp32 output) always takes the
 histogram backward; its forward follows `bag_size_hint`, and without one ("auto")
-both forward kernels run with per-feature `live` masks computed from the batch's
-bag lengths. Runs compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW).
+both forward kernels run and read one per-feature choice (`histogram.long_bags`) computed from the
+batch's bag lengths. Runs compiled on a GPU and in interpret mode on CPU (conftest.KERNEL_KW).
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +154,11 @@ def test_auto_lowers_to_both_forward_kernels_and_no_sort_for_small_tables():
     text = jax.jit(lambda p, i, o: emb(p, i, o)).trace(params, i, o).lower(lowering_platforms=("cuda",)).as_text()
     assert "tbe_pooled_forward" in text and "tbe_histogram_forward" in text
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    # The choice is made once (one small fusion on the device) and both kernels read that one `[F]` value.
+    calls = [c.split(", ") for c in re.findall(r"custom_call @[^(]*triton[^(]*\(([^)]*)\)", text)]
+    assert len(calls) == 2
+    shared = set(calls[0]) & set(calls[1])
+    assert len([v for v in shared if not v.startswith(("%arg", "%c"))]) == 1, calls
     opt = tbe_jax.RowwiseAdagrad(0.1, 0.1)
     state = jax.eval_shape(lambda p: emb.init_opt_state(p, opt), params)
     g = jax.ShapeDtypeStruct((32, 128), jnp.float32)

@@ -118,13 +118,13 @@ def _two_sum(s, c, x):
 def _pool_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_ref, out_ref, bad_ref,
     *, br: _Branch, unroll: int, prefetch: bool, pooling: str, check_upper: bool, accumulation: str, align: int,
-    meta_cols: int, num_warps: int = 1, masked: bool = False,
+    meta_cols: int, num_warps: int = 1, live=None,
 ):
     # Metadata tables are flat (row-major) so every index is a traced int32:
     # interpret mode rejects Python ints as ref indices. The program's feature row
     # names its first bag in `offsets` directly, so the offsets load waits for one
     # load only (each dependent load costs a full memory latency).
-    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref, masked)
+    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref, live)
 
     def feat_meta(col):
         return plgpu.load(feat_ref.at[meta_cols * f + col])
@@ -318,9 +318,10 @@ def _pool_branch(
 
 
 def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooling, check_upper,
-                   accumulation, count_invalid, align, meta_cols, num_warps, masked, loops, each):
+                   accumulation, count_invalid, align, meta_cols, num_warps, take, loops, each):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
-    rest = refs[5:]
+    live = None if take is None else (refs[5], take)  # `pooled_forward`'s `long_bags` operand
+    rest = refs[5 + (take is not None):]
     psw_ref = rest[0] if weighted else None
     w_refs = rest[int(weighted) : int(weighted) + n_buffers]
     out_ref, bad_ref = (rest[-2], rest[-1]) if count_invalid else (rest[-1], None)
@@ -332,7 +333,7 @@ def _pooled_kernel(*refs, branches, n_buffers, weighted, unroll, prefetch, pooli
                 _pool_branch(
                     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, psw_ref, w_refs[br.buffer], out_ref,
                     bad_ref, br=br, unroll=unroll, prefetch=prefetch, pooling=pooling, check_upper=check_upper,
-                    accumulation=accumulation, align=align, meta_cols=meta_cols, num_warps=num_warps, masked=masked,
+                    accumulation=accumulation, align=align, meta_cols=meta_cols, num_warps=num_warps, live=live,
                 )
 
     pid = pl.program_id(0)
@@ -368,7 +369,7 @@ def pooled_forward(
     interpret: bool,
     count_invalid: bool = False,
     features=None,
-    live=None,
+    long_bags=None,
     out_flat=None,
     short=frozenset(),
     formats=None,
@@ -384,8 +385,9 @@ def pooled_forward(
 
     Only `features` (default: all) are computed; other features' columns are
     left for another kernel to write (see `histogram.histogram_forward`).
-    `live` (a traced `[F]` 0/1 array, see `programs.operands`) drops more of them
-    at run time: a feature of `features` with `live == 0` is left unwritten too.
+    `long_bags` (a traced `[F]` 0/1 array, `histogram.long_bags`) drops more of them
+    at run time: a feature of `features` with `long_bags == 1` is left unwritten too (the histogram kernel,
+    given the same array, writes it).
 
     With `count_invalid`, also returns `[2]` int32 counts made by the kernel itself:
     ids outside `[0, E)` (other than -1) inside the bags, and malformed entries of
@@ -410,7 +412,7 @@ def pooled_forward(
             res = pooled_forward(
                 buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                 output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
-                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], live=live,
+                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], long_bags=long_bags,
                 out_flat=out, short=short, formats=formats)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
@@ -447,11 +449,13 @@ def pooled_forward(
         align=row_align(plan.dim, jnp.dtype(output_dtype).itemsize),
         meta_cols=feat_meta.shape[1],
         num_warps=warps,
-        masked=live is not None,
+        take=None if long_bags is None else 0,
         loops=loops,
         each=each,
     )
-    args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
+    args = [*programs.operands(pm), programs.const(feat_meta), offsets, indices]
+    if long_bags is not None:
+        args.append(long_bags)
     if per_sample_weights is not None:
         args.append(per_sample_weights)
     args.extend(buffers[layout.key(g)] for g in used)

@@ -26,8 +26,8 @@ only needed where an fp32 operand meets the tensor cores, as in the backward's
 Eligibility is static (see `eligible`): E <= 64, 64 <= D <= 128, fp16 weights,
 fp32 output, unweighted, no VBE. The backward of an eligible table always takes
 the histogram kernels; its forward follows `forward_mode` (the table's
-`bag_size_hint`, or without one a choice on the device per batch: `live` masks
-on both forward kernels, so no host sync and no recompile).
+`bag_size_hint`, or without one a choice on the device per batch: one `[F]` 0/1
+operand, `long_bags`, read by both forward kernels, so no host sync and no recompile).
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ def forward_mode(table: TableSpec) -> str:
 def long_bags(plan: FeaturePlan, offsets: jax.Array, features) -> jax.Array:
     """`[F]` int32 on the device: 1 for each of `features` whose mean bag length in this batch
     is >= MIN_BAG, else 0 (one tiny fused op on `offsets`, no host sync)."""
-    # Dense over all F features (need 0: never long), so that it is one gather-compare that XLA fuses into its
-    # consumers (`programs.operands`), not a scatter of its own.
+    # Dense over all F features (need 0: never long), so that it is one gather-compare fusion (with the caller's
+    # fixed choices added), not a scatter of its own; both forward kernels read its `[F]` result.
     feats = set(features)
     starts = np.asarray(plan.bag_base[: plan.num_features], np.int32)
     ends = starts + np.asarray(plan.batch, np.int32)
@@ -287,13 +287,13 @@ def _count_packed(indices_ref, lo, hi, n_bad, *, bags: int, c: int, rows: int, l
 
 def _hist_branch(
     pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, w_ref, out_ref, bad_ref, counts_ref,
-    *, br: _Branch, cfg: HistogramConfig, pooling: str, check_upper: bool, masked: bool,
+    *, br: _Branch, cfg: HistogramConfig, pooling: str, check_upper: bool, live,
 ):
     def meta(ref, cols, row, col):
         return plgpu.load(ref.at[cols * row + col])
 
     bags = cfg.bags
-    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref, masked)
+    f, first, nbags, b0 = programs.locate(br.seg, pid - br.seg.prog_start, flist_ref, prefix_ref, live)
 
     def body():
         g = jnp.arange(bags, dtype=jnp.int32)
@@ -335,8 +335,8 @@ def _hist_branch(
             acc, bad = carry
             for u in range(u_n):
                 k = head + it * u_n + u
-                live = k < length
-                idx = plgpu.load(indices_ref.at[start + k], mask=live, other=-1)
+                in_bag = k < length
+                idx = plgpu.load(indices_ref.at[start + k], mask=in_bag, other=-1)
                 ok = idx >= 0
                 if check_upper:
                     ok = ok & (idx < num_rows)
@@ -365,7 +365,7 @@ def _hist_branch(
     if counts_ref is not None:  # the saved counts need every program's rows
         body()
         return
-    # A program with no bags (the end of a feature, or a feature `live` gave to the generic kernel) reads nothing:
+    # A program with no bags (the end of a feature, or a feature `long_bags` gave to the generic kernel) reads nothing:
     # without this it would still load its table rows and run the dots.
     pl.when(nbags > 0)(body)
     if bad_ref is not None:
@@ -378,8 +378,10 @@ def _hist_branch(
 def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid, save_counts, cfg, aliased,
                  masked):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
-    w_refs = refs[5 : 5 + n_buffers]
-    rest = list(refs[5 + n_buffers :])
+    live = (refs[5], 1) if masked else None  # `histogram_forward`'s `long_bags` operand: this kernel takes the 1s
+    k = 5 + int(masked)
+    w_refs = refs[k : k + n_buffers]
+    rest = list(refs[k + n_buffers :])
     if aliased:
         rest.pop(0)  # the input side of the aliased output buffer
     out_ref = rest.pop(0)
@@ -391,7 +393,7 @@ def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid
         def _(br=br):
             _hist_branch(
                 pid, flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref, w_refs[br.buffer], out_ref, bad_ref,
-                counts_ref, br=br, cfg=cfg, pooling=pooling, check_upper=check_upper, masked=masked,
+                counts_ref, br=br, cfg=cfg, pooling=pooling, check_upper=check_upper, live=live,
             )
 
 
@@ -410,13 +412,13 @@ def histogram_forward(
     config: HistogramConfig | None = None,
     count_invalid: bool = False,
     save_counts: bool = False,
-    live=None,
+    long_bags=None,
 ):
     """Writes the histogram features' columns into `out_flat` (aliased, no copy).
 
     With `out_flat=None` (every feature takes this path) the output is fresh.
-    `live` (traced `[F]` 0/1, see `programs.operands`): features of `features`
-    with `live == 0` are left as they are (the generic kernel wrote them).
+    `long_bags` (traced `[F]` 0/1, see `long_bags`): features of `features`
+    with `long_bags == 0` are left as they are (the generic kernel, given the same array, wrote them).
 
     Returns `out_flat`, plus `[2]` counts (`count_invalid`: bad ids skipped, malformed offsets entries) and
     the per-bag counts `[programs * bags, E_padded]` int32 (`save_counts`; row
@@ -434,9 +436,11 @@ def histogram_forward(
     kernel = functools.partial(
         _hist_kernel, branches=branches, n_buffers=len(used), pooling=pooling, check_upper=check_upper,
         count_invalid=count_invalid, save_counts=save_counts, cfg=cfg, aliased=out_flat is not None,
-        masked=live is not None,
+        masked=long_bags is not None,
     )
-    args = [*programs.operands(pm, live), programs.const(feat_meta), offsets, indices]
+    args = [*programs.operands(pm), programs.const(feat_meta), offsets, indices]
+    if long_bags is not None:
+        args.append(long_bags)
     args += [buffers[layout.key(g)] for g in used]
     if out_flat is not None:
         args.append(out_flat)

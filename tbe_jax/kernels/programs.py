@@ -94,23 +94,23 @@ def build(bag_base: Sequence[int], batch: Sequence[int], groups) -> ProgramMap:
     return ProgramMap(tuple(segs), flist_arr, prefix_arr)
 
 
-def locate(seg: Segment, q, flist_ref, prefix_ref, masked: bool = False):
+def locate(seg: Segment, q, flist_ref, prefix_ref, live=None):
     """Program `q` of segment `seg` (0-based within it): (feature, first bag in offsets, bags, b0).
 
     `b0` is the program's first bag within its feature; `bags` counts the bags that
     exist (fewer than `seg.bags` at the end of a feature). Every index is a traced
-    int32 (interpret mode rejects Python ints as ref indices). `masked`: the kernel's `flist` came from
-    `operands` with a `live` mask, so its bag counts are read, never taken from the static map.
+    int32 (interpret mode rejects Python ints as ref indices). `live`: None, or `(live_ref, take)`: the
+    kernel was given a `[F]` 0/1 operand decided on the device, and a feature whose entry is not `take` gets
+    no bags (its programs still run, and do nothing: the other kernel owns its output columns).
     """
     if seg.feat0 >= 0:
-        # Arithmetic. The bag count is loaded only where `operands`' `live` can zero it at run time (in parallel
-        # with the offsets loads that follow: `bag_extent` loads without waiting for the count); elsewhere it is
-        # the map's (one load less: the fp32 preset's forward 0.1176 -> 0.1132 ms on an H100,
-        # `benchmarks/results/forward-ab-20261207-s56-NVIDIA_H100.json`).
+        # Arithmetic: the map's bag count (no `flist` load: the fp32 preset's forward 0.1176 -> 0.1132 ms on
+        # an H100, `benchmarks/results/forward-ab-20261207-s56-NVIDIA_H100.json`); `live`'s entry is loaded in
+        # parallel with the offsets loads that follow (`bag_extent` loads without waiting for the count).
         i = q // seg.ppf
         b0 = (q - i * seg.ppf) * seg.bags
-        batch = plgpu.load(flist_ref.at[FLIST_COLS * (seg.feat_base + i) + 2]) if masked else seg.batch0
-        return seg.feat0 + i, seg.base0 + i * seg.batch0 + b0, jnp.minimum(seg.bags, batch - b0), b0
+        f = seg.feat0 + i
+        return f, seg.base0 + i * seg.batch0 + b0, _take(live, f, seg.batch0 - b0, seg.bags), b0
     if seg.ppf:
         i = q // seg.ppf
         within = q - i * seg.ppf
@@ -129,7 +129,16 @@ def locate(seg: Segment, q, flist_ref, prefix_ref, masked: bool = False):
     bag_base = plgpu.load(flist_ref.at[row + 1])
     batch = plgpu.load(flist_ref.at[row + 2])
     b0 = within * seg.bags
-    return f, bag_base + b0, jnp.minimum(seg.bags, batch - b0), b0
+    return f, bag_base + b0, _take(live, f, batch - b0, seg.bags), b0
+
+
+def _take(live, f, left, bags: int):
+    """The program's bag count: `min(bags, left)`, or 0 where `live` gives its feature to the other kernel."""
+    n = jnp.minimum(bags, left)
+    if live is None:
+        return n
+    live_ref, take = live
+    return jnp.where(plgpu.load(live_ref.at[f]) == take, n, 0)
 
 
 def bag_extent(offsets_ref, bag, ok, n: int):
@@ -185,19 +194,6 @@ def const(values) -> jax.Array:
     return jnp.asarray(a.astype(np.int32))
 
 
-def operands(pm: ProgramMap, live=None):
-    """The two kernel operands (flat int32 device arrays).
-
-    `live`: None, or a traced `[F]` int32 of 0/1 per feature (decided on the device
-    from the batch). A feature with `live == 0` is given no bags: its programs
-    still run but do nothing, so another kernel can own its output columns. The
-    grid and every static fact stay the same, whatever `live` holds.
-    """
-    if live is not None and pm.flist.shape[0]:
-        # One elementwise op (XLA fuses it with `live`'s own ops: no scatter, no extra launch): the batch column
-        # times the feature's `live`, every other entry times 1.
-        rows, cols = pm.flist.shape
-        scale = jnp.where(jnp.asarray(np.arange(cols) == 2)[None, :],
-                          live.astype(jnp.int32)[jnp.asarray(pm.flist[:, 0])][:, None], 1)
-        return (jnp.asarray(pm.flist) * scale).reshape(-1), const(pm.prefix)
+def operands(pm: ProgramMap):
+    """The two kernel operands (flat int32 device constants): `flist` and `prefix`."""
     return const(pm.flist), const(pm.prefix)
