@@ -47,6 +47,7 @@ Traces and probes (per-kernel time, one question each):
   enqueue_gap     where enqueued time exceeds device time, on chosen sweep shards
   probe_enqueue_floor  enqueued over device time of programs without our code (XLA fusions, a Pallas copy)
   kernel_resources  registers, spills and SASS of the kernels: backward, --forward, --quant, --tt (no GPU; triton)
+  aot_hlo         the launches of a jitted call (sweep shards, the DCNv2 step) compiled for an H100/H200 here (no GPU)
   ncu_backward    a few backward steps to run under Nsight Compute
   triton_hist     Triton's tl.histogram against our histogram kernel (needs jax_triton)
 Reports:
@@ -93,6 +94,7 @@ SUITES = {
     "probe_backward": "benchmarks.probe_backward",
     "probe_step_width": "benchmarks.probe_step_width",
     "probe_step_memory": "benchmarks.probe_step_memory",
+    "aot_hlo": "benchmarks.aot_hlo",
     "probe_repair": "benchmarks.probe_repair",
     "probe_fixup": "benchmarks.probe_fixup",
     "probe_dcn_x0": "benchmarks.probe_dcn_x0",

@@ -51,6 +51,8 @@ class Runs(NamedTuple):
     counts: jax.Array  # [4] int32: (small runs, mid runs, long runs, chunk tasks)
     # [len(segment_bounds), 3] int32 or None: per bound, the runs, mid runs and long runs with keys below it
     seg_edges: jax.Array | None = None
+    # [len(segment_bounds) + 1, 8] int32 or None: `backward.task_ranges`' table, made with `long_chunk0`
+    ranges: jax.Array | None = None
 
 
 def chunk_length(length, long_run: int, split_chunk: int):
@@ -261,7 +263,6 @@ def build_runs(
             skey, total=total, small=small, n_big_max=n_big_max, long=chunked, n_long_max=n_long_max,
             bounds=bounds, block=config.rle_block, scan_chunk=config.scan_chunk, fill=config.rle_fill,
             interpret=interpret)
-        n_big = n_mid + n_long
         seg_edges = edges[0].reshape(len(bounds), 3) if bounds else None
     else:
         is_start = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]]) & (skey < total)
@@ -278,11 +279,12 @@ def build_runs(
         mid = jnp.where(jnp.arange(n_big_max) < n_mid, big[mid_at], n)
         long_at, n_long = compact_indices(big_len >= chunked, n_long_max, n_big_max - 1)
         long = jnp.where(jnp.arange(n_long_max) < n_long, big[long_at], n)
-    n_small = num_runs - n_big
-    at = jnp.minimum(long, n - 1)
-    long_len = jnp.where(jnp.arange(n_long_max) < n_long, run_start[at + 1] - run_start[at], 0)
-    size = chunk_length(long_len, config.long_run, config.mid_chunk)
-    n_chunks = (long_len + size - 1) // size
-    long_chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks).astype(jnp.int32)])
-    counts = jnp.stack([n_small, n_mid, n_long, long_chunk0[-1]]).astype(jnp.int32)
-    return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, long_chunk0, counts, seg_edges)
+    # Each long run's first chunk task and the counts: one program after the run-length kernels (their XLA ops
+    # otherwise: the same integers)
+    long_chunk0, counts, ranges = rle.long_chunks(
+        run_start, long, num_runs, n_mid, n_long, None if seg_edges is None else seg_edges.reshape(-1),
+        long_run=config.long_run, split_chunk=config.mid_chunk, chunk=config.scan_chunk, interpret=interpret,
+        kernel=None if rle_kernel else False)
+    if not rle_kernel and segment_bounds:  # no edges without the run-length kernels: `task_ranges` counts them
+        ranges = None
+    return Runs(ssrc, sscale, run_start, run_key, num_runs, mid, long, long_chunk0, counts, seg_edges, ranges)

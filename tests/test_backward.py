@@ -434,9 +434,11 @@ def test_task_ranges_from_rle_edges(rng, fill):
     r = jax.jit(lambda i, o: dispatch.sorted_runs(emb, plan, i, o, None))(jnp.asarray(idx), jnp.asarray(off))
     assert r.seg_edges is not None and r.seg_edges.shape == (6, 3) and int(r.counts[2]) > 0
     n = len(idx)
-    got = np.asarray(bwd.task_ranges(r, emb.layout, n, cfg))
-    want = np.asarray(bwd.task_ranges(r._replace(seg_edges=None), emb.layout, n, cfg))
+    got = np.asarray(bwd.task_ranges(r, emb.layout, n, cfg))  # the table `build_runs` made (rle.long_chunks)
+    edges = np.asarray(bwd.task_ranges(r._replace(ranges=None), emb.layout, n, cfg))
+    want = np.asarray(bwd.task_ranges(r._replace(seg_edges=None, ranges=None), emb.layout, n, cfg))
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(edges, want)
     assert got[:, 1].max() == int(r.num_runs) and (got[:, 4:6] > got[:, 4:6].min()).any()
 
 
@@ -993,3 +995,47 @@ def test_stochastic_rounding_leaves_fp32_tables_exact(rng):
         opt = tbe_jax.SGD(0.1, stochastic_rounding=sr)
         outs.append(np.asarray(emb.apply_gradients(params, opt.init(params), opt, idx, off, g)[0]["d8"]))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("split", [0, 64])
+@pytest.mark.parametrize("case", ["none", "one", "few", "many"])
+def test_long_chunks_kernel_matches_xla_ops(rng, case, split):
+    """kernels.rle.long_chunks (one program over the long runs) against its XLA ops, bitwise: no long run, one,
+    a few of every length class around `long_run` and `2 * split_chunk`, and more long runs than one step of the
+    kernel takes (`chunk` 4 here); slots past the long runs hold the chunk total; the counts; the task ranges of
+    three segments and of one."""
+    from tbe_jax.kernels import rle
+
+    lg = CFG.long_run
+    lengths = {"none": [3, 1, 9], "one": [2, 700, 5], "few": [1, 128, 129, 255, lg, lg + 1, 2 * lg, 3, 2 * lg + 7],
+               "many": list(rng.integers(128, 600, size=11)) + [1, 2]}[case]
+    lengths = rng.permutation(np.asarray(lengths))
+    chunked = 2 * split if split else lg
+    n = int(np.sum(lengths)) + 5
+    run_start = np.full(n + 1, n - 5, np.int32)
+    run_start[: len(lengths)] = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    long_runs = np.flatnonzero(lengths >= chunked).astype(np.int32)
+    n_long_max = n // chunked + 1
+    long = np.full(n_long_max, -7, np.int32)  # past the count: undefined (no `rle_fill`), never read
+    long[: len(long_runs)] = long_runs
+    n_mid = int(np.sum((lengths > CFG.small_run_max) & (lengths < chunked)))
+    # Three segments: the runs, mid runs and long runs below two cut points of the run list (the first may be 0).
+    cuts = sorted(rng.integers(0, len(lengths) + 1, size=2))
+    is_mid = (lengths > CFG.small_run_max) & (lengths < chunked)
+    edges = np.asarray([[c, np.sum(is_mid[:c]), np.sum(lengths[:c] >= chunked)] for c in cuts], np.int32)
+    args = (jnp.asarray(run_start), jnp.asarray(long), jnp.int32(len(lengths)), jnp.int32(n_mid),
+            jnp.int32(len(long_runs)), jnp.asarray(edges.reshape(-1)))
+    kw = dict(long_run=lg, split_chunk=split, chunk=4, interpret=KERNEL_KW["interpret"])
+    got = jax.jit(functools.partial(rle.long_chunks, kernel=True, **kw))(*args)
+    want = jax.jit(functools.partial(rle.long_chunks, kernel=False, **kw))(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    size = np.where((lengths >= lg) | (split == 0), lg, split)
+    tasks = np.where(lengths >= chunked, -(-lengths // size), 0)
+    assert int(got[1][3]) == tasks.sum() and int(got[0][-1]) == tasks.sum()
+    np.testing.assert_array_equal(np.asarray(got[0])[1 : len(long_runs) + 1], np.cumsum(tasks[long_runs]))
+    assert list(np.asarray(got[1])[:3]) == [len(lengths) - n_mid - len(long_runs), n_mid, len(long_runs)]
+    one = jax.jit(functools.partial(rle.long_chunks, kernel=True, **kw))(*args[:5])  # one segment: no edges
+    np.testing.assert_array_equal(np.asarray(one[2]), [[0, len(lengths), 0, n_mid, 0, tasks.sum(), 0,
+                                                        len(long_runs)]])
+    assert got[2].shape == (3, 8) and int(got[2][1, 4]) == tasks[long_runs][: edges[0, 2]].sum()

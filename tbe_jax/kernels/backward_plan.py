@@ -125,6 +125,8 @@ def task_ranges(runs: Runs, layout: StorageLayout, n: int, config: BackwardConfi
     """[num_segments, 8] int32: per segment (`run_segments` order) its [lo, hi) in the runs (small-run
     kernel) and in the mid, chunk and long task lists (`runs` built with `config`)."""
     segs = run_segments(layout, config)
+    if runs.ranges is not None and runs.ranges.shape[0] == len(segs):  # made by `runs.build_runs` already
+        return runs.ranges
     n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     one = len(segs) == 1
     if one or (runs.seg_edges is not None and runs.seg_edges.shape[0] == len(segs) - 1):

@@ -176,3 +176,105 @@ def encode(skey: jax.Array, *, total: int, small: int, n_big_max: int, long: int
     num_runs, *counts, n_valid = (x.reshape(()) for x in tot)
     lists = [x for pair in zip(outs[2 : 2 + len(sizes)], counts) for x in pair]
     return (outs[0], outs[1], num_runs, n_valid, *lists) + ((outs[-1],) if bounds else ())
+
+
+def _chunks_kernel(run_start_ref, long_ref, num_runs_ref, n_mid_ref, n_long_ref, *refs, n, long_run, split_chunk,
+                   chunk, segments):
+    edges_ref = refs[0] if segments > 1 else None
+    chunk0_ref, counts_ref, ranges_ref = refs[-3:]
+    zero = jnp.int32(0)
+    n_long = plgpu.load(n_long_ref.at[zero])
+    r = jnp.arange(chunk, dtype=jnp.int32)
+    # The long-run index of each inner segment edge: its entry of the prefix sum is caught as the loop passes it.
+    at = [plgpu.load(edges_ref.at[jnp.int32(3 * s + 2)]) for s in range(segments - 1)]
+
+    def body(i, carry):  # the chunk tasks of the long runs before this step's, the edges' entries
+        total, caught = carry
+        j = i * chunk + r
+        ok = j < n_long
+        li = jnp.minimum(plgpu.load(long_ref.at[j], mask=ok, other=0), n - 1)
+        length = plgpu.load(run_start_ref.at[li + 1], mask=ok, other=0) - plgpu.load(run_start_ref.at[li],
+                                                                                      mask=ok, other=0)
+        size = jnp.where(length >= long_run, jnp.int32(long_run), jnp.int32(split_chunk)) if split_chunk \
+            else jnp.int32(long_run)
+        tasks = jnp.where(ok, (length + size - 1) // size, 0)
+        upto = total + jnp.cumsum(tasks)
+        plgpu.store(chunk0_ref.at[j + 1], upto, mask=ok)
+        caught = tuple(c + jnp.sum(jnp.where(ok & (j + 1 == e), upto, 0)) for c, e in zip(caught, at))
+        return total + jnp.sum(tasks), caught
+
+    total, caught = jax.lax.fori_loop(zero, (n_long + chunk - 1) // chunk, body, (zero, (zero,) * len(at)))
+    slots = chunk0_ref.shape[0]
+
+    wide = 4 * chunk  # stores only: four times the lanes a step (the slots are ~N / 128: 20k on 2.6M lookups)
+    rw = jnp.arange(wide, dtype=jnp.int32)
+
+    def fill(i, carry):  # every slot past the long runs holds the total (the kernels' searches read them)
+        j = i * wide + rw
+        plgpu.store(chunk0_ref.at[j], jnp.full_like(j, total), mask=(j > n_long) & (j < slots))
+        return carry
+
+    jax.lax.fori_loop(n_long // wide, (slots + wide - 1) // wide, fill, zero)
+    plgpu.store(chunk0_ref.at[zero], zero)
+    num_runs, n_mid = plgpu.load(num_runs_ref.at[zero]), plgpu.load(n_mid_ref.at[zero])
+    lane = jnp.arange(4, dtype=jnp.int32)
+
+    def put(ref, base, vals):  # 4 scalars at ref[base : base + 4]
+        c = vals[-1]
+        for k in reversed(range(3)):
+            c = jnp.where(lane == k, vals[k], c)
+        plgpu.store(ref.at[base + lane], c)
+
+    put(counts_ref, zero, (num_runs - n_mid - n_long, n_mid, n_long, total))
+    # Per segment, [lo, hi) in the runs, the mid runs, the chunk tasks and the long runs (`task_ranges`' rows):
+    # between consecutive edges, the first all zero, the last the totals.
+    rows = [(zero, zero, zero, zero)]
+    for s in range(segments - 1):
+        e = [plgpu.load(edges_ref.at[jnp.int32(3 * s + c)]) for c in range(3)]
+        rows.append((e[0], e[1], caught[s], e[2]))
+    rows.append((num_runs, n_mid, total, n_long))
+    for s in range(segments):
+        lo, hi = rows[s], rows[s + 1]
+        put(ranges_ref, jnp.int32(8 * s), (lo[0], hi[0], lo[1], hi[1]))
+        put(ranges_ref, jnp.int32(8 * s + 4), (lo[2], hi[2], lo[3], hi[3]))
+
+
+def long_chunks(run_start, long, num_runs, n_mid, n_long, edges=None, *, long_run: int, split_chunk: int,
+                chunk: int, interpret: bool = False, kernel: bool | None = None):
+    """The long runs' first chunk tasks, the run counts and the segments' task ranges, from `encode`'s outputs
+    (its `[]` counts and, for S segments, its `[(S - 1) * 3]` edges; None for one segment).
+
+    Returns (long_chunk0 `[len(long) + 1]`: the exclusive prefix sum over the long runs of each one's chunk tasks,
+    `ceil(L / c)` for a run of L lookups in chunks of c (`runs.chunk_length`); every slot past the long runs holds
+    the total; counts `[4]`: small, mid and long runs and chunk tasks; ranges `[S, 8]`: per segment its [lo, hi)
+    in the runs, the mid runs, the chunk tasks and the long runs, `backward.task_ranges`' table). One program
+    walks the `n_long` long runs `chunk` at a time (`BackwardConfig.scan_chunk`), a few microseconds where XLA's
+    ops (a select, a cumsum as two reduce-window fusions, three concatenations) are five or six launches. `kernel`
+    None: the Pallas program when compiled, XLA's ops (the same integers) in interpret mode, as
+    `scan.exclusive_scan`."""
+    n = run_start.shape[0] - 1
+    segments = 1 if edges is None else edges.shape[0] // 3 + 1
+    if kernel is None:
+        kernel = not interpret
+    if not kernel:
+        at = jnp.minimum(long, n - 1)
+        length = jnp.where(jnp.arange(long.shape[0]) < n_long, run_start[at + 1] - run_start[at], 0)
+        size = jnp.where(length >= long_run, long_run, split_chunk) if split_chunk else long_run
+        tasks = (length + size - 1) // size
+        chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tasks).astype(jnp.int32)])
+        counts = jnp.stack([num_runs - n_mid - n_long, n_mid, n_long, chunk0[-1]]).astype(jnp.int32)
+        inner = [] if edges is None else [edges.reshape(-1, 3)]
+        rows = jnp.concatenate([jnp.zeros((1, 3), jnp.int32)] + inner
+                               + [jnp.stack([num_runs, n_mid, n_long]).astype(jnp.int32)[None, :]], axis=0)
+        cols = [rows[:, 0], rows[:, 1], chunk0[rows[:, 2]], rows[:, 2]]
+        return chunk0, counts, jnp.stack([e for c in cols for e in (c[:-1], c[1:])], axis=1)
+    one = lambda x: jnp.reshape(x, (1,)).astype(jnp.int32)  # noqa: E731  (a bitcast of encode's [1] totals)
+    chunk0, counts, ranges = pallas_call(
+        functools.partial(_chunks_kernel, n=n, long_run=long_run, split_chunk=split_chunk, chunk=chunk,
+                          segments=segments),
+        out_shape=[jax.ShapeDtypeStruct((long.shape[0] + 1,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
+                   jax.ShapeDtypeStruct((8 * segments,), jnp.int32)],
+        grid=(1,), compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="tbe_long_chunks",
+    )(run_start, long, one(num_runs), one(n_mid), one(n_long), *(() if edges is None else (edges,)))
+    return chunk0, counts, ranges.reshape(segments, 8)
