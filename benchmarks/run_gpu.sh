@@ -71,6 +71,10 @@
 #   forward-ab (~60 s a round) the forward's device time on sweep shards ($FA_SHARDS of seed $FA_SEED, default
 #              20261207, or named ones) on this tree, then on ab_old/ (made as for host-ab), $FA_ROUNDS rounds
 #              (default 1) -> forward-ab-{this,old}K.json, forward-ab.log
+#   launches   (~400 s) session 63's two launch cuts, compiled and timed against ab_old/ (25fff7f: `git archive 25fff7f
+#              tbe_jax benchmarks tests | tar -x -C ab_old`, carry=["ab_old"]): the histogram-auto, rle and task-range
+#              tests compiled, 12 backward fuzz cases, then probe_backward ($LB_SHARDS) and probe_forward ($LF_SHARDS)
+#              on this tree and on ab_old/ -> launches.log, launches-{bwd,fwd}-{this,old}.json
 #   host-ab    (~170 s) host_cache at lf 0.2 (device, host_cached; alpha 1.05, 1.2) on this tree, then on ab_old/ (a
 #              copy of another commit, made here first: `git archive REF tbe_jax benchmarks | tar -x -C ab_old`,
 #              then `rm -rf ab_old/benchmarks/results`; git-ignored: pass carry=["ab_old"]) -> host-ab.log, 2 JSONs
@@ -267,6 +271,21 @@ for stage in "$@"; do
           echo "-- ab_old/ ($k)"; (cd ab_old && timeout 150 $FA --out "$o/forward-ab-old$k.json" 2>&1 | grep -v Warning \
             | cut -c1-160 | tee -a "$o/forward-ab.log")
         done ;;
+    launches) o=$(cd "$OUT" && pwd)
+        timeout 150 python3 -m pytest -q -n 8 -p no:benchmark tests/test_histogram_auto.py tests/test_histogram.py \
+          "tests/test_backward.py" -k "auto or long_chunks or task_ranges or rle or runs or chunk_tasks or histogram" \
+          > "$o/launches.log" 2>&1; tail -2 "$o/launches.log"
+        timeout 120 python3 tests/fuzz_kernels.py backward --gpu --seed 963000 --cases 12 2>&1 | grep -v Warning \
+          | tee -a "$o/launches.log" | tail -1
+        LB="python3 -m benchmarks probe_backward --seed 20261207 --variants {} \
+          --shards ${LB_SHARDS:-s118,s130,s164,s083,s098,s193,s132,zipf,base,dlrmv2-hinted,smalltable}"
+        LF="python3 -m benchmarks probe_forward --seed 20261207 --variants {} \
+          --shards ${LF_SHARDS:-s045,s110,s118,s021,s201,smalltable,dlrmv2,fp32}"
+        for side in this old; do d=.; [ $side = old ] && d=ab_old
+          echo "-- $side" | tee -a "$o/launches.log"
+          (cd $d && timeout 110 $LB --out "$o/launches-bwd-$side.json" 2>&1 | grep -v Warning | cut -c1-160 \
+            | tee -a "$o/launches.log"; timeout 80 $LF --out "$o/launches-fwd-$side.json" 2>&1 | grep -v Warning \
+            | cut -c1-160 | tee -a "$o/launches.log"); done ;;
     host-ab) o=$(cd "$OUT" && pwd)
         HB="python3 -m benchmarks host_cache --rows 1000000 --tables 8 --locations device host_cached \
           --load-factors 0.2 --out $o"
@@ -423,6 +442,6 @@ for stage in "$@"; do
         if [ "$n" -lt 2 ]; then echo "sharding-host needs 2+ GPUs, found $n"; continue; fi
         timeout 300 python3 -m benchmarks sharding --weak --locations device,host_cached --alpha 1.2 \
           --cache-load-factor 0.2 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/sharding-host.log" | tail -8 ;;
-    *) echo "unknown stage $stage (stages: tests presets fbgemm-smoke sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup merge merge-quant quant-code host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
+    *) echo "unknown stage $stage (stages: tests presets fbgemm-smoke sweep sweep-ours sweep-fbgemm optimizers tt dlrm features dcnv2 dcnv2-torch quant quant-fbgemm fixup merge merge-quant quant-code launches host host-bench host-tests host-quick host-profile host-fills host-overlap host-overlap-grid kernel-tests warps-fp32 fp32-unweighted long-block long-warps backward-tests sort-enqueue pallas-gemm cpu-gather quant-ab host-ab host-admit host-fbgemm host-big sharding sharding-host)" ;;
   esac
 done
