@@ -122,7 +122,8 @@ class BackwardConfig:
         1024, a power of 2).
       rle_block: sorted lookups per program of the run-length passes (`kernels.rle`; default 1024, a power of 2).
       scan_chunk: rows per step of the single-program prefix sum over the run-length passes' block counts
-        (`kernels.scan`; default 1024, a power of 2).
+        (`kernels.scan`), and long runs per step of the single program that counts their chunk tasks
+        (`kernels.rle.long_chunks`); default 1024, a power of 2.
     """
 
     small_block: int | None = None

@@ -27,6 +27,10 @@ begin), the write pass also gives, per bound b, how many runs, mid runs and long
 runs have keys below b: the slots of the first sorted lookup whose key is b or
 more (position N if none), written by the one program holding it. The backward's
 task ranges then need no pass over the runs per segment (`backward.task_ranges`).
+
+4. `long_chunks`: one program over the long runs (their lengths from `run_start`) writes each one's first chunk
+   task (a prefix sum of their chunk counts), the run counts and, from the edges, the segments' task ranges: what
+   XLA's ops did in five launches (a select, a cumsum's two reduce-window fusions, two concatenations).
 """
 
 from __future__ import annotations
