@@ -412,8 +412,8 @@ def pooled_forward(
             res = pooled_forward(
                 buffers, layout, plan, indices, offsets, per_sample_weights, pooling=pooling,
                 output_dtype=output_dtype, check_upper=check_upper, config=config, interpret=interpret,
-                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part], long_bags=long_bags,
-                out_flat=out, short=short, formats=formats)
+                count_invalid=count_invalid, features=[f for f in features if plan.group[f] in part],
+                long_bags=long_bags, out_flat=out, short=short, formats=formats)
             out, n_bad = (res[0], n_bad + res[1]) if count_invalid else (res, n_bad)
         return (out, n_bad) if count_invalid else out
     config = config.for_launch(dims=[plan.dim[f] for f in features], num_ids=indices.shape[0],
