@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbe_jax.pallas_compat import pl
+from tbe_jax.kernels import rle
 from tbe_jax.kernels.backward_config import BackwardConfig
 from tbe_jax.runs import Runs, chunk_tasks, group_bases, row_parity, width_classes
 from tbe_jax.specs import StorageLayout
@@ -130,15 +131,9 @@ def task_ranges(runs: Runs, layout: StorageLayout, n: int, config: BackwardConfi
     n_mid, n_long, n_chunks = runs.counts[1], runs.counts[2], runs.counts[3]
     one = len(segs) == 1
     if one or (runs.seg_edges is not None and runs.seg_edges.shape[0] == len(segs) - 1):
-        # The counts below each segment's first key, from the run-length pass (one segment: none below it, all
-        # below the end); a long run's chunks are contiguous in the chunk list, so the chunk bounds are the long
-        # bounds' first chunks.
-        zero = jnp.zeros((1, 3), jnp.int32)
-        last = jnp.stack([runs.num_runs, n_mid, n_long]).astype(jnp.int32)[None, :]
-        edges = jnp.concatenate([zero] + ([] if one else [runs.seg_edges]) + [last], axis=0)
-        chunk = runs.long_chunk0[edges[:, 2]]
-        cols = [edges[:, 0], edges[:, 1], chunk, edges[:, 2]]
-        return jnp.stack([e for c in cols for e in (c[:-1], c[1:])], axis=1)
+        # The counts below each segment's first key, from the run-length pass (one segment: none below it)
+        return rle.ranges_from_edges(runs.num_runs, n_mid, n_long, runs.long_chunk0,
+                                     None if one else runs.seg_edges.reshape(-1))
     bases = jnp.asarray(np.asarray([seg.bases[0] for seg in segs] + [int(group_bases(layout)[-1])], np.int32))
     total = bases[-1]
     key_of = lambda r: jnp.where(r < n, runs.run_key[jnp.minimum(r, n - 1)], total)  # noqa: E731

@@ -376,10 +376,10 @@ def _hist_branch(
 
 
 def _hist_kernel(*refs, branches, n_buffers, pooling, check_upper, count_invalid, save_counts, cfg, aliased,
-                 masked):
+                 take):
     flist_ref, prefix_ref, feat_ref, offsets_ref, indices_ref = refs[:5]
-    live = (refs[5], 1) if masked else None  # `histogram_forward`'s `long_bags` operand: this kernel takes the 1s
-    k = 5 + int(masked)
+    live = None if take is None else (refs[5], take)  # `histogram_forward`'s `long_bags` operand
+    k = 5 + (take is not None)
     w_refs = refs[k : k + n_buffers]
     rest = list(refs[k + n_buffers :])
     if aliased:
@@ -436,7 +436,7 @@ def histogram_forward(
     kernel = functools.partial(
         _hist_kernel, branches=branches, n_buffers=len(used), pooling=pooling, check_upper=check_upper,
         count_invalid=count_invalid, save_counts=save_counts, cfg=cfg, aliased=out_flat is not None,
-        masked=long_bags is not None,
+        take=None if long_bags is None else 1,  # the long-bag features: the generic kernel takes the 0s
     )
     args = [*programs.operands(pm), programs.const(feat_meta), offsets, indices]
     if long_bags is not None:

@@ -243,6 +243,19 @@ def _chunks_kernel(run_start_ref, long_ref, num_runs_ref, n_mid_ref, n_long_ref,
         put(ranges_ref, jnp.int32(8 * s + 4), (lo[2], hi[2], lo[3], hi[3]))
 
 
+def ranges_from_edges(num_runs, n_mid, n_long, long_chunk0, edges=None) -> jax.Array:
+    """`[S, 8]` int32, per segment its [lo, hi) in the runs, the mid runs, the chunk tasks and the long runs, in
+    XLA ops (`backward.task_ranges`' table): between consecutive rows of the counts below each inner segment
+    edge (`edges`, `[(S - 1) * 3]` from `encode(bounds=...)`, None for one segment), after a row of zeros and
+    before the totals. A long run's chunks are contiguous in the chunk list, so a segment's chunk bounds are its
+    long bounds' first chunks."""
+    inner = [] if edges is None else [edges.reshape(-1, 3)]
+    rows = jnp.concatenate([jnp.zeros((1, 3), jnp.int32)] + inner
+                           + [jnp.stack([num_runs, n_mid, n_long]).astype(jnp.int32)[None, :]], axis=0)
+    cols = [rows[:, 0], rows[:, 1], long_chunk0[rows[:, 2]], rows[:, 2]]
+    return jnp.stack([e for c in cols for e in (c[:-1], c[1:])], axis=1)
+
+
 def long_chunks(run_start, long, num_runs, n_mid, n_long, edges=None, *, long_run: int, split_chunk: int,
                 chunk: int, interpret: bool = False, kernel: bool | None = None):
     """The long runs' first chunk tasks, the run counts and the segments' task ranges, from `encode`'s outputs
@@ -267,11 +280,7 @@ def long_chunks(run_start, long, num_runs, n_mid, n_long, edges=None, *, long_ru
         tasks = (length + size - 1) // size
         chunk0 = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tasks).astype(jnp.int32)])
         counts = jnp.stack([num_runs - n_mid - n_long, n_mid, n_long, chunk0[-1]]).astype(jnp.int32)
-        inner = [] if edges is None else [edges.reshape(-1, 3)]
-        rows = jnp.concatenate([jnp.zeros((1, 3), jnp.int32)] + inner
-                               + [jnp.stack([num_runs, n_mid, n_long]).astype(jnp.int32)[None, :]], axis=0)
-        cols = [rows[:, 0], rows[:, 1], chunk0[rows[:, 2]], rows[:, 2]]
-        return chunk0, counts, jnp.stack([e for c in cols for e in (c[:-1], c[1:])], axis=1)
+        return chunk0, counts, ranges_from_edges(num_runs, n_mid, n_long, chunk0, edges)
     one = lambda x: jnp.reshape(x, (1,)).astype(jnp.int32)  # noqa: E731  (a bitcast of encode's [1] totals)
     chunk0, counts, ranges = pallas_call(
         functools.partial(_chunks_kernel, n=n, long_run=long_run, split_chunk=split_chunk, chunk=chunk,
